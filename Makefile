@@ -1,0 +1,27 @@
+# The two commands of the README, and the targets behind them.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv and install fedguard with its test tools
+
+demo: $(STAMP)  ## run the quickstart experiment
+	$(BIN)/fedguard run experiments/quickstart.toml
+
+test: $(STAMP)  ## the whole test suite
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)  ## the suite without the Ray simulations
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,122 @@
+"""The Flower client: a local step, the configured defense, then the upload."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from flwr.app import RecordDict
+from flwr.client import NumPyClient
+
+from clients.state import load_defense_state, store_defense_state
+from fedguard.config import Config, DataSection, PartitionSection
+from fedguard.data import Split, load_dataset
+from fedguard.data.federated import client_split
+from fedguard.defenses import Defense, LocalStep, build_defense
+from fedguard.models import build_model
+from fedguard.seeding import client_generators
+from fedguard.training import (
+    compute_gradients,
+    evaluate,
+    get_arrays,
+    local_sgd,
+    loss_fn,
+    merge_by_mask,
+    parameters,
+    set_arrays,
+    split_by_mask,
+    trainable_mask,
+)
+
+
+@functools.lru_cache(maxsize=2)
+def _model(name: str, params: Any, data: DataSection) -> nn.Module:
+    """One model instance per process and architecture; weights are loaded every round."""
+    return build_model(name, load_dataset(data.name, data.source_options()).spec, params)
+
+
+@functools.lru_cache(maxsize=2)
+def _defense(name: str, params: Any) -> Defense:
+    return build_defense(name, params)
+
+
+def _local_data(data: DataSection, partition: PartitionSection, seed: int, client: int) -> Split:
+    return client_split(
+        data.name, data.source_options(), partition.name, partition.options(), partition.num_clients, seed, client
+    )
+
+
+class DefendedClient(NumPyClient):
+    """Runs the configured protocol on one partition and defends every upload.
+
+    Parameters
+    ----------
+    config : Config
+        The run configuration.
+    client_id : int
+        The partition this client holds (0 <= client_id < partition.num-clients).
+    state : RecordDict
+        The client's ``Context.state``; defense state is kept there across rounds.
+    """
+
+    def __init__(self, config: Config, client_id: int, state: RecordDict) -> None:
+        if not 0 <= client_id < config.partition.num_clients:
+            raise ValueError(f"client_id {client_id} outside [0, {config.partition.num_clients})")
+        self.config = config
+        self.client_id = client_id
+        self.state = state
+
+    def _load_model(self, arrays: list[np.ndarray]) -> nn.Module:
+        model = _model(self.config.model.name, self.config.model.params, self.config.data)
+        set_arrays(model, arrays)
+        return model
+
+    def fit(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+        """One round: local step, defense, upload. ``config['round']`` is the server round."""
+        round_ = int(config["round"])
+        cfg = self.config
+        rng, generator = client_generators(cfg.run.seed, self.client_id, round_)
+        local = _local_data(cfg.data, cfg.partition, cfg.run.seed, self.client_id)
+        model = self._load_model(parameters_in)
+        mask = trainable_mask(model)
+        declared: dict[str, Any] = {"client": self.client_id, "protocol": cfg.train.protocol, "lr": cfg.train.lr}
+
+        if cfg.train.protocol == "fedsgd":
+            batch = rng.choice(len(local), size=min(cfg.train.batch_size, len(local)), replace=False)
+            x, y = local.batch(batch)
+            grads, loss = compute_gradients(model, x, y)
+            _, buffers = split_by_mask(get_arrays(model), mask)
+            set_arrays(model, parameters_in)
+            declared.update({"batch-size": len(y), "loss": loss})
+        else:
+            x, y = local.batch()
+            trained = copy.deepcopy(model)
+            steps, loss = local_sgd(trained, x, y, cfg.train.lr, cfg.train.local_epochs, cfg.train.batch_size, rng)
+            grads = [(g - t).detach() for g, t in zip(parameters(model), parameters(trained))]
+            _, buffers = split_by_mask(get_arrays(trained), mask)
+            declared.update(
+                {"batch-size": cfg.train.batch_size, "local-epochs": cfg.train.local_epochs, "local-steps": steps, "loss": loss}
+            )
+
+        defense_state = load_defense_state(self.state)
+        step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id)
+        sent = _defense(cfg.defense.name, cfg.defense.params)(step, defense_state)
+        store_defense_state(self.state, defense_state)
+
+        if cfg.train.protocol == "fedsgd":
+            param_arrays = [g.detach().cpu().numpy() for g in sent]
+        else:
+            param_arrays = [(p.detach() - g).cpu().numpy() for p, g in zip(parameters(model), sent)]
+        return merge_by_mask(param_arrays, buffers, mask), len(y), declared
+
+    def evaluate(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:
+        """Loss and accuracy of the global model on this client's data."""
+        model = self._load_model(parameters_in)
+        x, y = _local_data(self.config.data, self.config.partition, self.config.run.seed, self.client_id).batch()
+        loss, accuracy = evaluate(model, x, y)
+        return loss, len(y), {"accuracy": accuracy, "client": self.client_id}
+

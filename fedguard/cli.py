@@ -1,0 +1,100 @@
+"""``fedguard``: run simulations and inspect configurations."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from fedguard.config import Config, ConfigError, load_config, schema
+from fedguard.data import DatasetNotFoundError
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("preset", nargs="?", help="experiment preset, a TOML file (see experiments/)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one key, e.g. --set train.rounds=5 (repeatable; `fedguard config --keys` lists keys)",
+    )
+
+
+def _resolve(args: argparse.Namespace) -> Config:
+    config = load_config(args.preset, args.overrides)
+    if getattr(args, "out", None):
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(args.out)))
+    return config
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run a Flower simulation of the configured federation."""
+    from fedguard.data import load_dataset
+    from fedguard.report.run_dir import ROUNDS_FILE, resolve_run_dir
+    from fedguard.simulation import simulate
+
+    config = _resolve(args)
+    data = load_dataset(config.data.name, config.data.source_options())
+    folder = resolve_run_dir(config)
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder)))
+    print(
+        f"fedguard: {config.partition.num_clients} clients ({config.partition.name}) on {data.name} "
+        f"({len(data.train)} train / {len(data.test)} test), model {config.model.name}, "
+        f"{config.train.protocol} for {config.train.rounds} rounds, defense {config.defense.name}",
+        flush=True,
+    )
+    start = time.perf_counter()
+    simulate(config, verbose=args.verbose)
+    print(f"fedguard: done in {time.perf_counter() - start:.1f} s; rounds in {folder / ROUNDS_FILE}", flush=True)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the resolved configuration, or every key with its default and meaning."""
+    if args.keys:
+        for key, (kind, default, help_text) in schema().items():
+            print(f"{key} = {json.dumps(default)}  ({kind.__name__}) {help_text}")
+        return 0
+    config = _resolve(args)
+    for key, value in config.to_flat().items():
+        print(f"{key} = {json.dumps(value)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every command."""
+    parser = argparse.ArgumentParser(
+        prog="fedguard",
+        description="Gradient leakage in federated learning: simulate, capture, attack, defend.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help=cmd_run.__doc__, description=cmd_run.__doc__)
+    _add_config_arguments(run)
+    run.add_argument("--out", type=Path, help="output folder (default runs/<name>, or runs/<name>-N if taken)")
+    run.add_argument("--verbose", action="store_true", help="show Flower's and Ray's own logs")
+    run.set_defaults(handler=cmd_run)
+
+    config = commands.add_parser("config", help=cmd_config.__doc__, description=cmd_config.__doc__)
+    _add_config_arguments(config)
+    config.add_argument("--keys", action="store_true", help="list every key with its default and meaning")
+    config.set_defaults(handler=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fedguard`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ConfigError, DatasetNotFoundError, FileExistsError) as error:
+        print(f"fedguard: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fedguard: interrupted; finished rounds are in the run folder", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Typed, validated, frozen run configuration.
+
+A run is configured by flat keys, as Flower's run config holds them:
+``data.name = "mnist-5k"``, ``train.rounds = 20``, ``model.convnet.width = 64``.
+Defaults live in the dataclasses below (and are repeated in ``pyproject.toml``
+for ``flwr run``); experiment presets are TOML files of the same keys; command
+line overrides are ``key=value`` strings. Every key, type, range and component
+name is checked before anything starts, and all problems are reported at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from fedguard.data import DATASETS, SourceOptions
+from fedguard.data.partition import PARTITIONERS, PartitionOptions
+from fedguard.defenses import DEFENSES
+from fedguard.models import MODELS
+from fedguard.registry import Registry
+from fedguard.selection import Selection
+
+Scalar = bool | int | float | str
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems, each naming the key, the value and the valid choices."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def option(default: Scalar, help: str, **checks: Any) -> Any:
+    """A config field with its help text and checks (ge, gt, le, lt, choices)."""
+    return field(default=default, metadata={"help": help, **checks})
+
+
+@dataclass(frozen=True)
+class RunSection:
+    name: str = option("fedguard", "run name; output goes to runs/<name> unless out-dir is set")
+    seed: int = option(0, "seed of partitioning, client sampling of batches and model initialization", ge=0)
+    out_dir: str = option("", "output folder (empty: runs/<name>)")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    name: str = option("mnist-5k", "dataset", choices=DATASETS.names)
+    root: str = option("", "local folder for datasets that do not ship with the packages")
+    download: bool = option(False, "let torchvision download a missing dataset (needs the network)")
+    test_fraction: float = option(0.2, "held-out share for datasets without an official test split", gt=0.0, lt=1.0)
+    image_size: int = option(32, "side in pixels for the photos and imagefolder sources", ge=8)
+
+    def source_options(self) -> SourceOptions:
+        """The loader's view of this section."""
+        return SourceOptions(self.root, self.download, self.test_fraction, self.image_size)
+
+
+@dataclass(frozen=True)
+class PartitionSection:
+    name: str = option("iid", "how training data is split among clients", choices=PARTITIONERS.names)
+    num_clients: int = option(10, "number of clients (simulated SuperNodes)", ge=1)
+    alpha: float = option(0.5, "Dirichlet concentration for partition.name = 'dirichlet'", gt=0.0)
+    classes_per_client: int = option(2, "classes each client holds for partition.name = 'classes'", ge=1)
+
+    def options(self) -> PartitionOptions:
+        """The partitioner's view of this section."""
+        return PartitionOptions(self.alpha, self.classes_per_client)
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    protocol: str = option("fedsgd", "fedsgd: one batch gradient per client; fedavg: local epochs, weights uploaded",
+                           choices=lambda: ["fedavg", "fedsgd"])
+    rounds: int = option(20, "number of federated rounds", ge=1)
+    clients_per_round: int = option(10, "clients sampled in each round", ge=1)
+    batch_size: int = option(32, "samples per client batch", ge=1)
+    lr: float = option(0.5, "learning rate: the server's SGD step (fedsgd) or the clients' local SGD (fedavg)", gt=0.0)
+    local_epochs: int = option(1, "local epochs per round (fedavg)", ge=1)
+
+
+@dataclass(frozen=True)
+class CaptureSection:
+    rounds: str = option("1", "rounds whose uploads the server captures: 'all', 'none', '1,3,5-7'")
+    clients: str = option("all", "client (partition) ids whose uploads are captured: 'all', 'none', '0,2-4'")
+
+    def round_selection(self) -> Selection:
+        return Selection.parse(self.rounds, "capture.rounds")
+
+    def client_selection(self) -> Selection:
+        return Selection.parse(self.clients, "capture.clients")
+
+
+@dataclass(frozen=True)
+class SimSection:
+    num_cpus: int = option(2, "CPU cores Ray may use", ge=1)
+    client_cpus: float = option(1.0, "CPU cores reserved for each simulated client", gt=0.0)
+    client_gpus: float = option(0.0, "GPU share reserved for each simulated client", ge=0.0)
+
+
+@dataclass(frozen=True)
+class Component:
+    """A registered component chosen by name, with its parameter dataclass instance."""
+
+    name: str
+    params: Any
+
+
+COMPONENT_KINDS: dict[str, tuple[Registry[Any], str, str]] = {
+    "model": (MODELS, "mlp", "model architecture"),
+    "defense": (DEFENSES, "none", "client-side defense applied to every upload"),
+}
+SECTIONS: dict[str, type] = {
+    "": RunSection,
+    "data": DataSection,
+    "partition": PartitionSection,
+    "train": TrainSection,
+    "capture": CaptureSection,
+    "sim": SimSection,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole, validated run configuration."""
+
+    run: RunSection = RunSection()
+    data: DataSection = DataSection()
+    partition: PartitionSection = PartitionSection()
+    model: Component = Component("mlp", MODELS.get("mlp").params())
+    train: TrainSection = TrainSection()
+    defense: Component = Component("none", DEFENSES.get("none").params())
+    capture: CaptureSection = CaptureSection()
+    sim: SimSection = SimSection()
+
+    @classmethod
+    def from_flat(cls, flat: Mapping[str, Any]) -> "Config":
+        """Validate flat keys (missing ones take defaults) into a ``Config``; raises ``ConfigError``."""
+        return _build(flat)
+
+    def to_flat(self) -> dict[str, Scalar]:
+        """Every key with its value, parameters of the components not chosen included."""
+        flat: dict[str, Scalar] = {}
+        for prefix, section in SECTIONS.items():
+            for f in dataclasses.fields(section):
+                flat[_key(prefix, f.name)] = getattr(getattr(self, prefix or "run"), f.name)
+        for kind, (registry, _, _) in COMPONENT_KINDS.items():
+            chosen: Component = getattr(self, kind)
+            flat[f"{kind}.name"] = chosen.name
+            for entry in registry.entries():
+                params = chosen.params if entry.name == chosen.name else entry.params()
+                for f in dataclasses.fields(entry.params):
+                    flat[f"{kind}.{entry.name}.{_dash(f.name)}"] = getattr(params, f.name)
+        return flat
+
+    def run_dir(self) -> Path:
+        """The folder this run writes to."""
+        return Path(self.run.out_dir) if self.run.out_dir else Path("runs") / self.run.name
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _key(prefix: str, field_name: str) -> str:
+    return f"{prefix}.{_dash(field_name)}" if prefix else _dash(field_name)
+
+
+def _field_types(cls: type) -> dict[str, type]:
+    return {name: hint for name, hint in typing.get_type_hints(cls).items()}
+
+
+def _check_type(key: str, value: Any, expected: type) -> tuple[Any, str | None]:
+    """``value`` converted to ``expected`` (int -> float allowed), or an error message."""
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value), None
+    if isinstance(value, expected) and not (expected is int and isinstance(value, bool)):
+        return value, None
+    return value, f"{key} = {value!r}: expected {expected.__name__}, got {type(value).__name__}"
+
+
+def _check_range(key: str, value: Any, meta: Mapping[str, Any]) -> str | None:
+    bounds: list[tuple[str, Callable[[Any, Any], bool], str]] = [
+        ("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+        ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<"),
+    ]
+    for name, ok, symbol in bounds:
+        if name in meta and not ok(value, meta[name]):
+            return f"{key} = {value!r}: must be {symbol} {meta[name]}"
+    if "choices" in meta:
+        choices = meta["choices"]()
+        if value not in choices:
+            return f"{key} = {value!r}: choose one of {', '.join(map(str, choices))}"
+    return None
+
+
+def schema() -> dict[str, tuple[type, Any, str]]:
+    """Every valid key -> (type, default, help), component parameters included."""
+    keys: dict[str, tuple[type, Any, str]] = {}
+    for prefix, section in SECTIONS.items():
+        types = _field_types(section)
+        for f in dataclasses.fields(section):
+            keys[_key(prefix, f.name)] = (types[f.name], f.default, f.metadata.get("help", ""))
+    for kind, (registry, default, help_text) in COMPONENT_KINDS.items():
+        keys[f"{kind}.name"] = (str, default, f"{help_text}: {', '.join(registry.names())}")
+        for entry in registry.entries():
+            types = _field_types(entry.params)
+            doc = (entry.params.__doc__ or "").strip().split("\n")[0]
+            for f in dataclasses.fields(entry.params):
+                keys[f"{kind}.{entry.name}.{_dash(f.name)}"] = (types[f.name], f.default, doc)
+    return keys
+
+
+def _build(flat: Mapping[str, Any]) -> Config:
+    keys = schema()
+    problems: list[str] = []
+    values: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            problems.append(f"unknown key {key!r}{hint} (`fedguard config` lists every key)")
+            continue
+        converted, error = _check_type(key, value, keys[key][0])
+        if error:
+            problems.append(error)
+        else:
+            values[key] = converted
+
+    sections: dict[str, Any] = {}
+    for prefix, section in SECTIONS.items():
+        kwargs = {}
+        for f in dataclasses.fields(section):
+            key = _key(prefix, f.name)
+            value = values.get(key, f.default)
+            error = _check_range(key, value, f.metadata)
+            if error:
+                problems.append(error)
+            kwargs[f.name] = value
+        sections[prefix or "run"] = section(**kwargs)
+
+    for kind, (registry, default, _) in COMPONENT_KINDS.items():
+        name = values.get(f"{kind}.name", default)
+        if name not in registry:
+            problems.append(f"{kind}.name = {name!r}: choose one of {', '.join(registry.names())}")
+        for entry in registry.entries():
+            kwargs = {
+                f.name: values[f"{kind}.{entry.name}.{_dash(f.name)}"]
+                for f in dataclasses.fields(entry.params)
+                if f"{kind}.{entry.name}.{_dash(f.name)}" in values
+            }
+            try:
+                params = entry.params(**kwargs)
+            except (ValueError, TypeError) as error:
+                problems.append(f"{kind}.{entry.name}: {error}")
+                params = None
+            if entry.name == name:
+                sections[kind] = Component(name, params)
+
+    problems += _cross_checks(sections)
+    if problems:
+        raise ConfigError(problems)
+    return Config(**sections)
+
+
+def _cross_checks(sections: dict[str, Any]) -> list[str]:
+    problems = []
+    train, partition, capture = sections["train"], sections["partition"], sections["capture"]
+    if train.clients_per_round > partition.num_clients:
+        problems.append(
+            f"train.clients-per-round = {train.clients_per_round}: must be <= partition.num-clients "
+            f"({partition.num_clients})"
+        )
+    for parse in (capture.round_selection, capture.client_selection):
+        try:
+            parse()
+        except ValueError as error:
+            problems.append(str(error))
+    return problems
+
+
+def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested TOML tables -> dotted keys, as Flower flattens its run config."""
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        full = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, full))
+        else:
+            flat[full] = value
+    return flat
+
+
+def parse_override(text: str) -> tuple[str, Scalar]:
+    """'key=value' -> (key, typed value), the type taken from the schema."""
+    if "=" not in text:
+        raise ConfigError([f"override {text!r}: write key=value, e.g. train.rounds=5"])
+    key, raw = (part.strip() for part in text.split("=", 1))
+    keys = schema()
+    if key not in keys:
+        close = difflib.get_close_matches(key, keys, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError([f"unknown key {key!r}{hint} (`fedguard config` lists every key)"])
+    expected = keys[key][0]
+    if expected is bool:
+        lowered = raw.lower()
+        if lowered not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError([f"{key} = {raw!r}: expected true or false"])
+        return key, lowered in ("true", "1", "yes")
+    if expected in (int, float):
+        try:
+            return key, expected(raw)
+        except ValueError:
+            raise ConfigError([f"{key} = {raw!r}: expected {expected.__name__}"]) from None
+    return key, raw.strip('"')
+
+
+def load_config(preset: Path | str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the preset TOML file (if any), then ``key=value`` overrides."""
+    flat: dict[str, Any] = {}
+    if preset is not None:
+        path = Path(preset)
+        if not path.is_file():
+            raise ConfigError([f"preset {str(path)!r} not found (presets live in experiments/)"])
+        try:
+            flat.update(flatten(tomllib.loads(path.read_text())))
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError([f"preset {str(path)!r} is not valid TOML: {error}"]) from None
+    for text in overrides:
+        key, value = parse_override(text)
+        flat[key] = value
+    return Config.from_flat(flat)

@@ -1,0 +1,57 @@
+"""What a defense sees and returns, and the defense registry.
+
+A defense is a callable ``defense(step, state) -> list[Tensor]``: it receives
+everything a client knows at upload time and returns what is uploaded in place
+of ``step.grads`` (same shapes). ``state`` is a dict of tensors that survives
+between the rounds of one client (error-feedback residuals, caches); the
+defense reads and updates it in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn as nn
+
+from fedguard.registry import Registry
+
+
+@dataclass
+class LocalStep:
+    """One client's upload before defense.
+
+    ``model``: at the global parameters the step started from; ``x`` (B, C, H, W)
+    in [0, 1] and ``y`` (B,) are the samples used; ``grads`` holds one tensor per
+    trainable parameter: the batch gradient (FedSGD) or the pseudo-gradient
+    ``global - local`` of several local steps (FedAvg); ``loss_fn(logits, y)``
+    is the training loss; ``generator`` is seeded from (seed, client, round).
+    """
+
+    model: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    grads: list[torch.Tensor]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    generator: torch.Generator
+    round: int = 0
+    client: int = 0
+
+
+class Defense(Protocol):
+    """Client-side middleware between the local step and the upload."""
+
+    def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+DefenseBuilder = Callable[[Any], Defense]
+
+DEFENSES: Registry[DefenseBuilder] = Registry("defense")
+register_defense = DEFENSES.register
+
+
+def build_defense(name: str, params: Any = None) -> Defense:
+    """The registered defense ``name`` configured with ``params``."""
+    entry = DEFENSES.get(name)
+    return entry.factory(params if params is not None else entry.params())

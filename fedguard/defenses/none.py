@@ -1,0 +1,20 @@
+"""No defense: the raw update is uploaded."""
+
+from __future__ import annotations
+
+import torch
+
+from fedguard.defenses.base import LocalStep, register_defense
+
+
+class NoDefense:
+    """Uploads ``step.grads`` unchanged."""
+
+    def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return list(step.grads)
+
+
+@register_defense("none")
+def build_none(params: object) -> NoDefense:
+    """Upload the raw update (the undefended baseline)."""
+    return NoDefense()

@@ -1,0 +1,1 @@
+"""Run outputs: the per-round log and the run folder."""

@@ -1,0 +1,54 @@
+"""The run folder: resolved configuration, round log, captured observations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from fedguard.config import Config
+
+CONFIG_FILE = "config.toml"
+ROUNDS_FILE = "rounds.jsonl"
+OBSERVATIONS_DIR = "observations"
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys -> nested tables (the inverse of ``fedguard.config.flatten``)."""
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        *tables, leaf = key.split(".")
+        node = nested
+        for table in tables:
+            node = node.setdefault(table, {})
+        node[leaf] = value
+    return nested
+
+
+def resolve_run_dir(config: Config) -> Path:
+    """The folder a run writes to, absolute; never one that already holds a round log.
+
+    An explicit ``out-dir`` that holds a run is an error; the default
+    ``runs/<name>`` moves on to ``runs/<name>-2``, ``-3``, ... instead.
+    """
+    folder = config.run_dir().resolve()
+    if not (folder / ROUNDS_FILE).exists():
+        return folder
+    if config.run.out_dir:
+        raise FileExistsError(f"out-dir {folder} already holds a run ({ROUNDS_FILE}); choose another or remove it")
+    number = 2
+    while (folder.with_name(f"{folder.name}-{number}") / ROUNDS_FILE).exists():
+        number += 1
+    return folder.with_name(f"{folder.name}-{number}")
+
+
+def prepare_run_dir(config: Config) -> Path:
+    """Create the run folder of ``config`` (``out-dir`` must be set) and write the resolved config.
+
+    ``config.toml`` reproduces the run when passed back as a preset.
+    """
+    folder = config.run_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG_FILE).write_text(tomli_w.dumps(unflatten(config.to_flat())))
+    return folder

@@ -1,0 +1,17 @@
+"""Shared fixtures: small, deterministic inputs and the offline datasets."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unpacked system datasets go to a temporary cache, never the user's."""
+    monkeypatch.setenv("FEDGUARD_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))

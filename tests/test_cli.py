@@ -1,0 +1,42 @@
+"""The command line: help, configuration errors before anything starts, config listing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedguard.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_help_documents_every_command() -> None:
+    out = subprocess.run([sys.executable, "-m", "fedguard", "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("run", "config"):
+        assert command in out
+    run_help = subprocess.run([sys.executable, "-m", "fedguard", "run", "--help"], capture_output=True, text=True).stdout
+    assert "--set" in run_help and "--out" in run_help and "preset" in run_help
+
+
+def test_bad_override_fails_fast_with_the_problem(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = main(["run", "--set", "train.rounds=0", "--set", "model.name=vgg", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "train.rounds = 0" in err and "'vgg'" in err and "resnet18" in err
+    assert not (tmp_path / "r").exists(), "nothing may start on a bad configuration"
+
+
+def test_missing_dataset_fails_fast(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = main(["run", "--set", "data.name=cifar10", "--set", f"data.root={tmp_path}", "--out", str(tmp_path / "r")])
+    assert code == 2 and "cifar-10-batches-py" in capsys.readouterr().err
+
+
+def test_config_prints_resolved_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", str(ROOT / "experiments" / "quickstart.toml"), "--set", "train.rounds=3"]) == 0
+    out = capsys.readouterr().out
+    assert 'name = "quickstart"' in out and "train.rounds = 3" in out
+    assert main(["config", "--keys"]) == 0
+    assert "model.convnet.width = 64" in capsys.readouterr().out

@@ -1,0 +1,132 @@
+"""The defended client: seeded batches, the defense hook, state across rounds, both protocols."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import RecordDict
+
+from clients import DefendedClient
+from clients.state import load_defense_state, store_defense_state
+from fedguard.client_app import make_client_fn, partition_of
+from fedguard.data import load_dataset
+from fedguard.data.federated import client_split
+from fedguard.defenses import LocalStep
+from fedguard.models import build_model
+from fedguard.seeding import client_generators
+from fedguard.training import compute_gradients, get_arrays, local_sgd, parameters, trainable_mask
+from tests.helpers import client_fit, config, context
+
+
+def start_arrays(cfg) -> list[np.ndarray]:
+    torch.manual_seed(0)
+    return get_arrays(build_model(cfg.model.name, load_dataset(cfg.data.name).spec, cfg.model.params))
+
+
+def test_fedsgd_upload_is_the_gradient_of_the_seeded_batch() -> None:
+    cfg = config()
+    arrays = start_arrays(cfg)
+    upload, n, metrics = client_fit(cfg, 2, arrays, round_=5)
+    rng, _ = client_generators(cfg.run.seed, 2, 5)
+    local = client_split("digits", cfg.data.source_options(), "iid", cfg.partition.options(), 4, cfg.run.seed, 2)
+    x, y = local.batch(rng.choice(len(local), size=8, replace=False))
+    model = build_model("mlp", load_dataset("digits").spec, cfg.model.params)
+    model.load_state_dict({k: torch.from_numpy(a) for k, a in zip(model.state_dict(), arrays)})
+    grads, loss = compute_gradients(model, x, y)
+    assert n == 8 and metrics["client"] == 2 and metrics["batch-size"] == 8 and metrics["loss"] == pytest.approx(loss)
+    for got, want in zip(upload, grads):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+
+
+def test_randomness_depends_on_seed_client_round_only() -> None:
+    cfg = config()
+    arrays = start_arrays(cfg)
+    first, _, _ = client_fit(cfg, 1, arrays, round_=3)
+    again, _, _ = client_fit(cfg, 1, arrays, round_=3)
+    other_round, _, _ = client_fit(cfg, 1, arrays, round_=4)
+    other_client, _, _ = client_fit(cfg, 0, arrays, round_=3)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not np.array_equal(first[0], other_round[0]) and not np.array_equal(first[0], other_client[0])
+
+
+class CountingDefense:
+    """Adds the number of rounds seen so far to every gradient; remembers the count in state."""
+
+    def __init__(self) -> None:
+        self.steps: list[LocalStep] = []
+
+    def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        self.steps.append(step)
+        state["count"] = state.get("count", torch.zeros(())) + 1
+        return [g + state["count"] for g in step.grads]
+
+
+def test_defense_sees_the_step_and_its_state_survives_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config()
+    arrays = start_arrays(cfg)
+    raw, _, _ = client_fit(cfg, 0, arrays, round_=1)  # undefended
+    defense = CountingDefense()
+    monkeypatch.setattr("clients.defended_client._defense", lambda name, params: defense)
+    state = RecordDict()
+    first, _, _ = client_fit(cfg, 0, arrays, round_=1, state=state)
+    second, _, _ = client_fit(cfg, 0, arrays, round_=1, state=state)  # a new client object, same Context.state
+    np.testing.assert_allclose(first[0], raw[0] + 1, rtol=1e-6)
+    np.testing.assert_allclose(second[0], raw[0] + 2, rtol=1e-6)
+    assert float(load_defense_state(state)["count"]) == 2
+    step = defense.steps[-1]
+    assert step.round == 1 and step.client == 0 and step.x.shape == (8, 1, 8, 8)
+    # The defense gets the model at the global parameters.
+    assert all(np.array_equal(p.detach().numpy(), a) for p, a in zip(parameters(step.model), arrays))
+
+
+def test_fedavg_uploads_locally_trained_weights() -> None:
+    cfg = config("train.protocol=fedavg", "train.local-epochs=2", "train.lr=0.05")
+    arrays = start_arrays(cfg)
+    upload, n, metrics = client_fit(cfg, 3, arrays, round_=2)
+    local = client_split("digits", cfg.data.source_options(), "iid", cfg.partition.options(), 4, cfg.run.seed, 3)
+    model = build_model("mlp", load_dataset("digits").spec, cfg.model.params)
+    model.load_state_dict({k: torch.from_numpy(a) for k, a in zip(model.state_dict(), arrays)})
+    rng, _ = client_generators(cfg.run.seed, 3, 2)
+    x, y = local.batch()
+    steps, _ = local_sgd(model, x, y, 0.05, 2, 8, rng)
+    assert n == len(local) and metrics["local-steps"] == steps == 2 * int(np.ceil(len(local) / 8))
+    for got, want in zip(upload, get_arrays(model)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_buffers_travel_with_the_gradient() -> None:
+    cfg = config("model.name=convnet", "model.convnet.width=2", "data.name=lfw-faces")
+    arrays = start_arrays(cfg)
+    upload, _, _ = client_fit(cfg, 0, arrays, round_=1)
+    mask = trainable_mask(build_model("convnet", load_dataset("lfw-faces").spec, cfg.model.params))
+    moved = [not np.array_equal(u, a) for u, a, m in zip(upload, arrays, mask) if not m]
+    assert any(moved), "running statistics of the local batch should be uploaded"
+
+
+def test_state_record_round_trip() -> None:
+    state = RecordDict()
+    store_defense_state(state, {"residual": torch.arange(6.0).reshape(2, 3)})
+    assert torch.equal(load_defense_state(state)["residual"], torch.arange(6.0).reshape(2, 3))
+    store_defense_state(state, {})
+    assert load_defense_state(state) == {}
+
+
+def test_partition_of_checks_node_config() -> None:
+    cfg = config()
+    assert partition_of(context(3, 4), cfg) == 3
+    with pytest.raises(ValueError, match="num-partitions=5"):
+        partition_of(context(3, 5), cfg)
+    bad = context(0, 4)
+    bad.node_config.clear()
+    with pytest.raises(ValueError, match="--node-config"):
+        partition_of(bad, cfg)
+
+
+def test_client_fn_reads_run_config_when_unbound() -> None:
+    ctx = context(1, 4)
+    ctx.run_config.update({"data.name": "digits", "partition.num-clients": 4, "train.clients-per-round": 2})
+    client = make_client_fn(None)(ctx)
+    assert client is not None
+    with pytest.raises(ValueError, match="outside"):
+        DefendedClient(config(), 4, RecordDict())

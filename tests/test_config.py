@@ -1,0 +1,156 @@
+"""Configuration: defaults, validation messages, presets, overrides, pyproject consistency."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, schema
+from fedguard.report.run_dir import CONFIG_FILE, prepare_run_dir, resolve_run_dir, unflatten
+from fedguard.selection import Selection
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def problems_of(flat: dict) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        Config.from_flat(flat)
+    return caught.value.problems
+
+
+def test_defaults_are_valid_and_frozen() -> None:
+    config = Config.from_flat({})
+    assert config == Config()
+    with pytest.raises(AttributeError):
+        config.train.rounds = 3  # type: ignore[misc]
+
+
+def test_pyproject_lists_every_key_with_its_default() -> None:
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert flatten(table) == Config().to_flat()
+    assert Config.from_flat(flatten(table)) == Config()
+
+
+def test_every_preset_is_valid() -> None:
+    presets = sorted((ROOT / "experiments").glob("*.toml"))
+    assert presets, "no presets found"
+    for preset in presets:
+        load_config(preset)
+
+
+def test_unknown_key_names_the_key_and_suggests() -> None:
+    [problem] = problems_of({"train.round": 5})
+    assert "'train.round'" in problem and "train.rounds" in problem
+
+
+def test_wrong_type_names_key_value_and_type() -> None:
+    [problem] = problems_of({"train.lr": "fast"})
+    assert "train.lr" in problem and "'fast'" in problem and "float" in problem
+    [problem] = problems_of({"train.rounds": True})
+    assert "train.rounds" in problem and "int" in problem
+
+
+def test_out_of_range_value() -> None:
+    [problem] = problems_of({"data.test-fraction": 1.5})
+    assert "data.test-fraction = 1.5" in problem and "< 1.0" in problem
+
+
+def test_unknown_component_lists_choices() -> None:
+    [problem] = problems_of({"model.name": "vgg"})
+    assert "'vgg'" in problem and "lenet" in problem and "resnet18" in problem
+    [problem] = problems_of({"data.name": "cifar"})
+    assert "cifar10" in problem and "mnist-5k" in problem
+
+
+def test_component_parameter_checked() -> None:
+    [problem] = problems_of({"model.convnet.width": 0})
+    assert "model.convnet" in problem and "width" in problem
+
+
+def test_all_problems_reported_together() -> None:
+    problems = problems_of({"train.rounds": 0, "bogus": 1, "partition.name": "random", "capture.rounds": "x"})
+    assert len(problems) == 4
+
+
+def test_clients_per_round_cannot_exceed_clients() -> None:
+    [problem] = problems_of({"train.clients-per-round": 11, "partition.num-clients": 10})
+    assert "train.clients-per-round = 11" in problem
+
+
+def test_int_accepted_for_float() -> None:
+    assert Config.from_flat({"train.lr": 1}).train.lr == 1.0
+
+
+def test_override_parsing_uses_schema_types() -> None:
+    assert parse_override("train.rounds=5") == ("train.rounds", 5)
+    assert parse_override("data.download=true") == ("data.download", True)
+    assert parse_override("train.lr=0.25") == ("train.lr", 0.25)
+    assert parse_override("data.name=photos") == ("data.name", "photos")
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override("train.rounds")
+    with pytest.raises(ConfigError, match="expected int"):
+        parse_override("train.rounds=many")
+
+
+def test_preset_then_overrides(tmp_path: Path) -> None:
+    preset = tmp_path / "p.toml"
+    preset.write_text('name = "p"\n[train]\nrounds = 7\nlr = 0.2\n[model]\nname = "convnet"\n[model.convnet]\nwidth = 8\n')
+    config = load_config(preset, ["train.rounds=9"])
+    assert (config.run.name, config.train.rounds, config.train.lr) == ("p", 9, 0.2)
+    assert config.model.name == "convnet" and config.model.params.width == 8
+
+
+def test_missing_and_broken_presets(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "absent.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("name = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(broken)
+
+
+def test_written_config_reproduces_the_run(tmp_path: Path) -> None:
+    config = load_config(None, ["train.rounds=3", "model.name=mlp", "model.mlp.hidden=17", f"out-dir={tmp_path / 'r'}"])
+    folder = prepare_run_dir(config)
+    assert load_config(folder / CONFIG_FILE) == config
+
+
+def test_default_run_dir_never_overwrites(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = load_config(None, ["name=x"])
+    first = resolve_run_dir(config)
+    assert first == tmp_path / "runs" / "x"
+    first.mkdir(parents=True)
+    (first / "rounds.jsonl").write_text("")
+    assert resolve_run_dir(config) == tmp_path / "runs" / "x-2"
+    explicit = load_config(None, [f"out-dir={first}"])
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        resolve_run_dir(explicit)
+
+
+def test_unflatten_inverts_flatten() -> None:
+    flat = Config().to_flat()
+    assert flatten(unflatten(flat)) == flat
+
+
+def test_schema_has_help_for_every_section_key() -> None:
+    for key, (_, _, help_text) in schema().items():
+        assert help_text, key
+
+
+@pytest.mark.parametrize(
+    ("spec", "inside", "outside"),
+    [("all", [0, 5, 999], []), ("none", [], [0, 1]), ("1,3-5", [1, 3, 4, 5], [0, 2, 6]), ("2", [2], [1, 3])],
+)
+def test_selection(spec: str, inside: list[int], outside: list[int]) -> None:
+    selection = Selection.parse(spec)
+    assert all(i in selection for i in inside)
+    assert not any(o in selection for o in outside)
+
+
+@pytest.mark.parametrize("spec", ["a", "3-1", "1,,x", "-2"])
+def test_bad_selection(spec: str) -> None:
+    with pytest.raises(ValueError, match="capture.rounds"):
+        Selection.parse(spec, "capture.rounds")

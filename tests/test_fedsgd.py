@@ -1,0 +1,75 @@
+"""FedSGD: the server step equals centralized SGD on the union of the clients' batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
+
+from fedguard.data import load_dataset
+from fedguard.data.federated import client_split
+from fedguard.models import build_model
+from fedguard.seeding import client_generators
+from fedguard.training import get_arrays, loss_fn, trainable_mask
+from strategies import FedSGD
+from strategies.fedsgd import fedsgd_update
+from tests.helpers import client_fit, config, fit_res
+
+
+class _Sampler:
+    """Stands in for Flower's ClientManager."""
+
+    def num_available(self) -> int:
+        return 3
+
+    def sample(self, num_clients: int, min_num_clients: int | None = None) -> list:
+        return [None] * num_clients
+
+
+def test_one_round_equals_centralized_sgd_on_the_same_batches() -> None:
+    cfg = config("train.lr=0.7")
+    data = load_dataset("digits")
+    torch.manual_seed(0)
+    model = build_model("mlp", data.spec, cfg.model.params)
+    start = get_arrays(model)
+
+    strategy = FedSGD(lr=cfg.train.lr, trainable=trainable_mask(model))
+    strategy.configure_fit(1, ndarrays_to_parameters(start), _Sampler())
+    results = [(None, fit_res(*client_fit(cfg, c, start, round_=1))) for c in range(3)]
+    new, _ = strategy.aggregate_fit(1, results, [])
+
+    # Centralized: the same 3 x 8 samples, one SGD step on the mean loss.
+    xs, ys = [], []
+    for c in range(3):
+        rng, _ = client_generators(cfg.run.seed, c, 1)
+        local = client_split("digits", cfg.data.source_options(), "iid", cfg.partition.options(), 4, cfg.run.seed, c)
+        x, y = local.batch(rng.choice(len(local), size=8, replace=False))
+        xs.append(x)
+        ys.append(y)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.7)
+    loss_fn(model(torch.cat(xs)), torch.cat(ys)).backward()
+    optimizer.step()
+    for got, want in zip(parameters_to_ndarrays(new), get_arrays(model)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_buffers_are_averaged_and_integers_rounded() -> None:
+    current = np.array([1.0, 1.0], dtype=np.float32)
+    assert np.allclose(fedsgd_update(current, [np.array([2.0, 4.0]), np.array([4.0, 0.0])], 0.5, True), [-0.5, 0.0])
+    assert np.allclose(fedsgd_update(current, [np.array([2.0, 4.0]), np.array([4.0, 0.0])], 0.5, False), [3.0, 2.0])
+    counter = fedsgd_update(np.array(3, dtype=np.int64), [np.array(4), np.array(5)], 0.1, False)
+    assert counter.dtype == np.int64 and counter == 4
+
+
+def test_invalid_arguments() -> None:
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        FedSGD(lr=0.0, trainable=[True])
+    with pytest.raises(ValueError, match="trainable"):
+        FedSGD(lr=0.1, trainable=[])
+
+
+def test_failures_and_empty_results() -> None:
+    strategy = FedSGD(lr=0.1, trainable=[True], accept_failures=False)
+    assert strategy.aggregate_fit(1, [], []) == (None, {})
+    assert strategy.aggregate_fit(1, [(None, fit_res([np.zeros(1)], 1, {}))], [RuntimeError()]) == (None, {})

@@ -1,0 +1,77 @@
+"""Partitioners: disjoint, covering, seeded, and shaped as their scheme says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedguard.data import load_dataset
+from fedguard.data.federated import client_split
+from fedguard.data.partition import PARTITIONERS, PartitionOptions, partition
+
+LABELS = np.repeat(np.arange(10), 60)
+
+
+def check_disjoint(parts: list[np.ndarray], total: int, covering: bool = True) -> None:
+    joined = np.concatenate(parts)
+    assert len(joined) == len(set(joined.tolist())), "a sample is in two partitions"
+    assert joined.min() >= 0 and joined.max() < total
+    if covering:
+        assert len(joined) == total
+
+
+@pytest.mark.parametrize("scheme", PARTITIONERS.names())
+def test_seeded_and_disjoint(scheme: str) -> None:
+    parts = partition(LABELS, 8, scheme, PartitionOptions(), seed=1)
+    again = partition(LABELS, 8, scheme, PartitionOptions(), seed=1)
+    assert len(parts) == 8 and all((a == b).all() for a, b in zip(parts, again))
+    check_disjoint(parts, len(LABELS), covering=scheme != "classes")
+    other = partition(LABELS, 8, scheme, PartitionOptions(), seed=2)
+    assert any(len(a) != len(b) or (a != b).any() for a, b in zip(parts, other))
+
+
+@given(n=st.integers(20, 300), clients=st.integers(1, 20), seed=st.integers(0, 2**31))
+@settings(max_examples=50, deadline=None)
+def test_iid_sizes_differ_by_at_most_one(n: int, clients: int, seed: int) -> None:
+    parts = partition(np.arange(n) % 7, clients, "iid", PartitionOptions(), seed)
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1
+    check_disjoint(parts, n)
+
+
+def test_classes_per_client() -> None:
+    parts = partition(LABELS, 10, "classes", PartitionOptions(classes_per_client=2), seed=0)
+    for part in parts:
+        assert len(np.unique(LABELS[part])) <= 2
+    assert sum(len(p) for p in parts) == len(LABELS)
+
+
+def test_dirichlet_small_alpha_skews_labels() -> None:
+    def mean_classes(alpha: float) -> float:
+        parts = partition(LABELS, 10, "dirichlet", PartitionOptions(alpha=alpha), seed=0)
+        return float(np.mean([len(np.unique(LABELS[p])) for p in parts]))
+
+    assert mean_classes(0.1) < mean_classes(100.0)
+    assert mean_classes(100.0) == 10
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="classes-per-client"):
+        partition(LABELS, 4, "classes", PartitionOptions(classes_per_client=11), seed=0)
+    with pytest.raises(ValueError, match="among 700 clients"):
+        partition(LABELS, 700, "iid", PartitionOptions(), seed=0)
+    with pytest.raises(ValueError, match="dirichlet, iid"):
+        partition(LABELS, 4, "shards", PartitionOptions(), seed=0)
+
+
+def test_client_split_matches_partition() -> None:
+    from fedguard.data import SourceOptions
+
+    train = load_dataset("digits").train
+    parts = partition(train.labels.numpy(), 5, "iid", PartitionOptions(), seed=3)
+    split = client_split("digits", SourceOptions(), "iid", PartitionOptions(), 5, 3, client=4)
+    assert (split.labels.numpy() == train.labels.numpy()[parts[4]]).all()
+    with pytest.raises(ValueError, match="outside"):
+        client_split("digits", SourceOptions(), "iid", PartitionOptions(), 5, 3, client=5)
