@@ -84,8 +84,10 @@ def load_mnist(options: SourceOptions) -> ImageData:
     return _mnist_like("mnist", MNIST, options)
 
 
-def stage_debian_fashion_mnist(source: Path = DEBIAN_FASHION_MNIST, cache: Path | None = None) -> Path | None:
-    """Unpack the Debian ``dataset-fashion-mnist`` files into a torchvision root; None if absent."""
+def stage_debian_fashion_mnist(source: Path | None = None, cache: Path | None = None) -> Path | None:
+    """Unpack the Debian ``dataset-fashion-mnist`` files (default ``DEBIAN_FASHION_MNIST``) into a
+    torchvision root under ``cache``; None if they are absent."""
+    source = DEBIAN_FASHION_MNIST if source is None else source
     if not all((source / f"{f}.gz").is_file() for f in FASHION_FILES):
         return None
     root = cache or default_cache_root()
