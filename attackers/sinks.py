@@ -50,3 +50,19 @@ class DiskSink:
             except OSError as error:
                 self.failed.append((obs.file_name, str(error)))
                 log.error("could not save %s: %s", obs.file_name, error)
+
+
+class FanOut:
+    """Hands every observation to several sinks (e.g. the disk and the attacker pool)."""
+
+    def __init__(self, sinks: list[ObservationSink]) -> None:
+        self.sinks = sinks
+
+    def submit(self, obs: Observation) -> None:
+        for sink in self.sinks:
+            sink.submit(obs)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Close each sink in order, each with up to ``timeout`` seconds."""
+        for sink in self.sinks:
+            sink.close(timeout)

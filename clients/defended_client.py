@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from fedguard.data.federated import client_split
 from fedguard.defenses import Defense, LocalStep, build_defense
 from fedguard.models import build_model
 from fedguard.seeding import client_generators
+from fedguard.vault import write_truth
 from fedguard.training import (
     compute_gradients,
     evaluate,
@@ -76,7 +78,11 @@ class DefendedClient(NumPyClient):
         return model
 
     def fit(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
-        """One round: local step, defense, upload. ``config['round']`` is the server round."""
+        """One round: local step, defense, upload.
+
+        ``config['round']`` is the server round; when ``config['vault']`` names a
+        folder, the true batch is written there for scoring (never uploaded).
+        """
         round_ = int(config["round"])
         cfg = self.config
         rng, generator = client_generators(cfg.run.seed, self.client_id, round_)
@@ -101,6 +107,9 @@ class DefendedClient(NumPyClient):
             declared.update(
                 {"batch-size": cfg.train.batch_size, "local-epochs": cfg.train.local_epochs, "local-steps": steps, "loss": loss}
             )
+
+        if "vault" in config and self.client_id in cfg.capture.client_selection():
+            write_truth(Path(str(config["vault"])), round_, self.client_id, x, y)
 
         defense_state = load_defense_state(self.state)
         step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id)

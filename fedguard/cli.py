@@ -62,6 +62,14 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """Write report.html in a run folder: curves, attack scores, reconstructions, in one file."""
+    from fedguard.report.html import build_report
+
+    print(build_report(args.run_dir))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
     parser = argparse.ArgumentParser(
@@ -80,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(config)
     config.add_argument("--keys", action="store_true", help="list every key with its default and meaning")
     config.set_defaults(handler=cmd_config)
+
+    report = commands.add_parser("report", help=cmd_report.__doc__, description=cmd_report.__doc__)
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder, e.g. runs/quickstart")
+    report.set_defaults(handler=cmd_report)
     return parser
 
 
@@ -88,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, DatasetNotFoundError, FileExistsError) as error:
+    except (ConfigError, DatasetNotFoundError, FileExistsError, FileNotFoundError) as error:
         print(f"fedguard: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from attackers import ATTACKS
 from fedguard.data import DATASETS, SourceOptions
 from fedguard.data.partition import PARTITIONERS, PartitionOptions
 from fedguard.defenses import DEFENSES
@@ -26,6 +27,7 @@ from fedguard.registry import Registry
 from fedguard.selection import Selection
 
 Scalar = bool | int | float | str
+NO_ATTACK = "none"
 
 
 class ConfigError(ValueError):
@@ -88,12 +90,36 @@ class TrainSection:
 class CaptureSection:
     rounds: str = option("1", "rounds whose uploads the server captures: 'all', 'none', '1,3,5-7'")
     clients: str = option("all", "client (partition) ids whose uploads are captured: 'all', 'none', '0,2-4'")
+    ground_truth: bool = option(True, "clients of targeted rounds write their true batch to the run's vault for "
+                                      "scoring (simulation; never shown to the attacker)")
 
     def round_selection(self) -> Selection:
         return Selection.parse(self.rounds, "capture.rounds")
 
     def client_selection(self) -> Selection:
         return Selection.parse(self.clients, "capture.clients")
+
+
+@dataclass(frozen=True)
+class ThreatSection:
+    labels: bool = option(False, "the server knows the true labels of each batch (otherwise attacks infer them)")
+    bn_statistics: bool = option(False, "the server knows the BatchNorm statistics of each batch")
+    hyperparameters: bool = option(True, "the server may use the local hyper-parameters clients declare")
+
+    def granted(self) -> set[str]:
+        """The grants, named as attacks name their needs."""
+        flags = {"labels": self.labels, "bn-statistics": self.bn_statistics, "hyperparameters": self.hyperparameters}
+        return {name for name, granted in flags.items() if granted}
+
+
+@dataclass(frozen=True)
+class PoolSection:
+    workers: int = option(1, "attacker worker processes (one GPU each when CUDA is visible)", ge=1)
+    time_limit: float = option(900.0, "seconds one captured upload may take before its worker is restarted", gt=0.0)
+    wait: float = option(1800.0, "seconds to wait after the last round for attacks still running", ge=0.0)
+    group: int = option(4, "most captured uploads of one shape a worker attacks in one batch", ge=1)
+    threads: int = option(1, "torch threads of each CPU worker", ge=1)
+    address: str = option("", "Ray cluster to join when none is running ('' = the simulation's or a new local one)")
 
 
 @dataclass(frozen=True)
@@ -114,6 +140,7 @@ class Component:
 COMPONENT_KINDS: dict[str, tuple[Registry[Any], str, str]] = {
     "model": (MODELS, "mlp", "model architecture"),
     "defense": (DEFENSES, "none", "client-side defense applied to every upload"),
+    "attack": (ATTACKS, NO_ATTACK, "attack run on captured uploads ('none': capture only)"),
 }
 SECTIONS: dict[str, type] = {
     "": RunSection,
@@ -121,6 +148,8 @@ SECTIONS: dict[str, type] = {
     "partition": PartitionSection,
     "train": TrainSection,
     "capture": CaptureSection,
+    "threat": ThreatSection,
+    "pool": PoolSection,
     "sim": SimSection,
 }
 
@@ -135,7 +164,10 @@ class Config:
     model: Component = Component("mlp", MODELS.get("mlp").params())
     train: TrainSection = TrainSection()
     defense: Component = Component("none", DEFENSES.get("none").params())
+    attack: Component = Component(NO_ATTACK, None)
     capture: CaptureSection = CaptureSection()
+    threat: ThreatSection = ThreatSection()
+    pool: PoolSection = PoolSection()
     sim: SimSection = SimSection()
 
     @classmethod
@@ -161,6 +193,11 @@ class Config:
     def run_dir(self) -> Path:
         """The folder this run writes to."""
         return Path(self.run.out_dir) if self.run.out_dir else Path("runs") / self.run.name
+
+
+def _choices(kind: str) -> list[str]:
+    names = COMPONENT_KINDS[kind][0].names()
+    return [NO_ATTACK, *names] if kind == "attack" else names
 
 
 def _dash(name: str) -> str:
@@ -207,7 +244,7 @@ def schema() -> dict[str, tuple[type, Any, str]]:
         for f in dataclasses.fields(section):
             keys[_key(prefix, f.name)] = (types[f.name], f.default, f.metadata.get("help", ""))
     for kind, (registry, default, help_text) in COMPONENT_KINDS.items():
-        keys[f"{kind}.name"] = (str, default, f"{help_text}: {', '.join(registry.names())}")
+        keys[f"{kind}.name"] = (str, default, f"{help_text}: {', '.join(_choices(kind))}")
         for entry in registry.entries():
             types = _field_types(entry.params)
             doc = (entry.params.__doc__ or "").strip().split("\n")[0]
@@ -246,8 +283,10 @@ def _build(flat: Mapping[str, Any]) -> Config:
 
     for kind, (registry, default, _) in COMPONENT_KINDS.items():
         name = values.get(f"{kind}.name", default)
-        if name not in registry:
-            problems.append(f"{kind}.name = {name!r}: choose one of {', '.join(registry.names())}")
+        if name not in _choices(kind):
+            problems.append(f"{kind}.name = {name!r}: choose one of {', '.join(_choices(kind))}")
+        if kind == "attack" and name == NO_ATTACK:
+            sections[kind] = Component(NO_ATTACK, None)
         for entry in registry.entries():
             kwargs = {
                 f.name: values[f"{kind}.{entry.name}.{_dash(f.name)}"]
@@ -276,6 +315,16 @@ def _cross_checks(sections: dict[str, Any]) -> list[str]:
             f"train.clients-per-round = {train.clients_per_round}: must be <= partition.num-clients "
             f"({partition.num_clients})"
         )
+    attack = sections.get("attack")
+    if attack is not None and attack.name != NO_ATTACK and attack.params is not None:
+        from attackers.base import build_attack, missing_grants
+
+        missing = missing_grants(build_attack(attack.name, attack.params), sections["threat"].granted())
+        if missing:
+            problems.append(
+                f"attack.name = {attack.name!r} needs what the threat model does not grant: {'; '.join(missing)} "
+                f"(set the matching threat.* key to true, or choose another attack)"
+            )
     for parse in (capture.round_selection, capture.client_selection):
         try:
             parse()

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,19 @@ from flwr.server import Grid, ServerApp, ServerConfig
 from flwr.server.compat import start_grid
 from flwr.server.strategy import FedAvg, Strategy
 
-from attackers.sinks import DiskSink
-from fedguard.config import Config
+from attackers.base import build_attack
+from attackers.pool import AttackPool
+from attackers.sinks import DiskSink, FanOut
+from fedguard.config import NO_ATTACK, Config
 from fedguard.data import load_dataset
 from fedguard.models import build_model
+from fedguard.evaluation import ATTACKS_FILE, Evaluator
 from fedguard.observation import ModelCard
+from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
 from fedguard.training import evaluate, get_arrays, set_arrays, trainable_mask
+from fedguard.vault import VAULT_DIR
 from strategies import FedSGD, HonestButCurious
 
 log = logging.getLogger(__name__)
@@ -50,7 +56,46 @@ def model_card(config: Config, model: torch.nn.Module) -> ModelCard:
     )
 
 
-def build_strategy(config: Config, model: torch.nn.Module, recorder: RoundRecorder) -> Strategy:
+def fit_config_fn(config: Config, folder: Path) -> Any:
+    """Per-round client instructions: the round number and, in targeted rounds, where the vault is."""
+    rounds = config.capture.round_selection()
+    vault = str(folder / VAULT_DIR)
+
+    def fit_config(server_round: int) -> dict[str, Any]:
+        if config.capture.ground_truth and server_round in rounds:
+            return {"round": server_round, "vault": vault}
+        return {"round": server_round}
+
+    return fit_config
+
+
+def build_attack_pool(config: Config, folder: Path) -> tuple[AttackPool, Evaluator]:
+    """The attacker workers and the evaluator that scores what they return."""
+    attack = config.attack
+    context = {
+        "attack": attack.name,
+        "attack_params": dataclasses.asdict(attack.params),
+        "defense": config.defense.name,
+        "defense_params": dataclasses.asdict(config.defense.params),
+        "model": config.model.name,
+        "dataset": config.data.name,
+        "seed": config.run.seed,
+    }
+    evaluator = Evaluator(folder, context)
+    pool = AttackPool(
+        functools.partial(build_attack, attack.name, attack.params),
+        evaluator,
+        workers=config.pool.workers,
+        time_limit=config.pool.time_limit,
+        group=config.pool.group,
+        threads=config.pool.threads,
+        use_gpu=getattr(attack.params, "device", "cpu") != "cpu",
+        address=config.pool.address or None,
+    )
+    return pool, evaluator
+
+
+def build_strategy(config: Config, model: torch.nn.Module, recorder: RoundRecorder, folder: Path) -> Strategy:
     """FedSGD or FedAvg with centralized evaluation on the held-out split after every round."""
     test = load_dataset(config.data.name, config.data.source_options()).test
     x_test, y_test = test.batch()
@@ -70,7 +115,7 @@ def build_strategy(config: Config, model: torch.nn.Module, recorder: RoundRecord
         fraction_evaluate=0.0,
         min_evaluate_clients=0,
         evaluate_fn=evaluate_fn,
-        on_fit_config_fn=lambda server_round: {"round": server_round},
+        on_fit_config_fn=fit_config_fn(config, folder),
         initial_parameters=ndarrays_to_parameters(get_arrays(model)),
         fit_metrics_aggregation_fn=lambda metrics: {},
     )
@@ -88,22 +133,34 @@ def run_server(grid: Grid, config: Config) -> Path:
 
     model = initial_model(config)
     recorder = RoundRecorder(folder / ROUNDS_FILE, config.train.rounds, config.train.clients_per_round)
-    strategy = build_strategy(config, model, recorder)
+    strategy = build_strategy(config, model, recorder, folder)
     rounds, clients = config.capture.round_selection(), config.capture.client_selection()
-    sink = None
+    sink: FanOut | None = None
+    pool: AttackPool | None = None
     if not (rounds.is_empty() or clients.is_empty()):
-        sink = DiskSink(folder / OBSERVATIONS_DIR)
+        sinks: list[Any] = [DiskSink(folder / OBSERVATIONS_DIR)]
+        if config.attack.name != NO_ATTACK:
+            pool, _ = build_attack_pool(config, folder)
+            sinks.append(pool)
+        sink = FanOut(sinks)
         kind = "gradient" if config.train.protocol == "fedsgd" else "weights"
         strategy = HonestButCurious(strategy, sink, model_card(config, model), kind, rounds, clients)
     try:
         start_grid(grid=grid, strategy=strategy, config=ServerConfig(num_rounds=config.train.rounds))
     finally:
         recorder.close()
-        if sink is not None:
-            sink.close(timeout=60.0)
         print(f"fedguard: {recorder.summary()}", flush=True)
         if sink is not None:
-            print(f"fedguard: {len(sink.saved)} uploads captured in {folder / OBSERVATIONS_DIR}", flush=True)
+            if pool is not None and pool.pending():
+                print(f"fedguard: waiting up to {config.pool.wait:.0f} s for {pool.pending()} attacks", flush=True)
+            sink.close(timeout=config.pool.wait)
+            captured = len(list((folder / OBSERVATIONS_DIR).glob("*.npz")))
+            print(f"fedguard: {captured} uploads captured in {folder / OBSERVATIONS_DIR}", flush=True)
+        if pool is not None:
+            stats = pool.stats
+            print(f"fedguard: attacks: {stats.ok} ok, {stats.error} failed, {stats.timeout} timed out; "
+                  f"results in {folder / ATTACKS_FILE}", flush=True)
+        print(f"fedguard: report {build_report(folder)}", flush=True)
     return folder
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from fedguard.config import Config
 
@@ -27,6 +28,31 @@ def backend_config(config: Config) -> dict:
     }
 
 
+def start_ray(config: Config) -> None:
+    """Start the local Ray cluster the clients and the attacker workers share.
+
+    Attacker workers claim the custom resource ``attacker`` (one each) and no
+    CPU, so that Flower's client actors, which size themselves by CPUs, never
+    starve them. Workers see this process's ``sys.path``, as Flower arranges it.
+    """
+    import ray
+
+    from attackers.pool import ATTACKER_RESOURCE
+
+    if ray.is_initialized():
+        return
+    pythonpath = os.pathsep.join([*sys.path, *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ["PYTHONPATH"] = pythonpath
+    ray.init(
+        num_cpus=config.sim.num_cpus,
+        object_store_memory=512 * 1024 * 1024,
+        include_dashboard=False,
+        resources={ATTACKER_RESOURCE: config.pool.workers},
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+        logging_level=logging.WARNING,
+    )
+
+
 def simulate(config: Config, verbose: bool = False) -> None:
     """Run all rounds of ``config`` with ``partition.num-clients`` simulated SuperNodes."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -43,10 +69,16 @@ def simulate(config: Config, verbose: bool = False) -> None:
         handler.addFilter(_DropDeprecation())
     if not verbose:
         flwr_logger.setLevel(logging.WARNING)
-    run_simulation(
-        server_app=make_server_app(config),
-        client_app=make_client_app(config),
-        num_supernodes=config.partition.num_clients,
-        backend_config=backend_config(config),
-        verbose_logging=verbose,
-    )
+    import ray
+
+    start_ray(config)
+    try:
+        run_simulation(
+            server_app=make_server_app(config),
+            client_app=make_client_app(config),
+            num_supernodes=config.partition.num_clients,
+            backend_config=backend_config(config),
+            verbose_logging=verbose,
+        )
+    finally:
+        ray.shutdown()

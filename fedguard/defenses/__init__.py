@@ -1,6 +1,6 @@
 """Client-side defenses by name. Importing this package registers them all."""
 
-from fedguard.defenses import none  # noqa: F401  (registration)
+from fedguard.defenses import dp_update, none  # noqa: F401  (registration)
 from fedguard.defenses.base import DEFENSES, Defense, LocalStep, build_defense, register_defense
 
 __all__ = ["DEFENSES", "Defense", "LocalStep", "build_defense", "register_defense"]

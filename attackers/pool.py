@@ -1,0 +1,248 @@
+"""The attacker pool: Ray actors that run an attack on captured observations.
+
+The pool is an ``ObservationSink``: ``submit`` queues and returns at once, so
+aggregation never waits. A background thread hands queued observations to
+idle workers (up to ``group`` of one shape at a time, which the attack runs as
+one batch), collects results as they arrive and passes every outcome, good or
+bad, to ``on_outcome``. A worker that raises yields an 'error' outcome; one
+that runs past its time limit is killed, replaced, and yields a 'timeout'
+outcome. ``close`` waits for what is left up to a limit and reports the rest
+as 'timeout'.
+
+Workers take one GPU each when CUDA is visible and the attack's device is not
+'cpu'; otherwise they take CPU threads. Inside a Flower simulation the pool
+uses the simulation's Ray cluster; elsewhere it starts a local one, or joins
+the cluster at ``address``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+import torch
+
+from attackers.base import AttackOutcome, Reconstruction
+from fedguard.observation import Observation
+
+log = logging.getLogger(__name__)
+
+ATTACKER_RESOURCE = "attacker"
+
+AttackFactory = Callable[[], Any]
+
+
+@ray.remote
+class AttackWorker:
+    """One attacker process: builds the attack once, then reconstructs what it is given."""
+
+    def __init__(self, factory: AttackFactory, threads: int) -> None:
+        torch.set_num_threads(max(1, threads))
+        self.attack = factory()
+
+    def run(self, observations: list[Observation]) -> list[Reconstruction]:
+        if hasattr(self.attack, "reconstruct_many") and len(observations) > 1:
+            return self.attack.reconstruct_many(observations)
+        return [self.attack.reconstruct(obs) for obs in observations]
+
+
+@dataclass
+class _Dispatch:
+    worker: int
+    observations: list[Observation]
+    started: float
+    limit: float
+
+
+@dataclass
+class PoolStats:
+    """Counts of outcomes so far."""
+
+    submitted: int = 0
+    ok: int = 0
+    error: int = 0
+    timeout: int = 0
+    restarts: int = 0
+    outcomes: list[AttackOutcome] = field(default_factory=list)
+
+
+def _shape_key(obs: Observation) -> tuple:
+    return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, obs.declared.get("batch-size"), obs.kind)
+
+
+class AttackPool:
+    """Ray attacker workers fed without blocking; see the module docstring.
+
+    Parameters
+    ----------
+    factory : Callable[[], Attack]
+        Builds the attack inside each worker (must be picklable).
+    on_outcome : Callable[[AttackOutcome], None]
+        Called, on the pool's thread, once for every submitted observation.
+    workers : int
+        Number of worker actors (>= 1).
+    time_limit : float
+        Seconds one observation may take; a group of k gets k times as long.
+    group : int
+        Most observations of one shape given to a worker at once.
+    threads : int
+        Torch threads of each CPU worker.
+    use_gpu : bool
+        One GPU per worker (only when CUDA is visible).
+    address : str | None
+        Address of an existing Ray cluster to join when Ray is not running yet.
+    """
+
+    def __init__(
+        self,
+        factory: AttackFactory,
+        on_outcome: Callable[[AttackOutcome], None],
+        workers: int = 1,
+        time_limit: float = 600.0,
+        group: int = 4,
+        threads: int = 1,
+        use_gpu: bool = False,
+        address: str | None = None,
+        poll_seconds: float = 0.2,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if not time_limit > 0:
+            raise ValueError(f"time_limit must be > 0, got {time_limit}")
+        if group < 1:
+            raise ValueError(f"group must be >= 1, got {group}")
+        self.factory = factory
+        self.on_outcome = on_outcome
+        self.time_limit = time_limit
+        self.group = group
+        self.threads = threads
+        self.use_gpu = use_gpu and torch.cuda.is_available()
+        self.stats = PoolStats()
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, resources=None if address else {ATTACKER_RESOURCE: workers})
+        self._has_resource = ray.cluster_resources().get(ATTACKER_RESOURCE, 0) >= 1
+        self._workers = [self._start_worker() for _ in range(workers)]
+        self._busy: dict[ray.ObjectRef, _Dispatch] = {}
+        self._queue: deque[Observation] = deque()
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._poll_seconds = poll_seconds
+        self._thread = threading.Thread(target=self._loop, name="attack-pool", daemon=True)
+        self._thread.start()
+
+    def _start_worker(self) -> Any:
+        options: dict[str, Any] = {"num_cpus": 0 if self._has_resource else self.threads}
+        if self._has_resource:
+            options["resources"] = {ATTACKER_RESOURCE: 1}
+        if self.use_gpu:
+            options["num_gpus"] = 1
+        return AttackWorker.options(**options).remote(self.factory, self.threads)
+
+    def submit(self, obs: Observation) -> None:
+        """Queue ``obs`` for attack; returns immediately."""
+        with self._lock:
+            self._queue.append(obs)
+            self.stats.submitted += 1
+
+    def pending(self) -> int:
+        """Observations queued or running."""
+        with self._lock:
+            return len(self._queue) + sum(len(d.observations) for d in self._busy.values())
+
+    def _idle_workers(self) -> list[int]:
+        busy = {d.worker for d in self._busy.values()}
+        return [i for i in range(len(self._workers)) if i not in busy]
+
+    def _dispatch(self) -> None:
+        with self._lock:
+            for worker in self._idle_workers():
+                if not self._queue:
+                    return
+                first = self._queue.popleft()
+                group = [first]
+                for obs in list(self._queue):
+                    if len(group) >= self.group:
+                        break
+                    if _shape_key(obs) == _shape_key(first):
+                        group.append(obs)
+                        self._queue.remove(obs)
+                ref = self._workers[worker].run.remote(group)
+                self._busy[ref] = _Dispatch(worker, group, time.monotonic(), self.time_limit * len(group))
+
+    def _emit(self, outcome: AttackOutcome) -> None:
+        setattr(self.stats, outcome.status, getattr(self.stats, outcome.status) + 1)
+        self.stats.outcomes.append(outcome)
+        try:
+            self.on_outcome(outcome)
+        except Exception:  # the pool must outlive a failing consumer
+            log.error("attack outcome handler failed:\n%s", traceback.format_exc())
+
+    def _collect(self) -> None:
+        refs = list(self._busy)
+        if not refs:
+            return
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            dispatch = self._busy.pop(ref)
+            seconds = time.monotonic() - dispatch.started
+            share = seconds / len(dispatch.observations)
+            try:
+                reconstructions = ray.get(ref)
+            except Exception as error:  # a worker's exception arrives wrapped by Ray
+                message = f"{type(error).__name__}: {error}".strip()
+                for obs in dispatch.observations:
+                    self._emit(AttackOutcome(obs, "error", error=message[-2000:], seconds=share, worker=dispatch.worker))
+                if isinstance(error, ray.exceptions.RayActorError):
+                    self._replace(dispatch.worker)
+                continue
+            for obs, rec in zip(dispatch.observations, reconstructions):
+                self._emit(AttackOutcome(obs, "ok", rec, seconds=share, worker=dispatch.worker))
+        now = time.monotonic()
+        for ref, dispatch in list(self._busy.items()):
+            if now - dispatch.started > dispatch.limit:
+                self._busy.pop(ref)
+                self._replace(dispatch.worker)
+                for obs in dispatch.observations:
+                    self._emit(AttackOutcome(obs, "timeout", error=f"no result within {dispatch.limit:.0f} s",
+                                             seconds=now - dispatch.started, worker=dispatch.worker))
+
+    def _replace(self, worker: int) -> None:
+        ray.kill(self._workers[worker], no_restart=True)
+        self._workers[worker] = self._start_worker()
+        self.stats.restarts += 1
+
+    def _loop(self) -> None:
+        while not self._closing.is_set():
+            self._step()
+            time.sleep(self._poll_seconds)
+
+    def _step(self) -> None:
+        try:
+            self._collect()
+            self._dispatch()
+        except Exception:
+            log.error("attack pool step failed:\n%s", traceback.format_exc())
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds (None: the per-attack limits alone) for every observation,
+        report what is still unfinished as 'timeout', and stop the workers."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.pending() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(self._poll_seconds)
+        self._closing.set()
+        self._thread.join()
+        self._collect()
+        with self._lock:
+            left = list(self._queue) + [obs for d in self._busy.values() for obs in d.observations]
+            self._queue.clear()
+            self._busy.clear()
+        for obs in left:
+            self._emit(AttackOutcome(obs, "timeout", error=f"still pending when the run ended (waited {timeout} s)"))
+        for worker in self._workers:
+            ray.kill(worker, no_restart=True)

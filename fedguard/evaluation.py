@@ -1,0 +1,77 @@
+"""Scoring attack outcomes against the ground truth the attacker never saw.
+
+For every outcome the evaluator reads the true batch from the vault, matches
+reconstructed to true images by linear assignment, computes MSE, PSNR, SSIM,
+LPIPS and label accuracy, saves both batches as PNG grids and appends one row
+to ``attacks.jsonl`` (flushed at once, so nothing is lost if the run stops).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+from attackers.base import AttackOutcome
+from fedguard.metrics import score_batch
+from fedguard.report.images import save_grid
+from fedguard.vault import VAULT_DIR, read_truth
+
+ATTACKS_FILE = "attacks.jsonl"
+IMAGES_DIR = "images"
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no infinity: +inf PSNR (an exact copy) is written as null in per-image rows."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+class Evaluator:
+    """Turns ``AttackOutcome`` objects into rows of ``attacks.jsonl`` and image grids in ``run_dir``.
+
+    ``context`` is copied into every row (attack and defense names and parameters, seed, ...).
+    """
+
+    def __init__(self, run_dir: Path, context: dict[str, Any], lpips_net: str = "alex") -> None:
+        self.run_dir = Path(run_dir)
+        self.context = context
+        self.lpips_net = lpips_net
+        self.rows: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, outcome: AttackOutcome) -> dict[str, Any]:
+        """Score ``outcome``, write its row and grids; returns the row."""
+        obs = outcome.observation
+        row: dict[str, Any] = {
+            "round": obs.round,
+            "client": obs.client,
+            **self.context,
+            "batch_size": int(obs.declared.get("batch-size", obs.num_examples)),
+            "status": outcome.status,
+            "error": outcome.error,
+            "seconds": round(outcome.seconds, 3),
+            "mse": None, "psnr": None, "ssim": None, "lpips": None, "label_accuracy": None, "images": None,
+        }
+        rec = outcome.reconstruction
+        if outcome.status == "ok" and rec is not None:
+            row["stats"] = {k: v for k, v in rec.stats.items() if isinstance(v, (int, float, str, bool, list))}
+            truth = read_truth(self.run_dir / VAULT_DIR, obs.round, obs.client)
+            if truth is None:
+                row["error"] = "no ground truth in the vault for this upload; not scored"
+            else:
+                images, labels = truth
+                scores = score_batch(rec.images, images, rec.labels, labels, self.lpips_net)
+                row.update({key: scores[key] for key in ("mse", "psnr", "ssim", "lpips", "label_accuracy")})
+                row["lpips_error"] = scores["lpips_error"]
+                row["per_image"] = [{k: _finite(v) for k, v in image.items()} for image in scores["per_image"]]
+                prefix = f"{IMAGES_DIR}/round-{obs.round:04d}_client-{obs.client:04d}_{self.context.get('attack', 'attack')}"
+                save_grid(images, self.run_dir / f"{prefix}_truth.png", scale=None)
+                save_grid(rec.images[scores["order"]], self.run_dir / f"{prefix}_recon.png", scale=None)
+                row["images"] = prefix
+        with self._lock:
+            self.rows.append(row)
+            with open(self.run_dir / ATTACKS_FILE, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(row) + "\n")
+        return row

@@ -1,0 +1,569 @@
+"""``report.html``: one self-contained page on a run, its training curve and every attack on it.
+
+The page needs nothing but itself: the figure and the image grids are
+embedded as base64 ``data:`` URIs, the CSS and the one small script are
+inline, and a Content-Security-Policy forbids loading anything else, so the
+file can be mailed, archived or opened offline and looks the same.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+from collections import defaultdict
+from html import escape
+from io import BytesIO
+from pathlib import Path
+from typing import Any, Iterable
+
+from PIL import Image
+
+from fedguard.config import Config, ConfigError, load_config
+from fedguard.report.images import write_atomic
+from fedguard.report.run_dir import CONFIG_FILE, ROUNDS_FILE
+
+REPORT_FILE = "report.html"
+ATTACKS_FILE = "attacks.jsonl"
+LEAK_SSIM = 0.9  # an upload whose reconstruction reaches this SSIM counts as leaked
+DASH = "\u2014"
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the run folder
+# ----------------------------------------------------------------------------------------------
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON object rows of ``path``; a missing file is empty, blank and torn lines are skipped.
+
+    A run that is stopped mid-write can leave a partial last line; the report
+    shows every complete row instead of failing.
+    """
+    if not path.is_file():
+        return []
+    rows: list[dict[str, Any]] = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _load_config(run_dir: Path) -> tuple[Config | None, str | None]:
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        return None, f"{CONFIG_FILE} is missing"
+    try:
+        return load_config(path), None
+    except ConfigError as error:
+        return None, f"{CONFIG_FILE} could not be read: {error}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Numbers
+# ----------------------------------------------------------------------------------------------
+
+def _number(value: Any) -> float | None:
+    """A finite or infinite float, or None for null, NaN and anything that is not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+def _mean(values: Iterable[Any]) -> float | None:
+    numbers = [n for n in (_number(v) for v in values) if n is not None]
+    return sum(numbers) / len(numbers) if numbers else None
+
+
+def _fmt(value: Any, digits: int, suffix: str = "") -> str:
+    number = _number(value)
+    if number is None:
+        return DASH
+    if math.isinf(number):
+        return ("\u221e" if number > 0 else "-\u221e") + suffix
+    return f"{number:.{digits}f}{suffix}"
+
+
+def _pct(value: Any, digits: int = 1) -> str:
+    number = _number(value)
+    return DASH if number is None else _fmt(100 * number, digits, "%")
+
+
+def _is_ok(row: dict[str, Any]) -> bool:
+    return row.get("status") == "ok"
+
+
+def _leaked(row: dict[str, Any]) -> bool:
+    ssim = _number(row.get("ssim"))
+    return _is_ok(row) and ssim is not None and ssim > LEAK_SSIM
+
+
+def _sort_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    def num(value: Any) -> float:
+        n = _number(value)
+        return math.inf if n is None else n
+
+    return (num(row.get("round")), num(row.get("client")), str(row.get("attack", "")), str(row.get("defense", "")))
+
+
+# ----------------------------------------------------------------------------------------------
+# Embedded images
+# ----------------------------------------------------------------------------------------------
+
+class _Images:
+    """Numbers the embedded images, so the page can report how many the browser decoded."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def tag(self, png: bytes, alt: str, css_class: str, enlarge_to: int = 0) -> str:
+        """An ``<img>`` of ``png``; a small one is shown up to ``enlarge_to`` pixels wide by whole factors."""
+        with Image.open(BytesIO(png)) as image:
+            width, height = image.size
+        factor = max(1, enlarge_to // max(1, width))
+        width, height = width * factor, height * factor
+        self.count += 1
+        data = base64.b64encode(png).decode("ascii")
+        return (
+            f'<img id="img-{self.count}" class="{escape(css_class)}" alt="{escape(alt)}" '
+            f'width="{width}" height="{height}" src="data:image/png;base64,{data}">'
+        )
+
+
+def _curve_png(rounds: list[dict[str, Any]]) -> bytes:
+    """Accuracy (%) and loss against the round, as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    xs = [row.get("round") for row in rounds]
+    accuracy = [100 * a if (a := _number(row.get("accuracy"))) is not None else math.nan for row in rounds]
+    loss = [v if (v := _number(row.get("loss"))) is not None else math.nan for row in rounds]
+
+    figure = Figure(figsize=(9.6, 3.6), dpi=150)
+    FigureCanvasAgg(figure)
+    axis = figure.add_subplot()
+    blue, orange = "#2563eb", "#ea580c"
+    axis.plot(xs, accuracy, color=blue, linewidth=2.2, marker="o", markersize=3.5, label="accuracy")
+    axis.fill_between(xs, accuracy, color=blue, alpha=0.07)
+    axis.set_ylim(0, 100)
+    axis.set_ylabel("test accuracy (%)", color=blue)
+    axis.set_xlabel("round")
+    axis.tick_params(axis="y", colors=blue)
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axis.grid(True, color="#e5e7eb", linewidth=0.8)
+    axis.set_axisbelow(True)
+    if len(xs) > 1:
+        axis.set_xlim(min(xs), max(xs))
+
+    label = "accuracy"
+    finite = [(a, -i) for i, a in enumerate(accuracy) if not math.isnan(a)]
+    if finite:
+        best, index = max(finite)  # the first round that reached the best accuracy
+        at = xs[-index]
+        axis.scatter([at], [best], s=60, color=blue, edgecolor="white", linewidth=1.5, zorder=5)
+        label = f"accuracy (best {best:.1f}% at round {at})"
+    axis.lines[0].set_label(label)
+
+    second = axis.twinx()
+    second.plot(xs, loss, color=orange, linewidth=1.6, linestyle="--", label="loss")
+    second.set_ylabel("loss", color=orange)
+    second.tick_params(axis="y", colors=orange)
+    second.set_ylim(bottom=0)
+    for side in ("top",):
+        axis.spines[side].set_visible(False)
+        second.spines[side].set_visible(False)
+    handles = axis.get_legend_handles_labels()[0] + second.get_legend_handles_labels()[0]
+    axis.legend(handles, [h.get_label() for h in handles], loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=2,
+                frameon=False, borderaxespad=0.2)
+    figure.tight_layout()
+
+    buffer = BytesIO()
+    figure.savefig(buffer, format="png", metadata={"Software": None})
+    return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------
+# Page sections
+# ----------------------------------------------------------------------------------------------
+
+def _params_text(params: Any) -> str:
+    if not dataclasses.is_dataclass(params):
+        return ""
+    values = dataclasses.asdict(params)
+    return ", ".join(f"{key.replace('_', '-')}={value}" for key, value in values.items())
+
+
+def _header(run_dir: Path, config: Config | None, config_problem: str | None, rounds: list[dict[str, Any]]) -> str:
+    name = config.run.name if config else run_dir.name
+    done = max((int(n) for row in rounds if (n := _number(row.get("round"))) is not None), default=0)
+    chips: list[tuple[str, str]] = []
+    if config:
+        defense = config.defense.name
+        if params := _params_text(config.defense.params):
+            defense += f" ({params})"
+        model = config.model.name
+        if params := _params_text(config.model.params):
+            model += f" ({params})"
+        chips = [
+            ("dataset", config.data.name),
+            ("model", model),
+            ("protocol", config.train.protocol),
+            ("rounds", f"{done} of {config.train.rounds}" if done < config.train.rounds else str(done)),
+            ("clients", f"{config.train.clients_per_round} of {config.partition.num_clients} per round "
+                        f"({config.partition.name})"),
+            ("defense", defense),
+            ("batch", f"{config.train.batch_size}, lr {config.train.lr:g}"),
+            ("seed", str(config.run.seed)),
+        ]
+    parts = [
+        '<header class="top">',
+        '<div class="eyebrow">fedguard run report</div>',
+        f"<h1>{escape(name)}</h1>",
+        f'<div class="folder">{escape(str(run_dir))}</div>',
+    ]
+    if config_problem:
+        parts.append(f'<p class="warn">{escape(config_problem)}</p>')
+    if chips:
+        parts.append('<dl class="chips">')
+        for label, value in chips:
+            parts.append(f'<div class="chip"><dt>{escape(label)}</dt><dd>{escape(value)}</dd></div>')
+        parts.append("</dl>")
+    parts.append("</header>")
+    return "\n".join(parts)
+
+
+def _stats(rounds: list[dict[str, Any]], attacks: list[dict[str, Any]]) -> str:
+    cards: list[tuple[str, str, str, str]] = []  # label, value, detail, css class
+    scored = [row for row in rounds if _number(row.get("accuracy")) is not None]
+    if scored:
+        first, last = scored[0], scored[-1]
+        best = max(scored, key=lambda row: row["accuracy"])
+        since = f"from {_pct(first['accuracy'])} at round {first.get('round')}"
+        cards.append(("final accuracy", _pct(last["accuracy"]), since, ""))
+        cards.append(("best accuracy", _pct(best["accuracy"]), f"at round {best.get('round')}", ""))
+        cards.append(("final loss", _fmt(last.get("loss"), 4), f"from {_fmt(first.get('loss'), 4)}", ""))
+    seconds = sum(n for row in rounds if (n := _number(row.get("seconds"))) is not None and math.isfinite(n))
+    cards.append(("wall time", _duration(seconds), f"{len(rounds)} rows in {ROUNDS_FILE}", ""))
+    if attacks:
+        failed = sum(not _is_ok(row) for row in attacks)
+        leaked = sum(_leaked(row) for row in attacks)
+        cards.append(("uploads attacked", str(len(attacks)), f"{failed} failed" if failed else "all finished",
+                      "bad" if failed else ""))
+        cards.append((f"leaked (SSIM > {LEAK_SSIM:g})", str(leaked), f"of {len(attacks) - failed} reconstructed",
+                      "bad" if leaked else "good"))
+    else:
+        cards.append(("uploads attacked", "0", "no attack ran", ""))
+    items = "".join(
+        f'<div class="card {css}"><div class="label">{escape(label)}</div><div class="value">{escape(value)}</div>'
+        f'<div class="detail">{escape(detail)}</div></div>'
+        for label, value, detail, css in cards
+    )
+    return f'<section class="stats">{items}</section>'
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {rest:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def _training(rounds: list[dict[str, Any]], images: _Images) -> str:
+    parts = ['<section class="panel">', "<h2>Training</h2>"]
+    if not rounds:
+        parts.append(f'<p class="empty">No round finished: {ROUNDS_FILE} holds no rows yet.</p>')
+    else:
+        png = _curve_png(rounds)
+        parts.append(f'<figure class="curve">{images.tag(png, "test accuracy and loss per round", "figure")}</figure>')
+        body = "".join(
+            f"<tr><td>{escape(str(row.get('round', DASH)))}</td><td>{_pct(row.get('accuracy'), 2)}</td>"
+            f"<td>{_fmt(row.get('loss'), 4)}</td><td>{_fmt(row.get('seconds'), 1)}</td></tr>"
+            for row in rounds
+        )
+        parts.append(
+            f"<details><summary>Round log ({len(rounds)} rows)</summary>"
+            '<table class="data compact"><thead><tr><th>round</th><th>accuracy</th><th>loss</th><th>seconds</th></tr></thead>'
+            f"<tbody>{body}</tbody></table></details>"
+        )
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
+def _status_badge(row: dict[str, Any]) -> str:
+    status = str(row.get("status") or "unknown")
+    css = {"ok": "ok", "timeout": "timeout"}.get(status, "error")
+    return f'<span class="badge {css}">{escape(status)}</span>'
+
+
+def _ssim_cell(value: Any) -> str:
+    number = _number(value)
+    if number is None:
+        return f'<td class="num">{DASH}</td>'
+    width = max(0.0, min(1.0, number)) * 100
+    css = " leak" if number > LEAK_SSIM else ""
+    return (
+        f'<td class="num ssim{css}"><span class="bar" style="width:{width:.0f}%"></span>'
+        f"<span class=\"v\">{_fmt(number, 3)}</span></td>"
+    )
+
+
+def _summary_table(attacks: list[dict[str, Any]]) -> str:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in attacks:
+        groups[(str(row.get("attack", "?")), str(row.get("defense", "?")))].append(row)
+    body = []
+    for (attack, defense), rows in sorted(groups.items()):
+        ok = [row for row in rows if _is_ok(row)]
+        leaked = sum(_leaked(row) for row in ok)
+        body.append(
+            f"<tr><td>{escape(attack)}</td><td>{escape(defense)}</td>"
+            f'<td class="num">{len(ok)}</td><td class="num{" bad" if len(rows) - len(ok) else ""}">{len(rows) - len(ok)}</td>'
+            f'<td class="num">{_fmt(_mean(r.get("psnr") for r in ok), 2)}</td>'
+            f'{_ssim_cell(_mean(r.get("ssim") for r in ok))}'
+            f'<td class="num">{_fmt(_mean(r.get("lpips") for r in ok), 3)}</td>'
+            f'<td class="num">{_pct(_mean(r.get("label_accuracy") for r in ok))}</td>'
+            f'<td class="num{" bad" if leaked else ""}">{leaked} of {len(ok)}</td></tr>'
+        )
+    return (
+        '<table class="data"><thead><tr><th>attack</th><th>defense</th><th class="num">ok</th>'
+        '<th class="num">failed</th><th class="num">mean PSNR (dB)</th><th class="num">mean SSIM</th>'
+        '<th class="num">mean LPIPS</th><th class="num">mean label acc.</th>'
+        f'<th class="num">SSIM &gt; {LEAK_SSIM:g}</th></tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+def _uploads_table(attacks: list[dict[str, Any]], anchors: dict[int, str]) -> str:
+    columns = 11
+    body = []
+    for index, row in enumerate(attacks):
+        where = f"{escape(str(row.get('round', DASH)))}"
+        client = escape(str(row.get("client", DASH)))
+        if index in anchors:
+            client = f'<a href="#{anchors[index]}">{client}</a>'
+        body.append(
+            f'<tr class="{"failed" if not _is_ok(row) else ""}"><td class="num">{where}</td><td class="num">{client}</td>'
+            f"<td>{escape(str(row.get('attack', DASH)))}</td><td>{escape(str(row.get('defense', DASH)))}</td>"
+            f'<td class="num">{escape(str(row.get("batch_size", DASH)))}</td><td>{_status_badge(row)}</td>'
+            f'<td class="num">{_fmt(row.get("psnr"), 2)}</td>{_ssim_cell(row.get("ssim"))}'
+            f'<td class="num">{_fmt(row.get("lpips"), 3)}</td><td class="num">{_pct(row.get("label_accuracy"))}</td>'
+            f'<td class="num">{_fmt(row.get("seconds"), 1)}</td></tr>'
+        )
+        if not _is_ok(row):
+            error = str(row.get("error") or f"status {row.get('status')!r} without an error message")
+            body.append(f'<tr class="error-row"><td colspan="{columns}"><pre>{escape(error)}</pre></td></tr>')
+    return (
+        '<table class="data"><thead><tr><th class="num">round</th><th class="num">client</th><th>attack</th>'
+        '<th>defense</th><th class="num">batch</th><th>status</th><th class="num">PSNR (dB)</th><th class="num">SSIM</th>'
+        '<th class="num">LPIPS</th><th class="num">label acc.</th><th class="num">seconds</th></tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+def _grid_file(run_dir: Path, prefix: str, kind: str) -> Path | None:
+    """``run_dir/<prefix>_<kind>.png`` when it exists inside the run folder."""
+    path = (run_dir / f"{prefix}_{kind}.png").resolve()
+    if not path.is_relative_to(run_dir.resolve()) or not path.is_file():
+        return None
+    return path
+
+
+def _gallery_item(run_dir: Path, row: dict[str, Any], anchor: str, images: _Images) -> str:
+    prefix = str(row["images"])
+    title = (
+        f"Round {row.get('round', '?')} \u00b7 client {row.get('client', '?')} \u00b7 {row.get('attack', '?')}"
+        f" \u00b7 defense {row.get('defense', '?')}"
+    )
+    cells = []
+    for kind, label in (("truth", "client's data"), ("recon", "reconstruction")):
+        path = _grid_file(run_dir, prefix, kind)
+        if path is None:
+            inner = f'<div class="missing">{escape(f"{prefix}_{kind}.png")} is missing</div>'
+        else:
+            inner = images.tag(path.read_bytes(), f"{label}, {title}", "grid", enlarge_to=400)
+        cells.append(f"<figure>{inner}<figcaption>{escape(label)}</figcaption></figure>")
+    scores = [
+        ("PSNR", _fmt(row.get("psnr"), 2, " dB")),
+        ("SSIM", _fmt(row.get("ssim"), 3)),
+        ("LPIPS", _fmt(row.get("lpips"), 3)),
+        ("labels", _pct(row.get("label_accuracy"))),
+        ("batch", str(row.get("batch_size", DASH))),
+        ("time", _fmt(row.get("seconds"), 1, " s")),
+    ]
+    score_html = "".join(f"<span><b>{escape(k)}</b> {escape(v)}</span>" for k, v in scores)
+    verdict = '<span class="badge error">leaked</span>' if _leaked(row) else ""
+    return (
+        f'<article class="upload" id="{escape(anchor)}"><h3>{escape(title)} {verdict}</h3>'
+        f'<div class="pair">{"".join(cells)}</div><p class="scores">{score_html}</p></article>'
+    )
+
+
+def _attacks(run_dir: Path, attacks: list[dict[str, Any]], images: _Images) -> str:
+    if not attacks:
+        return (
+            '<section class="panel"><h2>Attacks</h2>'
+            '<p class="empty">No upload was attacked in this run.</p></section>'
+        )
+    anchors = {i: f"upload-{i + 1}" for i, row in enumerate(attacks) if _is_ok(row) and row.get("images")}
+    gallery = "\n".join(_gallery_item(run_dir, attacks[i], anchor, images) for i, anchor in anchors.items())
+    failed = sum(not _is_ok(row) for row in attacks)
+    return "\n".join([
+        '<section class="panel"><h2>Attacks</h2>',
+        f'<p class="lead">{len(attacks)} attacked upload{"s" if len(attacks) != 1 else ""}'
+        f'{f", {failed} failed" if failed else ""}. Higher PSNR and SSIM and lower LPIPS mean a closer '
+        f"reconstruction of the client's data; SSIM above {LEAK_SSIM:g} is marked as leaked.</p>",
+        "<h3>By attack and defense</h3>",
+        _summary_table(attacks),
+        "<h3>Every attacked upload</h3>",
+        _uploads_table(attacks, anchors),
+        "</section>",
+        '<section class="panel"><h2>Reconstructions</h2>',
+        gallery or '<p class="empty">No attack produced images.</p>',
+        "</section>",
+    ])
+
+
+CSS = """
+:root { --ink:#111827; --muted:#6b7280; --line:#e5e7eb; --bg:#f3f4f6; --card:#fff; --blue:#2563eb;
+  --red:#dc2626; --red-bg:#fee2e2; --green:#15803d; --green-bg:#dcfce7; --amber:#b45309; --amber-bg:#fef3c7; }
+* { box-sizing: border-box; }
+body { margin:0; background:var(--bg); color:var(--ink); line-height:1.45;
+  font:15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; }
+main { max-width:1180px; margin:0 auto; padding:28px 24px 48px; }
+header.top { background:linear-gradient(135deg,#1e3a8a,#2563eb); color:#fff; border-radius:14px; padding:26px 30px 22px; }
+.eyebrow { text-transform:uppercase; letter-spacing:.12em; font-size:12px; opacity:.8; }
+h1 { margin:4px 0 2px; font-size:30px; }
+.folder { font-family:ui-monospace, "DejaVu Sans Mono", monospace; font-size:12px; opacity:.75; word-break:break-all; }
+.chips { display:flex; flex-wrap:wrap; gap:8px; margin:16px 0 0; }
+.chip { background:rgba(255,255,255,.14); border-radius:8px; padding:5px 10px; }
+.chip dt { font-size:11px; text-transform:uppercase; letter-spacing:.08em; opacity:.75; }
+.chip dd { margin:0; font-weight:600; }
+.warn { background:var(--amber-bg); color:var(--amber); padding:6px 10px; border-radius:6px; }
+.stats { display:grid; grid-template-columns:repeat(auto-fit, minmax(160px, 1fr)); gap:12px; margin:18px 0; }
+.card { background:var(--card); border-radius:12px; padding:14px 16px; box-shadow:0 1px 2px rgba(0,0,0,.06);
+  border-top:4px solid var(--blue); }
+.card.bad { border-top-color:var(--red); } .card.good { border-top-color:var(--green); }
+.card .label { font-size:12px; color:var(--muted); text-transform:uppercase; letter-spacing:.06em; }
+.card .value { font-size:24px; white-space:nowrap; font-weight:700; font-variant-numeric:tabular-nums; }
+.card .detail { font-size:12px; color:var(--muted); }
+.panel { background:var(--card); border-radius:12px; padding:18px 22px 22px; margin:18px 0;
+  box-shadow:0 1px 2px rgba(0,0,0,.06); }
+h2 { margin:0 0 10px; font-size:20px; } h3 { font-size:15px; margin:18px 0 8px; }
+.lead { color:var(--muted); margin-top:0; }
+.empty { color:var(--muted); font-size:17px; padding:18px; background:var(--bg); border-radius:8px; text-align:center; }
+figure { margin:0; }
+.curve img { width:100%; height:auto; display:block; }
+details summary { cursor:pointer; color:var(--blue); margin-top:8px; }
+table.data { border-collapse:collapse; width:100%; font-size:13.5px; font-variant-numeric:tabular-nums; }
+table.data th { text-align:left; font-weight:600; color:var(--muted); border-bottom:2px solid var(--line);
+  padding:6px 8px; white-space:nowrap; }
+table.data td { border-bottom:1px solid var(--line); padding:5px 8px; }
+table.data tbody tr:nth-child(even):not(.error-row) { background:#f9fafb; }
+table.compact { width:auto; margin-top:8px; }
+.num { text-align:right; }
+td.bad { color:var(--red); font-weight:700; }
+td.ssim { position:relative; min-width:80px; }
+td.ssim .bar { position:absolute; left:0; top:20%; height:60%; background:#dbeafe; border-radius:3px; }
+td.ssim.leak .bar { background:#fecaca; } td.ssim.leak .v { color:var(--red); font-weight:700; }
+td.ssim .v { position:relative; }
+tr.failed td { color:var(--muted); }
+tr.error-row td { padding:0 8px 8px; border-bottom:1px solid var(--line); }
+tr.error-row pre { margin:0; padding:8px 10px; background:var(--red-bg); color:#7f1d1d; border-radius:6px;
+  white-space:pre-wrap; word-break:break-word; max-height:12em; overflow:auto; font-size:12px; }
+.badge { display:inline-block; border-radius:999px; padding:1px 9px; font-size:12px; font-weight:600; vertical-align:middle; }
+.badge.ok { background:var(--green-bg); color:var(--green); }
+.badge.error { background:var(--red-bg); color:var(--red); }
+.badge.timeout { background:var(--amber-bg); color:var(--amber); }
+a { color:var(--blue); }
+.upload { border-top:1px solid var(--line); padding:14px 0 4px; }
+.upload:first-of-type { border-top:0; }
+.upload h3 { margin:0 0 10px; }
+.pair { display:flex; flex-wrap:wrap; gap:18px; align-items:flex-start; }
+.pair figure { background:var(--bg); padding:10px; border-radius:10px; text-align:center; max-width:100%; }
+.pair img { display:block; max-width:100%; height:auto; image-rendering:pixelated; border-radius:2px; }
+.pair figcaption { font-size:12.5px; color:var(--muted); margin-top:6px; text-transform:uppercase; letter-spacing:.06em; }
+.missing { padding:40px 24px; color:var(--muted); font-style:italic; }
+.scores { display:flex; flex-wrap:wrap; gap:6px 18px; margin:10px 0 0; font-variant-numeric:tabular-nums; }
+.scores b { color:var(--muted); font-weight:600; }
+footer { color:var(--muted); font-size:12px; text-align:center; margin-top:24px; }
+"""
+
+# Counts the embedded images the browser decoded, for tests and for anyone checking the file.
+SCRIPT = """
+window.addEventListener("load", function () {
+  var images = document.querySelectorAll("img");
+  var loaded = 0;
+  for (var i = 0; i < images.length; i++) {
+    if (images[i].complete && images[i].naturalWidth > 0) { loaded++; }
+  }
+  document.body.dataset.imagesTotal = String(images.length);
+  document.body.dataset.imagesLoaded = String(loaded);
+});
+"""
+
+# Nothing may come from outside the file: images only as data: URIs, inline style and script.
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
+
+
+def render_report(run_dir: Path) -> str:
+    """The HTML text of the report on ``run_dir`` (see ``build_report``)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run folder {run_dir} not found")
+    if not (run_dir / ROUNDS_FILE).is_file():
+        raise FileNotFoundError(f"{run_dir} holds no {ROUNDS_FILE}; is it a run folder (see `fedguard run --out`)?")
+    config, config_problem = _load_config(run_dir)
+    rounds = sorted(
+        (row for row in read_jsonl(run_dir / ROUNDS_FILE) if (n := _number(row.get("round"))) is not None and math.isfinite(n)),
+        key=lambda row: row["round"],
+    )
+    attacks = sorted(read_jsonl(run_dir / ATTACKS_FILE), key=_sort_key)
+    images = _Images()
+    title = config.run.name if config else run_dir.name
+    body = "\n".join([
+        _header(run_dir, config, config_problem, rounds),
+        _stats(rounds, attacks),
+        _training(rounds, images),
+        _attacks(run_dir, attacks, images),
+        f'<footer>Written by <code>fedguard report</code>; {images.count} embedded image'
+        f'{"s" if images.count != 1 else ""}, no external resources.</footer>',
+    ])
+    return (
+        "<!DOCTYPE html>\n"
+        '<html lang="en"><head><meta charset="utf-8">\n'
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{escape(title)} \u2014 fedguard report</title>\n"
+        f"<style>{CSS}</style></head>\n"
+        f'<body data-images-expected="{images.count}"><main>\n{body}\n</main>\n'
+        f"<script>{SCRIPT}</script>\n</body></html>\n"
+    )
+
+
+def build_report(run_dir: Path) -> Path:
+    """Write ``run_dir/report.html`` and return its path.
+
+    One self-contained page: the run name and key configuration, summary
+    numbers, the accuracy and loss curve, a table per attack and defense and
+    one per attacked upload (with the error text of failed attacks), and the
+    client's data beside its reconstruction for every attack that produced
+    images. Raises ``FileNotFoundError`` when ``run_dir`` or its
+    ``rounds.jsonl`` is missing; a missing ``attacks.jsonl`` means no attack ran.
+    """
+    run_dir = Path(run_dir)
+    text = render_report(run_dir)
+    return write_atomic(run_dir / REPORT_FILE, text.encode("utf-8"))
+
+
+__all__ = ["ATTACKS_FILE", "REPORT_FILE", "build_report", "read_jsonl", "render_report"]

@@ -1,0 +1,42 @@
+"""The ground-truth vault: the true batches behind targeted uploads, for scoring only.
+
+In simulation, clients write the batch of each targeted round here; attackers
+never read it (they receive only ``Observation`` objects); the evaluator does.
+One file per upload: ``vault/round-RRRR_client-CCCC.npz`` with ``images``
+(B, C, H, W) float32 in [0, 1] and ``labels`` (B,) int64.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VAULT_DIR = "vault"
+
+
+def truth_path(vault: Path, round_: int, client: int) -> Path:
+    """Where the batch of ``client`` in ``round_`` is kept."""
+    return Path(vault) / f"round-{round_:04d}_client-{client:04d}.npz"
+
+
+def write_truth(vault: Path, round_: int, client: int, images: torch.Tensor, labels: torch.Tensor) -> Path:
+    """Store one true batch atomically."""
+    path = truth_path(vault, round_, client)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.part")
+    with open(partial, "wb") as handle:
+        np.savez(handle, images=images.detach().cpu().float().numpy(), labels=labels.detach().cpu().long().numpy())
+    os.replace(partial, path)
+    return path
+
+
+def read_truth(vault: Path, round_: int, client: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The true batch (images, labels), or None when the vault does not hold it."""
+    path = truth_path(vault, round_, client)
+    if not path.is_file():
+        return None
+    with np.load(path, allow_pickle=False) as archive:
+        return torch.from_numpy(archive["images"]), torch.from_numpy(archive["labels"])
