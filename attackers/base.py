@@ -48,6 +48,7 @@ class Attack(Protocol):
     """Server-side attack on one captured upload."""
 
     needs: frozenset[str]
+    uploads: frozenset[str]
 
     def reconstruct(self, obs: Observation) -> Reconstruction: ...
 
@@ -64,6 +65,11 @@ def build_attack(name: str, params: Any = None) -> Attack:
     """The registered attack ``name`` configured with ``params``."""
     entry = ATTACKS.get(name)
     return entry.factory(params if params is not None else entry.params())
+
+
+def shape_key(obs: Observation) -> tuple:
+    """Observations with equal keys (model, data shape, batch size, upload kind) can be attacked as one batch."""
+    return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, obs.declared.get("batch-size"), obs.kind)
 
 
 def missing_grants(attack: Attack, granted: set[str]) -> list[str]:

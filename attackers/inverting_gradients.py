@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, replace_all_batch_norm_modules_, vmap
@@ -91,6 +92,11 @@ def target_gradient(obs: Observation, device: torch.device) -> list[torch.Tensor
     return [torch.tensor(a).to(device) for a, t in zip(obs.upload, obs.trainable) if t]
 
 
+def job_seed(seed: int, obs: Observation, restart: int) -> int:
+    """Seed of one restart's initial image: the same whether it runs alone or batched with others."""
+    return int(np.random.SeedSequence([seed, obs.round, obs.client, restart]).generate_state(1)[0])
+
+
 def batch_size_of(obs: Observation) -> int:
     """The batch size the client declared (FedSGD) or, failing that, the number of examples."""
     return int(obs.declared.get("batch-size", obs.num_examples))
@@ -100,6 +106,7 @@ class InvertingGradients:
     """Cosine-similarity gradient inversion with TV prior, batched over restarts and observations."""
 
     needs: frozenset[str] = frozenset()
+    uploads: frozenset[str] = frozenset({"gradient"})
 
     def __init__(self, params: InvertingGradientsParams, labels_known: bool = False) -> None:
         self.params = params
@@ -152,8 +159,10 @@ class InvertingGradients:
             losses = job_losses(x)
             return losses.sum(), losses
 
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        x = torch.rand((jobs, batch, *first.spec.shape), generator=generator).to(device)
+        x = torch.stack([
+            torch.rand((batch, *first.spec.shape), generator=torch.Generator().manual_seed(job_seed(seed, obs, r)))
+            for obs in observations for r in range(restarts)
+        ]).to(device)
         optimizer = torch.optim.Adam([x.requires_grad_()], lr=self.params.lr)
         milestones = [int(self.params.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)]
         scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.1)

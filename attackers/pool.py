@@ -28,7 +28,7 @@ from typing import Any, Callable
 import ray
 import torch
 
-from attackers.base import AttackOutcome, Reconstruction
+from attackers.base import AttackOutcome, Reconstruction, shape_key
 from fedguard.observation import Observation
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,6 @@ class PoolStats:
     timeout: int = 0
     restarts: int = 0
     outcomes: list[AttackOutcome] = field(default_factory=list)
-
-
-def _shape_key(obs: Observation) -> tuple:
-    return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, obs.declared.get("batch-size"), obs.kind)
 
 
 class AttackPool:
@@ -169,7 +165,7 @@ class AttackPool:
                 for obs in list(self._queue):
                     if len(group) >= self.group:
                         break
-                    if _shape_key(obs) == _shape_key(first):
+                    if shape_key(obs) == shape_key(first):
                         group.append(obs)
                         self._queue.remove(obs)
                 ref = self._workers[worker].run.remote(group)

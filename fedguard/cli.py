@@ -70,6 +70,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_attack(args: argparse.Namespace) -> int:
+    """Run an attack on the observations a run captured, score it, and rebuild the report."""
+    from fedguard.offline_attack import attack_capture
+
+    attack_capture(args.capture_dir, args.overrides)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
     parser = argparse.ArgumentParser(
@@ -88,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(config)
     config.add_argument("--keys", action="store_true", help="list every key with its default and meaning")
     config.set_defaults(handler=cmd_config)
+
+    attack = commands.add_parser("attack", help=cmd_attack.__doc__, description=cmd_attack.__doc__)
+    attack.add_argument("capture_dir", type=Path, metavar="CAPTURE_DIR",
+                        help="a run folder or its observations/ folder; the run's config.toml is the starting point")
+    attack.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="e.g. --set attack.name=ig --set attack.ig.iterations=500 (repeatable)")
+    attack.set_defaults(handler=cmd_attack)
 
     report = commands.add_parser("report", help=cmd_report.__doc__, description=cmd_report.__doc__)
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder, e.g. runs/quickstart")

@@ -319,7 +319,14 @@ def _cross_checks(sections: dict[str, Any]) -> list[str]:
     if attack is not None and attack.name != NO_ATTACK and attack.params is not None:
         from attackers.base import build_attack, missing_grants
 
-        missing = missing_grants(build_attack(attack.name, attack.params), sections["threat"].granted())
+        built = build_attack(attack.name, attack.params)
+        kind = "gradient" if train.protocol == "fedsgd" else "weights"
+        if kind not in built.uploads:
+            problems.append(
+                f"attack.name = {attack.name!r} attacks {', '.join(sorted(built.uploads))} uploads, but "
+                f"train.protocol = {train.protocol!r} uploads {kind}"
+            )
+        missing = missing_grants(built, sections["threat"].granted())
         if missing:
             problems.append(
                 f"attack.name = {attack.name!r} needs what the threat model does not grant: {'; '.join(missing)} "

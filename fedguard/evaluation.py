@@ -66,7 +66,8 @@ class Evaluator:
                 row.update({key: scores[key] for key in ("mse", "psnr", "ssim", "lpips", "label_accuracy")})
                 row["lpips_error"] = scores["lpips_error"]
                 row["per_image"] = [{k: _finite(v) for k, v in image.items()} for image in scores["per_image"]]
-                prefix = f"{IMAGES_DIR}/round-{obs.round:04d}_client-{obs.client:04d}_{self.context.get('attack', 'attack')}"
+                label = "-".join(str(self.context[k]) for k in ("attack", "source") if k in self.context)
+                prefix = f"{IMAGES_DIR}/round-{obs.round:04d}_client-{obs.client:04d}_{label or 'attack'}"
                 save_grid(images, self.run_dir / f"{prefix}_truth.png", scale=None)
                 save_grid(rec.images[scores["order"]], self.run_dir / f"{prefix}_recon.png", scale=None)
                 row["images"] = prefix

@@ -154,3 +154,23 @@ def test_selection(spec: str, inside: list[int], outside: list[int]) -> None:
 def test_bad_selection(spec: str) -> None:
     with pytest.raises(ValueError, match="capture.rounds"):
         Selection.parse(spec, "capture.rounds")
+
+
+def test_attack_must_fit_the_protocol() -> None:
+    [problem] = problems_of({"attack.name": "ig", "train.protocol": "fedavg"})
+    assert "attack.name = 'ig'" in problem and "gradient" in problem and "fedavg" in problem
+    assert Config.from_flat({"attack.name": "ig"}).attack.name == "ig"
+
+
+def test_attack_needs_must_be_granted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attackers.inverting_gradients import InvertingGradients
+
+    monkeypatch.setattr(InvertingGradients, "needs", frozenset({"bn-statistics"}))
+    [problem] = problems_of({"attack.name": "ig"})
+    assert "bn-statistics" in problem and "threat." in problem
+    assert Config.from_flat({"attack.name": "ig", "threat.bn-statistics": True}).attack.name == "ig"
+
+
+def test_unknown_attack_lists_none_and_registered() -> None:
+    [problem] = problems_of({"attack.name": "dlg2"})
+    assert "none" in problem and "ig" in problem

@@ -1,0 +1,277 @@
+"""The attacker pool: non-blocking submission, errors, time limits, closing and grouping.
+
+Each test drives a real ``AttackPool`` on a local Ray cluster with a fake attack whose behaviour
+is chosen per observation (``declared["behaviour"]``): return at once, sleep, raise or hang.
+The fake attack returns, in each reconstruction's stats, which observations were attacked in the
+same call, by which process, so the tests can see how the pool grouped and routed the work.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from attackers.base import AttackOutcome, Reconstruction
+from attackers.pool import AttackPool
+from fedguard.data import DataSpec
+from fedguard.observation import ModelCard, Observation
+
+pytestmark = pytest.mark.slow  # starts Ray and attacker processes
+
+# Ray workers cannot import this test module (``tests`` is not installed): ship it by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CARD = ModelCard("mlp", {"hidden": 2, "depth": 0}, DataSpec(1, 2, 2, 2), ("0.weight", "0.bias"), (True, True))
+ERROR_TEXT = "deliberate failure in the fake attack (code 4711)"
+
+
+def observation(client: int, behaviour: str = "ok", seconds: float = 0.0, batch_size: int = 1) -> Observation:
+    """A tiny gradient observation of ``CARD``; ``behaviour`` tells the fake attack what to do with it."""
+    arrays = [np.zeros((2, 4), np.float32), np.zeros(2, np.float32)]
+    upload = [np.full((2, 4), client, np.float32), np.full(2, client, np.float32)]
+    declared = {"batch-size": batch_size, "lr": 0.1, "behaviour": behaviour, "seconds": seconds}
+    return CARD.observe(1, client, "gradient", arrays, upload, batch_size, declared)
+
+
+class FakeAttack:
+    """Does what each observation's ``declared["behaviour"]`` says: 'ok', 'sleep', 'raise' or 'hang'."""
+
+    needs: frozenset[str] = frozenset()
+
+    def reconstruct(self, obs: Observation) -> Reconstruction:
+        return self.reconstruct_many([obs])[0]
+
+    def reconstruct_many(self, observations: list[Observation]) -> list[Reconstruction]:
+        call = tuple(obs.client for obs in observations)
+        for obs in observations:
+            behaviour = obs.declared["behaviour"]
+            if behaviour == "raise":
+                raise ValueError(ERROR_TEXT)
+            if behaviour == "hang":
+                time.sleep(1000)
+            if behaviour == "sleep":
+                time.sleep(obs.declared["seconds"])
+        return [
+            Reconstruction(
+                images=torch.full((obs.num_examples, *obs.spec.shape), 0.5),
+                labels=torch.zeros(obs.num_examples, dtype=torch.long),
+                stats={"client": obs.client, "group": len(observations), "call": call, "pid": os.getpid()},
+            )
+            for obs in observations
+        ]
+
+
+class ShortAttack(FakeAttack):
+    """Breaks the contract: returns one reconstruction fewer than it was given observations."""
+
+    def reconstruct(self, obs: Observation) -> Reconstruction:
+        return FakeAttack.reconstruct_many(self, [obs])[0]
+
+    def reconstruct_many(self, observations: list[Observation]) -> list[Reconstruction]:
+        return super().reconstruct_many(observations)[:-1]
+
+
+class Outcomes:
+    """Thread-safe ``on_outcome`` that records outcomes and the thread they arrive on."""
+
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.items: list[AttackOutcome] = []
+        self.threads: set[str] = set()
+        self.fail_on = fail_on
+        self._lock = threading.Lock()
+
+    def __call__(self, outcome: AttackOutcome) -> None:
+        with self._lock:
+            self.items.append(outcome)
+            self.threads.add(threading.current_thread().name)
+        if outcome.status == self.fail_on:
+            raise RuntimeError("the consumer of outcomes failed")
+
+    def of(self, obs: Observation) -> list[AttackOutcome]:
+        with self._lock:
+            return [o for o in self.items if o.observation is obs]
+
+    def wait(self, count: int, timeout: float = 60.0) -> list[AttackOutcome]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if len(self.items) >= count:
+                    return list(self.items)
+            time.sleep(0.05)
+        raise AssertionError(f"only {len(self.items)} of {count} outcomes after {timeout} s: {self.items}")
+
+
+def assert_one_outcome_each(pool: AttackPool, outcomes: Outcomes, submitted: list[Observation]) -> None:
+    """Every submitted observation got exactly one outcome, and the pool's counts agree."""
+    counts = Counter(id(o.observation) for o in outcomes.items)
+    assert {id(obs): 1 for obs in submitted} == dict(counts)
+    assert pool.stats.submitted == len(submitted) == len(outcomes.items) == len(pool.stats.outcomes)
+    assert pool.stats.ok + pool.stats.error + pool.stats.timeout == len(submitted)
+    by_status = Counter(o.status for o in outcomes.items)
+    assert (pool.stats.ok, pool.stats.error, pool.stats.timeout) == (by_status["ok"], by_status["error"],
+                                                                      by_status["timeout"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    assert not ray.is_initialized(), "another test left Ray running"
+    ray.init(num_cpus=2, include_dashboard=False, resources={"attacker": 2},
+             object_store_memory=256 * 1024 * 1024, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def make_pool(outcomes: Outcomes, factory=FakeAttack, **kwargs) -> AttackPool:
+    options = {"workers": 1, "time_limit": 60.0, "group": 1, "poll_seconds": 0.05, **kwargs}
+    return AttackPool(functools.partial(factory), outcomes, **options)
+
+
+def test_submit_returns_at_once_and_every_observation_is_attacked() -> None:
+    outcomes = Outcomes()
+    pool = make_pool(outcomes)
+    submitted = [observation(c, "sleep", seconds=2.0) for c in range(3)]
+    start = time.monotonic()
+    for obs in submitted:
+        pool.submit(obs)
+    took = time.monotonic() - start
+    assert took < 0.5, f"submit blocked for {took:.2f} s while the attack sleeps 2 s per observation"
+    assert pool.pending() == 3
+    outcomes.wait(3)
+    pool.close(timeout=10)
+
+    assert_one_outcome_each(pool, outcomes, submitted)
+    assert outcomes.threads == {"attack-pool"}, "on_outcome must be called on the pool's thread"
+    for obs in submitted:
+        (outcome,) = outcomes.of(obs)
+        assert outcome.status == "ok" and outcome.error is None
+        rec = outcome.reconstruction
+        assert rec.stats["client"] == obs.client and rec.stats["call"] == (obs.client,)
+        assert rec.images.shape == (1, 1, 2, 2) and rec.labels.dtype == torch.long
+        assert outcome.seconds >= 2.0 and outcome.worker == 0
+    assert pool.stats.ok == 3 and pool.stats.restarts == 0
+    assert pool.pending() == 0
+
+
+def test_an_attack_that_raises_yields_errors_and_the_pool_keeps_working() -> None:
+    outcomes = Outcomes(fail_on="error")  # the consumer failing as well must not stop the pool
+    pool = make_pool(outcomes)
+    failing = observation(0, "raise")
+    pool.submit(failing)
+    outcomes.wait(1)
+    later = [observation(c) for c in (1, 2)]
+    for obs in later:
+        pool.submit(obs)
+    outcomes.wait(3)
+    pool.close(timeout=10)
+
+    assert_one_outcome_each(pool, outcomes, [failing, *later])
+    (error,) = outcomes.of(failing)
+    assert error.status == "error" and error.reconstruction is None
+    assert ERROR_TEXT in error.error and "ValueError" in error.error
+    for obs in later:
+        (outcome,) = outcomes.of(obs)
+        assert outcome.status == "ok" and outcome.reconstruction.stats["client"] == obs.client
+    assert (pool.stats.ok, pool.stats.error, pool.stats.timeout) == (2, 1, 0)
+    assert pool.stats.restarts == 0, "an exception in the attack is no reason to restart the worker"
+
+
+def test_an_attack_past_its_time_limit_times_out_and_its_worker_is_replaced() -> None:
+    outcomes = Outcomes()
+    pool = make_pool(outcomes, time_limit=3.0)
+    first = observation(0)
+    pool.submit(first)
+    outcomes.wait(1)
+    hanging = observation(1, "hang")
+    start = time.monotonic()
+    pool.submit(hanging)
+    outcomes.wait(2, timeout=30)
+    waited = time.monotonic() - start
+    assert pool.stats.restarts >= 1
+    later = observation(2)
+    pool.submit(later)
+    outcomes.wait(3)
+    pool.close(timeout=10)
+
+    assert_one_outcome_each(pool, outcomes, [first, hanging, later])
+    (timeout,) = outcomes.of(hanging)
+    assert timeout.status == "timeout" and timeout.reconstruction is None
+    assert "3 s" in timeout.error and timeout.seconds >= 3.0
+    assert 3.0 <= waited < 10.0, f"the hanging attack was stopped after {waited:.1f} s, limit 3 s"
+    (ok_before,), (ok_after,) = outcomes.of(first), outcomes.of(later)
+    assert ok_before.status == ok_after.status == "ok"
+    assert ok_after.reconstruction.stats["pid"] != ok_before.reconstruction.stats["pid"], \
+        "the later observation must run in the replacement process"
+
+
+def test_close_reports_what_is_left_as_timeout_within_its_timeout() -> None:
+    outcomes = Outcomes()
+    pool = make_pool(outcomes, time_limit=600.0)
+    done = observation(0)
+    pool.submit(done)
+    outcomes.wait(1)
+    left = [observation(1, "hang"), observation(2, "hang")]  # one running, one still queued
+    for obs in left:
+        pool.submit(obs)
+    time.sleep(0.3)
+    assert pool.pending() == 2
+    workers = list(pool._workers)
+    start = time.monotonic()
+    pool.close(timeout=2.0)
+    took = time.monotonic() - start
+
+    assert 2.0 <= took < 4.0, f"close(timeout=2) took {took:.1f} s"
+    assert_one_outcome_each(pool, outcomes, [done, *left])
+    assert outcomes.of(done)[0].status == "ok"
+    for obs in left:
+        (outcome,) = outcomes.of(obs)
+        assert outcome.status == "timeout" and "still pending" in outcome.error
+    assert pool.pending() == 0
+    # close stops the workers: the one stuck in the hanging attack is gone
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(workers[0].run.remote([]), timeout=30)
+
+
+def test_observations_of_one_shape_are_attacked_together_up_to_group() -> None:
+    outcomes = Outcomes()
+    pool = make_pool(outcomes, group=3)
+    # The blocker (another shape: batch size 2) is first in the queue, so it is dispatched alone and keeps the
+    # only worker busy while the rest is queued; then the queue is grouped deterministically.
+    blocker = observation(0, "sleep", seconds=1.0, batch_size=2)
+    same = [observation(c) for c in (1, 2, 3, 4)]
+    other = [observation(c, batch_size=2) for c in (5, 6)]
+    submitted = [blocker, same[0], same[1], other[0], same[2], same[3], other[1]]
+    for obs in submitted:
+        pool.submit(obs)
+    outcomes.wait(len(submitted))
+    pool.close(timeout=10)
+
+    assert_one_outcome_each(pool, outcomes, submitted)
+    assert all(o.status == "ok" for o in outcomes.items)
+    calls = [o.reconstruction.stats["call"] for o in outcomes.items]
+    # three of one shape in one call (the group limit), the other shape apart, the rest after
+    assert list(dict.fromkeys(calls)) == [(0,), (1, 2, 3), (5, 6), (4,)]
+    for o in outcomes.items:
+        assert o.reconstruction.stats["client"] == o.observation.client
+        assert o.reconstruction.stats["group"] == len(o.reconstruction.stats["call"])
+
+
+def test_every_observation_of_a_group_gets_an_outcome_even_if_the_attack_returns_too_few() -> None:
+    outcomes = Outcomes()
+    pool = make_pool(outcomes, factory=ShortAttack, group=3)
+    blocker = observation(0, "sleep", seconds=1.0, batch_size=2)
+    group = [observation(c) for c in (1, 2, 3)]
+    for obs in [blocker, *group]:
+        pool.submit(obs)
+    outcomes.wait(1)
+    time.sleep(1.0)
+    pool.close(timeout=5)
+    assert_one_outcome_each(pool, outcomes, [blocker, *group])
