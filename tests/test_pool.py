@@ -80,6 +80,13 @@ class ShortAttack(FakeAttack):
         return super().reconstruct_many(observations)[:-1]
 
 
+class SlowStartAttack(FakeAttack):
+    """A fake attack whose construction (in the worker) takes ``seconds``, like loading weights or CUDA."""
+
+    def __init__(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
 class Outcomes:
     """Thread-safe ``on_outcome`` that records outcomes and the thread they arrive on."""
 
@@ -123,11 +130,17 @@ def assert_one_outcome_each(pool: AttackPool, outcomes: Outcomes, submitted: lis
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    assert not ray.is_initialized(), "another test left Ray running"
+    if ray.is_initialized():  # left by an earlier test: start a cluster with the attacker resource instead
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, resources={"attacker": 2},
              object_store_memory=256 * 1024 * 1024, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+def wait_until_started(pool: AttackPool, timeout: float = 60.0) -> None:
+    """Block until every worker actor of ``pool`` has run its constructor (Ray's built-in ready probe)."""
+    ray.get([worker.__ray_ready__.remote() for worker in pool._workers], timeout=timeout)
 
 
 def make_pool(outcomes: Outcomes, factory=FakeAttack, **kwargs) -> AttackPool:
@@ -137,7 +150,7 @@ def make_pool(outcomes: Outcomes, factory=FakeAttack, **kwargs) -> AttackPool:
 
 def test_submit_returns_at_once_and_every_observation_is_attacked() -> None:
     outcomes = Outcomes()
-    pool = make_pool(outcomes)
+    pool = make_pool(outcomes, workers=2)
     submitted = [observation(c, "sleep", seconds=2.0) for c in range(3)]
     start = time.monotonic()
     for obs in submitted:
@@ -156,7 +169,9 @@ def test_submit_returns_at_once_and_every_observation_is_attacked() -> None:
         rec = outcome.reconstruction
         assert rec.stats["client"] == obs.client and rec.stats["call"] == (obs.client,)
         assert rec.images.shape == (1, 1, 2, 2) and rec.labels.dtype == torch.long
-        assert outcome.seconds >= 2.0 and outcome.worker == 0
+        assert outcome.seconds >= 2.0
+    assert {o.worker for o in outcomes.items} == {0, 1}, "both idle workers must get work"
+    assert len({o.reconstruction.stats["pid"] for o in outcomes.items}) == 2
     assert pool.stats.ok == 3 and pool.stats.restarts == 0
     assert pool.pending() == 0
 
@@ -187,6 +202,10 @@ def test_an_attack_that_raises_yields_errors_and_the_pool_keeps_working() -> Non
 def test_an_attack_past_its_time_limit_times_out_and_its_worker_is_replaced() -> None:
     outcomes = Outcomes()
     pool = make_pool(outcomes, time_limit=3.0)
+    # A worker takes about 4 s to start here, and the pool counts that against the limit of the first
+    # observation it runs (see test_a_slow_worker_start_does_not_count_against_the_time_limit), so with
+    # a 3 s limit each observation is submitted only once the worker has started.
+    wait_until_started(pool)
     first = observation(0)
     pool.submit(first)
     outcomes.wait(1)
@@ -196,6 +215,7 @@ def test_an_attack_past_its_time_limit_times_out_and_its_worker_is_replaced() ->
     outcomes.wait(2, timeout=30)
     waited = time.monotonic() - start
     assert pool.stats.restarts >= 1
+    wait_until_started(pool)
     later = observation(2)
     pool.submit(later)
     outcomes.wait(3)
@@ -204,7 +224,7 @@ def test_an_attack_past_its_time_limit_times_out_and_its_worker_is_replaced() ->
     assert_one_outcome_each(pool, outcomes, [first, hanging, later])
     (timeout,) = outcomes.of(hanging)
     assert timeout.status == "timeout" and timeout.reconstruction is None
-    assert "3 s" in timeout.error and timeout.seconds >= 3.0
+    assert "no result within 3 s" in timeout.error and timeout.seconds >= 3.0
     assert 3.0 <= waited < 10.0, f"the hanging attack was stopped after {waited:.1f} s, limit 3 s"
     (ok_before,), (ok_after,) = outcomes.of(first), outcomes.of(later)
     assert ok_before.status == ok_after.status == "ok"
@@ -243,9 +263,9 @@ def test_close_reports_what_is_left_as_timeout_within_its_timeout() -> None:
 def test_observations_of_one_shape_are_attacked_together_up_to_group() -> None:
     outcomes = Outcomes()
     pool = make_pool(outcomes, group=3)
-    # The blocker (another shape: batch size 2) is first in the queue, so it is dispatched alone and keeps the
-    # only worker busy while the rest is queued; then the queue is grouped deterministically.
-    blocker = observation(0, "sleep", seconds=1.0, batch_size=2)
+    # The blocker (a shape of its own: batch size 3) is first in the queue, so it is dispatched alone and keeps
+    # the only worker busy while the rest is queued; then the queue is grouped deterministically.
+    blocker = observation(0, "sleep", seconds=1.0, batch_size=3)
     same = [observation(c) for c in (1, 2, 3, 4)]
     other = [observation(c, batch_size=2) for c in (5, 6)]
     submitted = [blocker, same[0], same[1], other[0], same[2], same[3], other[1]]
@@ -264,14 +284,30 @@ def test_observations_of_one_shape_are_attacked_together_up_to_group() -> None:
         assert o.reconstruction.stats["group"] == len(o.reconstruction.stats["call"])
 
 
+@pytest.mark.xfail(strict=True, reason="bug: AttackPool._collect zips observations with reconstructions, so "
+                                      "observations without a reconstruction get no outcome at all")
 def test_every_observation_of_a_group_gets_an_outcome_even_if_the_attack_returns_too_few() -> None:
     outcomes = Outcomes()
     pool = make_pool(outcomes, factory=ShortAttack, group=3)
-    blocker = observation(0, "sleep", seconds=1.0, batch_size=2)
+    blocker = observation(0, "sleep", seconds=1.0, batch_size=3)
     group = [observation(c) for c in (1, 2, 3)]
     for obs in [blocker, *group]:
         pool.submit(obs)
-    outcomes.wait(1)
-    time.sleep(1.0)
+    outcomes.wait(3)
+    time.sleep(0.5)
     pool.close(timeout=5)
-    assert_one_outcome_each(pool, outcomes, [blocker, *group])
+    assert [o.status for o in outcomes.of(blocker)] == ["ok"]
+    assert_one_outcome_each(pool, outcomes, [blocker, *group])  # fails: client 3 never gets an outcome
+
+
+@pytest.mark.xfail(strict=True, reason="bug: the time limit runs from dispatch, so a worker's start-up (process, "
+                                      "imports, the attack factory) is charged to the first observation it gets")
+def test_a_slow_worker_start_does_not_count_against_the_time_limit() -> None:
+    outcomes = Outcomes()
+    pool = make_pool(outcomes, factory=functools.partial(SlowStartAttack, 3.0), time_limit=2.0)
+    instant = observation(0)
+    pool.submit(instant)
+    outcomes.wait(1, timeout=30)
+    pool.close(timeout=0)
+    # fails: 'timeout' after 2 s, and the replacement worker would be charged its start-up again
+    assert [o.status for o in outcomes.of(instant)] == ["ok"]

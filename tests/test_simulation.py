@@ -18,16 +18,21 @@ from fedguard.training import get_arrays
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_simulation_trains_and_captures(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    overrides = ["train.rounds=12", "partition.num-clients=6", "train.clients-per-round=4", "capture.rounds=1,2",
-                 "capture.clients=0-2"]
+def run_quickstart(out: Path, overrides: list[str]) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "fedguard", "run", str(ROOT / "experiments" / "quickstart.toml"), "--out", str(out)]
     for override in overrides:
         command += ["--set", override]
     result = subprocess.run(command, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_simulation_trains_and_captures(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    overrides = ["train.rounds=12", "partition.num-clients=6", "train.clients-per-round=4", "capture.rounds=1,2",
+                 "capture.clients=0-2", "train.batch-size=32", "attack.ig.iterations=60", "attack.ig.restarts=1"]
+    result = run_quickstart(out, overrides)
     assert "round 12/12" in result.stdout and "left" in result.stdout
 
     rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
@@ -46,3 +51,24 @@ def test_simulation_trains_and_captures(tmp_path: Path) -> None:
         assert obs.kind == "gradient" and obs.declared["batch-size"] == 32
         assert all(np.array_equal(a, b) for a, b in zip(obs.global_arrays, start))
         assert any(np.abs(u).sum() > 0 for u in obs.upload)
+
+    # Every captured upload was attacked, scored against the vault, and shown in the report.
+    attacks = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
+    assert sorted((a["round"], a["client"]) for a in attacks) == sorted((o.round, o.client) for o in observations)
+    assert all(a["status"] == "ok" and a["psnr"] is not None and a["attack"] == "ig" for a in attacks), attacks
+    assert len(list((out / "vault").glob("*.npz"))) == len(observations)
+    report = (out / "report.html").read_text()
+    assert "data:image/png;base64" in report and "ig" in report
+
+
+@pytest.mark.slow
+def test_simulation_survives_attacks_that_run_out_of_time(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_quickstart(out, ["train.rounds=3", "partition.num-clients=4", "train.clients-per-round=4",
+                                  "capture.clients=0-1", "pool.time-limit=0.2", "attack.ig.iterations=100000"])
+    rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    attacks = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
+    assert len(attacks) == 2 and all(a["status"] == "timeout" and "within" in a["error"] for a in attacks), attacks
+    assert "0 ok, 0 failed, 2 timed out" in result.stdout
+    assert (out / "report.html").is_file()

@@ -1,0 +1,105 @@
+"""The vault, the evaluator, and the offline attack command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from attackers.base import AttackOutcome, Reconstruction
+from fedguard.cli import main
+from fedguard.config import load_config
+from fedguard.data import load_dataset
+from fedguard.evaluation import ATTACKS_FILE, Evaluator
+from fedguard.models import build_model
+from fedguard.observation import ModelCard, save_observation
+from fedguard.report.run_dir import OBSERVATIONS_DIR, prepare_run_dir
+from fedguard.training import compute_gradients, get_arrays, merge_by_mask, split_by_mask, trainable_mask
+from fedguard.vault import VAULT_DIR, read_truth, write_truth
+
+
+def test_vault_round_trip(tmp_path: Path) -> None:
+    images, labels = torch.rand(3, 1, 5, 5), torch.tensor([2, 0, 2])
+    write_truth(tmp_path, 4, 7, images, labels)
+    got = read_truth(tmp_path, 4, 7)
+    assert got is not None and torch.equal(got[0], images) and torch.equal(got[1], labels)
+    assert read_truth(tmp_path, 4, 8) is None
+
+
+def make_run(tmp_path: Path, batch: int = 2, clients: int = 2) -> Path:
+    """A run folder as a simulation leaves it: config, captured MLP gradients of photos, the vault."""
+    config = load_config(None, ["data.name=photos", f"out-dir={tmp_path / 'run'}", "model.mlp.hidden=32"])
+    folder = prepare_run_dir(config)
+    data = load_dataset("photos")
+    torch.manual_seed(0)
+    model = build_model("mlp", data.spec, config.model.params)
+    arrays, mask = get_arrays(model), trainable_mask(model)
+    card = ModelCard("mlp", {"hidden": 32, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(mask))
+    for client in range(clients):
+        x, y = data.test.batch(np.arange(batch) + 50 * client)
+        grads, _ = compute_gradients(model, x, y)
+        upload = merge_by_mask([g.numpy() for g in grads], split_by_mask(arrays, mask)[1], mask)
+        save_observation(card.observe(1, client, "gradient", arrays, upload, batch, {"batch-size": batch}),
+                         folder / OBSERVATIONS_DIR)
+        write_truth(folder / VAULT_DIR, 1, client, x, y)
+    (folder / "rounds.jsonl").write_text('{"round": 0, "accuracy": 0.1, "loss": 2.3, "seconds": 0.1}\n')
+    return folder
+
+
+def test_evaluator_scores_after_matching_and_writes_grids(tmp_path: Path) -> None:
+    folder = make_run(tmp_path, batch=3, clients=1)
+    truth = read_truth(folder / VAULT_DIR, 1, 0)
+    assert truth is not None
+    images, labels = truth
+    from fedguard.observation import load_observations
+
+    [obs] = load_observations(folder / OBSERVATIONS_DIR)
+    shuffled = Reconstruction(images[[2, 0, 1]], labels[[2, 0, 1]], {"loss": 0.0})
+    evaluator = Evaluator(folder, {"attack": "ig", "defense": "none", "seed": 0})
+    row = evaluator(AttackOutcome(obs, "ok", shuffled, seconds=1.5))
+    assert row["psnr"] == pytest.approx(100.0) and row["ssim"] == pytest.approx(1.0) and row["label_accuracy"] == 1.0
+    assert row["mse"] == 0.0 and row["batch_size"] == 3 and row["status"] == "ok"
+    assert (folder / f"{row['images']}_truth.png").is_file() and (folder / f"{row['images']}_recon.png").is_file()
+    noisy = Reconstruction(torch.rand_like(images), labels, {})
+    worse = evaluator(AttackOutcome(obs, "ok", noisy))
+    assert worse["psnr"] < 15 and worse["ssim"] < 0.3
+    failed = evaluator(AttackOutcome(obs, "timeout", error="no result within 5 s"))
+    assert failed["psnr"] is None and failed["error"] == "no result within 5 s"
+    rows = [json.loads(line) for line in (folder / ATTACKS_FILE).read_text().splitlines()]
+    assert [r["status"] for r in rows] == ["ok", "ok", "timeout"]
+    assert {"round", "client", "attack", "defense", "batch_size", "mse", "psnr", "ssim", "lpips",
+            "label_accuracy", "seconds", "seed", "status"} <= rows[0].keys()
+
+
+def test_missing_ground_truth_is_reported_not_scored(tmp_path: Path) -> None:
+    folder = make_run(tmp_path, batch=1, clients=1)
+    (folder / VAULT_DIR / "round-0001_client-0000.npz").unlink()
+    from fedguard.observation import load_observations
+
+    [obs] = load_observations(folder / OBSERVATIONS_DIR)
+    row = Evaluator(folder, {"attack": "ig"})(AttackOutcome(obs, "ok", Reconstruction(torch.rand(1, 3, 32, 32),
+                                                                                      torch.tensor([0]))))
+    assert row["psnr"] is None and "no ground truth" in row["error"]
+
+
+def test_attack_command_on_a_capture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = make_run(tmp_path, batch=1)
+    code = main(["attack", str(folder / OBSERVATIONS_DIR), "--set", "attack.name=ig",
+                 "--set", "attack.ig.iterations=150", "--set", "attack.ig.restarts=1", "--set", "attack.ig.device=cpu"])
+    assert code == 0
+    rows = [json.loads(line) for line in (folder / ATTACKS_FILE).read_text().splitlines()]
+    assert len(rows) == 2 and all(r["status"] == "ok" and r["source"] == "offline" for r in rows)
+    assert all(r["psnr"] > 20 and r["label_accuracy"] == 1.0 for r in rows), rows
+    assert (folder / "report.html").is_file()
+    assert "round 1 client 0: ok" in capsys.readouterr().out
+
+
+def test_attack_command_needs_an_attack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = make_run(tmp_path, clients=1)
+    assert main(["attack", str(folder)]) == 2
+    assert "choose an attack" in capsys.readouterr().err
+    assert main(["attack", str(tmp_path / "nothing"), "--set", "attack.name=ig"]) == 2
+    assert "no captured observations" in capsys.readouterr().err
