@@ -63,8 +63,7 @@ register_attack = ATTACKS.register
 
 def build_attack(name: str, params: Any = None) -> Attack:
     """The registered attack ``name`` configured with ``params``."""
-    entry = ATTACKS.get(name)
-    return entry.factory(params if params is not None else entry.params())
+    return ATTACKS.build(name, params=params)
 
 
 def shape_key(obs: Observation) -> tuple:

@@ -59,6 +59,11 @@ class Registry(Generic[F]):
                 f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}"
             ) from None
 
+    def build(self, name: str, *args: Any, params: Any = None) -> Any:
+        """Call the factory of ``name`` with ``args`` and ``params`` (its defaults when None)."""
+        entry = self.get(name)
+        return entry.factory(*args, params if params is not None else entry.params())
+
     def names(self) -> list[str]:
         """Registered names, sorted."""
         return sorted(self._entries)

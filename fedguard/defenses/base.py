@@ -53,5 +53,4 @@ register_defense = DEFENSES.register
 
 def build_defense(name: str, params: Any = None) -> Defense:
     """The registered defense ``name`` configured with ``params``."""
-    entry = DEFENSES.get(name)
-    return entry.factory(params if params is not None else entry.params())
+    return DEFENSES.build(name, params=params)

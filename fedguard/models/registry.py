@@ -17,5 +17,4 @@ register_model = MODELS.register
 
 def build_model(name: str, spec: DataSpec, params: Any = None) -> nn.Module:
     """Build the registered model ``name`` for data of shape ``spec``."""
-    entry = MODELS.get(name)
-    return entry.factory(spec, params if params is not None else entry.params())
+    return MODELS.build(name, spec, params=params)
