@@ -120,20 +120,30 @@ class AttackPool:
         self.threads = threads
         self.use_gpu = use_gpu and torch.cuda.is_available()
         self.stats = PoolStats()
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, resources=None if address else {ATTACKER_RESOURCE: workers})
-        self._has_resource = ray.cluster_resources().get(ATTACKER_RESOURCE, 0) >= 1
-        self._workers = [self._start_worker() for _ in range(workers)]
+        self.num_workers = workers
+        self.address = address
+        self._has_resource = False
+        self._start_error: str | None = None
+        self._workers: list[Any] = []
         self._busy: dict[ray.ObjectRef, _Dispatch] = {}
         self._queue: deque[Observation] = deque()
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._poll_seconds = poll_seconds
         self._thread = threading.Thread(target=self._loop, name="attack-pool", daemon=True)
-        self._thread.start()
+
+    def _start(self) -> None:
+        """Join (or start) Ray and create the workers. Runs on the pool's thread at the first submit, so
+        that inside a simulation the engine has started Ray by then and the pool never races it."""
+        if not ray.is_initialized():
+            resources = None if self.address else {ATTACKER_RESOURCE: self.num_workers}
+            ray.init(address=self.address, include_dashboard=False, resources=resources)
+        self._has_resource = ray.cluster_resources().get(ATTACKER_RESOURCE, 0) >= 1
+        self._workers = [self._start_worker() for _ in range(self.num_workers)]
 
     def _start_worker(self) -> Any:
-        options: dict[str, Any] = {"num_cpus": 0 if self._has_resource else self.threads}
+        # No CPU claim: Flower sizes its client actors by CPUs, and a claim could leave a worker unscheduled.
+        options: dict[str, Any] = {"num_cpus": 0}
         if self._has_resource:
             options["resources"] = {ATTACKER_RESOURCE: 1}
         if self.use_gpu:
@@ -145,6 +155,8 @@ class AttackPool:
         with self._lock:
             self._queue.append(obs)
             self.stats.submitted += 1
+            if not self._thread.is_alive() and not self._closing.is_set():
+                self._thread.start()
 
     def pending(self) -> int:
         """Observations queued or running."""
@@ -214,6 +226,12 @@ class AttackPool:
         self.stats.restarts += 1
 
     def _loop(self) -> None:
+        try:
+            self._start()
+        except Exception as error:
+            self._start_error = f"attacker workers could not start: {type(error).__name__}: {error}"
+            log.error("%s\n%s", self._start_error, traceback.format_exc())
+            return
         while not self._closing.is_set():
             self._step()
             time.sleep(self._poll_seconds)
@@ -229,16 +247,21 @@ class AttackPool:
         """Wait up to ``timeout`` seconds (None: the per-attack limits alone) for every observation,
         report what is still unfinished as 'timeout', and stop the workers."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.pending() and (deadline is None or time.monotonic() < deadline):
+        while self.pending() and self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
             time.sleep(self._poll_seconds)
         self._closing.set()
-        self._thread.join()
-        self._collect()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self._workers:
+            self._collect()
         with self._lock:
             left = list(self._queue) + [obs for d in self._busy.values() for obs in d.observations]
             self._queue.clear()
             self._busy.clear()
         for obs in left:
-            self._emit(AttackOutcome(obs, "timeout", error=f"still pending when the run ended (waited {timeout} s)"))
+            if self._start_error:
+                self._emit(AttackOutcome(obs, "error", error=self._start_error))
+            else:
+                self._emit(AttackOutcome(obs, "timeout", error=f"still pending when the run ended (waited {timeout} s)"))
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
