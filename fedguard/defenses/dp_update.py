@@ -10,6 +10,7 @@ DP-SGD is a separate defense.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,8 @@ class UpdateDPParams:
             raise ValueError(f"clip must be > 0, got {self.clip}")
         if self.noise_multiplier < 0:
             raise ValueError(f"noise-multiplier must be >= 0, got {self.noise_multiplier}")
+        if not (math.isfinite(self.clip) and math.isfinite(self.noise_multiplier)):
+            raise ValueError(f"clip and noise-multiplier must be finite, got {self.clip} and {self.noise_multiplier}")
         if self.mechanism not in MECHANISMS:
             raise ValueError(f"mechanism {self.mechanism!r}: choose one of {', '.join(MECHANISMS)}")
 
