@@ -68,7 +68,8 @@ def build_attack(name: str, params: Any = None) -> Attack:
 
 def shape_key(obs: Observation) -> tuple:
     """Observations with equal keys (model, data shape, batch size, upload kind) can be attacked as one batch."""
-    return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, obs.declared.get("batch-size"), obs.kind)
+    batch = int(obs.declared.get("batch-size", obs.num_examples))
+    return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, batch, obs.kind)
 
 
 def missing_grants(attack: Attack, granted: set[str]) -> list[str]:

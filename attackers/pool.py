@@ -125,6 +125,9 @@ class AttackPool:
         self._has_resource = False
         self._start_error: str | None = None
         self._workers: list[Any] = []
+        self._ready: list[bool] = []
+        self._ready_refs: dict[Any, int] = {}
+        self._started = False
         self._busy: dict[ray.ObjectRef, _Dispatch] = {}
         self._queue: deque[Observation] = deque()
         self._lock = threading.Lock()
@@ -139,7 +142,17 @@ class AttackPool:
             resources = None if self.address else {ATTACKER_RESOURCE: self.num_workers}
             ray.init(address=self.address, include_dashboard=False, resources=resources)
         self._has_resource = ray.cluster_resources().get(ATTACKER_RESOURCE, 0) >= 1
-        self._workers = [self._start_worker() for _ in range(self.num_workers)]
+        self._workers = [None] * self.num_workers
+        self._ready = [False] * self.num_workers
+        for index in range(self.num_workers):
+            self._launch(index)
+
+    def _launch(self, index: int) -> None:
+        """(Re)start worker ``index``; it gets work only once it is up, so start-up never counts
+        against the time limit."""
+        self._workers[index] = self._start_worker()
+        self._ready[index] = False
+        self._ready_refs[self._workers[index].__ray_ready__.remote()] = index
 
     def _start_worker(self) -> Any:
         # No CPU claim: Flower sizes its client actors by CPUs, and a claim could leave a worker unscheduled.
@@ -151,11 +164,14 @@ class AttackPool:
         return AttackWorker.options(**options).remote(self.factory, self.threads)
 
     def submit(self, obs: Observation) -> None:
-        """Queue ``obs`` for attack; returns immediately."""
+        """Queue ``obs`` for attack; returns immediately. Raises ``RuntimeError`` after ``close``."""
         with self._lock:
+            if self._closing.is_set():
+                raise RuntimeError("the attack pool is closed; no more observations are taken")
             self._queue.append(obs)
             self.stats.submitted += 1
-            if not self._thread.is_alive() and not self._closing.is_set():
+            if not self._started:
+                self._started = True
                 self._thread.start()
 
     def pending(self) -> int:
@@ -164,8 +180,12 @@ class AttackPool:
             return len(self._queue) + sum(len(d.observations) for d in self._busy.values())
 
     def _idle_workers(self) -> list[int]:
+        if self._ready_refs:
+            done, _ = ray.wait(list(self._ready_refs), num_returns=len(self._ready_refs), timeout=0)
+            for ref in done:
+                self._ready[self._ready_refs.pop(ref)] = True
         busy = {d.worker for d in self._busy.values()}
-        return [i for i in range(len(self._workers)) if i not in busy]
+        return [i for i in range(len(self._workers)) if self._ready[i] and i not in busy]
 
     def _dispatch(self) -> None:
         with self._lock:
@@ -192,37 +212,44 @@ class AttackPool:
             log.error("attack outcome handler failed:\n%s", traceback.format_exc())
 
     def _collect(self) -> None:
-        refs = list(self._busy)
-        if not refs:
-            return
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        for ref in ready:
-            dispatch = self._busy.pop(ref)
-            seconds = time.monotonic() - dispatch.started
-            share = seconds / len(dispatch.observations)
-            try:
-                reconstructions = ray.get(ref)
-            except Exception as error:  # a worker's exception arrives wrapped by Ray
-                message = f"{type(error).__name__}: {error}".strip()
-                for obs in dispatch.observations:
-                    self._emit(AttackOutcome(obs, "error", error=message[-2000:], seconds=share, worker=dispatch.worker))
-                if isinstance(error, ray.exceptions.RayActorError):
-                    self._replace(dispatch.worker)
-                continue
-            for obs, rec in zip(dispatch.observations, reconstructions):
-                self._emit(AttackOutcome(obs, "ok", rec, seconds=share, worker=dispatch.worker))
-        now = time.monotonic()
-        for ref, dispatch in list(self._busy.items()):
-            if now - dispatch.started > dispatch.limit:
+        with self._lock:
+            refs = list(self._busy)
+            ready = ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []
+            finished = [(ref, self._busy.pop(ref)) for ref in ready]
+            now = time.monotonic()
+            late = [(ref, d) for ref, d in self._busy.items() if now - d.started > d.limit]
+            for ref, _ in late:
                 self._busy.pop(ref)
+        for ref, dispatch in finished:
+            self._finish(ref, dispatch)
+        for _, dispatch in late:
+            self._replace(dispatch.worker)
+            for obs in dispatch.observations:
+                self._emit(AttackOutcome(obs, "timeout", error=f"no result within {dispatch.limit:.0f} s",
+                                         seconds=now - dispatch.started, worker=dispatch.worker))
+
+    def _finish(self, ref: Any, dispatch: _Dispatch) -> None:
+        share = (time.monotonic() - dispatch.started) / len(dispatch.observations)
+        try:
+            reconstructions = ray.get(ref)
+        except Exception as error:  # a worker's exception arrives wrapped by Ray
+            message = f"{type(error).__name__}: {error}".strip()[-2000:]
+            for obs in dispatch.observations:
+                self._emit(AttackOutcome(obs, "error", error=message, seconds=share, worker=dispatch.worker))
+            if isinstance(error, ray.exceptions.RayActorError):
                 self._replace(dispatch.worker)
-                for obs in dispatch.observations:
-                    self._emit(AttackOutcome(obs, "timeout", error=f"no result within {dispatch.limit:.0f} s",
-                                             seconds=now - dispatch.started, worker=dispatch.worker))
+            return
+        for index, obs in enumerate(dispatch.observations):
+            if index < len(reconstructions):
+                self._emit(AttackOutcome(obs, "ok", reconstructions[index], seconds=share, worker=dispatch.worker))
+            else:
+                self._emit(AttackOutcome(obs, "error", seconds=share, worker=dispatch.worker,
+                                         error=f"the attack returned {len(reconstructions)} reconstructions "
+                                               f"for {len(dispatch.observations)} observations"))
 
     def _replace(self, worker: int) -> None:
         ray.kill(self._workers[worker], no_restart=True)
-        self._workers[worker] = self._start_worker()
+        self._launch(worker)
         self.stats.restarts += 1
 
     def _loop(self) -> None:
@@ -252,7 +279,7 @@ class AttackPool:
         self._closing.set()
         if self._thread.is_alive():
             self._thread.join()
-        if self._workers:
+        if self._workers and ray.is_initialized():
             self._collect()
         with self._lock:
             left = list(self._queue) + [obs for d in self._busy.values() for obs in d.observations]
@@ -264,4 +291,5 @@ class AttackPool:
             else:
                 self._emit(AttackOutcome(obs, "timeout", error=f"still pending when the run ended (waited {timeout} s)"))
         for worker in self._workers:
-            ray.kill(worker, no_restart=True)
+            if worker is not None:
+                ray.kill(worker, no_restart=True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 torch.set_num_threads(1)
 
 
