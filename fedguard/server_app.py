@@ -69,7 +69,7 @@ def fit_config_fn(config: Config, folder: Path) -> Any:
     return fit_config
 
 
-def build_attack_pool(config: Config, folder: Path) -> tuple[AttackPool, Evaluator]:
+def build_attack_pool(config: Config, folder: Path) -> AttackPool:
     """The attacker workers and the evaluator that scores what they return."""
     attack = config.attack
     context = {
@@ -81,10 +81,9 @@ def build_attack_pool(config: Config, folder: Path) -> tuple[AttackPool, Evaluat
         "dataset": config.data.name,
         "seed": config.run.seed,
     }
-    evaluator = Evaluator(folder, context)
-    pool = AttackPool(
+    return AttackPool(
         functools.partial(build_attack, attack.name, attack.params),
-        evaluator,
+        Evaluator(folder, context),
         workers=config.pool.workers,
         time_limit=config.pool.time_limit,
         group=config.pool.group,
@@ -92,7 +91,6 @@ def build_attack_pool(config: Config, folder: Path) -> tuple[AttackPool, Evaluat
         use_gpu=getattr(attack.params, "device", "cpu") != "cpu",
         address=config.pool.address or None,
     )
-    return pool, evaluator
 
 
 def build_strategy(config: Config, model: torch.nn.Module, recorder: RoundRecorder, folder: Path) -> Strategy:
@@ -140,7 +138,7 @@ def run_server(grid: Grid, config: Config) -> Path:
     if not (rounds.is_empty() or clients.is_empty()):
         sinks: list[Any] = [DiskSink(folder / OBSERVATIONS_DIR)]
         if config.attack.name != NO_ATTACK:
-            pool, _ = build_attack_pool(config, folder)
+            pool = build_attack_pool(config, folder)
             sinks.append(pool)
         sink = FanOut(sinks)
         kind = "gradient" if config.train.protocol == "fedsgd" else "weights"
