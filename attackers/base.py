@@ -66,12 +66,23 @@ def build_attack(name: str, params: Any = None) -> Attack:
     return ATTACKS.build(name, params=params)
 
 
+def images_per_upload(obs: Observation) -> int:
+    """How many images an upload came from: the declared batch (a gradient) or every example (weights)."""
+    if obs.kind == "weights":
+        return int(obs.num_examples)
+    return int(obs.declared.get("batch-size", obs.num_examples))
+
+
 def shape_key(obs: Observation) -> tuple:
-    """Observations with equal keys (model, data shape, batch size, upload kind) can be attacked as one batch."""
-    batch = int(obs.declared.get("batch-size", obs.num_examples))
-    return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, batch, obs.kind)
+    """Observations with equal keys (model, data shape, image count, upload kind, local schedule) can be
+    attacked as one batch."""
+    schedule = tuple(sorted(obs.declared.items())) if obs.kind == "weights" else ()
+    return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, images_per_upload(obs), obs.kind, schedule)
 
 
-def missing_grants(attack: Attack, granted: set[str]) -> list[str]:
-    """What ``attack`` needs that the threat model does not grant, described for an error message."""
-    return [f"{need} ({NEEDS[need]})" for need in sorted(attack.needs - granted)]
+def missing_grants(attack: Attack, granted: set[str], upload_kind: str = "gradient") -> list[str]:
+    """What ``attack`` needs on uploads of ``upload_kind`` that the threat model does not grant, for an error message.
+
+    ``attack.needs`` holds what it always needs; an optional ``needs_by_upload`` maps an upload kind to more."""
+    needs = attack.needs | getattr(attack, "needs_by_upload", {}).get(upload_kind, frozenset())
+    return [f"{need} ({NEEDS[need]})" for need in sorted(needs - granted)]

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad, vmap
 
-from attackers.base import Reconstruction, register_attack
-from attackers.inverting_gradients import batch_size_of, job_seed, model_of, resolve_device, target_gradient
+from attackers.base import Reconstruction, images_per_upload, register_attack
+from attackers.inverting_gradients import job_seed, model_of, resolve_device, target_gradient
 from attackers.labels import infer_labels
 from fedguard.observation import Observation
 
@@ -130,7 +130,7 @@ class DeepLeakage:
         model, _ = model_of(first, device)
         per_obs = [model_of(o, device)[1] for o in observations]
         targets = [target_gradient(o, device) for o in observations]
-        batch, classes, restarts = batch_size_of(first), first.spec.num_classes, self.params.restarts
+        batch, classes, restarts = images_per_upload(first), first.spec.num_classes, self.params.restarts
         names = list(per_obs[0])
 
         def stack(values: list[torch.Tensor]) -> torch.Tensor:
@@ -194,7 +194,7 @@ class DeepLeakage:
         results = []
         for i in range(len(observations)):
             job = i * restarts + int(best[i])
-            images = z[job, :pixels].reshape(batch, *first.spec.shape).clamp(0, 1).detach().cpu()
+            images = torch.nan_to_num(z[job, :pixels], nan=0.5).reshape(batch, *first.spec.shape).clamp(0, 1).cpu()
             if known is not None:
                 labels = known[i].cpu()
             else:

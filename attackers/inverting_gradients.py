@@ -1,11 +1,13 @@
-"""Inverting Gradients (Geiping et al., NeurIPS 2020).
+"""Inverting Gradients (Geiping et al., NeurIPS 2020), on FedSGD gradients and FedAvg weight updates.
 
 Find images whose gradient points the same way as the captured one:
 minimize ``1 - cos(grad(x), g) + tv * TV(x)`` over dummy images ``x`` with
 Adam on the sign of the gradient, boxed to [0, 1], with the learning rate
 divided by 10 at 3/8, 5/8 and 7/8 of the iterations. Labels come from the
 last layer's gradient (``attackers.labels``) unless the threat model grants
-them.
+them. On FedAvg weights the attacker replays the client's declared local
+steps (learning rate, epochs, batch size) on the dummy data and matches
+``global - uploaded`` weights instead of the gradient.
 
 All restarts of all observations given together run as one tensor program:
 ``torch.func.vmap`` over jobs of the parameter gradient of each job's dummy
@@ -26,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, replace_all_batch_norm_modules_, vmap
 
-from attackers.base import Reconstruction, register_attack
+from attackers.base import Reconstruction, images_per_upload, register_attack
 from attackers.labels import infer_labels
 from fedguard.models import MODELS, build_model
 from fedguard.observation import Observation
@@ -86,10 +88,34 @@ def model_of(obs: Observation, device: torch.device) -> tuple[nn.Module, dict[st
 
 
 def target_gradient(obs: Observation, device: torch.device) -> list[torch.Tensor]:
-    """The uploaded gradient of each trainable parameter."""
+    """The uploaded gradient of each trainable parameter (FedSGD uploads only)."""
     if obs.kind != "gradient":
-        raise ValueError(f"Inverting Gradients on {obs.kind!r} uploads is not supported; it needs FedSGD gradients")
+        raise ValueError(f"this attack needs FedSGD gradients, got a {obs.kind!r} upload")
     return [torch.tensor(a).to(device) for a, t in zip(obs.upload, obs.trainable) if t]
+
+
+def target_update(obs: Observation, device: torch.device) -> list[torch.Tensor]:
+    """Per trainable parameter: the gradient (FedSGD), or ``global - uploaded`` weights (FedAvg)."""
+    if obs.kind == "gradient":
+        return target_gradient(obs, device)
+    return [torch.tensor(g - u).to(device) for g, u, t in zip(obs.global_arrays, obs.upload, obs.trainable) if t]
+
+
+@dataclass(frozen=True)
+class LocalSchedule:
+    """The local training a FedAvg client declared: SGD step ``lr``, ``epochs`` over its examples in
+    minibatches of ``batch_size``."""
+
+    lr: float
+    epochs: int
+    batch_size: int
+
+    @classmethod
+    def of(cls, obs: Observation) -> "LocalSchedule":
+        try:
+            return cls(float(obs.declared["lr"]), int(obs.declared["local-epochs"]), int(obs.declared["batch-size"]))
+        except KeyError as missing:
+            raise ValueError(f"a weights upload without the declared local hyper-parameter {missing}") from None
 
 
 def job_seed(seed: int, obs: Observation, restart: int) -> int:
@@ -97,16 +123,28 @@ def job_seed(seed: int, obs: Observation, restart: int) -> int:
     return int(np.random.SeedSequence([seed, obs.round, obs.client, restart]).generate_state(1)[0])
 
 
-def batch_size_of(obs: Observation) -> int:
-    """The batch size the client declared (FedSGD) or, failing that, the number of examples."""
-    return int(obs.declared.get("batch-size", obs.num_examples))
+def local_update_fn(param_grad: Any, schedule: LocalSchedule, examples: int) -> Any:
+    """``(params, x, y) -> params - params_after_local_SGD``: the client's FedAvg steps replayed on dummy data.
+
+    The client's shuffling is unknown; minibatches are taken in order (as Geiping et al. do)."""
+
+    def local_update(p: dict[str, torch.Tensor], x: torch.Tensor, yy: torch.Tensor) -> dict[str, torch.Tensor]:
+        q = p
+        for _ in range(schedule.epochs):
+            for start in range(0, examples, schedule.batch_size):
+                g = param_grad(q, x[start : start + schedule.batch_size], yy[start : start + schedule.batch_size])
+                q = {n: q[n] - schedule.lr * g[n] for n in q}
+        return {n: p[n] - q[n] for n in p}
+
+    return local_update
 
 
 class InvertingGradients:
     """Cosine-similarity gradient inversion with TV prior, batched over restarts and observations."""
 
     needs: frozenset[str] = frozenset()
-    uploads: frozenset[str] = frozenset({"gradient"})
+    needs_by_upload = {"weights": frozenset({"hyperparameters"})}
+    uploads: frozenset[str] = frozenset({"gradient", "weights"})
 
     def __init__(self, params: InvertingGradientsParams, labels_known: bool = False) -> None:
         self.params = params
@@ -123,15 +161,15 @@ class InvertingGradients:
         if not observations:
             return []
         first = observations[0]
-        shapes = {(o.model, tuple(sorted(o.model_params.items())), o.spec, batch_size_of(o)) for o in observations}
+        shapes = {(o.model, tuple(sorted(o.model_params.items())), o.spec, images_per_upload(o)) for o in observations}
         if len(shapes) > 1:
             raise ValueError("reconstruct_many needs observations of one model, data shape and batch size")
         device = resolve_device(self.params.device)
         start = time.perf_counter()
         model, _ = model_of(first, device)
         per_obs_params = [model_of(o, device)[1] for o in observations]
-        targets = [target_gradient(o, device) for o in observations]
-        batch = batch_size_of(first)
+        targets = [target_update(o, device) for o in observations]
+        batch = images_per_upload(first)
         if labels is None:
             labels = [infer_labels(t, first.spec.num_classes, batch) for t in targets]
         restarts = self.params.restarts
@@ -149,8 +187,12 @@ class InvertingGradients:
         def param_grad(p: dict[str, torch.Tensor], x: torch.Tensor, yy: torch.Tensor) -> dict[str, torch.Tensor]:
             return grad(lambda q: loss_fn(functional_call(model, q, (x,)), yy))(p)
 
+        update = param_grad
+        if first.kind == "weights":
+            update = local_update_fn(param_grad, LocalSchedule.of(first), batch)
+
         def job_losses(x: torch.Tensor) -> torch.Tensor:
-            g = vmap(param_grad)(params, x, y)
+            g = vmap(update)(params, x, y)
             dot = sum((g[n].flatten(1) * t.flatten(1)).sum(1) for n, t in zip(names, target))
             norm = torch.sqrt(sum((g[n].flatten(1) ** 2).sum(1) for n in names))
             return 1 - dot / (norm * target_norm + 1e-12) + self.params.tv * total_variation(x).mean(1)

@@ -326,7 +326,7 @@ def _cross_checks(sections: dict[str, Any]) -> list[str]:
                 f"attack.name = {attack.name!r} attacks {', '.join(sorted(built.uploads))} uploads, but "
                 f"train.protocol = {train.protocol!r} uploads {kind}"
             )
-        missing = missing_grants(built, sections["threat"].granted())
+        missing = missing_grants(built, sections["threat"].granted(), kind)
         if missing:
             problems.append(
                 f"attack.name = {attack.name!r} needs what the threat model does not grant: {'; '.join(missing)} "

@@ -157,9 +157,15 @@ def test_bad_selection(spec: str) -> None:
 
 
 def test_attack_must_fit_the_protocol() -> None:
-    [problem] = problems_of({"attack.name": "ig", "train.protocol": "fedavg"})
-    assert "attack.name = 'ig'" in problem and "gradient" in problem and "fedavg" in problem
-    assert Config.from_flat({"attack.name": "ig"}).attack.name == "ig"
+    [problem] = problems_of({"attack.name": "dlg", "train.protocol": "fedavg"})
+    assert "attack.name = 'dlg'" in problem and "gradient" in problem and "fedavg" in problem
+    assert Config.from_flat({"attack.name": "ig", "train.protocol": "fedavg"}).attack.name == "ig"
+
+
+def test_weight_uploads_need_the_declared_hyperparameters() -> None:
+    [problem] = problems_of({"attack.name": "ig", "train.protocol": "fedavg", "threat.hyperparameters": False})
+    assert "hyperparameters" in problem
+    assert Config.from_flat({"attack.name": "ig", "threat.hyperparameters": False}).attack.name == "ig"
 
 
 def test_attack_needs_must_be_granted(monkeypatch: pytest.MonkeyPatch) -> None:

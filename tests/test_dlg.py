@@ -55,3 +55,12 @@ def test_dlg_with_joint_soft_labels_recovers_most_images() -> None:
 def test_registered_and_configurable() -> None:
     config = load_config(None, ["attack.name=idlg", "attack.idlg.iterations=7"])
     assert config.attack.params.iterations == 7
+
+
+def test_restarts_that_turn_non_finite_start_again_and_the_output_stays_finite() -> None:
+    observations, _, _ = uploads()
+    obs = observations[0]
+    poisoned = obs.__class__(**{**obs.__dict__, "upload": [a * 1e38 for a in obs.upload]})  # overflows float32
+    [rec] = DeepLeakage(DLGParams(iterations=50, restarts=2, device="cpu"), infer=True).reconstruct_many([poisoned])
+    assert rec.stats["nan_restarts"] > 0
+    assert torch.isfinite(rec.images).all() and float(rec.images.min()) >= 0 and float(rec.images.max()) <= 1

@@ -106,13 +106,41 @@ def test_total_variation_of_flat_and_striped_images() -> None:
     assert torch.allclose(total_variation(stripes), torch.tensor([1.0]))
 
 
-def test_rejects_weight_uploads_and_bad_params() -> None:
+def test_rejects_weight_uploads_without_hyperparameters_and_bad_params() -> None:
     observations, _, _ = uploads()
     obs = observations[0]
-    weights = Observation(**{**obs.__dict__, "kind": "weights"})
-    with pytest.raises(ValueError, match="FedSGD gradients"):
+    weights = Observation(**{**obs.__dict__, "kind": "weights", "declared": {"lr": 0.1}})
+    with pytest.raises(ValueError, match="local-epochs"):
         InvertingGradients(InvertingGradientsParams(iterations=1, device="cpu")).reconstruct(weights)
     with pytest.raises(ValueError, match="restarts"):
         InvertingGradientsParams(restarts=0)
     with pytest.raises(ValueError, match="auto, cpu, cuda"):
         InvertingGradientsParams(device="tpu")
+
+
+def test_fedavg_weight_updates_leak_through_replayed_local_steps() -> None:
+    """Two local SGD steps on two photos (batch 1, lr 0.1); the attacker replays them on dummy data."""
+    data = load_dataset("photos")
+    torch.manual_seed(0)
+    model = build_model("mlp", data.spec)
+    arrays = get_arrays(model)
+    card = ModelCard("mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model)))
+    x, y = data.test.batch([3, 150])
+    from fedguard.training import local_sgd, set_arrays
+
+    class InOrder:  # the client's minibatch order, as the attacker assumes it
+        @staticmethod
+        def permutation(n: int) -> np.ndarray:
+            return np.arange(n)
+
+    local_sgd(model, x, y, lr=0.1, epochs=1, batch_size=1, generator=InOrder())  # type: ignore[arg-type]
+    upload = get_arrays(model)
+    set_arrays(model, arrays)
+    obs = card.observe(1, 0, "weights", arrays, upload, 2, {"lr": 0.1, "local-epochs": 1, "batch-size": 1})
+    [rec] = InvertingGradients(InvertingGradientsParams(iterations=250, restarts=2, device="cpu")).reconstruct_many([obs])
+    from fedguard.metrics import score_batch
+
+    scores = score_batch(rec.images, x)
+    floor_psnr, floor_ssim = floor(x)
+    print("FedAvg IG psnr", scores["psnr"], "ssim", scores["ssim"], "floor", floor_psnr, floor_ssim)
+    assert scores["psnr"] > float(floor_psnr.mean()) + 8 and scores["ssim"] > float(floor_ssim.mean()) + 0.25
