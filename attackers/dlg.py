@@ -25,7 +25,7 @@ from torch.func import functional_call, grad, vmap
 
 from attackers.base import Reconstruction, images_per_upload, register_attack
 from attackers.inverting_gradients import job_seed, model_of, resolve_device, target_gradient
-from attackers.labels import infer_labels
+from attackers.labels import declared_labels, infer_labels
 from fedguard.observation import Observation
 
 
@@ -138,7 +138,11 @@ class DeepLeakage:
 
         params = {n: stack([p[n] for p in per_obs]) for n in names}
         target = [stack([t[i] for t in targets]) for i in range(len(names))]
-        known = [infer_labels(t, classes, batch).to(device) for t in targets] if self.infer else None
+        given = [declared_labels(o.declared) for o in observations]
+        if self.infer or all(lab is not None for lab in given):
+            known = [(infer_labels(t, classes, batch) if lab is None else lab).to(device) for lab, t in zip(given, targets)]
+        else:
+            known = None
         fixed = stack(known) if known is not None else None
         pixels = batch * first.spec.channels * first.spec.height * first.spec.width
 
@@ -161,7 +165,7 @@ class DeepLeakage:
         def fresh(job: int, attempt: int) -> torch.Tensor:
             obs = observations[job // restarts]
             generator = torch.Generator().manual_seed(job_seed(seed + attempt, obs, job % restarts))
-            size = pixels + (0 if self.infer else batch * classes)
+            size = pixels + (0 if known is not None else batch * classes)
             return torch.rand(size, generator=generator)
 
         jobs = len(observations) * restarts

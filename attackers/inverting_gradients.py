@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.func import functional_call, grad, replace_all_batch_norm_modules_, vmap
 
 from attackers.base import Reconstruction, images_per_upload, register_attack
-from attackers.labels import infer_labels
+from attackers.labels import declared_labels, infer_labels
 from fedguard.models import MODELS, build_model
 from fedguard.observation import Observation
 from fedguard.training import loss_fn
@@ -37,13 +37,15 @@ from fedguard.training import loss_fn
 
 @dataclass(frozen=True)
 class InvertingGradientsParams:
-    """Iterations, restarts, Adam step on [0, 1] pixels, total-variation weight, device ('auto', 'cpu', 'cuda')."""
+    """Iterations, restarts, Adam step on [0, 1] pixels, total-variation weight, device ('auto', 'cpu', 'cuda'),
+    and ``skip``: comma-separated parameter-name prefixes left out of the distance (the layers a defense alters)."""
 
     iterations: int = 2000
     restarts: int = 2
     lr: float = 0.025
     tv: float = 1e-4
     device: str = "auto"
+    skip: str = ""
 
     def __post_init__(self) -> None:
         if self.iterations < 1:
@@ -56,6 +58,10 @@ class InvertingGradientsParams:
             raise ValueError(f"tv must be >= 0, got {self.tv}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device {self.device!r}: choose one of auto, cpu, cuda")
+
+    def skipped(self, name: str) -> bool:
+        """True when parameter ``name`` is left out of the gradient distance."""
+        return any(name.startswith(prefix.strip()) for prefix in self.skip.split(",") if prefix.strip())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -146,18 +152,19 @@ class InvertingGradients:
     needs_by_upload = {"weights": frozenset({"hyperparameters"})}
     uploads: frozenset[str] = frozenset({"gradient", "weights"})
 
-    def __init__(self, params: InvertingGradientsParams, labels_known: bool = False) -> None:
+    def __init__(self, params: InvertingGradientsParams) -> None:
         self.params = params
-        self.labels_known = labels_known
 
     def reconstruct(self, obs: Observation, labels: torch.Tensor | None = None) -> Reconstruction:
         """Reconstruct the batch behind one upload."""
         return self.reconstruct_many([obs], None if labels is None else [labels])[0]
 
     def reconstruct_many(
-        self, observations: list[Observation], labels: list[torch.Tensor] | None = None, seed: int = 0
+        self, observations: list[Observation], labels: list[torch.Tensor | None] | None = None, seed: int = 0
     ) -> list[Reconstruction]:
-        """Reconstruct several uploads of one architecture and batch size in one batched run."""
+        """Reconstruct several uploads of one architecture and batch size in one batched run.
+
+        Labels: ``labels`` if given, else those the client declared (threat model ``labels``), else inferred."""
         if not observations:
             return []
         first = observations[0]
@@ -171,7 +178,10 @@ class InvertingGradients:
         targets = [target_update(o, device) for o in observations]
         batch = images_per_upload(first)
         if labels is None:
-            labels = [infer_labels(t, first.spec.num_classes, batch) for t in targets]
+            labels = [declared_labels(o.declared) for o in observations]
+        inferred = [lab is None for lab in labels]
+        labels = [infer_labels(t, first.spec.num_classes, batch) if lab is None else lab
+                  for lab, t in zip(labels, targets)]
         restarts = self.params.restarts
         jobs = len(observations) * restarts
         names = list(per_obs_params[0])
@@ -181,6 +191,10 @@ class InvertingGradients:
 
         params = {n: stack([p[n] for p in per_obs_params]) for n in names}
         target = [stack([t[i] for t in targets]) for i in range(len(names))]
+        compared = [n for n in names if not self.params.skipped(n)]
+        if not compared:
+            raise ValueError(f"skip = {self.params.skip!r} leaves no parameter to compare; parameters: {', '.join(names)}")
+        target = [t for n, t in zip(names, target) if not self.params.skipped(n)]
         target_norm = torch.sqrt(sum((t.flatten(1) ** 2).sum(1) for t in target))
         y = stack([lab.to(device) for lab in labels])
 
@@ -193,8 +207,8 @@ class InvertingGradients:
 
         def job_losses(x: torch.Tensor) -> torch.Tensor:
             g = vmap(update)(params, x, y)
-            dot = sum((g[n].flatten(1) * t.flatten(1)).sum(1) for n, t in zip(names, target))
-            norm = torch.sqrt(sum((g[n].flatten(1) ** 2).sum(1) for n in names))
+            dot = sum((g[n].flatten(1) * t.flatten(1)).sum(1) for n, t in zip(compared, target))
+            norm = torch.sqrt(sum((g[n].flatten(1) ** 2).sum(1) for n in compared))
             return 1 - dot / (norm * target_norm + 1e-12) + self.params.tv * total_variation(x).mean(1)
 
         def summed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +244,7 @@ class InvertingGradients:
                 "restarts": restarts,
                 "batched_jobs": jobs,
                 "seconds": seconds / len(observations),
-                "labels_inferred": labels is not None and not self.labels_known,
+                "labels_inferred": inferred[i],
             }
             results.append(Reconstruction(images, lab.cpu(), stats))
         return results

@@ -47,3 +47,11 @@ def infer_labels(grads: list[torch.Tensor], num_classes: int, batch_size: int) -
         counts[max(counts, key=lambda c: -signal[c].item() - counts[c] / batch_size)] += 1
     labels = [c for c, n in sorted(counts.items()) for _ in range(n)]
     return torch.tensor(labels, dtype=torch.long)
+
+
+def declared_labels(declared: dict) -> torch.Tensor | None:
+    """The labels a client declared with its upload ('3,1,4'; only when the threat model grants them), or None."""
+    text = declared.get("labels")
+    if text is None or text == "":
+        return None
+    return torch.tensor([int(v) for v in str(text).split(",")], dtype=torch.long)

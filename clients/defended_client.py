@@ -108,6 +108,8 @@ class DefendedClient(NumPyClient):
                 {"batch-size": cfg.train.batch_size, "local-epochs": cfg.train.local_epochs, "local-steps": steps, "loss": loss}
             )
 
+        if cfg.threat.labels:
+            declared["labels"] = ",".join(str(int(v)) for v in y.tolist())
         if "vault" in config and self.client_id in cfg.capture.client_selection():
             write_truth(Path(str(config["vault"])), round_, self.client_id, x, y)
 

@@ -130,3 +130,15 @@ def test_client_fn_reads_run_config_when_unbound() -> None:
     assert client is not None
     with pytest.raises(ValueError, match="outside"):
         DefendedClient(config(), 4, RecordDict())
+
+
+def test_labels_are_declared_only_when_the_threat_model_grants_them() -> None:
+    cfg = config()
+    arrays = start_arrays(cfg)
+    _, _, hidden = client_fit(cfg, 0, arrays, round_=1)
+    _, _, shown = client_fit(config("threat.labels=true"), 0, arrays, round_=1)
+    assert "labels" not in hidden
+    rng, _ = client_generators(cfg.run.seed, 0, 1)
+    local = client_split("digits", cfg.data.source_options(), "iid", cfg.partition.options(), 4, cfg.run.seed, 0)
+    _, y = local.batch(rng.choice(len(local), size=8, replace=False))
+    assert shown["labels"] == ",".join(str(v) for v in y.tolist())

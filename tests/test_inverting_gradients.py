@@ -144,3 +144,37 @@ def test_fedavg_weight_updates_leak_through_replayed_local_steps() -> None:
     floor_psnr, floor_ssim = floor(x)
     print("FedAvg IG psnr", scores["psnr"], "ssim", scores["ssim"], "floor", floor_psnr, floor_ssim)
     assert scores["psnr"] > float(floor_psnr.mean()) + 8 and scores["ssim"] > float(floor_ssim.mean()) + 0.25
+
+
+def test_skipping_the_layers_a_defense_altered_restores_the_attack() -> None:
+    """A defense that replaces one layer's gradient with noise (here the last one) misleads plain IG; the
+    adaptive attack that leaves that layer out recovers the images from the others."""
+    observations, x, y = uploads()
+    rng = np.random.default_rng(0)
+    altered = []
+    for obs in observations:
+        upload = [10 * rng.normal(size=a.shape).astype(a.dtype) if name.startswith("5.") else a
+                  for name, a in zip(obs.names, obs.upload)]
+        altered.append(Observation(**{**obs.__dict__, "upload": upload}))
+    labels = [y[i : i + 1] for i in range(2)]  # the noisy last layer hides the labels: grant them to both
+    plain = InvertingGradients(PARAMS).reconstruct_many(altered[:2], labels)
+    adaptive = InvertingGradients(InvertingGradientsParams(**{**PARAMS.__dict__, "skip": "5."})).reconstruct_many(
+        altered[:2], labels)
+    plain_psnr, _ = scores(plain, x[:2])
+    adaptive_psnr, adaptive_ssim = scores(adaptive, x[:2])
+    print("plain", plain_psnr, "adaptive", adaptive_psnr, adaptive_ssim)
+    assert adaptive_psnr.mean() > plain_psnr.mean() + 5
+    with pytest.raises(ValueError, match="leaves no parameter"):
+        InvertingGradients(InvertingGradientsParams(iterations=1, skip="", device="cpu").__class__(
+            iterations=1, device="cpu", skip="0,1,2,3,4,5")).reconstruct(observations[0])
+
+
+def test_declared_labels_are_used_instead_of_inferred_ones() -> None:
+    observations, _, y = uploads()
+    wrong = (int(y[0]) + 1) % 10
+    obs = Observation(**{**observations[0].__dict__, "declared": {"batch-size": 1, "labels": str(wrong)}})
+    params = InvertingGradientsParams(iterations=2, restarts=1, device="cpu")
+    [given] = InvertingGradients(params).reconstruct_many([obs])
+    [inferred] = InvertingGradients(params).reconstruct_many(observations[:1])
+    assert int(given.labels[0]) == wrong and given.stats["labels_inferred"] is False
+    assert int(inferred.labels[0]) == int(y[0]) and inferred.stats["labels_inferred"] is True
