@@ -73,6 +73,21 @@ def images_per_upload(obs: Observation) -> int:
     return int(obs.declared.get("batch-size", obs.num_examples))
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_search_params(iterations: int, restarts: int, lr: float, device: str) -> None:
+    """The checks every optimization attack's parameters share; raises ``ValueError`` naming the bad value."""
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    if restarts < 1:
+        raise ValueError(f"restarts must be >= 1, got {restarts}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r}: choose one of {', '.join(DEVICES)}")
+
+
 def shape_key(obs: Observation) -> tuple:
     """Observations with equal keys (model, data shape, image count, upload kind, local schedule) can be
     attacked as one batch."""

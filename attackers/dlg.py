@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad, vmap
 
-from attackers.base import Reconstruction, images_per_upload, register_attack
+from attackers.base import Reconstruction, check_search_params, images_per_upload, register_attack
 from attackers.inverting_gradients import job_seed, model_of, resolve_device, target_gradient
 from attackers.labels import declared_labels, infer_labels
 from fedguard.observation import Observation
@@ -43,16 +43,9 @@ class DLGParams:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.iterations < 1:
-            raise ValueError(f"iterations must be >= 1, got {self.iterations}")
-        if self.restarts < 1:
-            raise ValueError(f"restarts must be >= 1, got {self.restarts}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        check_search_params(self.iterations, self.restarts, self.lr, self.device)
         if self.history < 1:
             raise ValueError(f"history must be >= 1, got {self.history}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device {self.device!r}: choose one of auto, cpu, cuda")
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

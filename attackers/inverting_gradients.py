@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, replace_all_batch_norm_modules_, vmap
 
-from attackers.base import Reconstruction, images_per_upload, register_attack
+from attackers.base import Reconstruction, check_search_params, images_per_upload, register_attack
 from attackers.labels import declared_labels, infer_labels
 from fedguard.models import MODELS, build_model
 from fedguard.observation import Observation
@@ -48,16 +48,9 @@ class InvertingGradientsParams:
     skip: str = ""
 
     def __post_init__(self) -> None:
-        if self.iterations < 1:
-            raise ValueError(f"iterations must be >= 1, got {self.iterations}")
-        if self.restarts < 1:
-            raise ValueError(f"restarts must be >= 1, got {self.restarts}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        check_search_params(self.iterations, self.restarts, self.lr, self.device)
         if self.tv < 0:
             raise ValueError(f"tv must be >= 0, got {self.tv}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device {self.device!r}: choose one of auto, cpu, cuda")
 
     def skipped(self, name: str) -> bool:
         """True when parameter ``name`` is left out of the gradient distance."""
