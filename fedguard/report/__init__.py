@@ -1,1 +1,1 @@
-"""Run outputs: the per-round log and the run folder."""
+"""Run outputs: the per-round log, the run folder, image grids and the HTML report."""
