@@ -5,6 +5,7 @@ side runs R restarts in one call, the sequential side R calls of one restart.
 Prints seconds and the speed-up per model.
 
     .venv/bin/python benchmarks/ig_batched_restarts.py [--restarts 8] [--iterations 50] [--threads 1]
+        [--models lenet,mlp,convnet,resnet18]
 """
 
 from __future__ import annotations
@@ -49,9 +50,14 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--models", default="lenet,mlp,convnet", help="comma-separated: lenet, mlp, convnet, resnet18")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    models = [("lenet", None), ("mlp", None), ("convnet", ConvNetParams(width=16))]
+    known = {"lenet": None, "mlp": None, "convnet": ConvNetParams(width=16), "resnet18": None}
+    unknown = [m for m in args.models.split(",") if m not in known]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    models = [(name, known[name]) for name in args.models.split(",")]
     print(f"{'model':10} {'restarts':>8} {'sequential s':>13} {'batched s':>10} {'speed-up':>9} {'restart-it/s':>13}")
     for name, params in models:
         obs = capture(name, params, batch=1)
