@@ -24,7 +24,8 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from attackers.base import Reconstruction, check_search_params, images_per_upload, register_attack
-from attackers.inverting_gradients import job_seed, model_of, resolve_device, target_gradient
+from attackers.inverting_gradients import target_gradient
+from attackers.jobs import JobBatch, job_seed, resolve_device
 from attackers.labels import declared_labels, infer_labels
 from fedguard.observation import Observation
 
@@ -120,16 +121,10 @@ class DeepLeakage:
         first = observations[0]
         device = resolve_device(self.params.device)
         start = time.perf_counter()
-        model, _ = model_of(first, device)
-        per_obs = [model_of(o, device)[1] for o in observations]
-        targets = [target_gradient(o, device) for o in observations]
         batch, classes, restarts = images_per_upload(first), first.spec.num_classes, self.params.restarts
-        names = list(per_obs[0])
-
-        def stack(values: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack(values).repeat_interleave(restarts, dim=0)
-
-        params = {n: stack([p[n] for p in per_obs]) for n in names}
+        jobs_of = JobBatch.of(observations, restarts, device)
+        model, names, params, stack = jobs_of.model, jobs_of.names, jobs_of.params, jobs_of.per_job
+        targets = [target_gradient(o, device) for o in observations]
         target = [stack([t[i] for t in targets]) for i in range(len(names))]
         given = [declared_labels(o.declared) for o in observations]
         if self.infer or all(lab is not None for lab in given):

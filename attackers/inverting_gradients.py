@@ -23,14 +23,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn as nn
-from torch.func import functional_call, grad, replace_all_batch_norm_modules_, vmap
+from torch.func import functional_call, grad, vmap
 
 from attackers.base import Reconstruction, check_search_params, images_per_upload, register_attack
+from attackers.jobs import JobBatch, job_seed, resolve_device
 from attackers.labels import declared_labels, infer_labels
-from fedguard.models import MODELS, build_model
 from fedguard.observation import Observation
 from fedguard.training import loss_fn
 
@@ -57,33 +55,11 @@ class InvertingGradientsParams:
         return any(name.startswith(prefix.strip()) for prefix in self.skip.split(",") if prefix.strip())
 
 
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for, but CUDA is not available here")
-    return torch.device(name)
-
-
 def total_variation(x: torch.Tensor) -> torch.Tensor:
     """Mean absolute difference of neighbouring pixels of images (..., C, H, W) -> (...)."""
     dx = (x[..., :, :, 1:] - x[..., :, :, :-1]).abs().mean((-3, -2, -1))
     dy = (x[..., :, 1:, :] - x[..., :, :-1, :]).abs().mean((-3, -2, -1))
     return dx + dy
-
-
-def model_of(obs: Observation, device: torch.device) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """The observed architecture, stateless BatchNorm (batch statistics, as in a training step), and its
-    trainable parameters at the global model of ``obs`` (name -> tensor)."""
-    entry = MODELS.get(obs.model)
-    model = build_model(obs.model, obs.spec, entry.params(**obs.model_params))
-    state = {name: torch.tensor(array) for name, array in zip(obs.names, obs.global_arrays)}
-    model.load_state_dict(state)
-    replace_all_batch_norm_modules_(model)
-    model.train().to(device)
-    names = [name for name, trainable in zip(obs.names, obs.trainable) if trainable]
-    return model, {name: state[name].to(device) for name in names}
 
 
 def target_gradient(obs: Observation, device: torch.device) -> list[torch.Tensor]:
@@ -115,11 +91,6 @@ class LocalSchedule:
             return cls(float(obs.declared["lr"]), int(obs.declared["local-epochs"]), int(obs.declared["batch-size"]))
         except KeyError as missing:
             raise ValueError(f"a weights upload without the declared local hyper-parameter {missing}") from None
-
-
-def job_seed(seed: int, obs: Observation, restart: int) -> int:
-    """Seed of one restart's initial image: the same whether it runs alone or batched with others."""
-    return int(np.random.SeedSequence([seed, obs.round, obs.client, restart]).generate_state(1)[0])
 
 
 def local_update_fn(param_grad: Any, schedule: LocalSchedule, examples: int) -> Any:
@@ -161,13 +132,11 @@ class InvertingGradients:
         if not observations:
             return []
         first = observations[0]
-        shapes = {(o.model, tuple(sorted(o.model_params.items())), o.spec, images_per_upload(o)) for o in observations}
-        if len(shapes) > 1:
-            raise ValueError("reconstruct_many needs observations of one model, data shape and batch size")
         device = resolve_device(self.params.device)
         start = time.perf_counter()
-        model, _ = model_of(first, device)
-        per_obs_params = [model_of(o, device)[1] for o in observations]
+        restarts = self.params.restarts
+        jobs_of = JobBatch.of(observations, restarts, device)
+        model, names, params, stack = jobs_of.model, jobs_of.names, jobs_of.params, jobs_of.per_job
         targets = [target_update(o, device) for o in observations]
         batch = images_per_upload(first)
         if labels is None:
@@ -175,14 +144,7 @@ class InvertingGradients:
         inferred = [lab is None for lab in labels]
         labels = [infer_labels(t, first.spec.num_classes, batch) if lab is None else lab
                   for lab, t in zip(labels, targets)]
-        restarts = self.params.restarts
         jobs = len(observations) * restarts
-        names = list(per_obs_params[0])
-
-        def stack(values: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack(values).repeat_interleave(restarts, dim=0)
-
-        params = {n: stack([p[n] for p in per_obs_params]) for n in names}
         target = [stack([t[i] for t in targets]) for i in range(len(names))]
         compared = [n for n in names if not self.params.skipped(n)]
         if not compared:
