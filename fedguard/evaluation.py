@@ -8,6 +8,7 @@ to ``attacks.jsonl`` (flushed at once, so nothing is lost if the run stops).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from attackers.base import AttackOutcome
+from fedguard.config import Config
 from fedguard.metrics import score_batch
 from fedguard.report.images import save_grid
 from fedguard.vault import VAULT_DIR, read_truth
@@ -26,6 +28,20 @@ IMAGES_DIR = "images"
 def _finite(value: Any) -> Any:
     """JSON has no infinity: +inf PSNR (an exact copy) is written as null in per-image rows."""
     return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def attack_context(config: Config, **extra: Any) -> dict[str, Any]:
+    """What every row of a run's attacks carries: attack and defense with their parameters, model, data, seed."""
+    return {
+        "attack": config.attack.name,
+        "attack_params": dataclasses.asdict(config.attack.params),
+        "defense": config.defense.name,
+        "defense_params": dataclasses.asdict(config.defense.params),
+        "model": config.model.name,
+        "dataset": config.data.name,
+        "seed": config.run.seed,
+        **extra,
+    }
 
 
 class Evaluator:

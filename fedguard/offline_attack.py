@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import traceback
 from itertools import groupby
@@ -11,7 +10,7 @@ from typing import Any, Callable
 
 from attackers.base import ATTACKS, AttackOutcome, build_attack, shape_key
 from fedguard.config import NO_ATTACK, Config, ConfigError, load_config
-from fedguard.evaluation import Evaluator
+from fedguard.evaluation import Evaluator, attack_context
 from fedguard.observation import Observation, load_observations
 from fedguard.report.html import build_report
 from fedguard.report.run_dir import CONFIG_FILE, OBSERVATIONS_DIR
@@ -46,16 +45,7 @@ def attack_capture(
     config = offline_config(run_dir, overrides)
     observations = load_observations(folder)
     attack = build_attack(config.attack.name, config.attack.params)
-    evaluator = Evaluator(run_dir, {
-        "attack": config.attack.name,
-        "attack_params": dataclasses.asdict(config.attack.params),
-        "defense": config.defense.name,
-        "defense_params": dataclasses.asdict(config.defense.params),
-        "model": config.model.name,
-        "dataset": config.data.name,
-        "seed": config.run.seed,
-        "source": "offline",
-    })
+    evaluator = Evaluator(run_dir, attack_context(config, source="offline"))
     progress(f"fedguard: {config.attack.name} on {len(observations)} observations from {folder}")
     rows = []
     ordered = sorted(observations, key=lambda o: (repr(shape_key(o)), o.round, o.client))

@@ -26,7 +26,7 @@ from attackers.sinks import DiskSink, FanOut
 from fedguard.config import NO_ATTACK, Config
 from fedguard.data import load_dataset
 from fedguard.models import build_model
-from fedguard.evaluation import ATTACKS_FILE, Evaluator
+from fedguard.evaluation import ATTACKS_FILE, Evaluator, attack_context
 from fedguard.observation import ModelCard
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
@@ -72,18 +72,9 @@ def fit_config_fn(config: Config, folder: Path) -> Any:
 def build_attack_pool(config: Config, folder: Path) -> AttackPool:
     """The attacker workers and the evaluator that scores what they return."""
     attack = config.attack
-    context = {
-        "attack": attack.name,
-        "attack_params": dataclasses.asdict(attack.params),
-        "defense": config.defense.name,
-        "defense_params": dataclasses.asdict(config.defense.params),
-        "model": config.model.name,
-        "dataset": config.data.name,
-        "seed": config.run.seed,
-    }
     return AttackPool(
         functools.partial(build_attack, attack.name, attack.params),
-        Evaluator(folder, context),
+        Evaluator(folder, attack_context(config)),
         workers=config.pool.workers,
         time_limit=config.pool.time_limit,
         group=config.pool.group,
