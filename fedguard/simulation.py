@@ -17,15 +17,8 @@ class _DropDeprecation(logging.Filter):
 
 
 def backend_config(config: Config) -> dict:
-    """Ray resources: a bounded cluster on this machine, no dashboard."""
-    return {
-        "client_resources": {"num_cpus": config.sim.client_cpus, "num_gpus": config.sim.client_gpus},
-        "init_args": {
-            "num_cpus": config.sim.num_cpus,
-            "object_store_memory": 512 * 1024 * 1024,
-            "include_dashboard": False,
-        },
-    }
+    """What each simulated client reserves; the cluster itself is started by ``start_ray``."""
+    return {"client_resources": {"num_cpus": config.sim.client_cpus, "num_gpus": config.sim.client_gpus}}
 
 
 def start_ray(config: Config) -> None:
