@@ -45,10 +45,15 @@ class AttackOutcome:
 
 
 class Attack(Protocol):
-    """Server-side attack on one captured upload."""
+    """Server-side attack on one captured upload.
+
+    ``needs``: what it needs beyond the upload (keys of ``NEEDS``); ``uploads``: the upload kinds it
+    attacks; ``manipulation``: the malicious-server manipulation it exploits ('none' for honest-server
+    attacks); it only attacks uploads computed on a model so manipulated."""
 
     needs: frozenset[str]
     uploads: frozenset[str]
+    manipulation: str
 
     def reconstruct(self, obs: Observation) -> Reconstruction: ...
 
@@ -93,6 +98,11 @@ def shape_key(obs: Observation) -> tuple:
     attacked as one batch."""
     schedule = tuple(sorted(obs.declared.items())) if obs.kind == "weights" else ()
     return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, images_per_upload(obs), obs.kind, schedule)
+
+
+def required_manipulation(attack: Attack) -> str:
+    """The manipulation ``attack`` exploits: 'none' for an honest-server attack."""
+    return getattr(attack, "manipulation", "none")
 
 
 def missing_grants(attack: Attack, granted: set[str], upload_kind: str = "gradient") -> list[str]:

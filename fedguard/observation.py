@@ -34,6 +34,8 @@ class Observation:
     ``upload``: one array per entry; for kind 'gradient' the parameter entries
     are batch gradients and the buffer entries the client's buffers after its
     step; for kind 'weights' all entries are the client's new state.
+    ``manipulation``: what a malicious server did to the model it sent
+    ('none' for an honest server; see ``attackers.manipulation``).
     """
 
     round: int
@@ -48,6 +50,7 @@ class Observation:
     upload: list[np.ndarray]
     num_examples: int
     declared: dict[str, Any] = field(default_factory=dict)
+    manipulation: str = "none"
 
     def __post_init__(self) -> None:
         if self.kind not in UPLOAD_KINDS:
@@ -74,6 +77,7 @@ class Observation:
             "trainable": list(self.trainable),
             "num_examples": self.num_examples,
             "declared": self.declared,
+            "manipulation": self.manipulation,
         }
 
 
@@ -110,6 +114,7 @@ def load_observation(path: Path) -> Observation:
         upload=upload,
         num_examples=meta["num_examples"],
         declared=meta["declared"],
+        manipulation=meta.get("manipulation", "none"),
     )
 
 
@@ -137,6 +142,7 @@ class ModelCard:
         upload: list[np.ndarray],
         num_examples: int,
         declared: dict[str, Any],
+        manipulation: str = "none",
     ) -> Observation:
         """An ``Observation`` of one upload of this model."""
         return Observation(
@@ -152,4 +158,5 @@ class ModelCard:
             upload=upload,
             num_examples=num_examples,
             declared=declared,
+            manipulation=manipulation,
         )
