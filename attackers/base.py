@@ -20,6 +20,7 @@ NEEDS = {
     "labels": "the true labels of the batch",
     "bn-statistics": "the BatchNorm statistics of the batch",
     "hyperparameters": "the client's declared local hyper-parameters",
+    "defense": "the clients' defense and its parameters (not its randomness)",
 }
 
 
@@ -34,7 +35,7 @@ class Reconstruction:
 
 @dataclass
 class AttackOutcome:
-    """What became of one observation: ``status`` is 'ok', 'error' or 'timeout'."""
+    """What became of one attack on one observation: ``status`` is 'ok', 'error' or 'timeout'."""
 
     observation: Observation
     status: str
@@ -42,6 +43,7 @@ class AttackOutcome:
     error: str | None = None
     seconds: float = 0.0
     worker: int = -1
+    attack: str = ""
 
 
 class Attack(Protocol):
@@ -66,9 +68,19 @@ ATTACKS: Registry[AttackBuilder] = Registry("attack")
 register_attack = ATTACKS.register
 
 
-def build_attack(name: str, params: Any = None) -> Attack:
-    """The registered attack ``name`` configured with ``params``."""
-    return ATTACKS.build(name, params=params)
+def build_attack(name: str, params: Any = None, defense: tuple[str, Any] | None = None) -> Attack:
+    """The registered attack ``name`` configured with ``params``.
+
+    ``defense`` (name, parameters) is the clients' defense, given to an attack that needs it (``needs`` holds
+    'defense', e.g. IG with EOT) through its ``know_defense`` method."""
+    attack = ATTACKS.build(name, params=params)
+    if "defense" in attack.needs:
+        if defense is None:
+            raise ValueError(f"attack {name!r} needs the clients' defense, and none was given")
+        from fedguard.defenses import build_defense
+
+        attack.know_defense(build_defense(*defense))
+    return attack
 
 
 def images_per_upload(obs: Observation) -> int:

@@ -9,6 +9,12 @@ them. On FedAvg weights the attacker replays the client's declared local
 steps (learning rate, epochs, batch size) on the dummy data and matches
 ``global - uploaded`` weights instead of the gradient.
 
+Adaptive variants: ``skip`` leaves the layers a defense is known to alter
+out of the distance (the fair test of Soteria); ``eot`` > 0 is expectation
+over transformation against a randomized defense the server knows (threat
+``defense``): each iteration passes the dummy update through ``eot`` fresh
+draws of the defense (``simulate``) and averages the distances.
+
 All restarts of all observations given together run as one tensor program:
 ``torch.func.vmap`` over jobs of the parameter gradient of each job's dummy
 batch, and one ``torch.func.grad`` of the summed loss w.r.t. every dummy
@@ -29,6 +35,7 @@ from torch.func import functional_call, grad, vmap
 from attackers.base import Reconstruction, check_search_params, images_per_upload, register_attack
 from attackers.jobs import JobBatch, job_seed, resolve_device
 from attackers.labels import declared_labels, infer_labels
+from fedguard.defenses.base import SimulatedDefense
 from fedguard.observation import Observation
 from fedguard.training import loss_fn
 
@@ -36,7 +43,8 @@ from fedguard.training import loss_fn
 @dataclass(frozen=True)
 class InvertingGradientsParams:
     """Iterations, restarts, Adam step on [0, 1] pixels, total-variation weight, device ('auto', 'cpu', 'cuda'),
-    and ``skip``: comma-separated parameter-name prefixes left out of the distance (the layers a defense alters)."""
+    ``skip``: comma-separated parameter-name prefixes left out of the distance (the layers a defense alters),
+    ``eot``: draws of the known defense averaged per iteration (0: off; needs threat.defense)."""
 
     iterations: int = 2000
     restarts: int = 2
@@ -44,11 +52,14 @@ class InvertingGradientsParams:
     tv: float = 1e-4
     device: str = "auto"
     skip: str = ""
+    eot: int = 0
 
     def __post_init__(self) -> None:
         check_search_params(self.iterations, self.restarts, self.lr, self.device)
         if self.tv < 0:
             raise ValueError(f"tv must be >= 0, got {self.tv}")
+        if self.eot < 0:
+            raise ValueError(f"eot must be >= 0 (0: off), got {self.eot}")
 
     def skipped(self, name: str) -> bool:
         """True when parameter ``name`` is left out of the gradient distance."""
@@ -112,12 +123,21 @@ def local_update_fn(param_grad: Any, schedule: LocalSchedule, examples: int) -> 
 class InvertingGradients:
     """Cosine-similarity gradient inversion with TV prior, batched over restarts and observations."""
 
-    needs: frozenset[str] = frozenset()
     needs_by_upload = {"weights": frozenset({"hyperparameters"})}
     uploads: frozenset[str] = frozenset({"gradient", "weights"})
+    manipulation = "none"
 
     def __init__(self, params: InvertingGradientsParams) -> None:
         self.params = params
+        self.needs: frozenset[str] = frozenset({"defense"}) if params.eot else frozenset()
+        self.defense: SimulatedDefense | None = None
+
+    def know_defense(self, defense: Any) -> None:
+        """The clients' defense, for EOT; it must be able to ``simulate`` itself on a batch of updates."""
+        if not callable(getattr(defense, "simulate", None)):
+            raise ValueError(f"EOT needs a defense that can be simulated; {type(defense).__name__} cannot "
+                             f"(set attack.ig.eot = 0)")
+        self.defense = defense
 
     def reconstruct(self, obs: Observation, labels: torch.Tensor | None = None) -> Reconstruction:
         """Reconstruct the batch behind one upload."""
@@ -160,11 +180,16 @@ class InvertingGradients:
         if first.kind == "weights":
             update = local_update_fn(param_grad, LocalSchedule.of(first), batch)
 
-        def job_losses(x: torch.Tensor) -> torch.Tensor:
-            g = vmap(update)(params, x, y)
+        def distance(g: dict[str, torch.Tensor]) -> torch.Tensor:
             dot = sum((g[n].flatten(1) * t.flatten(1)).sum(1) for n, t in zip(compared, target))
             norm = torch.sqrt(sum((g[n].flatten(1) ** 2).sum(1) for n in compared))
-            return 1 - dot / (norm * target_norm + 1e-12) + self.params.tv * total_variation(x).mean(1)
+            return 1 - dot / (norm * target_norm + 1e-12)
+
+        eot = self._eot_draws(device, seed)
+
+        def job_losses(x: torch.Tensor) -> torch.Tensor:
+            g = vmap(update)(params, x, y)
+            return eot(g, distance) + self.params.tv * total_variation(x).mean(1)
 
         def summed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             losses = job_losses(x)
@@ -203,6 +228,25 @@ class InvertingGradients:
             }
             results.append(Reconstruction(images, lab.cpu(), stats))
         return results
+
+
+    def _eot_draws(self, device: torch.device, seed: int) -> Any:
+        """``(g, distance) -> (J,)``: the distance of ``g`` itself, or its mean over ``eot`` draws of the defense."""
+        if not self.params.eot:
+            return lambda g, distance: distance(g)
+        if self.defense is None:
+            raise ValueError("attack.ig.eot > 0 needs the clients' defense (threat.defense = true)")
+        generator = torch.Generator(device=device).manual_seed(seed)
+        defense, draws = self.defense, self.params.eot
+
+        def expected(g: dict[str, torch.Tensor], distance: Any) -> torch.Tensor:
+            names = list(g)
+            total = 0
+            for _ in range(draws):
+                total = total + distance(dict(zip(names, defense.simulate([g[n] for n in names], generator))))
+            return total / draws
+
+        return expected
 
 
 @register_attack("ig", params=InvertingGradientsParams)

@@ -1,10 +1,12 @@
-"""The attacker pool: Ray actors that run an attack on captured observations.
+"""The attacker pool: Ray actors that run the configured attacks on captured observations.
 
-The pool is an ``ObservationSink``: ``submit`` queues and returns at once, so
-aggregation never waits. A background thread hands queued observations to
-idle workers (up to ``group`` of one shape at a time, which the attack runs as
-one batch), collects results as they arrive and passes every outcome, good or
-bad, to ``on_outcome``. A worker that raises yields an 'error' outcome; one
+The pool is an ``ObservationSink``: ``submit`` queues one task per attack that
+applies to the observation (the attack exploits the manipulation the upload
+was computed under, 'none' for an honest server) and returns at once, so
+aggregation never waits. A background thread hands queued tasks to idle
+workers (up to ``group`` observations of one attack and shape at a time, which
+the attack runs as one batch), collects results as they arrive and passes
+every outcome, good or bad, to ``on_outcome``. A worker that raises yields an 'error' outcome; one
 that runs past its time limit is killed, replaced, and yields a 'timeout'
 outcome. ``close`` waits for what is left up to a limit and reports the rest
 as 'timeout'.
@@ -38,23 +40,40 @@ ATTACKER_RESOURCE = "attacker"
 AttackFactory = Callable[[], Any]
 
 
+@dataclass(frozen=True)
+class AttackSpec:
+    """One attack the pool runs: its name, a picklable factory, and the manipulation it exploits."""
+
+    name: str
+    factory: AttackFactory
+    manipulation: str = "none"
+
+
 @ray.remote
 class AttackWorker:
-    """One attacker process: builds the attack once, then reconstructs what it is given."""
+    """One attacker process: builds the attacks once, then reconstructs what it is given."""
 
-    def __init__(self, factory: AttackFactory, threads: int) -> None:
+    def __init__(self, factories: dict[str, AttackFactory], threads: int) -> None:
         torch.set_num_threads(max(1, threads))
-        self.attack = factory()
+        self.attacks = {name: factory() for name, factory in factories.items()}
 
-    def run(self, observations: list[Observation]) -> list[Reconstruction]:
-        if hasattr(self.attack, "reconstruct_many") and len(observations) > 1:
-            return self.attack.reconstruct_many(observations)
-        return [self.attack.reconstruct(obs) for obs in observations]
+    def run(self, attack: str, observations: list[Observation]) -> list[Reconstruction]:
+        chosen = self.attacks[attack]
+        if hasattr(chosen, "reconstruct_many") and len(observations) > 1:
+            return chosen.reconstruct_many(observations)
+        return [chosen.reconstruct(obs) for obs in observations]
+
+
+@dataclass
+class _Task:
+    attack: str
+    observation: Observation
 
 
 @dataclass
 class _Dispatch:
     worker: int
+    attack: str
     observations: list[Observation]
     started: float
     limit: float
@@ -77,16 +96,16 @@ class AttackPool:
 
     Parameters
     ----------
-    factory : Callable[[], Attack]
-        Builds the attack inside each worker (must be picklable).
+    attacks : list[AttackSpec]
+        The attacks; their factories build them inside each worker (must be picklable).
     on_outcome : Callable[[AttackOutcome], None]
-        Called, on the pool's thread, once for every submitted observation.
+        Called, on the pool's thread, once for every (attack, observation) task.
     workers : int
         Number of worker actors (>= 1).
     time_limit : float
         Seconds one observation may take; a group of k gets k times as long.
     group : int
-        Most observations of one shape given to a worker at once.
+        Most observations of one attack and shape given to a worker at once.
     threads : int
         Torch threads of each CPU worker.
     use_gpu : bool
@@ -97,7 +116,7 @@ class AttackPool:
 
     def __init__(
         self,
-        factory: AttackFactory,
+        attacks: list[AttackSpec],
         on_outcome: Callable[[AttackOutcome], None],
         workers: int = 1,
         time_limit: float = 600.0,
@@ -113,7 +132,11 @@ class AttackPool:
             raise ValueError(f"time_limit must be > 0, got {time_limit}")
         if group < 1:
             raise ValueError(f"group must be >= 1, got {group}")
-        self.factory = factory
+        if not attacks:
+            raise ValueError("the pool needs at least one attack")
+        if len({a.name for a in attacks}) < len(attacks):
+            raise ValueError(f"attack names repeat: {[a.name for a in attacks]}")
+        self.attacks = list(attacks)
         self.on_outcome = on_outcome
         self.time_limit = time_limit
         self.group = group
@@ -129,7 +152,7 @@ class AttackPool:
         self._ready_refs: dict[Any, int] = {}
         self._started = False
         self._busy: dict[ray.ObjectRef, _Dispatch] = {}
-        self._queue: deque[Observation] = deque()
+        self._queue: deque[_Task] = deque()
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._poll_seconds = poll_seconds
@@ -161,21 +184,28 @@ class AttackPool:
             options["resources"] = {ATTACKER_RESOURCE: 1}
         if self.use_gpu:
             options["num_gpus"] = 1
-        return AttackWorker.options(**options).remote(self.factory, self.threads)
+        factories = {a.name: a.factory for a in self.attacks}
+        return AttackWorker.options(**options).remote(factories, self.threads)
 
     def submit(self, obs: Observation) -> None:
-        """Queue ``obs`` for attack; returns immediately. Raises ``RuntimeError`` after ``close``."""
+        """Queue one task per attack that applies to ``obs``; returns immediately. Raises ``RuntimeError``
+        after ``close``."""
+        tasks = [_Task(a.name, obs) for a in self.attacks if a.manipulation == obs.manipulation]
         with self._lock:
             if self._closing.is_set():
                 raise RuntimeError("the attack pool is closed; no more observations are taken")
-            self._queue.append(obs)
-            self.stats.submitted += 1
+            if not tasks:
+                log.info("round %d client %d: no configured attack exploits manipulation %r",
+                         obs.round, obs.client, obs.manipulation)
+                return
+            self._queue.extend(tasks)
+            self.stats.submitted += len(tasks)
             if not self._started:
                 self._started = True
                 self._thread.start()
 
     def pending(self) -> int:
-        """Observations queued or running."""
+        """Tasks (attack, observation) queued or running."""
         with self._lock:
             return len(self._queue) + sum(len(d.observations) for d in self._busy.values())
 
@@ -193,15 +223,17 @@ class AttackPool:
                 if not self._queue:
                     return
                 first = self._queue.popleft()
-                group = [first]
-                for obs in list(self._queue):
+                key = (first.attack, shape_key(first.observation))
+                group = [first.observation]
+                for task in list(self._queue):
                     if len(group) >= self.group:
                         break
-                    if shape_key(obs) == shape_key(first):
-                        group.append(obs)
-                        self._queue.remove(obs)
-                ref = self._workers[worker].run.remote(group)
-                self._busy[ref] = _Dispatch(worker, group, time.monotonic(), self.time_limit * len(group))
+                    if (task.attack, shape_key(task.observation)) == key:
+                        group.append(task.observation)
+                        self._queue.remove(task)
+                ref = self._workers[worker].run.remote(first.attack, group)
+                self._busy[ref] = _Dispatch(worker, first.attack, group, time.monotonic(),
+                                            self.time_limit * len(group))
 
     def _emit(self, outcome: AttackOutcome) -> None:
         setattr(self.stats, outcome.status, getattr(self.stats, outcome.status) + 1)
@@ -226,7 +258,8 @@ class AttackPool:
             self._replace(dispatch.worker)
             for obs in dispatch.observations:
                 self._emit(AttackOutcome(obs, "timeout", error=f"no result within {dispatch.limit:.0f} s",
-                                         seconds=now - dispatch.started, worker=dispatch.worker))
+                                         seconds=now - dispatch.started, worker=dispatch.worker,
+                                         attack=dispatch.attack))
 
     def _finish(self, ref: Any, dispatch: _Dispatch) -> None:
         share = (time.monotonic() - dispatch.started) / len(dispatch.observations)
@@ -235,15 +268,17 @@ class AttackPool:
         except Exception as error:  # a worker's exception arrives wrapped by Ray
             message = f"{type(error).__name__}: {error}".strip()[-2000:]
             for obs in dispatch.observations:
-                self._emit(AttackOutcome(obs, "error", error=message, seconds=share, worker=dispatch.worker))
+                self._emit(AttackOutcome(obs, "error", error=message, seconds=share, worker=dispatch.worker,
+                                         attack=dispatch.attack))
             if isinstance(error, ray.exceptions.RayActorError):
                 self._replace(dispatch.worker)
             return
         for index, obs in enumerate(dispatch.observations):
             if index < len(reconstructions):
-                self._emit(AttackOutcome(obs, "ok", reconstructions[index], seconds=share, worker=dispatch.worker))
+                self._emit(AttackOutcome(obs, "ok", reconstructions[index], seconds=share, worker=dispatch.worker,
+                                         attack=dispatch.attack))
             else:
-                self._emit(AttackOutcome(obs, "error", seconds=share, worker=dispatch.worker,
+                self._emit(AttackOutcome(obs, "error", seconds=share, worker=dispatch.worker, attack=dispatch.attack,
                                          error=f"the attack returned {len(reconstructions)} reconstructions "
                                                f"for {len(dispatch.observations)} observations"))
 
@@ -282,14 +317,15 @@ class AttackPool:
         if self._workers and ray.is_initialized():
             self._collect()
         with self._lock:
-            left = list(self._queue) + [obs for d in self._busy.values() for obs in d.observations]
+            left = list(self._queue) + [_Task(d.attack, obs) for d in self._busy.values() for obs in d.observations]
             self._queue.clear()
             self._busy.clear()
-        for obs in left:
+        for task in left:
             if self._start_error:
-                self._emit(AttackOutcome(obs, "error", error=self._start_error))
+                self._emit(AttackOutcome(task.observation, "error", error=self._start_error, attack=task.attack))
             else:
-                self._emit(AttackOutcome(obs, "timeout", error=f"still pending when the run ended (waited {timeout} s)"))
+                self._emit(AttackOutcome(task.observation, "timeout", attack=task.attack,
+                                         error=f"still pending when the run ended (waited {timeout} s)"))
         for worker in self._workers:
             if worker is not None:
                 ray.kill(worker, no_restart=True)

@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from fedguard.config import Config, ConfigError, load_config, schema
+from fedguard.config import Config, load_config, schema
 from fedguard.data import DatasetNotFoundError
+from fedguard.generators import SPLITS, TrainOptions
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,20 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override one key, e.g. --set train.rounds=5 (repeatable; `fedguard config --keys` lists keys)",
     )
+
+
+def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", default="mnist-5k", help="dataset name (default mnist-5k)")
+    parser.add_argument("--split", choices=SPLITS, default="test",
+                        help="'test' (default): the held-out split clients never train on")
+    defaults = TrainOptions()
+    for flag, kind, meaning in (("epochs", int, "passes over the split"), ("latent-dim", int, "latent dimension"),
+                                ("batch-size", int, "minibatch size"), ("lr", float, "Adam learning rate"),
+                                ("seed", int, "seed of weights, shuffling and noise")):
+        default = getattr(defaults, flag.replace("-", "_"))
+        parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
+    parser.add_argument("--out", type=Path, help="output .npz (default generators/<data>.npz)")
+    parser.add_argument("--data-root", default="", help="folder of datasets that do not ship with the packages")
 
 
 def _resolve(args: argparse.Namespace) -> Config:
@@ -78,6 +93,18 @@ def cmd_attack(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_generator(args: argparse.Namespace) -> int:
+    """Train a generator (a VAE's decoder) on public data for the generative-prior attack 'ggl'."""
+    from fedguard.data import SourceOptions
+    from fedguard.generators import default_generator_path, save_generator, train_generator
+
+    options = TrainOptions(args.epochs, args.batch_size, args.lr, args.latent_dim, seed=args.seed)
+    trained = train_generator(args.data, args.split, options, SourceOptions(root=args.data_root),
+                              progress=lambda stats: print(f"fedguard: {stats}", flush=True))
+    print(f"fedguard: saved {save_generator(trained, args.out or default_generator_path(args.data))}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
     parser = argparse.ArgumentParser(
@@ -107,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help=cmd_report.__doc__, description=cmd_report.__doc__)
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder, e.g. runs/quickstart")
     report.set_defaults(handler=cmd_report)
+
+    generator = commands.add_parser("train-generator", help=cmd_train_generator.__doc__,
+                                    description=cmd_train_generator.__doc__)
+    _add_generator_arguments(generator)
+    generator.set_defaults(handler=cmd_train_generator)
     return parser
 
 
@@ -115,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, DatasetNotFoundError, FileExistsError, FileNotFoundError) as error:
+    except (ValueError, DatasetNotFoundError, FileExistsError, FileNotFoundError) as error:  # incl. ConfigError
         print(f"fedguard: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

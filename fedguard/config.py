@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from attackers import ATTACKS
+from attackers.manipulation import HONEST, MANIPULATIONS
 from fedguard.data import DATASETS, SourceOptions
 from fedguard.data.partition import PARTITIONERS, PartitionOptions
 from fedguard.defenses import DEFENSES
@@ -105,11 +106,38 @@ class ThreatSection:
     labels: bool = option(False, "the server knows the true labels of each batch (otherwise attacks infer them)")
     bn_statistics: bool = option(False, "the server knows the BatchNorm statistics of each batch")
     hyperparameters: bool = option(True, "the server may use the local hyper-parameters clients declare")
+    defense: bool = option(False, "the server knows the clients' defense and its parameters, not its randomness "
+                                  "(needed by EOT attacks)")
+    malicious: str = option("", "rounds in which a malicious server manipulates the model it sends, as "
+                                "round:manipulation pairs, e.g. '2:trap-weights, 3:imprint' ('': an honest server)")
+
+    def schedule(self) -> dict[int, str]:
+        """Round -> manipulation name; raises ``ValueError`` naming a bad pair."""
+        return parse_schedule(self.malicious)
 
     def granted(self) -> set[str]:
         """The grants, named as attacks name their needs."""
-        flags = {"labels": self.labels, "bn-statistics": self.bn_statistics, "hyperparameters": self.hyperparameters}
+        flags = {"labels": self.labels, "bn-statistics": self.bn_statistics, "hyperparameters": self.hyperparameters,
+                 "defense": self.defense}
         return {name for name, granted in flags.items() if granted}
+
+
+def parse_schedule(text: str) -> dict[int, str]:
+    """'2:trap-weights, 3:imprint' -> {2: 'trap-weights', 3: 'imprint'}; '' -> {}."""
+    schedule: dict[int, str] = {}
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        round_text, _, name = (part.strip() for part in piece.partition(":"))
+        if not round_text.isdigit() or int(round_text) < 1 or not name:
+            raise ValueError(f"threat.malicious: {piece!r} is not round:manipulation (e.g. '2:trap-weights')")
+        if name not in MANIPULATIONS:
+            raise ValueError(f"threat.malicious: manipulation {name!r} in {piece!r}: choose one of "
+                             f"{', '.join(MANIPULATIONS.names())}")
+        if int(round_text) in schedule:
+            raise ValueError(f"threat.malicious: round {round_text} is manipulated twice")
+        schedule[int(round_text)] = name
+    return schedule
 
 
 @dataclass(frozen=True)
@@ -140,8 +168,11 @@ class Component:
 COMPONENT_KINDS: dict[str, tuple[Registry[Any], str, str]] = {
     "model": (MODELS, "mlp", "model architecture"),
     "defense": (DEFENSES, "none", "client-side defense applied to every upload"),
-    "attack": (ATTACKS, NO_ATTACK, "attack run on captured uploads ('none': capture only)"),
+    "attack": (ATTACKS, NO_ATTACK, "attacks run on captured uploads, comma-separated ('none': capture only)"),
 }
+# Kinds chosen elsewhere (threat.malicious names the manipulations); only their parameters are keys.
+PARAMETER_KINDS: dict[str, Registry[Any]] = {"manipulation": MANIPULATIONS}
+LISTED_KINDS = ("attack",)
 SECTIONS: dict[str, type] = {
     "": RunSection,
     "data": DataSection,
@@ -164,7 +195,8 @@ class Config:
     model: Component = Component("mlp", MODELS.get("mlp").params())
     train: TrainSection = TrainSection()
     defense: Component = Component("none", DEFENSES.get("none").params())
-    attack: Component = Component(NO_ATTACK, None)
+    attacks: tuple[Component, ...] = ()
+    manipulations: tuple[Component, ...] = ()
     capture: CaptureSection = CaptureSection()
     threat: ThreatSection = ThreatSection()
     pool: PoolSection = PoolSection()
@@ -182,17 +214,49 @@ class Config:
             for f in dataclasses.fields(section):
                 flat[_key(prefix, f.name)] = getattr(getattr(self, prefix or "run"), f.name)
         for kind, (registry, _, _) in COMPONENT_KINDS.items():
-            chosen: Component = getattr(self, kind)
-            flat[f"{kind}.name"] = chosen.name
-            for entry in registry.entries():
-                params = chosen.params if entry.name == chosen.name else entry.params()
-                for f in dataclasses.fields(entry.params):
-                    flat[f"{kind}.{entry.name}.{_dash(f.name)}"] = getattr(params, f.name)
+            chosen = self.components(kind)
+            flat[f"{kind}.name"] = ",".join(c.name for c in chosen) or NO_ATTACK
+            flat.update(_param_keys(kind, registry, chosen))
+        for kind, registry in PARAMETER_KINDS.items():
+            flat.update(_param_keys(kind, registry, self.components(kind)))
         return flat
+
+    def components(self, kind: str) -> tuple[Component, ...]:
+        """The chosen components of ``kind`` ('model', 'defense', 'attack', 'manipulation')."""
+        if kind in LISTED_KINDS or kind in PARAMETER_KINDS:
+            return getattr(self, f"{kind}s")
+        return (getattr(self, kind),)
+
+    def attack_names(self) -> list[str]:
+        """The names of the attacks run on captured uploads (empty: capture only)."""
+        return [a.name for a in self.attacks]
+
+    def manipulation(self, name: str) -> Component:
+        """The configured manipulation ``name`` (one that ``threat.malicious`` schedules)."""
+        for component in self.manipulations:
+            if component.name == name:
+                return component
+        raise ValueError(f"manipulation {name!r} is not scheduled by threat.malicious = {self.threat.malicious!r}")
 
     def run_dir(self) -> Path:
         """The folder this run writes to."""
         return Path(self.run.out_dir) if self.run.out_dir else Path("runs") / self.run.name
+
+
+def _param_keys(kind: str, registry: Registry[Any], chosen: tuple[Component, ...]) -> dict[str, Scalar]:
+    """``<kind>.<name>.<param>`` of every registered entry: the chosen ones' values, defaults for the rest."""
+    flat: dict[str, Scalar] = {}
+    values = {c.name: c.params for c in chosen}
+    for entry in registry.entries():
+        params = values.get(entry.name) or entry.params()
+        for f in dataclasses.fields(entry.params):
+            flat[f"{kind}.{entry.name}.{_dash(f.name)}"] = getattr(params, f.name)
+    return flat
+
+
+def split_names(value: str) -> list[str]:
+    """'ig, dlg' -> ['ig', 'dlg']."""
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 def _choices(kind: str) -> list[str]:
@@ -245,6 +309,7 @@ def schema() -> dict[str, tuple[type, Any, str]]:
             keys[_key(prefix, f.name)] = (types[f.name], f.default, f.metadata.get("help", ""))
     for kind, (registry, default, help_text) in COMPONENT_KINDS.items():
         keys[f"{kind}.name"] = (str, default, f"{help_text}: {', '.join(_choices(kind))}")
+    for kind, registry in [(k, r) for k, (r, _, _) in COMPONENT_KINDS.items()] + list(PARAMETER_KINDS.items()):
         for entry in registry.entries():
             types = _field_types(entry.params)
             doc = (entry.params.__doc__ or "").strip().split("\n")[0]
@@ -282,29 +347,48 @@ def _build(flat: Mapping[str, Any]) -> Config:
         sections[prefix or "run"] = section(**kwargs)
 
     for kind, (registry, default, _) in COMPONENT_KINDS.items():
-        name = values.get(f"{kind}.name", default)
-        if name not in _choices(kind):
-            problems.append(f"{kind}.name = {name!r}: choose one of {', '.join(_choices(kind))}")
-        if kind == "attack" and name == NO_ATTACK:
-            sections[kind] = Component(NO_ATTACK, None)
-        for entry in registry.entries():
-            kwargs = {
-                f.name: values[f"{kind}.{entry.name}.{_dash(f.name)}"]
-                for f in dataclasses.fields(entry.params)
-                if f"{kind}.{entry.name}.{_dash(f.name)}" in values
-            }
-            try:
-                params = entry.params(**kwargs)
-            except (ValueError, TypeError) as error:
-                problems.append(f"{kind}.{entry.name}: {error}")
-                params = None
-            if entry.name == name:
-                sections[kind] = Component(name, params)
+        value = values.get(f"{kind}.name", default)
+        names = split_names(value) if kind in LISTED_KINDS else [value]
+        names = [] if kind in LISTED_KINDS and names == [NO_ATTACK] else names
+        for name in names:
+            if name not in _choices(kind) or (kind in LISTED_KINDS and name == NO_ATTACK):
+                problems.append(f"{kind}.name = {value!r}: {name!r} is not one of {', '.join(_choices(kind))}")
+        if len(set(names)) < len(names):
+            problems.append(f"{kind}.name = {value!r}: names a component twice")
+        params = _component_params(kind, registry, values, problems)
+        chosen = tuple(Component(n, params.get(n)) for n in names if n in params)
+        sections[f"{kind}s" if kind in LISTED_KINDS else kind] = chosen if kind in LISTED_KINDS else (
+            chosen[0] if chosen else Component(value, None))
+    try:
+        scheduled = sorted(set(sections["threat"].schedule().values()))
+    except ValueError as error:
+        problems.append(str(error))
+        scheduled = []
+    for kind, registry in PARAMETER_KINDS.items():
+        params = _component_params(kind, registry, values, problems)
+        sections[f"{kind}s"] = tuple(Component(n, params.get(n)) for n in scheduled)
 
     problems += _cross_checks(sections)
     if problems:
         raise ConfigError(problems)
     return Config(**sections)
+
+
+def _component_params(kind: str, registry: Registry[Any], values: Mapping[str, Any],
+                      problems: list[str]) -> dict[str, Any]:
+    """Name -> parameter dataclass of every registered ``kind`` (invalid ones reported and left out)."""
+    built: dict[str, Any] = {}
+    for entry in registry.entries():
+        kwargs = {
+            f.name: values[f"{kind}.{entry.name}.{_dash(f.name)}"]
+            for f in dataclasses.fields(entry.params)
+            if f"{kind}.{entry.name}.{_dash(f.name)}" in values
+        }
+        try:
+            built[entry.name] = entry.params(**kwargs)
+        except (ValueError, TypeError) as error:
+            problems.append(f"{kind}.{entry.name}: {error}")
+    return built
 
 
 def _cross_checks(sections: dict[str, Any]) -> list[str]:
@@ -315,28 +399,58 @@ def _cross_checks(sections: dict[str, Any]) -> list[str]:
             f"train.clients-per-round = {train.clients_per_round}: must be <= partition.num-clients "
             f"({partition.num_clients})"
         )
-    attack = sections.get("attack")
-    if attack is not None and attack.name != NO_ATTACK and attack.params is not None:
-        from attackers.base import build_attack, missing_grants
-
-        built = build_attack(attack.name, attack.params)
-        kind = "gradient" if train.protocol == "fedsgd" else "weights"
-        if kind not in built.uploads:
-            problems.append(
-                f"attack.name = {attack.name!r} attacks {', '.join(sorted(built.uploads))} uploads, but "
-                f"train.protocol = {train.protocol!r} uploads {kind}"
-            )
-        missing = missing_grants(built, sections["threat"].granted(), kind)
-        if missing:
-            problems.append(
-                f"attack.name = {attack.name!r} needs what the threat model does not grant: {'; '.join(missing)} "
-                f"(set the matching threat.* key to true, or choose another attack)"
-            )
+    selections = []
     for parse in (capture.round_selection, capture.client_selection):
         try:
-            parse()
+            selections.append(parse())
         except ValueError as error:
             problems.append(str(error))
+    try:
+        schedule = sections["threat"].schedule()
+    except ValueError:
+        return problems  # reported with the components
+    captured = set(range(1, train.rounds + 1))
+    if len(selections) == 2:
+        captured = {r for r in captured if r in selections[0]}
+        for round_ in sorted(schedule):
+            if round_ not in captured:
+                problems.append(f"threat.malicious manipulates round {round_}, which is not a captured round of "
+                                f"this run (capture.rounds = {capture.rounds!r}, train.rounds = {train.rounds})")
+    for attack in sections["attacks"]:
+        problems += _attack_problems(attack, sections, schedule, captured)
+    return problems
+
+
+def _attack_problems(attack: Component, sections: dict[str, Any], schedule: dict[int, str],
+                     captured: set[int]) -> list[str]:
+    """Why ``attack`` cannot run in this configuration: protocol, threat-model grants, manipulation."""
+    from attackers.base import build_attack, missing_grants, required_manipulation
+
+    defense = sections["defense"]
+    try:
+        built = build_attack(attack.name, attack.params, (defense.name, defense.params))
+    except (ValueError, FileNotFoundError) as error:
+        return [f"attack.{attack.name}: {error}"]
+    problems = []
+    kind = "gradient" if sections["train"].protocol == "fedsgd" else "weights"
+    if kind not in built.uploads:
+        problems.append(
+            f"attack {attack.name!r} attacks {', '.join(sorted(built.uploads))} uploads, but "
+            f"train.protocol = {sections['train'].protocol!r} uploads {kind}"
+        )
+    missing = missing_grants(built, sections["threat"].granted(), kind)
+    if missing:
+        problems.append(
+            f"attack {attack.name!r} needs what the threat model does not grant: {'; '.join(missing)} "
+            f"(set the matching threat.* key to true, or choose another attack)"
+        )
+    needed = required_manipulation(built)
+    rounds = [r for r in captured if schedule.get(r, HONEST) == needed]
+    if not rounds:
+        where = ("a captured round the server does not manipulate" if needed == HONEST
+                 else f"a captured round manipulated with {needed!r} (e.g. threat.malicious = '1:{needed}')")
+        problems.append(f"attack {attack.name!r} needs {where}; threat.malicious = "
+                        f"{sections['threat'].malicious!r}, capture.rounds = {sections['capture'].rounds!r}")
     return problems
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from attackers.base import AttackOutcome
-from fedguard.config import Config
+from fedguard.config import Component, Config
 from fedguard.metrics import score_batch
 from fedguard.report.images import save_grid
 from fedguard.vault import VAULT_DIR, read_truth
@@ -30,11 +30,11 @@ def _finite(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def attack_context(config: Config, **extra: Any) -> dict[str, Any]:
-    """What every row of a run's attacks carries: attack and defense with their parameters, model, data, seed."""
+def attack_context(config: Config, attack: Component, **extra: Any) -> dict[str, Any]:
+    """What every row of ``attack`` in a run carries: attack and defense with their parameters, model, data, seed."""
     return {
-        "attack": config.attack.name,
-        "attack_params": dataclasses.asdict(config.attack.params),
+        "attack": attack.name,
+        "attack_params": dataclasses.asdict(attack.params),
         "defense": config.defense.name,
         "defense_params": dataclasses.asdict(config.defense.params),
         "model": config.model.name,
@@ -44,15 +44,21 @@ def attack_context(config: Config, **extra: Any) -> dict[str, Any]:
     }
 
 
+def attack_contexts(config: Config, **extra: Any) -> dict[str, dict[str, Any]]:
+    """Attack name -> its ``attack_context``, for every attack of ``config``."""
+    return {attack.name: attack_context(config, attack, **extra) for attack in config.attacks}
+
+
 class Evaluator:
     """Turns ``AttackOutcome`` objects into rows of ``attacks.jsonl`` and image grids in ``run_dir``.
 
-    ``context`` is copied into every row (attack and defense names and parameters, seed, ...).
+    ``contexts`` maps an attack name to what is copied into each of its rows (attack and defense names and
+    parameters, seed, ...).
     """
 
-    def __init__(self, run_dir: Path, context: dict[str, Any], lpips_net: str = "alex") -> None:
+    def __init__(self, run_dir: Path, contexts: dict[str, dict[str, Any]], lpips_net: str = "alex") -> None:
         self.run_dir = Path(run_dir)
-        self.context = context
+        self.contexts = contexts
         self.lpips_net = lpips_net
         self.rows: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -60,10 +66,12 @@ class Evaluator:
     def __call__(self, outcome: AttackOutcome) -> dict[str, Any]:
         """Score ``outcome``, write its row and grids; returns the row."""
         obs = outcome.observation
+        context = self.contexts.get(outcome.attack, {"attack": outcome.attack})
         row: dict[str, Any] = {
             "round": obs.round,
             "client": obs.client,
-            **self.context,
+            **context,
+            "manipulation": obs.manipulation,
             "batch_size": int(obs.declared.get("batch-size", obs.num_examples)),
             "status": outcome.status,
             "error": outcome.error,
@@ -82,7 +90,7 @@ class Evaluator:
                 row.update({key: scores[key] for key in ("mse", "psnr", "ssim", "lpips", "label_accuracy")})
                 row["lpips_error"] = scores["lpips_error"]
                 row["per_image"] = [{k: _finite(v) for k, v in image.items()} for image in scores["per_image"]]
-                label = "-".join(str(self.context[k]) for k in ("attack", "source") if k in self.context)
+                label = "-".join(str(context[k]) for k in ("attack", "source") if k in context)
                 prefix = f"{IMAGES_DIR}/round-{obs.round:04d}_client-{obs.client:04d}_{label or 'attack'}"
                 save_grid(images, self.run_dir / f"{prefix}_truth.png", scale=None)
                 save_grid(rec.images[scores["order"]], self.run_dir / f"{prefix}_recon.png", scale=None)

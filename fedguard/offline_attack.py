@@ -8,9 +8,9 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any, Callable
 
-from attackers.base import ATTACKS, AttackOutcome, build_attack, shape_key
-from fedguard.config import NO_ATTACK, Config, ConfigError, load_config
-from fedguard.evaluation import Evaluator, attack_context
+from attackers.base import ATTACKS, AttackOutcome, build_attack, required_manipulation, shape_key
+from fedguard.config import Config, ConfigError, load_config
+from fedguard.evaluation import Evaluator, attack_contexts
 from fedguard.observation import Observation, load_observations
 from fedguard.report.html import build_report
 from fedguard.report.run_dir import CONFIG_FILE, OBSERVATIONS_DIR
@@ -27,11 +27,11 @@ def locate(capture_dir: Path) -> tuple[Path, Path]:
 
 
 def offline_config(run_dir: Path, overrides: list[str]) -> Config:
-    """The run's own configuration (if saved) with ``overrides``; an attack must be chosen."""
+    """The run's own configuration (if saved) with ``overrides``; at least one attack must be chosen."""
     preset = run_dir / CONFIG_FILE
     config = load_config(preset if preset.is_file() else None, overrides)
-    if config.attack.name == NO_ATTACK:
-        raise ConfigError([f"attack.name = 'none': choose an attack, e.g. --set attack.name=ig "
+    if not config.attacks:
+        raise ConfigError([f"attack.name = 'none': choose attacks, e.g. --set attack.name=ig,dlg "
                            f"(choices: {', '.join(ATTACKS.names())})"])
     return config
 
@@ -39,33 +39,37 @@ def offline_config(run_dir: Path, overrides: list[str]) -> Config:
 def attack_capture(
     capture_dir: Path, overrides: list[str], progress: Callable[[str], None] = print
 ) -> tuple[Path, list[dict[str, Any]]]:
-    """Attack every saved observation, score against the run's vault, append to its ``attacks.jsonl``,
-    rebuild its report. Returns (run folder, new rows)."""
+    """Run every configured attack on the saved observations it applies to (those computed under the
+    manipulation it exploits), score against the run's vault, append to its ``attacks.jsonl``, rebuild its
+    report. Returns (run folder, new rows)."""
     run_dir, folder = locate(capture_dir)
     config = offline_config(run_dir, overrides)
     observations = load_observations(folder)
-    attack = build_attack(config.attack.name, config.attack.params)
-    evaluator = Evaluator(run_dir, attack_context(config, source="offline"))
-    progress(f"fedguard: {config.attack.name} on {len(observations)} observations from {folder}")
+    evaluator = Evaluator(run_dir, attack_contexts(config, source="offline"))
     rows = []
-    ordered = sorted(observations, key=lambda o: (repr(shape_key(o)), o.round, o.client))
-    for _, same_shape in groupby(ordered, key=lambda o: repr(shape_key(o))):
-        batch = list(same_shape)
-        for start in range(0, len(batch), config.pool.group):
-            rows += _attack_group(attack, batch[start : start + config.pool.group], evaluator, progress)
+    for component in config.attacks:
+        attack = build_attack(component.name, component.params, (config.defense.name, config.defense.params))
+        targets = [o for o in observations if o.manipulation == required_manipulation(attack)]
+        progress(f"fedguard: {component.name} on {len(targets)} of {len(observations)} observations from {folder}")
+        ordered = sorted(targets, key=lambda o: (repr(shape_key(o)), o.round, o.client))
+        for _, same_shape in groupby(ordered, key=lambda o: repr(shape_key(o))):
+            batch = list(same_shape)
+            for start in range(0, len(batch), config.pool.group):
+                rows += _attack_group(component.name, attack, batch[start : start + config.pool.group], evaluator,
+                                      progress)
     progress(f"fedguard: rows appended to {run_dir / 'attacks.jsonl'}; report {build_report(run_dir)}")
     return run_dir, rows
 
 
-def _attack_group(attack: Any, group: list[Observation], evaluator: Evaluator,
+def _attack_group(name: str, attack: Any, group: list[Observation], evaluator: Evaluator,
                   progress: Callable[[str], None]) -> list[dict[str, Any]]:
     start = time.perf_counter()
     try:
         recons = attack.reconstruct_many(group)
-        outcomes = [AttackOutcome(obs, "ok", rec) for obs, rec in zip(group, recons)]
+        outcomes = [AttackOutcome(obs, "ok", rec, attack=name) for obs, rec in zip(group, recons)]
     except Exception as error:
         message = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}"
-        outcomes = [AttackOutcome(obs, "error", error=message[-2000:]) for obs in group]
+        outcomes = [AttackOutcome(obs, "error", error=message[-2000:], attack=name) for obs in group]
     share = (time.perf_counter() - start) / len(group)
     rows = []
     for outcome in outcomes:
@@ -73,5 +77,5 @@ def _attack_group(attack: Any, group: list[Observation], evaluator: Evaluator,
         row = evaluator(outcome)
         rows.append(row)
         scores = f"PSNR {row['psnr']:.2f} dB, SSIM {row['ssim']:.3f}" if row["psnr"] is not None else row["error"]
-        progress(f"  round {row['round']} client {row['client']}: {row['status']} ({share:.1f} s) {scores}")
+        progress(f"  {name} round {row['round']} client {row['client']}: {row['status']} ({share:.1f} s) {scores}")
     return rows

@@ -20,20 +20,21 @@ from flwr.server import Grid, ServerApp, ServerConfig
 from flwr.server.compat import start_grid
 from flwr.server.strategy import FedAvg, Strategy
 
-from attackers.base import build_attack
-from attackers.pool import AttackPool
+from attackers.base import build_attack, required_manipulation
+from attackers.manipulation import build_manipulation
+from attackers.pool import AttackPool, AttackSpec
 from attackers.sinks import DiskSink, FanOut
-from fedguard.config import NO_ATTACK, Config
+from fedguard.config import Config
 from fedguard.data import load_dataset
 from fedguard.models import build_model
-from fedguard.evaluation import ATTACKS_FILE, Evaluator, attack_context
+from fedguard.evaluation import ATTACKS_FILE, Evaluator, attack_contexts
 from fedguard.observation import ModelCard
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
 from fedguard.training import evaluate, get_arrays, set_arrays, trainable_mask
 from fedguard.vault import VAULT_DIR
-from strategies import FedSGD, HonestButCurious
+from strategies import FedSGD, HonestButCurious, Malicious
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +71,37 @@ def fit_config_fn(config: Config, folder: Path) -> Any:
 
 
 def build_attack_pool(config: Config, folder: Path) -> AttackPool:
-    """The attacker workers and the evaluator that scores what they return."""
-    attack = config.attack
+    """The attacker workers running every configured attack, and the evaluator that scores what they return."""
+    defense = (config.defense.name, config.defense.params)
+    specs = [
+        AttackSpec(a.name, functools.partial(build_attack, a.name, a.params, defense),
+                   required_manipulation(build_attack(a.name, a.params, defense)))
+        for a in config.attacks
+    ]
     return AttackPool(
-        functools.partial(build_attack, attack.name, attack.params),
-        Evaluator(folder, attack_context(config)),
+        specs,
+        Evaluator(folder, attack_contexts(config)),
         workers=config.pool.workers,
         time_limit=config.pool.time_limit,
         group=config.pool.group,
         threads=config.pool.threads,
-        use_gpu=getattr(attack.params, "device", "cpu") != "cpu",
+        use_gpu=any(getattr(a.params, "device", "cpu") != "cpu" for a in config.attacks),
         address=config.pool.address or None,
     )
+
+
+def capture_strategy(config: Config, inner: Strategy, sink: Any, card: ModelCard) -> Strategy:
+    """``inner`` wrapped to capture targeted uploads: honest-but-curious, or malicious when
+    ``threat.malicious`` schedules manipulations."""
+    kind = "gradient" if config.train.protocol == "fedsgd" else "weights"
+    rounds, clients = config.capture.round_selection(), config.capture.client_selection()
+    schedule = {
+        round_: (name, build_manipulation(name, config.manipulation(name).params))
+        for round_, name in config.threat.schedule().items()
+    }
+    if schedule:
+        return Malicious(inner, sink, card, kind, rounds, clients, schedule, seed=config.run.seed)
+    return HonestButCurious(inner, sink, card, kind, rounds, clients)
 
 
 def build_strategy(config: Config, model: torch.nn.Module, recorder: RoundRecorder, folder: Path) -> Strategy:
@@ -128,12 +148,11 @@ def run_server(grid: Grid, config: Config) -> Path:
     pool: AttackPool | None = None
     if not (rounds.is_empty() or clients.is_empty()):
         sinks: list[Any] = [DiskSink(folder / OBSERVATIONS_DIR)]
-        if config.attack.name != NO_ATTACK:
+        if config.attacks:
             pool = build_attack_pool(config, folder)
             sinks.append(pool)
         sink = FanOut(sinks)
-        kind = "gradient" if config.train.protocol == "fedsgd" else "weights"
-        strategy = HonestButCurious(strategy, sink, model_card(config, model), kind, rounds, clients)
+        strategy = capture_strategy(config, strategy, sink, model_card(config, model))
     try:
         start_grid(grid=grid, strategy=strategy, config=ServerConfig(num_rounds=config.train.rounds))
     finally:

@@ -16,6 +16,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
+from attackers.manipulation import HONEST
 from attackers.sinks import ObservationSink
 from fedguard.observation import UPLOAD_KINDS, ModelCard
 from fedguard.selection import Selection
@@ -62,7 +63,7 @@ class HonestButCurious(Strategy):
         self.rounds = rounds
         self.clients = clients
         self.captured = 0
-        self._sent: dict[int, list[np.ndarray]] = {}
+        self._sent: dict[int, tuple[list[np.ndarray], str]] = {}
 
     def __repr__(self) -> str:
         return f"HonestButCurious({self.inner!r}, rounds={self.rounds.spec!r}, clients={self.clients.spec!r})"
@@ -75,7 +76,7 @@ class HonestButCurious(Strategy):
     ) -> list[tuple[ClientProxy, FitIns]]:
         """Keep the global model of targeted rounds, then configure as ``inner`` does."""
         if server_round in self.rounds:
-            self._sent[server_round] = parameters_to_ndarrays(parameters)
+            self._sent[server_round] = (parameters_to_ndarrays(parameters), HONEST)
         return self.inner.configure_fit(server_round, parameters, client_manager)
 
     def aggregate_fit(
@@ -88,10 +89,10 @@ class HonestButCurious(Strategy):
         sent = self._sent.pop(server_round, None)
         if sent is not None:
             for _, res in results:
-                self._capture(server_round, sent, res)
+                self._capture(server_round, *sent, res)
         return self.inner.aggregate_fit(server_round, results, failures)
 
-    def _capture(self, server_round: int, sent: list[np.ndarray], res: FitRes) -> None:
+    def _capture(self, server_round: int, sent: list[np.ndarray], manipulation: str, res: FitRes) -> None:
         if CLIENT_ID_KEY not in res.metrics:
             log.warning("round %d: an upload carries no %r metric; not captured", server_round, CLIENT_ID_KEY)
             return
@@ -107,6 +108,7 @@ class HonestButCurious(Strategy):
             parameters_to_ndarrays(res.parameters),
             res.num_examples,
             declared,
+            manipulation,
         )
         self.sink.submit(obs)
         self.captured += 1

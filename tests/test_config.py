@@ -158,25 +158,63 @@ def test_bad_selection(spec: str) -> None:
 
 def test_attack_must_fit_the_protocol() -> None:
     [problem] = problems_of({"attack.name": "dlg", "train.protocol": "fedavg"})
-    assert "attack.name = 'dlg'" in problem and "gradient" in problem and "fedavg" in problem
-    assert Config.from_flat({"attack.name": "ig", "train.protocol": "fedavg"}).attack.name == "ig"
+    assert "attack 'dlg'" in problem and "gradient" in problem and "fedavg" in problem
+    assert Config.from_flat({"attack.name": "ig", "train.protocol": "fedavg"}).attack_names() == ["ig"]
 
 
 def test_weight_uploads_need_the_declared_hyperparameters() -> None:
     [problem] = problems_of({"attack.name": "ig", "train.protocol": "fedavg", "threat.hyperparameters": False})
     assert "hyperparameters" in problem
-    assert Config.from_flat({"attack.name": "ig", "threat.hyperparameters": False}).attack.name == "ig"
+    assert Config.from_flat({"attack.name": "ig", "threat.hyperparameters": False}).attack_names() == ["ig"]
 
 
-def test_attack_needs_must_be_granted(monkeypatch: pytest.MonkeyPatch) -> None:
-    from attackers.inverting_gradients import InvertingGradients
-
-    monkeypatch.setattr(InvertingGradients, "needs", frozenset({"bn-statistics"}))
-    [problem] = problems_of({"attack.name": "ig"})
-    assert "bn-statistics" in problem and "threat." in problem
-    assert Config.from_flat({"attack.name": "ig", "threat.bn-statistics": True}).attack.name == "ig"
+def test_attack_needs_must_be_granted() -> None:
+    [problem] = problems_of({"attack.name": "ig", "attack.ig.eot": 2})
+    assert "defense (the clients' defense" in problem and "threat." in problem
+    config = Config.from_flat({"attack.name": "ig", "attack.ig.eot": 2, "threat.defense": True})
+    assert config.attack_names() == ["ig"]
 
 
 def test_unknown_attack_lists_none_and_registered() -> None:
     [problem] = problems_of({"attack.name": "dlg2"})
     assert "none" in problem and "ig" in problem
+
+
+def test_several_attacks_with_their_own_parameters() -> None:
+    config = Config.from_flat({"attack.name": "ig, idlg", "attack.idlg.iterations": 7, "attack.ig.restarts": 3})
+    assert config.attack_names() == ["ig", "idlg"]
+    assert [a.params.restarts for a in config.attacks][0] == 3 and config.attacks[1].params.iterations == 7
+    assert config.to_flat()["attack.name"] == "ig,idlg"
+    assert Config.from_flat(config.to_flat()) == config
+    assert Config.from_flat({"attack.name": "none"}).attacks == ()
+
+
+@pytest.mark.parametrize("names, fragment", [("ig,ig", "twice"), ("ig,none", "'none' is not one of"),
+                                             ("ig,dl", "'dl' is not one of")])
+def test_bad_attack_lists(names: str, fragment: str) -> None:
+    [problem] = problems_of({"attack.name": names})
+    assert fragment in problem and repr(names) in problem
+
+
+def test_malicious_schedule_is_parsed_and_checked() -> None:
+    config = Config.from_flat({"threat.malicious": "2:trap-weights, 3:imprint", "capture.rounds": "1-3",
+                               "train.rounds": 3, "manipulation.imprint.bins": 32})
+    assert config.threat.schedule() == {2: "trap-weights", 3: "imprint"}
+    assert [m.name for m in config.manipulations] == ["imprint", "trap-weights"]
+    assert config.manipulation("imprint").params.bins == 32
+    assert Config.from_flat(config.to_flat()) == config
+    for text, fragment in [("2", "round:manipulation"), ("x:imprint", "round:manipulation"),
+                           ("2:imprnt", "choose one of"), ("2:imprint,2:trap-weights", "twice")]:
+        [problem] = problems_of({"threat.malicious": text, "capture.rounds": "all"})
+        assert fragment in problem, problem
+    [problem] = problems_of({"threat.malicious": "2:imprint", "capture.rounds": "1"})
+    assert "round 2" in problem and "capture.rounds" in problem
+
+
+def test_attacks_are_matched_to_the_rounds_they_can_attack() -> None:
+    [problem] = problems_of({"attack.name": "imprint", "capture.rounds": "1"})
+    assert "manipulated with 'imprint'" in problem and "threat.malicious = '1:imprint'" in problem
+    [problem] = problems_of({"attack.name": "ig", "threat.malicious": "1:imprint", "capture.rounds": "1"})
+    assert "does not manipulate" in problem
+    config = Config.from_flat({"attack.name": "ig,imprint", "threat.malicious": "2:imprint", "capture.rounds": "1,2"})
+    assert config.attack_names() == ["ig", "imprint"]

@@ -54,7 +54,7 @@ def test_dlg_with_joint_soft_labels_recovers_most_images() -> None:
 
 def test_registered_and_configurable() -> None:
     config = load_config(None, ["attack.name=idlg", "attack.idlg.iterations=7"])
-    assert config.attack.params.iterations == 7
+    assert config.attacks[0].params.iterations == 7
 
 
 def test_restarts_that_turn_non_finite_start_again_and_the_output_stays_finite() -> None:

@@ -58,15 +58,15 @@ def test_evaluator_scores_after_matching_and_writes_grids(tmp_path: Path) -> Non
 
     [obs] = load_observations(folder / OBSERVATIONS_DIR)
     shuffled = Reconstruction(images[[2, 0, 1]], labels[[2, 0, 1]], {"loss": 0.0})
-    evaluator = Evaluator(folder, {"attack": "ig", "defense": "none", "seed": 0})
-    row = evaluator(AttackOutcome(obs, "ok", shuffled, seconds=1.5))
+    evaluator = Evaluator(folder, {"ig": {"attack": "ig", "defense": "none", "seed": 0}})
+    row = evaluator(AttackOutcome(obs, "ok", shuffled, seconds=1.5, attack="ig"))
     assert row["psnr"] == pytest.approx(100.0) and row["ssim"] == pytest.approx(1.0) and row["label_accuracy"] == 1.0
     assert row["mse"] == 0.0 and row["batch_size"] == 3 and row["status"] == "ok"
     assert (folder / f"{row['images']}_truth.png").is_file() and (folder / f"{row['images']}_recon.png").is_file()
     noisy = Reconstruction(torch.rand_like(images), labels, {})
-    worse = evaluator(AttackOutcome(obs, "ok", noisy))
+    worse = evaluator(AttackOutcome(obs, "ok", noisy, attack="ig"))
     assert worse["psnr"] < 15 and worse["ssim"] < 0.3
-    failed = evaluator(AttackOutcome(obs, "timeout", error="no result within 5 s"))
+    failed = evaluator(AttackOutcome(obs, "timeout", error="no result within 5 s", attack="ig"))
     assert failed["psnr"] is None and failed["error"] == "no result within 5 s"
     rows = [json.loads(line) for line in (folder / ATTACKS_FILE).read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok", "ok", "timeout"]
@@ -80,8 +80,8 @@ def test_missing_ground_truth_is_reported_not_scored(tmp_path: Path) -> None:
     from fedguard.observation import load_observations
 
     [obs] = load_observations(folder / OBSERVATIONS_DIR)
-    row = Evaluator(folder, {"attack": "ig"})(AttackOutcome(obs, "ok", Reconstruction(torch.rand(1, 3, 32, 32),
-                                                                                      torch.tensor([0]))))
+    row = Evaluator(folder, {"ig": {"attack": "ig"}})(AttackOutcome(
+        obs, "ok", Reconstruction(torch.rand(1, 3, 32, 32), torch.tensor([0])), attack="ig"))
     assert row["psnr"] is None and "no ground truth" in row["error"]
 
 
@@ -94,12 +94,12 @@ def test_attack_command_on_a_capture(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert len(rows) == 2 and all(r["status"] == "ok" and r["source"] == "offline" for r in rows)
     assert all(r["psnr"] > 20 and r["label_accuracy"] == 1.0 for r in rows), rows
     assert (folder / "report.html").is_file()
-    assert "round 1 client 0: ok" in capsys.readouterr().out
+    assert "ig round 1 client 0: ok" in capsys.readouterr().out
 
 
 def test_attack_command_needs_an_attack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = make_run(tmp_path, clients=1)
     assert main(["attack", str(folder)]) == 2
-    assert "choose an attack" in capsys.readouterr().err
+    assert "choose attacks" in capsys.readouterr().err
     assert main(["attack", str(tmp_path / "nothing"), "--set", "attack.name=ig"]) == 2
     assert "no captured observations" in capsys.readouterr().err

@@ -8,6 +8,7 @@ same call, by which process, so the tests can see how the pool grouped and route
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -22,7 +23,7 @@ import ray
 import torch
 
 from attackers.base import AttackOutcome, Reconstruction
-from attackers.pool import AttackPool
+from attackers.pool import AttackPool, AttackSpec
 from fedguard.data import DataSpec
 from fedguard.observation import ModelCard, Observation
 
@@ -172,9 +173,9 @@ def make_pool():
     """Builds pools of fake attacks (one worker, no grouping unless asked); closes any a failed test left open."""
     pools: list[AttackPool] = []
 
-    def make(outcomes: Outcomes, factory=FakeAttack, **kwargs) -> AttackPool:
+    def make(outcomes: Outcomes, factory=FakeAttack, attacks: list[AttackSpec] | None = None, **kwargs) -> AttackPool:
         options = {"workers": 1, "time_limit": 60.0, "group": 1, "poll_seconds": 0.05, **kwargs}
-        pools.append(AttackPool(functools.partial(factory), outcomes, **options))
+        pools.append(AttackPool(attacks or [AttackSpec("fake", functools.partial(factory))], outcomes, **options))
         return pools[-1]
 
     yield make
@@ -297,7 +298,7 @@ def test_close_reports_what_is_left_as_timeout_within_its_timeout(make_pool) -> 
     assert pool.pending() == 0
     # close stops the workers: the one stuck in the hanging attack is gone
     with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(workers[0].run.remote([]), timeout=30)
+        ray.get(workers[0].run.remote("fake", []), timeout=30)
 
 
 def test_observations_of_one_shape_are_attacked_together_up_to_group(make_pool) -> None:
@@ -374,3 +375,21 @@ def test_submit_after_a_failed_start_still_returns_and_is_reported(make_pool) ->
     pool.close(timeout=5)
     assert_one_outcome_each(pool, outcomes, [first, second])
     assert [o.status for o in outcomes.items] == ["error", "error"]
+
+
+def test_each_observation_goes_to_every_attack_that_exploits_its_manipulation(make_pool) -> None:
+    outcomes = Outcomes()
+    attacks = [AttackSpec("honest-a", FakeAttack), AttackSpec("honest-b", FakeAttack),
+               AttackSpec("trap", FakeAttack, manipulation="trap-weights")]
+    pool = make_pool(outcomes, attacks=attacks, group=4)
+    honest = observation(0)
+    trapped = dataclasses.replace(observation(1), manipulation="trap-weights")
+    other = dataclasses.replace(observation(2), manipulation="imprint")
+    for obs in (honest, trapped, other):
+        pool.submit(obs)
+    assert pool.stats.submitted == 3  # two for the honest upload, one for the trapped one, none for 'imprint'
+    outcomes.wait(3)
+    pool.close(timeout=10)
+    got = sorted((o.attack, o.observation.client, o.status) for o in outcomes.items)
+    assert got == [("honest-a", 0, "ok"), ("honest-b", 0, "ok"), ("trap", 1, "ok")]
+    assert all(o.reconstruction.stats["group"] == 1 for o in outcomes.items), "attacks are never grouped together"

@@ -45,6 +45,18 @@ class Defense(Protocol):
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]: ...
 
 
+class SimulatedDefense(Protocol):
+    """A defense an attacker who knows it (and its parameters, not its randomness) can re-apply.
+
+    ``simulate(grads, generator)`` applies the defense to J updates at once: each tensor of ``grads`` has a
+    leading job dimension (J, ...) and the list follows the trainable parameters in order; the result has the
+    same shapes, is differentiable in ``grads``, and draws fresh randomness from ``generator``. Attacks use it
+    for expectation over transformation (EOT).
+    """
+
+    def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]: ...
+
+
 DefenseBuilder = Callable[[Any], Defense]
 
 DEFENSES: Registry[DefenseBuilder] = Registry("defense")

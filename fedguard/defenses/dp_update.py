@@ -63,18 +63,26 @@ class UpdateDP:
 
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         clipped = clip_by_global_norm([g.detach() for g in step.grads], self.params.clip)
+        return [t + self.noise(t, step.generator) for t in clipped]
+
+    def noise(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Noise of the configured mechanism and scale, shaped, typed and placed like ``like``."""
         scale = self.noise_scale
         if scale == 0:
-            return clipped
-        noised = []
-        for tensor in clipped:
-            if self.params.mechanism == "gaussian":
-                noise = torch.randn(tensor.shape, generator=step.generator, dtype=tensor.dtype) * scale
-            else:
-                uniform = torch.rand(tensor.shape, generator=step.generator, dtype=tensor.dtype) - 0.5
-                noise = -scale * torch.sign(uniform) * torch.log1p(-2 * uniform.abs().clamp(max=0.5 - 1e-7))
-            noised.append(tensor + noise.to(tensor.device))
-        return noised
+            return torch.zeros_like(like)
+        options = {"generator": generator, "dtype": like.dtype, "device": generator.device}
+        if self.params.mechanism == "gaussian":
+            noise = torch.randn(like.shape, **options) * scale
+        else:
+            uniform = torch.rand(like.shape, **options) - 0.5
+            noise = -scale * torch.sign(uniform) * torch.log1p(-2 * uniform.abs().clamp(max=0.5 - 1e-7))
+        return noise.to(like.device)
+
+    def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
+        """Per job of (J, ...) updates: clip all tensors together to ``clip``, then add fresh noise."""
+        norm = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads))
+        factor = torch.clamp(self.params.clip / (norm + 1e-12), max=1.0)
+        return [g * factor.reshape(-1, *[1] * (g.dim() - 1)) + self.noise(g, generator) for g in grads]
 
 
 @register_defense("dp", params=UpdateDPParams)

@@ -13,6 +13,10 @@ class NoDefense:
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return list(step.grads)
 
+    def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
+        """The identity on (J, ...) updates."""
+        return list(grads)
+
 
 @register_defense("none")
 def build_none(params: object) -> NoDefense:

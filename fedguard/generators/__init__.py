@@ -1,0 +1,23 @@
+"""Generators for generative-prior attacks: a small convolutional VAE whose decoder maps z ~ N(0, I) to images.
+
+Pure torch. ``fedguard train-generator`` trains one on public data and saves it
+as one ``.npz`` (no pickles); the ``ggl`` attack loads it.
+"""
+
+from fedguard.generators.model import Decoder, Encoder
+from fedguard.generators.store import TrainedGenerator, default_generator_path, load_generator, save_generator
+from fedguard.generators.train import SPLITS, EpochStats, TrainOptions, train_generator, train_vae
+
+__all__ = [
+    "SPLITS",
+    "Decoder",
+    "Encoder",
+    "EpochStats",
+    "TrainOptions",
+    "TrainedGenerator",
+    "default_generator_path",
+    "load_generator",
+    "save_generator",
+    "train_generator",
+    "train_vae",
+]
