@@ -4,7 +4,7 @@ Importing this package registers every attack. Nothing here imports Flower;
 Ray is imported only by ``attackers.pool``.
 """
 
-from attackers import dlg, generative, inverting_gradients  # noqa: F401  (registration)
+from attackers import dlg, generative, gradinversion, imprint, inverting_gradients, trap_weights  # noqa: F401  (registration)
 from attackers.base import ATTACKS, Attack, Reconstruction, build_attack, register_attack
 from attackers.sinks import DiskSink, ObservationSink
 

@@ -1,0 +1,95 @@
+"""The batch statistics that a FedSGD upload reveals through its BatchNorm buffers (threat grant ``bn-statistics``).
+
+A training-mode step updates each BatchNorm layer's running statistics once:
+``running_new = (1 - m) * running_old + m * batch_stat``, with the layer's
+momentum ``m`` (``momentum=None``: a cumulative average, ``m = 1 /
+num_batches_tracked`` after the step), the batch mean for ``running_mean``
+and the unbiased batch variance for ``running_var``. A FedSGD upload carries
+the client's buffers after its one step, and the server knows the buffers it
+sent, so it solves for every layer's batch mean and (biased) variance exactly,
+up to float32 rounding amplified by ``1 / m``. Weight uploads mix the
+statistics of every local step and are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from attackers.base import images_per_upload
+from fedguard.models import MODELS, build_model
+from fedguard.observation import Observation
+
+BatchStatistics = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def observed_model(obs: Observation) -> nn.Module:
+    """The architecture of ``obs`` with freshly initialized weights (only its structure is used)."""
+    return build_model(obs.model, obs.spec, MODELS.get(obs.model).params(**obs.model_params))
+
+
+def batch_norm_layers(model: nn.Module) -> dict[str, _BatchNorm]:
+    """Name -> BatchNorm module, for every BatchNorm that keeps running statistics, in module order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats}
+
+
+@torch.no_grad()
+def values_per_channel(model: nn.Module, layers: dict[str, _BatchNorm], shape: tuple[int, ...]) -> dict[str, int]:
+    """Name -> how many values one example puts into each channel of that BatchNorm (H * W for 2d, 1 for 1d)."""
+    sizes: dict[str, int] = {}
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(module: _BatchNorm, inputs: tuple[torch.Tensor, ...], _: torch.Tensor) -> None:
+            sizes[name] = inputs[0][0].numel() // module.num_features
+        return hook
+
+    handles = [layer.register_forward_hook(record(name)) for name, layer in layers.items()]
+    try:
+        model.eval()
+        model(torch.zeros(1, *shape))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sizes
+
+
+def recover_batch_statistics(obs: Observation) -> BatchStatistics:
+    """Each BatchNorm layer's batch mean and biased batch variance, both (channels,) float32, by module name.
+
+    Raises ``ValueError`` for a weights upload or a model without BatchNorm running statistics."""
+    if obs.kind != "gradient":
+        raise ValueError(f"batch statistics are recoverable from FedSGD gradient uploads only, got a {obs.kind!r} upload")
+    model = observed_model(obs)
+    layers = batch_norm_layers(model)
+    if not layers:
+        raise ValueError(f"model {obs.model!r} has no BatchNorm layer with running statistics: there is nothing to "
+                         f"recover (choose a BatchNorm model, e.g. convnet or mlp with batch-norm)")
+    per_example = values_per_channel(model, layers, obs.spec.shape)
+    index = {name: i for i, name in enumerate(obs.names)}
+    batch = images_per_upload(obs)
+
+    def before_after(entry: str) -> tuple[np.ndarray, np.ndarray]:
+        return obs.global_arrays[index[entry]].astype(np.float64), obs.upload[index[entry]].astype(np.float64)
+
+    statistics: BatchStatistics = {}
+    for name, layer in layers.items():
+        momentum = layer.momentum
+        if momentum is None:
+            tracked = int(obs.upload[index[f"{name}.num_batches_tracked"]])
+            if tracked < 1:
+                raise ValueError(f"BatchNorm {name!r} averages cumulatively but uploaded num_batches_tracked = "
+                                 f"{tracked}; a training step makes it >= 1")
+            momentum = 1.0 / tracked
+        if not momentum > 0:
+            raise ValueError(f"BatchNorm {name!r} has momentum {momentum}: its running statistics never see the batch")
+        old_mean, new_mean = before_after(f"{name}.running_mean")
+        old_var, new_var = before_after(f"{name}.running_var")
+        mean = (new_mean - (1 - momentum) * old_mean) / momentum
+        unbiased = (new_var - (1 - momentum) * old_var) / momentum
+        n = batch * per_example[name]
+        statistics[name] = (torch.tensor(mean, dtype=torch.float32), torch.tensor(unbiased * (n - 1) / n, dtype=torch.float32))
+    return statistics

@@ -1,0 +1,177 @@
+"""Robbing the Fed (Fowl et al., ICLR 2022, arXiv 2110.13057): the imprint (binning) module, built by a
+malicious server from the first two Linear layers of the model it sends, and its closed-form read-out.
+
+Manipulation. The first Linear layer on the flattened image, ``W`` (n, d) and ``b`` (n,), becomes ``K``
+(``bins``) bin units that measure the mean brightness ``m(x) = (1/d) sum_j x_j`` of the input::
+
+    W_i = (gain / d) 1_d,    b_i = -gain * e_i    for i < K,    h_i = ReLU(gain * (m(x) - e_i))
+    W_i = 0,                 b_i = -gain          for i >= K    (switched off: never active)
+
+with ascending edges ``e_i = mean + std * Phi^-1(i / K)`` (``i >= 1``): the quantiles of the server's prior on
+``m``, a normal ``N(mean, std)`` as in the paper, so each bin ``[e_i, e_{i+1})`` holds 1/K of the inputs it
+expects. ``e_0 = mean - 10 std`` stands in for ``Phi^-1(0) = -inf``: unit 0 fires for every input. The next
+Linear layer's weight ``V`` (m, n) gets ``V[:, i] = V[:, 0]`` for every ``i < K``: then
+``dl/dh_i(x) = V[:, i] . dl/dz(x)`` is one value ``c(x)`` for all bin units that ``x`` fires, the condition
+that makes the differences below exact. Every other array is sent unchanged.
+
+Attack. Unit i fires for the inputs with ``m(x) > e_i``, so with ``c_k = c(x_k)``::
+
+    dL/dW_i = (1/B) sum_{k: m(x_k) > e_i} c_k x_k,    dL/db_i = (1/B) sum_{k: m(x_k) > e_i} c_k
+    x = (dL/dW_i - dL/dW_{i+1}) / (dL/db_i - dL/db_{i+1})      (the last bin: dL/dW_{K-1} / dL/db_{K-1})
+
+is exactly the input whose measurement falls in ``[e_i, e_{i+1})`` when only one does. A bin is non-empty when
+``|dL/db_i - dL/db_{i+1}|`` exceeds ``TINY`` times the largest ``|dL/db_i|``. A bin holding several inputs
+returns their ``c``-weighted mean; it is counted as recovered only when consistent with one input: inside the
+pixel box [0, 1] and with its measurement in its bin (both up to ``SLACK``). A mixture whose weights differ in
+sign usually fails that test; one whose weights agree cannot be told from a single input. The B images
+returned are the non-empty bins, consistent ones first, in bin order; empty slots get a flat 0.5 image. The
+attacker reads the bin units and their edges from the first layer it sent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+import torch
+
+from attackers.base import Reconstruction, images_per_upload, register_attack
+from attackers.manipulation import register_manipulation
+from attackers.trap_weights import TINY, as_images, card_input_layer, first_layer_gradient, in_box, upload_labels
+from fedguard.observation import ModelCard, Observation
+from fedguard.registry import NoParams
+
+LOW_EDGE_STDS = 10.0  # e_0 = mean - LOW_EDGE_STDS * std: below every measurement the prior expects
+SLACK = 1e-4  # pixel units: the tolerance of the consistency test
+
+
+@dataclass(frozen=True)
+class ImprintParams:
+    """Bin units of the first layer (<= its units), the server's normal prior on the mean pixel in [0, 1]
+    (mean, std) whose quantiles are the bin edges, and the gain of the bin units."""
+
+    bins: int = 64
+    mean: float = 0.45
+    std: float = 0.2
+    gain: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.bins < 1:
+            raise ValueError(f"bins must be >= 1, got {self.bins}")
+        if not self.std > 0:
+            raise ValueError(f"std must be > 0, got {self.std}")
+        if not self.gain > 0:
+            raise ValueError(f"gain must be > 0, got {self.gain}")
+        if not np.isfinite(self.mean):
+            raise ValueError(f"mean must be finite, got {self.mean}")
+
+    def edges(self) -> np.ndarray:
+        """(bins,) ascending float64: ``mean - 10 std``, then the ``i / bins`` quantiles of ``N(mean, std)``."""
+        prior = NormalDist(self.mean, self.std)
+        inner = [prior.inv_cdf(i / self.bins) for i in range(1, self.bins)]
+        return np.array([self.mean - LOW_EDGE_STDS * self.std, *inner])
+
+
+def next_layer(arrays: list[np.ndarray], card: ModelCard, index: int) -> int:
+    """Index of the first trainable weight after entry ``index + 1`` that takes the ``index`` layer's units as
+    input; raises ``ValueError`` naming the model's entries when there is none."""
+    units = arrays[index].shape[0]
+    for j in range(index + 2, len(arrays)):
+        if card.trainable[j] and arrays[j].ndim == 2 and arrays[j].shape[1] == units:
+            return j
+    entries = ", ".join(f"{n} {a.shape}" for n, a in zip(card.names, arrays))
+    raise ValueError(f"no trainable Linear layer takes the {units} units of {card.names[index]} as input "
+                     f"(imprint needs one); the model's entries: {entries}")
+
+
+class Imprint:
+    """The manipulation: bin units in the first Linear layer, equal bin columns in the next one."""
+
+    def __init__(self, params: ImprintParams) -> None:
+        self.params = params
+
+    def __call__(self, arrays: list[np.ndarray], card: ModelCard, rng: np.random.Generator) -> list[np.ndarray]:
+        index = card_input_layer(arrays, card)
+        units, pixels = arrays[index].shape
+        bins, gain = self.params.bins, self.params.gain
+        if bins > units:
+            raise ValueError(f"bins = {bins} exceeds the {units} units of {card.names[index]}; choose bins <= {units}")
+        after = next_layer(arrays, card, index)
+        sent = [a.copy() for a in arrays]
+        weight = np.zeros((units, pixels))
+        weight[:bins] = gain / pixels
+        bias = np.full(units, -gain)
+        bias[:bins] = -gain * self.params.edges()
+        sent[index] = weight.astype(arrays[index].dtype)
+        sent[index + 1] = bias.astype(arrays[index + 1].dtype)
+        sent[after][:, :bins] = sent[after][:, :1]
+        return sent
+
+
+@register_manipulation("imprint", params=ImprintParams)
+def build_imprint(params: ImprintParams) -> Imprint:
+    """Imprint module (Fowl et al. 2022): first-layer brightness bins with equal next-layer columns."""
+    return Imprint(params)
+
+
+def sent_bins(obs: Observation, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bin unit indices in ascending edge order, their edges, their measurement rows (K, d) with unit gain), all
+    read from the first layer the server sent (float64)."""
+    weight = torch.tensor(obs.global_arrays[index], dtype=torch.float64)
+    bias = torch.tensor(obs.global_arrays[index + 1], dtype=torch.float64)
+    units = torch.nonzero(weight.abs().sum(1) > 0).flatten()
+    if len(units) == 0:
+        raise ValueError(f"the first layer {obs.names[index]} the server sent has no bin units (all rows are zero); "
+                         f"was the upload computed on an imprint model?")
+    gains = weight[units].sum(1)
+    edges = -bias[units] / gains
+    order = torch.argsort(edges)
+    return units[order], edges[order], weight[units[order]] / gains[order, None]
+
+
+class ImprintAttack:
+    """Closed-form read-out of the inputs that fall alone in an imprint bin."""
+
+    needs: frozenset[str] = frozenset()
+    uploads: frozenset[str] = frozenset({"gradient"})
+    manipulation = "imprint"
+
+    def reconstruct(self, obs: Observation) -> Reconstruction:
+        """The inputs behind one gradient upload of an imprint model."""
+        start = time.perf_counter()
+        batch = images_per_upload(obs)
+        index, weight_grad, bias_grad = first_layer_gradient(obs)
+        units, edges, measure = sent_bins(obs, index)
+        weight_grad, bias_grad = weight_grad[units], bias_grad[units]
+        delta_weight = weight_grad - torch.cat([weight_grad[1:], torch.zeros_like(weight_grad[:1])])
+        delta_bias = bias_grad - torch.cat([bias_grad[1:], torch.zeros_like(bias_grad[:1])])
+        scale = float(bias_grad.abs().max())
+        filled = torch.nonzero(delta_bias.abs() > TINY * scale).flatten()
+        candidates = delta_weight[filled] / delta_bias[filled, None]
+        upper = torch.cat([edges[1:], torch.tensor([torch.inf], dtype=torch.float64)])
+        measured = (measure[filled] * candidates).sum(1)
+        consistent = (in_box(candidates, SLACK) & (measured >= edges[filled] - SLACK)
+                      & (measured <= upper[filled] + SLACK))
+        ranked = sorted(range(len(filled)), key=lambda j: (not bool(consistent[j]), j))[:batch]
+        labels, inferred = upload_labels(obs, batch)
+        stats: dict[str, Any] = {
+            "recovered": sum(bool(consistent[j]) for j in ranked),
+            "non_empty": len(filled),
+            "bins": len(units),
+            "labels_inferred": inferred,
+            "seconds": time.perf_counter() - start,
+        }
+        return Reconstruction(as_images([candidates[j] for j in ranked], batch, obs.spec), labels, stats)
+
+    def reconstruct_many(self, observations: list[Observation]) -> list[Reconstruction]:
+        """``reconstruct`` of each upload (closed form: nothing to batch)."""
+        return [self.reconstruct(obs) for obs in observations]
+
+
+@register_attack("imprint")
+def build_imprint_attack(params: NoParams) -> ImprintAttack:
+    """Robbing the Fed (Fowl et al. 2022): inputs read off differences of consecutive imprint bins."""
+    return ImprintAttack()
