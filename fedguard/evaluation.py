@@ -2,7 +2,8 @@
 
 For every outcome the evaluator reads the true batch from the vault, matches
 reconstructed to true images by linear assignment, computes MSE, PSNR, SSIM,
-LPIPS and label accuracy, saves both batches as PNG grids and appends one row
+LPIPS, label accuracy, the count of images above ``LEAK_SSIM`` and the
+scores of flat mean-colour images (the floor), saves both batches as PNG grids and appends one row
 to ``attacks.jsonl`` (flushed at once, so nothing is lost if the run stops).
 """
 
@@ -10,14 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import threading
 from pathlib import Path
 from typing import Any
 
 from attackers.base import AttackOutcome
 from fedguard.config import Component, Config
-from fedguard.metrics import score_batch
+from fedguard.metrics import floor_scores, score_batch
+from fedguard.metrics.scoring import LEAK_SSIM
+from fedguard.metrics.image import PSNR_CAP_DB
 from fedguard.report.images import save_grid
 from fedguard.vault import VAULT_DIR, read_truth
 
@@ -25,9 +27,10 @@ ATTACKS_FILE = "attacks.jsonl"
 IMAGES_DIR = "images"
 
 
-def _finite(value: Any) -> Any:
-    """JSON has no infinity: +inf PSNR (an exact copy) is written as null in per-image rows."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+def _json_image_scores(scores: dict[str, Any]) -> dict[str, Any]:
+    """One image's scores for JSON, which has no infinity: PSNR clipped at ``PSNR_CAP_DB`` (an exact copy), as
+    the means are."""
+    return {k: min(v, PSNR_CAP_DB) if k == "psnr" else v for k, v in scores.items()}
 
 
 def attack_context(config: Config, attack: Component, **extra: Any) -> dict[str, Any]:
@@ -47,6 +50,19 @@ def attack_context(config: Config, attack: Component, **extra: Any) -> dict[str,
 def attack_contexts(config: Config, **extra: Any) -> dict[str, dict[str, Any]]:
     """Attack name -> its ``attack_context``, for every attack of ``config``."""
     return {attack.name: attack_context(config, attack, **extra) for attack in config.attacks}
+
+
+def describe_row(row: dict[str, Any]) -> str:
+    """One line for a person: which attack on which upload, its status, time and scores (or its error)."""
+    where = f"{row.get('attack')} round {row.get('round')} client {row.get('client')}"
+    if row.get("psnr") is None:
+        detail = str(row.get("error") or "").strip().splitlines()[-1:] or [""]
+        return f"{where}: {row.get('status')} ({row.get('seconds', 0):.1f} s) {detail[0]}".rstrip()
+    floor = (row.get("floor") or {}).get("psnr")
+    against = f" (flat-image floor {floor:.1f} dB)" if floor is not None else ""
+    return (f"{where}: {row['status']} ({row['seconds']:.1f} s) PSNR {row['psnr']:.2f} dB{against}, "
+            f"SSIM {row['ssim']:.3f}, {row.get('leaked_images', 0)} of {len(row.get('per_image') or [])} images "
+            f"above SSIM {LEAK_SSIM:g}")
 
 
 class Evaluator:
@@ -89,7 +105,9 @@ class Evaluator:
                 scores = score_batch(rec.images, images, rec.labels, labels, self.lpips_net)
                 row.update({key: scores[key] for key in ("mse", "psnr", "ssim", "lpips", "label_accuracy")})
                 row["lpips_error"] = scores["lpips_error"]
-                row["per_image"] = [{k: _finite(v) for k, v in image.items()} for image in scores["per_image"]]
+                row["per_image"] = [_json_image_scores(image) for image in scores["per_image"]]
+                row["leaked_images"] = sum(image["ssim"] > LEAK_SSIM for image in scores["per_image"])
+                row["floor"] = floor_scores(images, self.lpips_net)
                 label = "-".join(str(context[k]) for k in ("attack", "source") if k in context)
                 prefix = f"{IMAGES_DIR}/round-{obs.round:04d}_client-{obs.client:04d}_{label or 'attack'}"
                 save_grid(images, self.run_dir / f"{prefix}_truth.png", scale=None)

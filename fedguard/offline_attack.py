@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from attackers.base import ATTACKS, AttackOutcome, build_attack, required_manipulation, shape_key
 from fedguard.config import Config, ConfigError, load_config
-from fedguard.evaluation import Evaluator, attack_contexts
+from fedguard.evaluation import Evaluator, attack_contexts, describe_row
 from fedguard.observation import Observation, load_observations
 from fedguard.report.html import build_report
 from fedguard.report.run_dir import CONFIG_FILE, OBSERVATIONS_DIR
@@ -76,6 +76,5 @@ def _attack_group(name: str, attack: Any, group: list[Observation], evaluator: E
         outcome.seconds = share
         row = evaluator(outcome)
         rows.append(row)
-        scores = f"PSNR {row['psnr']:.2f} dB, SSIM {row['ssim']:.3f}" if row["psnr"] is not None else row["error"]
-        progress(f"  {name} round {row['round']} client {row['client']}: {row['status']} ({share:.1f} s) {scores}")
+        progress(f"  {describe_row(row)}")
     return rows

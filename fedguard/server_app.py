@@ -20,14 +20,14 @@ from flwr.server import Grid, ServerApp, ServerConfig
 from flwr.server.compat import start_grid
 from flwr.server.strategy import FedAvg, Strategy
 
-from attackers.base import build_attack, required_manipulation
+from attackers.base import AttackOutcome, build_attack, required_manipulation
 from attackers.manipulation import build_manipulation
 from attackers.pool import AttackPool, AttackSpec
 from attackers.sinks import DiskSink, FanOut
 from fedguard.config import Config
 from fedguard.data import load_dataset
 from fedguard.models import build_model
-from fedguard.evaluation import ATTACKS_FILE, Evaluator, attack_contexts
+from fedguard.evaluation import ATTACKS_FILE, Evaluator, attack_contexts, describe_row
 from fedguard.observation import ModelCard
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
@@ -78,9 +78,14 @@ def build_attack_pool(config: Config, folder: Path) -> AttackPool:
                    required_manipulation(build_attack(a.name, a.params, defense)))
         for a in config.attacks
     ]
+    evaluator = Evaluator(folder, attack_contexts(config))
+
+    def score_and_announce(outcome: AttackOutcome) -> None:
+        print(f"fedguard: attack {describe_row(evaluator(outcome))}", flush=True)
+
     return AttackPool(
         specs,
-        Evaluator(folder, attack_contexts(config)),
+        score_and_announce,
         workers=config.pool.workers,
         time_limit=config.pool.time_limit,
         group=config.pool.group,

@@ -13,7 +13,8 @@ from attackers.base import AttackOutcome, Reconstruction
 from fedguard.cli import main
 from fedguard.config import load_config
 from fedguard.data import load_dataset
-from fedguard.evaluation import ATTACKS_FILE, Evaluator
+from fedguard.evaluation import ATTACKS_FILE, Evaluator, describe_row
+from fedguard.metrics import psnr, ssim
 from fedguard.models import build_model
 from fedguard.observation import ModelCard, save_observation
 from fedguard.report.run_dir import OBSERVATIONS_DIR, prepare_run_dir
@@ -63,10 +64,17 @@ def test_evaluator_scores_after_matching_and_writes_grids(tmp_path: Path) -> Non
     assert row["psnr"] == pytest.approx(100.0) and row["ssim"] == pytest.approx(1.0) and row["label_accuracy"] == 1.0
     assert row["mse"] == 0.0 and row["batch_size"] == 3 and row["status"] == "ok"
     assert (folder / f"{row['images']}_truth.png").is_file() and (folder / f"{row['images']}_recon.png").is_file()
+    assert row["leaked_images"] == 3 and [image["psnr"] for image in row["per_image"]] == [100.0] * 3
+    flat = images.mean((2, 3), keepdim=True).expand_as(images)
+    assert row["floor"]["psnr"] == pytest.approx(float(psnr(flat, images).mean()))
+    assert row["floor"]["ssim"] == pytest.approx(float(ssim(flat, images).mean()))
     noisy = Reconstruction(torch.rand_like(images), labels, {})
     worse = evaluator(AttackOutcome(obs, "ok", noisy, attack="ig"))
-    assert worse["psnr"] < 15 and worse["ssim"] < 0.3
+    assert worse["psnr"] < 15 and worse["ssim"] < 0.3 and worse["leaked_images"] == 0
+    assert describe_row(row).startswith("ig round 1 client 0: ok (1.5 s) PSNR 100.00 dB (flat-image floor ")
+    assert describe_row(row).endswith("SSIM 1.000, 3 of 3 images above SSIM 0.9")
     failed = evaluator(AttackOutcome(obs, "timeout", error="no result within 5 s", attack="ig"))
+    assert describe_row(failed) == "ig round 1 client 0: timeout (0.0 s) no result within 5 s"
     assert failed["psnr"] is None and failed["error"] == "no result within 5 s"
     rows = [json.loads(line) for line in (folder / ATTACKS_FILE).read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok", "ok", "timeout"]

@@ -30,3 +30,4 @@ def test_summary_without_rounds(tmp_path: Path) -> None:
     recorder = RoundRecorder(tmp_path / "r.jsonl", 3, 1, out=io.StringIO())
     assert recorder.summary() == "no round finished"
     recorder.close()
+

@@ -8,16 +8,18 @@ from fedguard.metrics.image import mse, psnr, ssim
 from fedguard.metrics.labels import label_accuracy
 from fedguard.metrics.lpips_offline import LPIPSScorer, LPIPSUnavailable, get_lpips
 from fedguard.metrics.matching import match
-from fedguard.metrics.scoring import score_batch
+from fedguard.metrics.scoring import floor_scores, mean_colour_images, score_batch
 
 __all__ = [
     "LPIPSScorer",
     "LPIPSUnavailable",
     "cosine_similarity",
+    "floor_scores",
     "get_lpips",
     "gradient_psnr",
     "label_accuracy",
     "match",
+    "mean_colour_images",
     "mse",
     "psnr",
     "score_batch",

@@ -12,6 +12,9 @@ from fedguard.metrics.lpips_offline import LPIPSUnavailable, get_lpips
 from fedguard.metrics.matching import match
 
 
+LEAK_SSIM = 0.9  # an image reconstructed with SSIM above this counts as leaked
+
+
 def score_batch(
     recon: torch.Tensor,
     truth: torch.Tensor,
@@ -62,3 +65,15 @@ def score_batch(
         "label_accuracy": None if true_labels is None else label_accuracy(recon_labels, true_labels),
         "per_image": per_image,
     }
+
+
+def mean_colour_images(truth: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W): each true image replaced by a flat image of its own per-channel mean colour."""
+    return truth.detach().mean((2, 3), keepdim=True).expand_as(truth)
+
+
+def floor_scores(truth: torch.Tensor, lpips_net: str = "alex") -> dict[str, float | None]:
+    """``psnr``, ``ssim``, ``lpips`` (means over images) of flat mean-colour images: what an attack must beat
+    to have shown more than each image's average colour."""
+    scores = score_batch(mean_colour_images(truth), truth, lpips_net=lpips_net)
+    return {key: scores[key] for key in ("psnr", "ssim", "lpips")}

@@ -21,12 +21,13 @@ from typing import Any, Iterable
 from PIL import Image
 
 from fedguard.config import Config, ConfigError, load_config
+from fedguard.metrics.scoring import LEAK_SSIM
+from fedguard.report.comparison import write_comparison
 from fedguard.report.images import write_atomic
 from fedguard.report.run_dir import CONFIG_FILE, ROUNDS_FILE
 
 REPORT_FILE = "report.html"
 ATTACKS_FILE = "attacks.jsonl"
-LEAK_SSIM = 0.9  # an upload whose reconstruction reaches this SSIM counts as leaked
 DASH = "\u2014"
 
 
@@ -333,13 +334,16 @@ def _summary_table(attacks: list[dict[str, Any]]) -> str:
             f'{_ssim_cell(_mean(r.get("ssim") for r in ok))}'
             f'<td class="num">{_fmt(_mean(r.get("lpips") for r in ok), 3)}</td>'
             f'<td class="num">{_pct(_mean(r.get("label_accuracy") for r in ok))}</td>'
-            f'<td class="num{" bad" if leaked else ""}">{leaked} of {len(ok)}</td></tr>'
+            f'<td class="num{" bad" if leaked else ""}">{leaked} of {len(ok)}</td>'
+            f'<td class="num">{_fmt(_mean((r.get("floor") or {}).get("psnr") for r in ok), 2)} / '
+            f'{_fmt(_mean((r.get("floor") or {}).get("ssim") for r in ok), 3)}</td></tr>'
         )
     return (
         '<table class="data"><thead><tr><th>attack</th><th>defense</th><th class="num">ok</th>'
         '<th class="num">failed</th><th class="num">mean PSNR (dB)</th><th class="num">mean SSIM</th>'
         '<th class="num">mean LPIPS</th><th class="num">mean label acc.</th>'
-        f'<th class="num">SSIM &gt; {LEAK_SSIM:g}</th></tr></thead>'
+        f'<th class="num">SSIM &gt; {LEAK_SSIM:g}</th>'
+        '<th class="num" title="flat images of each true image\'s mean colour">floor PSNR / SSIM</th></tr></thead>'
         f"<tbody>{''.join(body)}</tbody></table>"
     )
 
@@ -558,11 +562,12 @@ def build_report(run_dir: Path) -> Path:
     numbers, the accuracy and loss curve, a table per attack and defense and
     one per attacked upload (with the error text of failed attacks), and the
     client's data beside its reconstruction for every attack that produced
-    images. Raises ``FileNotFoundError`` when ``run_dir`` or its
+    images. Also writes ``comparison.png`` (``fedguard.report.comparison``). Raises ``FileNotFoundError`` when ``run_dir`` or its
     ``rounds.jsonl`` is missing; a missing ``attacks.jsonl`` means no attack ran.
     """
     run_dir = Path(run_dir)
     text = render_report(run_dir)
+    write_comparison(run_dir)
     return write_atomic(run_dir / REPORT_FILE, text.encode("utf-8"))
 
 
