@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import torch.nn as nn
 from flwr.app import RecordDict
 from flwr.client import NumPyClient
@@ -17,7 +16,7 @@ from clients.state import load_defense_state, store_defense_state
 from fedguard.config import Config, DataSection, PartitionSection
 from fedguard.data import Split, load_dataset
 from fedguard.data.federated import client_split
-from fedguard.defenses import Defense, LocalStep, build_defense
+from fedguard.defenses import Defense, LocalStep, build_defense, defense_report
 from fedguard.models import build_model
 from fedguard.seeding import client_generators
 from fedguard.vault import write_truth
@@ -115,7 +114,9 @@ class DefendedClient(NumPyClient):
 
         defense_state = load_defense_state(self.state)
         step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id)
-        sent = _defense(cfg.defense.name, cfg.defense.params)(step, defense_state)
+        defense = _defense(cfg.defense.name, cfg.defense.params)
+        sent = defense(step, defense_state)
+        declared.update(defense_report(defense, defense_state))
         store_defense_state(self.state, defense_state)
 
         if cfg.train.protocol == "fedsgd":

@@ -26,6 +26,7 @@ from attackers.pool import AttackPool, AttackSpec
 from attackers.sinks import DiskSink, FanOut
 from fedguard.config import Config
 from fedguard.data import load_dataset
+from fedguard.defenses import aggregate_reports
 from fedguard.models import build_model
 from fedguard.evaluation import ATTACKS_FILE, Evaluator, attack_contexts, describe_row
 from fedguard.observation import ModelCard
@@ -115,10 +116,18 @@ def build_strategy(config: Config, model: torch.nn.Module, recorder: RoundRecord
     x_test, y_test = test.batch()
     evaluator = build_model(config.model.name, model_card(config, model).spec, config.model.params)
 
+    reports: dict[str, float] = {}  # the latest round's defense reports, written with its evaluation
+
+    def aggregate_fit_metrics(metrics: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+        reports.clear()
+        reports.update(aggregate_reports([m for _, m in metrics]))
+        return {}
+
     def evaluate_fn(server_round: int, arrays: list[np.ndarray], _: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         set_arrays(evaluator, arrays)
         loss, accuracy = evaluate(evaluator, x_test, y_test)
-        recorder.record(server_round, loss, accuracy)
+        extra = {"defense": dict(reports)} if server_round > 0 and reports else {}
+        recorder.record(server_round, loss, accuracy, **extra)
         return loss, {"accuracy": accuracy}
 
     train, clients = config.train, config.partition.num_clients
@@ -131,7 +140,7 @@ def build_strategy(config: Config, model: torch.nn.Module, recorder: RoundRecord
         evaluate_fn=evaluate_fn,
         on_fit_config_fn=fit_config_fn(config, folder),
         initial_parameters=ndarrays_to_parameters(get_arrays(model)),
-        fit_metrics_aggregation_fn=lambda metrics: {},
+        fit_metrics_aggregation_fn=aggregate_fit_metrics,
     )
     if train.protocol == "fedsgd":
         return FedSGD(lr=train.lr, trainable=trainable_mask(model), **common)

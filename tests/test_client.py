@@ -12,7 +12,7 @@ from clients.state import load_defense_state, store_defense_state
 from fedguard.client_app import make_client_fn, partition_of
 from fedguard.data import load_dataset
 from fedguard.data.federated import client_split
-from fedguard.defenses import LocalStep
+from fedguard.defenses import LocalStep, aggregate_reports
 from fedguard.models import build_model
 from fedguard.seeding import client_generators
 from fedguard.training import compute_gradients, get_arrays, local_sgd, parameters, trainable_mask
@@ -78,6 +78,29 @@ def test_defense_sees_the_step_and_its_state_survives_rounds(monkeypatch: pytest
     assert step.round == 1 and step.client == 0 and step.x.shape == (8, 1, 8, 8)
     # The defense gets the model at the global parameters.
     assert all(np.array_equal(p.detach().numpy(), a) for p, a in zip(parameters(step.model), arrays))
+
+
+class ReportingCounter(CountingDefense):
+    """CountingDefense that reports its count."""
+
+    def report(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {"count": float(state["count"])}
+
+
+def test_defense_reports_travel_as_fit_metrics_and_aggregate_to_the_largest(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config()
+    arrays = start_arrays(cfg)
+    monkeypatch.setattr("clients.defended_client._defense", lambda name, params: ReportingCounter())
+    state = RecordDict()
+    _, _, first = client_fit(cfg, 0, arrays, round_=1, state=state)
+    _, _, second = client_fit(cfg, 0, arrays, round_=2, state=state)
+    _, _, other = client_fit(cfg, 1, arrays, round_=2)
+    assert first["defense.count"] == 1.0 and second["defense.count"] == 2.0 and other["defense.count"] == 1.0
+    assert aggregate_reports([second, other, {"loss": 9.0}]) == {"count": 2.0}
+    assert aggregate_reports([{"loss": 1.0}]) == {}
+    monkeypatch.undo()
+    _, _, plain = client_fit(config(), 0, arrays, round_=1)
+    assert not any(key.startswith("defense.") for key in plain)
 
 
 def test_fedavg_uploads_locally_trained_weights() -> None:

@@ -31,3 +31,12 @@ def test_summary_without_rounds(tmp_path: Path) -> None:
     assert recorder.summary() == "no round finished"
     recorder.close()
 
+
+
+def test_progress_shows_what_the_defense_reports(tmp_path: Path) -> None:
+    out = io.StringIO()
+    recorder = RoundRecorder(tmp_path / "rounds.jsonl", total_rounds=2, clients_per_round=3, out=out)
+    recorder.record(1, 2.0, 0.3, defense={"epsilon": 1.23456})
+    recorder.close()
+    assert "| epsilon 1.235" in out.getvalue()
+    assert json.loads((tmp_path / "rounds.jsonl").read_text())["defense"] == {"epsilon": 1.23456}

@@ -17,6 +17,8 @@ import torch.nn as nn
 
 from fedguard.registry import Registry
 
+REPORT_PREFIX = "defense."  # fit-metric prefix of what a ReportingDefense reports
+
 
 @dataclass
 class LocalStep:
@@ -43,6 +45,35 @@ class Defense(Protocol):
     """Client-side middleware between the local step and the upload."""
 
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+class ReportingDefense(Protocol):
+    """A defense that also reports numbers about itself after each upload (cumulative privacy loss, fallbacks).
+
+    ``report(state)`` is called with the client's state after the defense ran and returns floats by name; they
+    travel with the upload as fit metrics ``defense.<name>``, and ``rounds.jsonl`` records, per round, the
+    largest value over that round's clients.
+    """
+
+    def report(self, state: dict[str, torch.Tensor]) -> dict[str, float]: ...
+
+
+def defense_report(defense: Defense, state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The fit metrics ``defense.<name>`` of a ``ReportingDefense``, or nothing for other defenses."""
+    report = getattr(defense, "report", None)
+    return {} if report is None else {f"{REPORT_PREFIX}{k}": float(v) for k, v in report(state).items()}
+
+
+def aggregate_reports(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """Per ``defense.<name>`` metric, its largest value over the clients' fit metrics (the worst-off client);
+    keys without the prefix are dropped, and the prefix is removed."""
+    merged: dict[str, float] = {}
+    for client in metrics:
+        for key, value in client.items():
+            if key.startswith(REPORT_PREFIX):
+                name = key[len(REPORT_PREFIX):]
+                merged[name] = max(float(value), merged.get(name, float("-inf")))
+    return merged
 
 
 class SimulatedDefense(Protocol):

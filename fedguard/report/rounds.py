@@ -44,6 +44,8 @@ class RoundRecorder:
         line = f"round {done:>{len(str(self.total_rounds))}}/{self.total_rounds} | {who} | accuracy {100 * row['accuracy']:5.1f}% | loss {row['loss']:.4f}"
         if done > 0:
             line += f" | {row['seconds']:.1f} s"
+        for name, value in row.get("defense", {}).items():
+            line += f" | {name} {value:.4g}"
         # The first round pays the start-up of every client process: estimate from the rounds after it.
         recent = [r["seconds"] for r in self.rows if r["round"] > 1][-10:]
         if recent:
