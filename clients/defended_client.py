@@ -19,6 +19,7 @@ from fedguard.data.federated import client_split
 from fedguard.defenses import Defense, LocalStep, build_defense, defense_report
 from fedguard.models import build_model
 from fedguard.seeding import client_generators
+from fedguard.sparse import ENCODING_KEY, SPARSE, byte_counts, encode_arrays
 from fedguard.vault import write_truth
 from fedguard.training import (
     compute_gradients,
@@ -123,7 +124,13 @@ class DefendedClient(NumPyClient):
             param_arrays = [g.detach().cpu().numpy() for g in sent]
         else:
             param_arrays = [(p.detach() - g).cpu().numpy() for p, g in zip(parameters(model), sent)]
-        return merge_by_mask(param_arrays, buffers, mask), len(y), declared
+        upload = merge_by_mask(param_arrays, buffers, mask)
+        size = byte_counts(upload)
+        declared.update({"upload-bytes": min(size), "dense-bytes": size.dense})
+        if size.encoded < size.dense:  # a pruned upload travels coordinate-encoded (strategies.SparseUploads)
+            declared[ENCODING_KEY] = SPARSE
+            return encode_arrays(upload), len(y), declared
+        return upload, len(y), declared
 
     def evaluate(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:
         """Loss and accuracy of the global model on this client's data."""

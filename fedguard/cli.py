@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fedguard.config import Config, load_config, schema
 from fedguard.data import DatasetNotFoundError
+from fedguard.evalnet import EvalNetOptions
 from fedguard.generators import SPLITS, TrainOptions
 
 
@@ -33,6 +34,21 @@ def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, flag.replace("-", "_"))
         parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
     parser.add_argument("--out", type=Path, help="output .npz (default generators/<data>.npz)")
+    parser.add_argument("--data-root", default="", help="folder of datasets that do not ship with the packages")
+
+
+def _add_evalnet_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", default="photos", help="dataset name (default photos; mnist-5k for digits)")
+    parser.add_argument("--split", choices=SPLITS, default="test",
+                        help="'test' (default): the held-out split clients never train on")
+    defaults = EvalNetOptions()
+    for flag, kind, meaning in (("epochs", int, "passes over the split"), ("width", int, "channels of the first layer"),
+                                ("mixes", int, "noise mixes (Adam steps) per minibatch"),
+                                ("batch-size", int, "minibatch size"), ("lr", float, "Adam learning rate"),
+                                ("seed", int, "seed of weights, shuffling, ratios and noise")):
+        default = getattr(defaults, flag.replace("-", "_"))
+        parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
+    parser.add_argument("--out", type=Path, help="output .npz (default evalnets/<data>.npz)")
     parser.add_argument("--data-root", default="", help="folder of datasets that do not ship with the packages")
 
 
@@ -85,6 +101,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Run every setting x variant of a sweep preset (e.g. every defense), then print the summary table."""
+    from fedguard.sweep import SUMMARY_FILE, load_sweep, run_sweep
+
+    sweep = load_sweep(args.preset, args.out)
+    print(f"fedguard: sweep {sweep.name}: {len(sweep.runs)} runs in {sweep.folder}", flush=True)
+    start = time.perf_counter()
+    rows = run_sweep(sweep, lambda line: print(line, flush=True))
+    print((sweep.folder / SUMMARY_FILE).read_text(), end="")
+    print(f"fedguard: sweep done in {time.perf_counter() - start:.0f} s; summary in {sweep.folder / SUMMARY_FILE}")
+    return 0 if all(row["status"] == "ok" for row in rows) else 1
+
+
 def cmd_attack(args: argparse.Namespace) -> int:
     """Run an attack on the observations a run captured, score it, and rebuild the report."""
     from fedguard.offline_attack import attack_capture
@@ -102,6 +131,18 @@ def cmd_train_generator(args: argparse.Namespace) -> int:
     trained = train_generator(args.data, args.split, options, SourceOptions(root=args.data_root),
                               progress=lambda stats: print(f"fedguard: {stats}", flush=True))
     print(f"fedguard: saved {save_generator(trained, args.out or default_generator_path(args.data))}")
+    return 0
+
+
+def cmd_train_evalnet(args: argparse.Namespace) -> int:
+    """Train the evaluation network (a noise-ratio regressor) on public data for the defense 'refiner'."""
+    from fedguard.data import SourceOptions
+    from fedguard.evalnet import default_evalnet_path, save_evalnet, train_evalnet
+
+    options = EvalNetOptions(args.epochs, args.batch_size, args.lr, args.width, args.mixes, args.seed)
+    trained = train_evalnet(args.data, args.split, options, SourceOptions(root=args.data_root),
+                            progress=lambda stats: print(f"fedguard: {stats}", flush=True))
+    print(f"fedguard: saved {save_evalnet(trained, args.out or default_evalnet_path(args.data))}")
     return 0
 
 
@@ -124,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--keys", action="store_true", help="list every key with its default and meaning")
     config.set_defaults(handler=cmd_config)
 
+    sweep = commands.add_parser("sweep", help=cmd_sweep.__doc__, description=cmd_sweep.__doc__)
+    sweep.add_argument("preset", type=Path, help="a sweep preset: a TOML file with a [sweep] table (see experiments/)")
+    sweep.add_argument("--out", type=Path, help="folder of the sweep (default runs/<name>); finished runs are kept")
+    sweep.set_defaults(handler=cmd_sweep)
+
     attack = commands.add_parser("attack", help=cmd_attack.__doc__, description=cmd_attack.__doc__)
     attack.add_argument("capture_dir", type=Path, metavar="CAPTURE_DIR",
                         help="a run folder or its observations/ folder; the run's config.toml is the starting point")
@@ -139,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     description=cmd_train_generator.__doc__)
     _add_generator_arguments(generator)
     generator.set_defaults(handler=cmd_train_generator)
+
+    evalnet = commands.add_parser("train-evalnet", help=cmd_train_evalnet.__doc__,
+                                  description=cmd_train_evalnet.__doc__)
+    _add_evalnet_arguments(evalnet)
+    evalnet.set_defaults(handler=cmd_train_evalnet)
     return parser
 
 

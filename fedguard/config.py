@@ -416,9 +416,28 @@ def _cross_checks(sections: dict[str, Any]) -> list[str]:
             if round_ not in captured:
                 problems.append(f"threat.malicious manipulates round {round_}, which is not a captured round of "
                                 f"this run (capture.rounds = {capture.rounds!r}, train.rounds = {train.rounds})")
+    problems += _defense_problems(sections["defense"], train.protocol)
     for attack in sections["attacks"]:
         problems += _attack_problems(attack, sections, schedule, captured)
     return problems
+
+
+def _defense_problems(defense: Component, protocol: str) -> list[str]:
+    """Build the defense once, so that what its builder checks (files it loads) is reported before a run; and
+    check the protocols it supports (a defense's optional ``protocols`` attribute)."""
+    if defense.params is None:
+        return []  # its parameters were reported already
+    from fedguard.defenses import build_defense
+
+    try:
+        built = build_defense(defense.name, defense.params)
+    except (ValueError, FileNotFoundError) as error:
+        return [f"defense.{defense.name}: {error}"]
+    supported = getattr(built, "protocols", None)
+    if supported is not None and protocol not in supported:
+        return [f"defense.name = {defense.name!r} works on {' and '.join(sorted(supported))} uploads only; "
+                f"train.protocol = {protocol!r}"]
+    return []
 
 
 def _attack_problems(attack: Component, sections: dict[str, Any], schedule: dict[int, str],

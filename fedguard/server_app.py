@@ -35,7 +35,7 @@ from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
 from fedguard.training import evaluate, get_arrays, set_arrays, trainable_mask
 from fedguard.vault import VAULT_DIR
-from strategies import FedSGD, HonestButCurious, Malicious
+from strategies import FedSGD, HonestButCurious, Malicious, SparseUploads
 
 log = logging.getLogger(__name__)
 
@@ -116,18 +116,23 @@ def build_strategy(config: Config, model: torch.nn.Module, recorder: RoundRecord
     x_test, y_test = test.batch()
     evaluator = build_model(config.model.name, model_card(config, model).spec, config.model.params)
 
-    reports: dict[str, float] = {}  # the latest round's defense reports, written with its evaluation
+    latest: dict[str, Any] = {}  # the latest round's defense reports and upload sizes, written with its evaluation
 
     def aggregate_fit_metrics(metrics: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-        reports.clear()
-        reports.update(aggregate_reports([m for _, m in metrics]))
+        latest.clear()
+        reports = aggregate_reports([m for _, m in metrics])
+        if reports:
+            latest["defense"] = reports
+        for key in ("upload-bytes", "dense-bytes"):
+            sizes = [float(m[key]) for _, m in metrics if key in m]
+            if sizes:
+                latest[key.replace("-", "_")] = round(sum(sizes) / len(sizes))
         return {}
 
     def evaluate_fn(server_round: int, arrays: list[np.ndarray], _: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         set_arrays(evaluator, arrays)
         loss, accuracy = evaluate(evaluator, x_test, y_test)
-        extra = {"defense": dict(reports)} if server_round > 0 and reports else {}
-        recorder.record(server_round, loss, accuracy, **extra)
+        recorder.record(server_round, loss, accuracy, **(latest if server_round > 0 else {}))
         return loss, {"accuracy": accuracy}
 
     train, clients = config.train, config.partition.num_clients
@@ -167,6 +172,7 @@ def run_server(grid: Grid, config: Config) -> Path:
             sinks.append(pool)
         sink = FanOut(sinks)
         strategy = capture_strategy(config, strategy, sink, model_card(config, model))
+    strategy = SparseUploads(strategy)
     try:
         start_grid(grid=grid, strategy=strategy, config=ServerConfig(num_rounds=config.train.rounds))
     finally:

@@ -1,7 +1,8 @@
-"""Server strategies: FedSGD, and the honest-but-curious and malicious capture wrappers."""
+"""Server strategies: FedSGD, the honest-but-curious and malicious capture wrappers, sparse-upload decoding."""
 
 from strategies.fedsgd import FedSGD
 from strategies.honest_but_curious import HonestButCurious
 from strategies.malicious import Malicious
+from strategies.sparse_uploads import SparseUploads
 
-__all__ = ["FedSGD", "HonestButCurious", "Malicious"]
+__all__ = ["FedSGD", "HonestButCurious", "Malicious", "SparseUploads"]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import RecordDict
+from flwr.common import parameters_to_ndarrays
 
 from clients import DefendedClient
 from clients.state import load_defense_state, store_defense_state
@@ -16,7 +17,8 @@ from fedguard.defenses import LocalStep, aggregate_reports
 from fedguard.models import build_model
 from fedguard.seeding import client_generators
 from fedguard.training import compute_gradients, get_arrays, local_sgd, parameters, trainable_mask
-from tests.helpers import client_fit, config, context
+from strategies.sparse_uploads import dense_result
+from tests.helpers import client_fit, config, context, fit_res
 
 
 def start_arrays(cfg) -> list[np.ndarray]:
@@ -165,3 +167,18 @@ def test_labels_are_declared_only_when_the_threat_model_grants_them() -> None:
     local = client_split("digits", cfg.data.source_options(), "iid", cfg.partition.options(), 4, cfg.run.seed, 0)
     _, y = local.batch(rng.choice(len(local), size=8, replace=False))
     assert shown["labels"] == ",".join(str(v) for v in y.tolist())
+
+
+def test_pruned_uploads_travel_coordinate_encoded_and_decode_exactly() -> None:
+    cfg = config("defense.name=dgp")
+    arrays = start_arrays(cfg)
+    upload, _, metrics = client_fit(cfg, 0, arrays, round_=1)
+    assert metrics["encoding"] == "sparse" and metrics["upload-bytes"] < 0.5 * metrics["dense-bytes"]
+    assert metrics["upload-bytes"] == sum(a.nbytes for a in upload)
+    decoded = dense_result(fit_res(upload, 8, metrics))
+    assert "encoding" not in decoded.metrics
+    dense = parameters_to_ndarrays(decoded.parameters)
+    assert [a.shape for a in dense] == [a.shape for a in arrays]
+    assert sum(int((a != 0).sum()) for a in dense) < 0.3 * sum(a.size for a in dense)
+    _, _, plain = client_fit(config(), 0, arrays, round_=1)
+    assert "encoding" not in plain and plain["upload-bytes"] == plain["dense-bytes"]

@@ -10,9 +10,11 @@ import torch
 
 from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, schema, split_names
 from fedguard.data.spec import DataSpec
+from fedguard.evalnet import EvalNetOptions, default_evalnet_path, save_evalnet, train_evalnet
 from fedguard.generators import TrainedGenerator, TrainOptions, save_generator, train_vae
 from fedguard.report.run_dir import CONFIG_FILE, prepare_run_dir, resolve_run_dir, unflatten
 from fedguard.selection import Selection
+from fedguard.sweep import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,15 +38,22 @@ def test_pyproject_lists_every_key_with_its_default() -> None:
     assert Config.from_flat(flatten(table)) == Config()
 
 
-def test_every_preset_is_valid(tmp_path: Path) -> None:
-    """Presets that search a trained generator get a small one made here (users make theirs first)."""
+def test_every_preset_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Presets that need trained networks get small ones made here, where they look (users make theirs first)."""
     decoder, losses = train_vae(torch.rand(8, 1, 28, 28), DataSpec(1, 28, 28, 10), TrainOptions(epochs=1, width=8))
     generator = save_generator(TrainedGenerator(decoder, "mnist-5k", "test", tuple(losses)), tmp_path / "g.npz")
+    for dataset in ("photos", "mnist-5k"):
+        save_evalnet(train_evalnet(dataset, "test", EvalNetOptions(epochs=1, width=2, mixes=1)),
+                     tmp_path / default_evalnet_path(dataset))
+    monkeypatch.chdir(tmp_path)
     presets = sorted((ROOT / "experiments").glob("*.toml"))
     assert presets, "no presets found"
     for preset in presets:
-        searches_generator = "ggl" in split_names(flatten(tomllib.loads(preset.read_text())).get("attack.name", ""))
-        load_config(preset, [f"attack.ggl.generator={generator}"] if searches_generator else [])
+        flat = flatten(tomllib.loads(preset.read_text()))
+        if "ggl" in split_names(flat.get("attack.name", "")):
+            load_config(preset, [f"attack.ggl.generator={generator}"])
+        else:
+            load_preset(preset)
 
 
 def test_unknown_key_names_the_key_and_suggests() -> None:

@@ -1,6 +1,15 @@
 """Client-side defenses by name. Importing this package registers them all."""
 
-from fedguard.defenses import dp_update, none  # noqa: F401  (registration)
+from fedguard.defenses import (  # noqa: F401  (registration)
+    censor,
+    dgp,
+    dp_update,
+    none,
+    pruning,
+    quantization,
+    refiner,
+    soteria,
+)
 from fedguard.defenses.base import (
     DEFENSES,
     Defense,

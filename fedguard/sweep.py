@@ -1,0 +1,210 @@
+"""Sweeps: one preset, several runs (settings x variants), one summary table.
+
+A sweep preset is a run preset with a ``[sweep]`` table::
+
+    [sweep]
+    baseline = "none"                    # the variant whose accuracy is 100%
+    [sweep.settings.privacy]             # overrides of one setting (flat or nested keys)
+    "train.rounds" = 1
+    [sweep.variants.none]
+    "defense.name" = "none"
+    [sweep.variants.dp]
+    defense = { name = "dp", dp = { noise-multiplier = 0.01 } }
+
+Every (setting, variant) pair is one run: the preset's keys, then the setting's, then the variant's.
+All runs are validated before the first one starts. Each runs as its own ``fedguard run`` process in
+``<sweep folder>/<setting>/<variant>``, so a run that fails is reported and the others go on; a run
+folder that already holds ``rounds.jsonl`` with every round is kept, not run again (a stopped sweep
+resumes). ``sweep.jsonl`` holds one row per run and ``summary.md`` the table per variant.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import tomli_w
+
+from fedguard.config import Config, ConfigError, flatten, load_config
+from fedguard.report.run_dir import ROUNDS_FILE, unflatten
+
+SWEEP_FILE = "sweep.jsonl"
+SUMMARY_FILE = "summary.md"
+ATTACKS_FILE = "attacks.jsonl"
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One run of a sweep: its setting, variant, validated configuration and folder."""
+
+    setting: str
+    variant: str
+    config: Config
+    folder: Path
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The runs of a sweep preset and the variant the others' accuracy is compared to."""
+
+    name: str
+    folder: Path
+    baseline: str
+    runs: tuple[SweepRun, ...]
+
+
+def _table(sweep: dict[str, Any], key: str, path: Path) -> dict[str, dict[str, Any]]:
+    table = sweep.get(key, {})
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise ConfigError([f"{path}: [sweep.{key}] must hold tables of overrides, one per {key[:-1]}"])
+    return {name: flatten(overrides) for name, overrides in table.items()}
+
+
+def load_sweep(preset: Path | str, out: Path | None = None) -> Sweep:
+    """Read and validate every run of the sweep ``preset``; all problems of all runs are reported at once."""
+    path = Path(preset)
+    if not path.is_file():
+        raise ConfigError([f"sweep preset {str(path)!r} not found (presets live in experiments/)"])
+    document = tomllib.loads(path.read_text())
+    sweep = document.pop("sweep", None)
+    if not isinstance(sweep, dict):
+        raise ConfigError([f"{path}: no [sweep] table; run a single experiment with `fedguard run {path}`"])
+    unknown = sorted(set(sweep) - {"baseline", "settings", "variants"})
+    if unknown:
+        raise ConfigError([f"{path}: unknown key(s) in [sweep]: {', '.join(unknown)} (choose baseline, settings, variants)"])
+    variants = _table(sweep, "variants", path)
+    settings = _table(sweep, "settings", path) or {"run": {}}
+    if not variants:
+        raise ConfigError([f"{path}: [sweep.variants] is empty; add one table of overrides per variant"])
+    baseline = str(sweep.get("baseline", next(iter(variants))))
+    if baseline not in variants:
+        raise ConfigError([f"{path}: sweep.baseline = {baseline!r} is not one of the variants: {', '.join(variants)}"])
+    base = flatten(document)
+    name = str(base.get("name", path.stem))
+    folder = Path(out) if out is not None else Path(str(base.get("out-dir") or "runs")) / name
+    runs, problems = [], []
+    for setting, setting_keys in settings.items():
+        for variant, variant_keys in variants.items():
+            flat = {**base, **setting_keys, **variant_keys, "name": f"{name}-{setting}-{variant}"}
+            try:
+                config = Config.from_flat(flat)
+            except ConfigError as error:
+                problems += [f"{setting}/{variant}: {p}" for p in error.problems]
+                continue
+            runs.append(SweepRun(setting, variant, config, folder / setting / variant))
+    if problems:
+        raise ConfigError(problems)
+    return Sweep(name, folder, baseline, tuple(runs))
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(present) / len(present) if present else None
+
+
+def finished(run: SweepRun) -> bool:
+    """Whether ``run.folder`` holds a rounds log with every round."""
+    rounds = _rows(run.folder / ROUNDS_FILE)
+    return bool(rounds) and rounds[-1]["round"] == run.config.train.rounds
+
+
+def summarize_run(run: SweepRun, status: str) -> dict[str, Any]:
+    """One ``sweep.jsonl`` row: final accuracy, mean round time, defense reports, mean attack scores."""
+    rounds = _rows(run.folder / ROUNDS_FILE)
+    attacks = [a for a in _rows(run.folder / ATTACKS_FILE) if a.get("status") == "ok"]
+    trained = [r for r in rounds if r["round"] > 0]
+    row: dict[str, Any] = {
+        "setting": run.setting, "variant": run.variant, "defense": run.config.defense.name, "status": status,
+        "folder": str(run.folder), "rounds": len(trained),
+        "accuracy": rounds[-1]["accuracy"] if rounds else None,
+        "seconds_per_round": _mean([r["seconds"] for r in trained[1:]] or [r["seconds"] for r in trained]),
+        "defense_report": trained[-1].get("defense", {}) if trained else {},
+        "attacked_uploads": len(attacks),
+    }
+    for key in ("psnr", "ssim", "lpips"):
+        row[key] = _mean([a.get(key) for a in attacks])
+    row["floor_psnr"] = _mean([(a.get("floor") or {}).get("psnr") for a in attacks])
+    row["leaked_images"] = sum(a.get("leaked_images", 0) for a in attacks)
+    row["images"] = sum(len(a.get("per_image") or []) for a in attacks)
+    return row
+
+
+def _cell(value: Any, digits: int, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
+    """Markdown: one line per variant; per setting, attack scores where it attacked and accuracy where it
+    trained, accuracy also as a percentage of the baseline variant's in the same setting."""
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    by = {(r["setting"], r["variant"]): r for r in rows}
+    header, rule = ["variant"], ["---"]
+    for setting in settings:
+        header += [f"{setting}: PSNR (dB)", "SSIM", "LPIPS", "SSIM > 0.9", "accuracy", "% of baseline", "s/round"]
+        rule += ["---:"] * 7
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    for variant in variants:
+        cells = [f"`{variant}`"]
+        for setting in settings:
+            row, base = by.get((setting, variant), {}), by.get((setting, baseline), {})
+            accuracy, reference = row.get("accuracy"), base.get("accuracy")
+            share = 100 * accuracy / reference if accuracy is not None and reference else None
+            leaked = f"{row['leaked_images']} of {row['images']}" if row.get("images") else "-"
+            cells += [_cell(row.get("psnr"), 1), _cell(row.get("ssim"), 3), _cell(row.get("lpips"), 3), leaked,
+                      _cell(None if accuracy is None else 100 * accuracy, 1, "%"), _cell(share, 1, "%"),
+                      _cell(row.get("seconds_per_round"), 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: float | None = None) -> list[dict[str, Any]]:
+    """Run every run of ``sweep`` that is not finished yet, one process each; write ``sweep.jsonl`` and
+    ``summary.md``; returns the rows."""
+    sweep.folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for index, run in enumerate(sweep.runs, 1):
+        label = f"[{index}/{len(sweep.runs)}] {run.setting}/{run.variant}"
+        if finished(run):
+            progress(f"fedguard: {label}: finished earlier, kept ({run.folder})")
+            rows.append(summarize_run(run, "ok"))
+            continue
+        run.folder.mkdir(parents=True, exist_ok=True)
+        preset = run.folder.parent / f"{run.variant}.toml"
+        preset.write_text(tomli_w.dumps(unflatten(run.config.to_flat())))
+        progress(f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}")
+        log = run.folder.parent / f"{run.variant}.log"
+        with open(log, "w", encoding="utf-8") as handle:
+            command = [sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)]
+            try:
+                code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                code = -1
+        status = "ok" if code == 0 else f"failed (exit {code}; see {log})"
+        row = summarize_run(run, status)
+        rows.append(row)
+        scores = f"PSNR {row['psnr']:.1f} dB, " if row["psnr"] is not None else ""
+        accuracy = f"accuracy {100 * row['accuracy']:.1f}%" if row["accuracy"] is not None else "no round finished"
+        progress(f"fedguard: {label}: {status}; {scores}{accuracy}")
+    with open(sweep.folder / SWEEP_FILE, "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    (sweep.folder / SUMMARY_FILE).write_text(summary_table(rows, sweep.baseline))
+    return rows
+
+
+def load_preset(preset: Path | str) -> Config | Sweep:
+    """A sweep preset's ``Sweep``, or a plain preset's ``Config``: what ``fedguard`` would run."""
+    document = tomllib.loads(Path(preset).read_text())
+    return load_sweep(preset) if "sweep" in document else load_config(preset)
