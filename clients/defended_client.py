@@ -114,7 +114,7 @@ class DefendedClient(NumPyClient):
             write_truth(Path(str(config["vault"])), round_, self.client_id, x, y)
 
         defense_state = load_defense_state(self.state)
-        step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id)
+        step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id, len(local))
         defense = _defense(cfg.defense.name, cfg.defense.params)
         sent = defense(step, defense_state)
         declared.update(defense_report(defense, defense_state))

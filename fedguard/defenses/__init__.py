@@ -3,6 +3,7 @@
 from fedguard.defenses import (  # noqa: F401  (registration)
     censor,
     dgp,
+    dp_sgd,
     dp_update,
     none,
     pruning,

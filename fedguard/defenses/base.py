@@ -28,7 +28,8 @@ class LocalStep:
     in [0, 1] and ``y`` (B,) are the samples used; ``grads`` holds one tensor per
     trainable parameter: the batch gradient (FedSGD) or the pseudo-gradient
     ``global - local`` of several local steps (FedAvg); ``loss_fn(logits, y)``
-    is the training loss; ``generator`` is seeded from (seed, client, round).
+    is the training loss; ``generator`` is seeded from (seed, client, round); ``examples`` is the number of
+    examples the client holds (its local data set; 0 when unknown).
     """
 
     model: nn.Module
@@ -39,6 +40,7 @@ class LocalStep:
     generator: torch.Generator
     round: int = 0
     client: int = 0
+    examples: int = 0
 
 
 class Defense(Protocol):
