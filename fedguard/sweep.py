@@ -120,25 +120,37 @@ def finished(run: SweepRun) -> bool:
     return bool(rounds) and rounds[-1]["round"] == run.config.train.rounds
 
 
+def attack_scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means over one attack's scored rows: ``psnr``, ``ssim``, ``lpips``, ``floor_psnr``; counts of
+    ``uploads``, ``images`` and ``leaked_images``."""
+    scores: dict[str, Any] = {key: _mean([a.get(key) for a in rows]) for key in ("psnr", "ssim", "lpips")}
+    scores["floor_psnr"] = _mean([(a.get("floor") or {}).get("psnr") for a in rows])
+    scores["uploads"] = len(rows)
+    scores["images"] = sum(len(a.get("per_image") or []) for a in rows)
+    scores["leaked_images"] = sum(a.get("leaked_images", 0) for a in rows)
+    return scores
+
+
 def summarize_run(run: SweepRun, status: str) -> dict[str, Any]:
-    """One ``sweep.jsonl`` row: final accuracy, mean round time, defense reports, mean attack scores."""
+    """One ``sweep.jsonl`` row: final accuracy, mean round time, defense reports, scores per attack, and the
+    strongest attack's (highest mean SSIM) scores at the top level, since a defense is as good as it is
+    against the best attack."""
     rounds = _rows(run.folder / ROUNDS_FILE)
-    attacks = [a for a in _rows(run.folder / ATTACKS_FILE) if a.get("status") == "ok"]
+    scored = [a for a in _rows(run.folder / ATTACKS_FILE) if a.get("status") == "ok"]
     trained = [r for r in rounds if r["round"] > 0]
-    row: dict[str, Any] = {
+    per_attack = {name: attack_scores([a for a in scored if a.get("attack") == name])
+                  for name in dict.fromkeys(str(a.get("attack")) for a in scored)}
+    strongest = max(per_attack, key=lambda name: per_attack[name]["ssim"] or 0.0, default=None)
+    return {
         "setting": run.setting, "variant": run.variant, "defense": run.config.defense.name, "status": status,
         "folder": str(run.folder), "rounds": len(trained),
         "accuracy": rounds[-1]["accuracy"] if rounds else None,
         "seconds_per_round": _mean([r["seconds"] for r in trained[1:]] or [r["seconds"] for r in trained]),
         "defense_report": trained[-1].get("defense", {}) if trained else {},
-        "attacked_uploads": len(attacks),
+        "attacks": per_attack,
+        "strongest_attack": strongest,
+        **(per_attack[strongest] if strongest else {}),
     }
-    for key in ("psnr", "ssim", "lpips"):
-        row[key] = _mean([a.get(key) for a in attacks])
-    row["floor_psnr"] = _mean([(a.get("floor") or {}).get("psnr") for a in attacks])
-    row["leaked_images"] = sum(a.get("leaked_images", 0) for a in attacks)
-    row["images"] = sum(len(a.get("per_image") or []) for a in attacks)
-    return row
 
 
 def _cell(value: Any, digits: int, suffix: str = "") -> str:
@@ -146,26 +158,35 @@ def _cell(value: Any, digits: int, suffix: str = "") -> str:
 
 
 def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
-    """Markdown: one line per variant; per setting, attack scores where it attacked and accuracy where it
-    trained, accuracy also as a percentage of the baseline variant's in the same setting."""
+    """Markdown: one line per variant; per setting, the strongest attack's scores where the setting attacked,
+    the final accuracy (also as a percentage of the baseline variant's) where it trained for more than one
+    round, and the mean seconds per round."""
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["setting"], r["variant"]): r for r in rows}
+    attacked = {s for s in settings if any(r.get("images") for r in rows if r["setting"] == s)}
+    trained = {s for s in settings if any((r.get("rounds") or 0) > 1 for r in rows if r["setting"] == s)}
     header, rule = ["variant"], ["---"]
     for setting in settings:
-        header += [f"{setting}: PSNR (dB)", "SSIM", "LPIPS", "SSIM > 0.9", "accuracy", "% of baseline", "s/round"]
-        rule += ["---:"] * 7
+        columns = (["strongest attack", "PSNR (dB)", "SSIM", "LPIPS", "SSIM > 0.9"] if setting in attacked else []) + (
+            ["accuracy", "% of baseline"] if setting in trained else []) + ["s/round"]
+        header += [f"{setting}: {columns[0]}", *columns[1:]]
+        rule += ["---" if column == "strongest attack" else "---:" for column in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
     for variant in variants:
         cells = [f"`{variant}`"]
         for setting in settings:
             row, base = by.get((setting, variant), {}), by.get((setting, baseline), {})
-            accuracy, reference = row.get("accuracy"), base.get("accuracy")
-            share = 100 * accuracy / reference if accuracy is not None and reference else None
-            leaked = f"{row['leaked_images']} of {row['images']}" if row.get("images") else "-"
-            cells += [_cell(row.get("psnr"), 1), _cell(row.get("ssim"), 3), _cell(row.get("lpips"), 3), leaked,
-                      _cell(None if accuracy is None else 100 * accuracy, 1, "%"), _cell(share, 1, "%"),
-                      _cell(row.get("seconds_per_round"), 2)]
+            if setting in attacked:
+                attack = row.get("strongest_attack")
+                leaked = f"{row['leaked_images']} of {row['images']}" if row.get("images") else "-"
+                cells += [f"`{attack}`" if attack else "-", _cell(row.get("psnr"), 1), _cell(row.get("ssim"), 3),
+                          _cell(row.get("lpips"), 3), leaked]
+            if setting in trained:
+                accuracy, reference = row.get("accuracy"), base.get("accuracy")
+                share = 100 * accuracy / reference if accuracy is not None and reference else None
+                cells += [_cell(None if accuracy is None else 100 * accuracy, 1, "%"), _cell(share, 1, "%")]
+            cells.append(_cell(row.get("seconds_per_round"), 2))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fedguard.config import ConfigError
-from fedguard.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summary_table
+from fedguard.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summarize_run, summary_table
 
 SMALL = """
 name = "small"
@@ -85,15 +85,34 @@ def test_every_problem_of_every_run_is_reported_before_anything_runs(tmp_path: P
 
 def test_summary_table_gives_accuracy_as_a_share_of_the_baseline() -> None:
     rows = [
-        {"setting": "s", "variant": "none", "accuracy": 0.8, "psnr": 40.0, "ssim": 0.99, "lpips": 0.01,
-         "leaked_images": 2, "images": 2, "seconds_per_round": 0.5},
-        {"setting": "s", "variant": "dp", "accuracy": 0.6, "psnr": 12.0, "ssim": 0.2, "lpips": 0.5,
-         "leaked_images": 0, "images": 2, "seconds_per_round": 0.6},
+        {"setting": "s", "variant": "none", "accuracy": 0.8, "strongest_attack": "idlg", "psnr": 40.0, "ssim": 0.99,
+         "lpips": 0.01, "leaked_images": 2, "images": 2, "seconds_per_round": 0.5, "rounds": 5},
+        {"setting": "s", "variant": "dp", "accuracy": 0.6, "strongest_attack": "ig", "psnr": 12.0, "ssim": 0.2,
+         "lpips": 0.5, "leaked_images": 0, "images": 2, "seconds_per_round": 0.6, "rounds": 5},
+        {"setting": "u", "variant": "none", "accuracy": 0.9, "seconds_per_round": 0.1, "rounds": 1},
     ]
     table = summary_table(rows, "none").splitlines()
-    assert table[0].startswith("| variant | s: PSNR (dB) | SSIM | LPIPS | SSIM > 0.9 | accuracy | % of baseline")
-    assert table[2] == "| `none` | 40.0 | 0.990 | 0.010 | 2 of 2 | 80.0% | 100.0% | 0.50 |"
-    assert table[3] == "| `dp` | 12.0 | 0.200 | 0.500 | 0 of 2 | 60.0% | 75.0% | 0.60 |"
+    assert table[0].startswith("| variant | s: strongest attack | PSNR (dB) | SSIM | LPIPS | SSIM > 0.9 | accuracy")
+    assert table[0].endswith("| % of baseline | s/round | u: s/round |")  # u attacked nothing, trained 1 round
+    assert table[2] == "| `none` | `idlg` | 40.0 | 0.990 | 0.010 | 2 of 2 | 80.0% | 100.0% | 0.50 | 0.10 |"
+    assert table[3] == "| `dp` | `ig` | 12.0 | 0.200 | 0.500 | 0 of 2 | 60.0% | 75.0% | 0.60 | - |"
+
+
+def test_the_strongest_attack_is_the_one_with_the_highest_mean_ssim(tmp_path: Path) -> None:
+    [run] = load_sweep(write(tmp_path, SMALL + '[sweep]\n[sweep.variants.a]\n"seed" = 1\n'), tmp_path / "out").runs
+    run.folder.mkdir(parents=True)
+    rows = [{"attack": "ig", "status": "ok", "psnr": 20.0, "ssim": 0.5, "lpips": 0.3, "per_image": [{}],
+             "leaked_images": 0, "floor": {"psnr": 15.0}},
+            {"attack": "idlg", "status": "ok", "psnr": 35.0, "ssim": 0.95, "lpips": 0.05, "per_image": [{}],
+             "leaked_images": 1, "floor": {"psnr": 15.0}},
+            {"attack": "idlg", "status": "ok", "psnr": 25.0, "ssim": 0.85, "lpips": 0.15, "per_image": [{}],
+             "leaked_images": 0, "floor": {"psnr": 17.0}},
+            {"attack": "dlg", "status": "error", "psnr": None}]
+    (run.folder / "attacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = summarize_run(run, "ok")
+    assert summary["strongest_attack"] == "idlg" and set(summary["attacks"]) == {"ig", "idlg"}
+    assert summary["psnr"] == 30.0 and summary["ssim"] == pytest.approx(0.9) and summary["floor_psnr"] == 16.0
+    assert summary["leaked_images"] == 1 and summary["images"] == 2 and summary["accuracy"] is None
 
 
 @pytest.mark.slow
