@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-from flwr.common import EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar, parameters_to_ndarrays
+from flwr.common import FitIns, FitRes, Parameters, Scalar, parameters_to_ndarrays
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
@@ -20,13 +20,14 @@ from attackers.manipulation import HONEST
 from attackers.sinks import ObservationSink
 from fedguard.observation import UPLOAD_KINDS, ModelCard
 from fedguard.selection import Selection
+from strategies.delegating import DelegatingStrategy
 
 log = logging.getLogger(__name__)
 
 CLIENT_ID_KEY = "client"
 
 
-class HonestButCurious(Strategy):
+class HonestButCurious(DelegatingStrategy):
     """Capture targeted uploads, then aggregate exactly as ``inner`` does.
 
     Parameters
@@ -53,10 +54,9 @@ class HonestButCurious(Strategy):
         rounds: Selection,
         clients: Selection,
     ) -> None:
-        super().__init__()
+        super().__init__(inner)
         if upload_kind not in UPLOAD_KINDS:
             raise ValueError(f"upload_kind {upload_kind!r}: choose one of {', '.join(UPLOAD_KINDS)}")
-        self.inner = inner
         self.sink = sink
         self.card = card
         self.upload_kind = upload_kind
@@ -67,9 +67,6 @@ class HonestButCurious(Strategy):
 
     def __repr__(self) -> str:
         return f"HonestButCurious({self.inner!r}, rounds={self.rounds.spec!r}, clients={self.clients.spec!r})"
-
-    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
-        return self.inner.initialize_parameters(client_manager)
 
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
@@ -112,19 +109,3 @@ class HonestButCurious(Strategy):
         )
         self.sink.submit(obs)
         self.captured += 1
-
-    def configure_evaluate(
-        self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, EvaluateIns]]:
-        return self.inner.configure_evaluate(server_round, parameters, client_manager)
-
-    def aggregate_evaluate(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, EvaluateRes]],
-        failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
-    ) -> tuple[float | None, dict[str, Scalar]]:
-        return self.inner.aggregate_evaluate(server_round, results, failures)
-
-    def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
-        return self.inner.evaluate(server_round, parameters)

@@ -9,21 +9,11 @@ they sent (``upload-bytes``) and the dense size (``dense-bytes``) either way.
 
 from __future__ import annotations
 
-from flwr.common import (
-    EvaluateIns,
-    EvaluateRes,
-    FitIns,
-    FitRes,
-    Parameters,
-    Scalar,
-    ndarrays_to_parameters,
-    parameters_to_ndarrays,
-)
-from flwr.server.client_manager import ClientManager
+from flwr.common import FitRes, Parameters, Scalar, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_proxy import ClientProxy
-from flwr.server.strategy import Strategy
 
 from fedguard.sparse import ENCODING_KEY, SPARSE, decode_arrays
+from strategies.delegating import DelegatingStrategy
 
 
 def dense_result(res: FitRes) -> FitRes:
@@ -35,23 +25,8 @@ def dense_result(res: FitRes) -> FitRes:
     return FitRes(res.status, ndarrays_to_parameters(arrays), res.num_examples, metrics)
 
 
-class SparseUploads(Strategy):
+class SparseUploads(DelegatingStrategy):
     """Decode coordinate-encoded uploads, then do exactly what ``inner`` does."""
-
-    def __init__(self, inner: Strategy) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def __repr__(self) -> str:
-        return f"SparseUploads({self.inner!r})"
-
-    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
-        return self.inner.initialize_parameters(client_manager)
-
-    def configure_fit(
-        self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, FitIns]]:
-        return self.inner.configure_fit(server_round, parameters, client_manager)
 
     def aggregate_fit(
         self,
@@ -61,19 +36,3 @@ class SparseUploads(Strategy):
     ) -> tuple[Parameters | None, dict[str, Scalar]]:
         """Decode the sparse uploads, then aggregate as ``inner`` does."""
         return self.inner.aggregate_fit(server_round, [(proxy, dense_result(res)) for proxy, res in results], failures)
-
-    def configure_evaluate(
-        self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, EvaluateIns]]:
-        return self.inner.configure_evaluate(server_round, parameters, client_manager)
-
-    def aggregate_evaluate(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, EvaluateRes]],
-        failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
-    ) -> tuple[float | None, dict[str, Scalar]]:
-        return self.inner.aggregate_evaluate(server_round, results, failures)
-
-    def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
-        return self.inner.evaluate(server_round, parameters)

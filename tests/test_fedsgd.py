@@ -12,7 +12,7 @@ from fedguard.data.federated import client_split
 from fedguard.models import build_model
 from fedguard.seeding import client_generators
 from fedguard.training import get_arrays, loss_fn, trainable_mask
-from strategies import FedSGD
+from strategies import FedSGD, SparseUploads
 from strategies.fedsgd import fedsgd_update
 from tests.helpers import client_fit, config, fit_res
 
@@ -34,7 +34,7 @@ def test_one_round_equals_centralized_sgd_on_the_same_batches() -> None:
     model = build_model("mlp", data.spec, cfg.model.params)
     start = get_arrays(model)
 
-    strategy = FedSGD(lr=cfg.train.lr, trainable=trainable_mask(model))
+    strategy = SparseUploads(FedSGD(lr=cfg.train.lr, trainable=trainable_mask(model)))  # as the server stacks them
     strategy.configure_fit(1, ndarrays_to_parameters(start), _Sampler())
     results = [(None, fit_res(*client_fit(cfg, c, start, round_=1))) for c in range(3)]
     new, _ = strategy.aggregate_fit(1, results, [])
