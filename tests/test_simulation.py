@@ -72,3 +72,19 @@ def test_simulation_survives_attacks_that_run_out_of_time(tmp_path: Path) -> Non
     assert len(attacks) == 2 and all(a["status"] == "timeout" and "within" in a["error"] for a in attacks), attacks
     assert "0 ok, 0 failed, 2 timed out" in result.stdout
     assert (out / "report.html").is_file()
+
+
+@pytest.mark.slow
+def test_pruned_uploads_cross_the_wire_encoded_and_arrive_dense(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    overrides = ["train.rounds=2", "partition.num-clients=4", "train.clients-per-round=4", "capture.rounds=1",
+                 "capture.clients=0", "attack.name=none", "defense.name=dgp", "train.batch-size=16"]
+    run_quickstart(out, overrides)
+    rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    for row in rows[1:]:
+        assert row["upload_bytes"] < 0.45 * row["dense_bytes"], row  # DGP sends 20 %: about 0.40 of the bytes
+    [obs] = load_observations(out / "observations")
+    assert [a.shape for a in obs.upload] == [a.shape for a in obs.global_arrays]  # the server sees it dense
+    trainable = [u for u, t in zip(obs.upload, obs.trainable) if t]
+    sent = sum(int((u != 0).sum()) for u in trainable) / sum(u.size for u in trainable)
+    assert 0.1 < sent <= 0.21, sent
