@@ -216,7 +216,7 @@ def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: fl
         status = "ok" if code == 0 else f"failed (exit {code}; see {log})"
         row = summarize_run(run, status)
         rows.append(row)
-        scores = f"PSNR {row['psnr']:.1f} dB, " if row["psnr"] is not None else ""
+        scores = f"PSNR {row['psnr']:.1f} dB, " if row.get("psnr") is not None else ""
         accuracy = f"accuracy {100 * row['accuracy']:.1f}%" if row["accuracy"] is not None else "no round finished"
         progress(f"fedguard: {label}: {status}; {scores}{accuracy}")
     with open(sweep.folder / SWEEP_FILE, "w", encoding="utf-8") as handle:
