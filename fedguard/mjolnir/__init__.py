@@ -1,0 +1,85 @@
+"""Mjölnir (Liu et al., AAAI 2025): a diffusion model trained on clean gradients denoises perturbed ones.
+
+A gradient packed into a 1 x S x S grid and divided by a fixed scale is a
+training sample of a DDPM (``ddpm``, with the UNet of ``unet``); a gradient
+perturbed by noise of std M in those units, rescaled by 1 / sqrt(1 + M**2), is
+a sample of the forward process at the step whose alpha-bar is 1 / (1 + M**2),
+so the reverse chain from that step down to step 0 denoises it (``denoise``).
+``noise`` turns DP, Gaussian and Laplace parameters into M, or estimates it.
+``store`` keeps a trained model in one ``.npz``. ``packing`` turns a model's
+gradient into that grid and back, exactly; ``surrogate`` collects the clean
+training gradients (Algorithm 1) from a surrogate model trained on public data.
+Pure torch.
+"""
+
+from fedguard.mjolnir.ddpm import LOSSES, DDPMEpoch, DDPMTrainOptions, Schedule, diffusion_loss, q_sample, train_ddpm
+from fedguard.mjolnir.denoise import (
+    VARIANCES,
+    denoise,
+    reverse_chain,
+    reverse_coefficients,
+    start_step,
+    target_alpha_bar,
+)
+from fedguard.mjolnir.noise import (
+    estimate_noise_level,
+    gaussian_sigma,
+    noise_level,
+    noise_level_dp,
+    noise_level_epsilon,
+    noise_level_from_c,
+    noise_level_laplace,
+)
+from fedguard.mjolnir.packing import PackingSpec, fit_scale, pack, pack_many, packing_spec, unpack, unpack_many
+from fedguard.mjolnir.store import TrainedDDPM, load_ddpm, save_ddpm
+from fedguard.mjolnir.surrogate import (
+    GradientSet,
+    SurrogateOptions,
+    collect_gradients,
+    load_gradient_set,
+    save_gradient_set,
+)
+from fedguard.mjolnir.unet import PRESETS, UNet, UNetConfig, check_side, preset
+
+__all__ = [
+    "LOSSES",
+    "PRESETS",
+    "VARIANCES",
+    "DDPMEpoch",
+    "DDPMTrainOptions",
+    "GradientSet",
+    "PackingSpec",
+    "Schedule",
+    "SurrogateOptions",
+    "TrainedDDPM",
+    "UNet",
+    "UNetConfig",
+    "check_side",
+    "collect_gradients",
+    "denoise",
+    "diffusion_loss",
+    "estimate_noise_level",
+    "fit_scale",
+    "gaussian_sigma",
+    "load_ddpm",
+    "load_gradient_set",
+    "noise_level",
+    "noise_level_dp",
+    "noise_level_epsilon",
+    "noise_level_from_c",
+    "noise_level_laplace",
+    "pack",
+    "pack_many",
+    "packing_spec",
+    "preset",
+    "q_sample",
+    "reverse_chain",
+    "reverse_coefficients",
+    "save_ddpm",
+    "save_gradient_set",
+    "start_step",
+    "target_alpha_bar",
+    "unpack",
+    "unpack_many",
+    "train_ddpm",
+]

@@ -1,0 +1,113 @@
+"""Mjölnir Algorithm 3: the M-adaptive start and the reverse diffusion chain, from the start step down to step 0.
+
+Noise level. The perturbed gradient is ``y = x + M n`` with n ~ N(0, I) per
+entry (Eq. 14), where x and y are packed gradients in the units the model was
+trained on (raw gradient / scale; ``fedguard.mjolnir.noise`` converts std,
+DP and Laplace parameters into this M). M is therefore the noise std relative
+to the clean training signal's scale. Then
+``y / sqrt(1 + M**2) = sqrt(g) x + sqrt(1 - g) n`` with ``g = 1 / (1 + M**2)``
+(Eq. 15), the forward marginal of the diffusion at a step whose alpha-bar is g.
+
+Start step. The linear schedule has no closed-form inverse of alpha-bar, and
+alpha-bar is strictly decreasing, so t* is the argmin over the schedule of
+``|alpha_bars[k] - 1 / (1 + M**2)|``: the nearest of the two steps that
+bracket the target (Eq. 16's (T'_-, T'_+)). The mismatch is at most half the
+gap ``alpha_bars[k] * betas[k + 1]`` between the bracketing steps, or the
+distance to the end of the schedule when the target lies beyond it (M near 0
+gives t* = 0; a huge M gives the last step). The released code takes the first
+step below the target instead, one step later at most.
+
+Reverse chain. The published sampler restarts every step from its input (it
+returns one step of t = 0); this one chains them, k = t*, t* - 1, ..., 0:
+``x <- (x - betas[k] / sqrt(1 - alpha_bars[k]) eps_theta(x, k)) / sqrt(alphas[k]) + sigma_k z``
+with z ~ N(0, I) for k > 0 and no noise at k = 0. ``sigma_k**2`` is
+``betas[k]`` (Algorithm 3, default) or the posterior variance
+``betas[k] (1 - alpha_bars[k - 1]) / (1 - alpha_bars[k])`` (the released code).
+Outputs are not clipped: gradients have no fixed range.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from fedguard.mjolnir.ddpm import Schedule
+
+VARIANCES = ("beta", "posterior")
+
+Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _check_noise_level(noise_level: float) -> None:
+    if not (noise_level >= 0 and math.isfinite(noise_level)):
+        raise ValueError(f"noise level M must be finite and >= 0, got {noise_level}")
+
+
+def target_alpha_bar(noise_level: float) -> float:
+    """``1 / (1 + M**2)``: the alpha-bar at which the rescaled noisy gradient is a diffusion marginal."""
+    _check_noise_level(noise_level)
+    return 1 / (1 + noise_level**2)
+
+
+def start_step(schedule: Schedule, noise_level: float) -> int:
+    """The 0-based step t* whose alpha-bar is nearest ``1 / (1 + M**2)``, in [0, steps - 1]."""
+    target = target_alpha_bar(noise_level)
+    return int(torch.argmin((schedule.alpha_bars - target).abs()))
+
+
+def reverse_coefficients(schedule: Schedule, variance: str = "beta") -> tuple[list[float], list[float], list[float]]:
+    """Per step k: the noise coefficient ``betas/sqrt(1 - alpha_bars)``, ``1/sqrt(alphas)`` and the std sigma_k."""
+    if variance not in VARIANCES:
+        raise ValueError(f"variance {variance!r}: choose one of {', '.join(VARIANCES)}")
+    betas, alphas, alpha_bars = schedule.betas, schedule.alphas, schedule.alpha_bars
+    if variance == "beta":
+        sigmas = betas.sqrt()
+    else:
+        previous = torch.cat([torch.ones(1, dtype=alpha_bars.dtype), alpha_bars[:-1]])
+        sigmas = (betas * (1 - previous) / (1 - alpha_bars)).sqrt()
+    return (betas / (1 - alpha_bars).sqrt()).tolist(), alphas.rsqrt().tolist(), sigmas.tolist()
+
+
+def reverse_chain(
+    model: Denoiser,
+    schedule: Schedule,
+    x: torch.Tensor,
+    start: int,
+    generator: torch.Generator,
+    variance: str = "beta",
+) -> torch.Tensor:
+    """Ancestral sampling from ``x`` = x_start (N, 1, S, S) through steps start, ..., 0; returns x_0's estimate.
+
+    ``model(x_k, k)`` is called once per step with the batch and steps (N,) filled with k; ``generator`` lives on
+    ``x.device`` and draws the noise of steps start..1."""
+    if not 0 <= start < schedule.steps:
+        raise ValueError(f"start step {start} is outside the schedule's steps 0..{schedule.steps - 1}")
+    noise_coefficient, inverse_sqrt_alpha, sigma = reverse_coefficients(schedule, variance)
+    with torch.no_grad():
+        for k in range(start, -1, -1):
+            t = torch.full((len(x),), k, dtype=torch.long, device=x.device)
+            x = (x - noise_coefficient[k] * model(x, t)) * inverse_sqrt_alpha[k]
+            if k > 0:
+                x = x + sigma[k] * torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    return x
+
+
+def denoise(
+    model: Denoiser,
+    schedule: Schedule,
+    y: torch.Tensor,
+    noise_level: float,
+    generator: torch.Generator | None = None,
+    variance: str = "beta",
+) -> torch.Tensor:
+    """Algorithm 3 with a known (or estimated) M: the denoised grids (N, 1, S, S), in the units of ``y``.
+
+    ``y``: perturbed packed gradients (N, 1, S, S) in the normalized units the model was trained on; ``noise_level``:
+    M in the same units (module docstring). The batch shares M and so the start step. ``generator``: on
+    ``y.device``; by default one seeded with 0, so equal inputs give equal outputs."""
+    start = start_step(schedule, noise_level)
+    if generator is None:
+        generator = torch.Generator(device=y.device).manual_seed(0)
+    return reverse_chain(model, schedule, y / math.sqrt(1 + noise_level**2), start, generator, variance)

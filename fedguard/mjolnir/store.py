@@ -1,0 +1,83 @@
+"""A trained gradient diffusion model on disk: one ``.npz`` (no pickles).
+
+Arrays ``unet/<name>`` hold the denoiser's ``state_dict``; ``meta`` is a JSON
+string with the format version, the UNet configuration, the grid side S, the
+beta schedule, the caller's normalization record (e.g. the scale that maps raw
+gradients to training units and the clean signal power in those units) and the
+mean loss of each epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedguard.mjolnir.ddpm import Schedule
+from fedguard.mjolnir.unet import UNet, UNetConfig
+
+FORMAT = "fedguard-mjolnir-ddpm/1"
+
+
+@dataclass(frozen=True)
+class TrainedDDPM:
+    """A denoiser, its schedule, the caller's normalization record (JSON-ready) and each epoch's mean loss."""
+
+    model: UNet
+    schedule: Schedule
+    normalization: dict = field(default_factory=dict)
+    losses: tuple[float, ...] = ()
+
+    def meta(self) -> dict:
+        """Every field but the weights, JSON-ready."""
+        return {
+            "format": FORMAT,
+            "unet": self.model.config.to_dict(),
+            "side": self.model.side,
+            "schedule": self.schedule.to_dict(),
+            "normalization": self.normalization,
+            "epochs": len(self.losses),
+            "losses": list(self.losses),
+        }
+
+
+def save_ddpm(trained: TrainedDDPM, path: Path | str) -> Path:
+    """Write ``trained`` to ``path`` atomically (creating its folder); returns the path."""
+    path = Path(path)
+    meta = json.dumps(trained.meta())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {f"unet/{name}": t.detach().cpu().numpy() for name, t in trained.model.state_dict().items()}
+    partial = path.with_name(f".{path.name}.part")
+    with open(partial, "wb") as handle:
+        np.savez(handle, meta=np.array(meta), **arrays)
+    os.replace(partial, path)
+    return path
+
+
+def load_ddpm(path: Path | str) -> TrainedDDPM:
+    """Read a model written by ``save_ddpm``; the denoiser is in eval mode, frozen, on the CPU.
+
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for another format or mismatched arrays."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no Mjölnir diffusion model at {path}; create it with `fedguard train-mjolnir`")
+    with np.load(path, allow_pickle=False) as archive:
+        if "meta" not in archive.files:
+            raise ValueError(f"{path} is not a Mjölnir diffusion model file: it has no 'meta' entry")
+        meta = json.loads(str(archive["meta"]))
+        arrays = {name.removeprefix("unet/"): archive[name] for name in archive.files if name.startswith("unet/")}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; retrain it")
+    model = UNet(UNetConfig(**meta["unet"]), meta["side"])
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    found = {name: tuple(a.shape) for name, a in arrays.items()}
+    if found != expected:
+        raise ValueError(f"{path}: UNet arrays {found} do not match its meta, which needs {expected}")
+    model.load_state_dict({name: torch.from_numpy(a) for name, a in arrays.items()})
+    return TrainedDDPM(
+        model.eval().requires_grad_(False), Schedule(**meta["schedule"]), meta["normalization"], tuple(meta["losses"])
+    )
