@@ -4,7 +4,15 @@ Importing this package registers every attack. Nothing here imports Flower;
 Ray is imported only by ``attackers.pool``.
 """
 
-from attackers import dlg, generative, gradinversion, imprint, inverting_gradients, trap_weights  # noqa: F401  (registration)
+from attackers import (  # noqa: F401  (registration)
+    dlg,
+    generative,
+    gradinversion,
+    imprint,
+    inverting_gradients,
+    mjolnir,
+    trap_weights,
+)
 from attackers.base import ATTACKS, Attack, Reconstruction, build_attack, register_attack
 from attackers.sinks import DiskSink, ObservationSink
 

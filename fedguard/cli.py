@@ -13,6 +13,7 @@ from fedguard.config import Config, load_config, schema
 from fedguard.data import DatasetNotFoundError
 from fedguard.evalnet import EvalNetOptions
 from fedguard.generators import SPLITS, TrainOptions
+from fedguard.mjolnir import PRESETS, DDPMTrainOptions, SurrogateOptions
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +51,24 @@ def _add_evalnet_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
     parser.add_argument("--out", type=Path, help="output .npz (default evalnets/<data>.npz)")
     parser.add_argument("--data-root", default="", help="folder of datasets that do not ship with the packages")
+
+
+def _add_mjolnir_arguments(parser: argparse.ArgumentParser) -> None:
+    surrogate, training = SurrogateOptions(), DDPMTrainOptions()
+    parser.add_argument("--split", choices=SPLITS, default="test",
+                        help="the public split the surrogate trains on ('test' (default): no client trains on it)")
+    for flag, kind, default, meaning in (
+        ("gradients", int, surrogate.gradients, "clean gradients recorded along the surrogate's training"),
+        ("surrogate-epochs", int, surrogate.epochs, "passes of the surrogate over the public split"),
+        ("surrogate-lr", float, surrogate.lr, "SGD step of the surrogate"),
+        ("epochs", int, training.epochs, "DDPM training epochs"),
+        ("ddpm-batch-size", int, training.batch_size, "DDPM minibatch size"),
+        ("lr", float, 1e-3, "DDPM Adam step"),
+        ("seed", int, surrogate.seed, "seed of the surrogate, the batches and the DDPM"),
+    ):
+        parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
+    parser.add_argument("--unet", choices=sorted(PRESETS), default="cpu", help="denoiser size (default cpu)")
+    parser.add_argument("--out", type=Path, help="output .npz (default mjolnir/<data>-<model>.npz)")
 
 
 def _resolve(args: argparse.Namespace) -> Config:
@@ -134,6 +153,25 @@ def cmd_train_generator(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_mjolnir(args: argparse.Namespace) -> int:
+    """Train Mjölnir's gradient diffusion model on a surrogate's clean gradients, for the run a preset describes."""
+    from fedguard.mjolnir import save_ddpm
+    from fedguard.mjolnir.pipeline import train_mjolnir
+
+    config = load_config(args.preset, args.overrides)
+    surrogate = SurrogateOptions(args.surrogate_epochs, config.train.batch_size, args.surrogate_lr, args.gradients,
+                                 args.seed)
+    training = DDPMTrainOptions(args.epochs, args.ddpm_batch_size, args.lr, args.seed)
+    print(f"fedguard: {args.gradients} surrogate gradients of {config.model.name} (batch {config.train.batch_size}) "
+          f"on the public {args.split} split of {config.data.name}, then a {args.unet} DDPM", flush=True)
+    trained = train_mjolnir(config.model.name, config.model.params, config.data.name, surrogate, args.unet, training,
+                            args.split, config.data.source_options(),
+                            on_epoch=lambda stats: print(f"fedguard: {stats}", flush=True))
+    out = args.out or Path("mjolnir") / f"{config.data.name}-{config.model.name}.npz"
+    print(f"fedguard: saved {save_ddpm(trained, out)}")
+    return 0
+
+
 def cmd_train_evalnet(args: argparse.Namespace) -> int:
     """Train the evaluation network (a noise-ratio regressor) on public data for the defense 'refiner'."""
     from fedguard.data import SourceOptions
@@ -185,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     description=cmd_train_generator.__doc__)
     _add_generator_arguments(generator)
     generator.set_defaults(handler=cmd_train_generator)
+
+    mjolnir = commands.add_parser("train-mjolnir", help=cmd_train_mjolnir.__doc__, description=cmd_train_mjolnir.__doc__)
+    _add_config_arguments(mjolnir)
+    _add_mjolnir_arguments(mjolnir)
+    mjolnir.set_defaults(handler=cmd_train_mjolnir)
 
     evalnet = commands.add_parser("train-evalnet", help=cmd_train_evalnet.__doc__,
                                   description=cmd_train_evalnet.__doc__)

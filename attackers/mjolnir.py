@@ -1,0 +1,184 @@
+"""Mjölnir as a stage before a gradient-inversion attack: ``mjolnir+ig``, ``mjolnir+dlg``, ...
+
+Threat model: the server of the inner attack, which also trained a gradient diffusion model on a
+surrogate's clean gradients (``fedguard train-mjolnir``) and knows, or estimates, the noise level of the
+perturbation the clients add. For each FedSGD upload it packs the trainable gradient with the model's
+packing (``fedguard.mjolnir.packing``), denoises it with Algorithm 3 (``fedguard.mjolnir.denoise``) at
+noise level M (the per-entry noise standard deviation divided by the packing scale), unpacks it, and hands
+the upload with the denoised gradient to the inner attack. Where M comes from (``noise_source``):
+
+- ``defense``: the clients' known defense (threat grant ``defense``): ``dp`` adds noise of standard
+  deviation ``noise-multiplier * clip`` per entry (Gaussian; sqrt(2) times that scale for Laplace);
+  ``dp-sgd`` adds ``noise-multiplier * clip`` to a sum of B per-sample gradients, i.e. that divided by the
+  batch B of the upload. Other defenses add no noise Mjölnir models, which is refused.
+- ``given``: ``noise_std`` per entry, in gradient units.
+- ``estimate``: from the upload itself, sqrt(max(mean(y^2) - P, 0)) with P the mean square of the training
+  gradients the model records.
+
+Clipping is not undone: the paper's setting, whose clean gradients the model learned, is the same.
+Parameters of the inner attack keep their names (``attack.mjolnir+ig.iterations``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attackers.base import ATTACKS, Reconstruction, register_attack, required_manipulation
+from fedguard.defenses.dp_sgd import DPSGD
+from fedguard.defenses.dp_update import UpdateDP
+from fedguard.mjolnir.denoise import VARIANCES, denoise, start_step
+from fedguard.mjolnir.noise import estimate_noise_level
+from fedguard.mjolnir.packing import pack_many, unpack_many, valid_mask
+from fedguard.mjolnir.pipeline import check_shapes
+from fedguard.mjolnir.store import load_ddpm
+from fedguard.observation import Observation
+
+INNER_ATTACKS = ("ig", "dlg", "idlg", "gradinversion", "ggl")
+NOISE_SOURCES = ("defense", "given", "estimate")
+
+
+@dataclasses.dataclass(frozen=True)
+class MjolnirParams:
+    """``denoiser``: a ``.npz`` from ``fedguard train-mjolnir`` (required); ``noise_source``: 'defense',
+    'given' or 'estimate'; ``noise_std``: the per-entry noise standard deviation in gradient units, for
+    'given'; ``variance``: reverse-step variance, 'beta' (Algorithm 3) or 'posterior'; ``seed``: the reverse
+    chain's noise."""
+
+    denoiser: str = ""
+    noise_source: str = "defense"
+    noise_std: float = 0.0
+    variance: str = "beta"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.noise_source not in NOISE_SOURCES:
+            raise ValueError(f"noise-source {self.noise_source!r}: choose one of {', '.join(NOISE_SOURCES)}")
+        if not (math.isfinite(self.noise_std) and self.noise_std >= 0):
+            raise ValueError(f"noise-std must be finite and >= 0, got {self.noise_std}")
+        if self.noise_source == "given" and self.noise_std == 0:
+            raise ValueError("noise-source 'given' needs noise-std > 0 (the per-entry noise standard deviation)")
+        if self.variance not in VARIANCES:
+            raise ValueError(f"variance {self.variance!r}: choose one of {', '.join(VARIANCES)}")
+
+
+def defense_noise_std(defense: Any, batch_size: int) -> float:
+    """Per-entry noise standard deviation, in gradient units, that ``defense`` adds to a batch-``batch_size``
+    upload; ``ValueError`` for a defense without additive noise."""
+    if isinstance(defense, UpdateDP):
+        return defense.noise_scale * (math.sqrt(2) if defense.params.mechanism == "laplace" else 1.0)
+    if isinstance(defense, DPSGD):
+        return defense.params.noise_multiplier * defense.params.clip / batch_size
+    raise ValueError(f"Mjölnir denoises additive noise; the clients' defense {type(defense).__name__} adds none it "
+                     f"models (use defense dp or dp-sgd, or noise-source 'given' or 'estimate')")
+
+
+class Mjolnir:
+    """Denoise each upload's gradient, then run the inner attack on the denoised uploads."""
+
+    uploads: frozenset[str] = frozenset({"gradient"})
+
+    def __init__(self, params: MjolnirParams, inner: Any) -> None:
+        if not params.denoiser:
+            raise ValueError("Mjölnir needs a diffusion model: set denoiser to a file made by `fedguard train-mjolnir`")
+        self.params, self.inner = params, inner
+        self.trained = load_ddpm(Path(params.denoiser))
+        self.needs: frozenset[str] = inner.needs | ({"defense"} if params.noise_source == "defense" else frozenset())
+        self.manipulation = required_manipulation(inner)
+        self.defense: Any = None
+
+    def know_defense(self, defense: Any) -> None:
+        """The clients' defense: the source of the noise level, and the inner attack's if it needs one."""
+        self.defense = defense
+        if "defense" in self.inner.needs:
+            self.inner.know_defense(defense)
+
+    def noise_std(self, obs: Observation) -> float:
+        """The per-entry noise standard deviation of ``obs``'s gradient, in gradient units (0: estimate it)."""
+        if self.params.noise_source == "given":
+            return self.params.noise_std
+        if self.params.noise_source == "defense":
+            batch = int(obs.declared.get("batch-size", obs.num_examples))
+            return defense_noise_std(self.defense, batch)
+        return 0.0
+
+    def denoised(self, observations: list[Observation]) -> tuple[list[Observation], list[float], list[int]]:
+        """The uploads with denoised gradients, each one's noise level M and start step."""
+        first = observations[0]
+        shapes = [a.shape for a, t in zip(first.upload, first.trainable) if t]
+        spec = check_shapes(self.trained, shapes)
+        grads = [torch.stack([torch.from_numpy(o.upload[i]) for o in observations])
+                 for i, trainable in enumerate(first.trainable) if trainable]
+        packed = pack_many(grads, spec)
+        mask = valid_mask(spec)
+        generator = torch.Generator().manual_seed(self.params.seed)
+        cleaned, levels, starts = [], [], []
+        for index, obs in enumerate(observations):
+            y = packed[index : index + 1]
+            std = self.noise_std(obs)
+            level = std / spec.scale if std > 0 else estimate_noise_level(
+                y, self.trained.normalization.get("signal_power", 1.0), mask)
+            cleaned.append(denoise(self.trained.model, self.trained.schedule, y, level, generator, self.params.variance))
+            levels.append(float(level))
+            starts.append(start_step(self.trained.schedule, level))
+        restored = unpack_many(torch.cat(cleaned), spec)
+        uploads = []
+        for index, obs in enumerate(observations):
+            parts = iter(tensor[index].numpy().astype(obs.upload[0].dtype) for tensor in restored)
+            upload = [next(parts) if t else a for a, t in zip(obs.upload, obs.trainable)]
+            uploads.append(dataclasses.replace(obs, upload=upload))
+        return uploads, levels, starts
+
+    def reconstruct_many(self, observations: list[Observation]) -> list[Reconstruction]:
+        """Denoise, then the inner attack's reconstructions, with M and the start step in their stats."""
+        if not observations:
+            return []
+        uploads, levels, starts = self.denoised(observations)
+        results = self.inner.reconstruct_many(uploads)
+        for result, level, start in zip(results, levels, starts):
+            result.stats.update({"mjolnir_noise_level": level, "mjolnir_start_step": start})
+        return results
+
+    def reconstruct(self, obs: Observation) -> Reconstruction:
+        """``reconstruct_many`` of one upload."""
+        return self.reconstruct_many([obs])[0]
+
+
+def _composed_params(inner: str) -> type:
+    """A frozen dataclass with Mjölnir's fields, then the inner attack's (one config table per composition)."""
+    inner_params = ATTACKS.get(inner).params
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(MjolnirParams)]
+    fields += [(f.name, f.type, f) for f in dataclasses.fields(inner_params)]
+
+    def post_init(self: Any) -> None:
+        split(self)
+
+    def split(self: Any) -> tuple[MjolnirParams, Any]:
+        values = dataclasses.asdict(self)
+        own = {f.name for f in dataclasses.fields(MjolnirParams)}
+        return (MjolnirParams(**{k: v for k, v in values.items() if k in own}),
+                inner_params(**{k: v for k, v in values.items() if k not in own}))
+
+    name = f"Mjolnir{inner.title().replace('-', '')}Params"
+    return dataclasses.make_dataclass(name, [(n, t, dataclasses.field(default=f.default)) for n, t, f in fields],
+                                      frozen=True, namespace={"__post_init__": post_init, "split": split,
+                                                              "__doc__": f"Mjölnir's parameters, then {inner}'s."})
+
+
+def _register(inner: str) -> None:
+    params_type = _composed_params(inner)
+
+    def build(params: Any) -> Mjolnir:
+        own, inner_params = params.split()
+        return Mjolnir(own, ATTACKS.get(inner).factory(inner_params))
+
+    build.__doc__ = f"Mjölnir (Liu et al. 2025): denoise DP-protected gradients with a diffusion model, then {inner}."
+    register_attack(f"mjolnir+{inner}", params=params_type)(build)
+
+
+for _inner in INNER_ATTACKS:
+    _register(_inner)

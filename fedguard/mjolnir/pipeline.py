@@ -1,0 +1,75 @@
+"""``fedguard train-mjolnir``: collect a surrogate's clean gradients, train the gradient DDPM on them, save it.
+
+The saved model's ``normalization`` record says what it denoises: the packing of the gradient (shapes,
+side, scale), the model and its parameters, the dataset and split the surrogate trained on, the batch size
+of the recorded gradients, and ``signal_power``, the mean square of the packed training gradients over
+their real entries (what ``estimate_noise_level`` subtracts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Callable
+
+import torch
+
+from fedguard.data import SourceOptions
+from fedguard.mjolnir.ddpm import DDPMEpoch, DDPMTrainOptions, train_ddpm
+from fedguard.mjolnir.packing import PackingSpec, spec_from_dict, spec_to_dict, valid_mask
+from fedguard.mjolnir.store import TrainedDDPM
+from fedguard.mjolnir.surrogate import GradientSet, RecordStats, SurrogateOptions, collect_gradients
+from fedguard.mjolnir.unet import preset
+
+
+def signal_power(gradients: GradientSet) -> float:
+    """Mean square of the packed training gradients over their real (unpadded) entries."""
+    mask = valid_mask(gradients.spec)
+    return float(gradients.images[:, mask].double().pow(2).mean())
+
+
+def train_mjolnir(
+    model: str,
+    model_params: Any,
+    dataset: str,
+    surrogate: SurrogateOptions,
+    unet: str,
+    training: DDPMTrainOptions,
+    split: str = "test",
+    source: SourceOptions = SourceOptions(),
+    on_gradient: Callable[[RecordStats], None] | None = None,
+    on_epoch: Callable[[DDPMEpoch], None] | None = None,
+) -> TrainedDDPM:
+    """Algorithms 1 and 2: surrogate gradients of ``model`` on ``split`` of ``dataset``, then the DDPM."""
+    gradients = collect_gradients(model, model_params, dataset, split, surrogate, source, on_gradient)
+    network, losses = train_ddpm(gradients.images, preset(unet), training, on_epoch)
+    record = {
+        "packing": spec_to_dict(gradients.spec),
+        "model": gradients.model,
+        "model_params": gradients.model_params,
+        "dataset": dataset,
+        "split": split,
+        "batch_size": surrogate.batch_size,
+        "signal_power": signal_power(gradients),
+        "unet": unet,
+        "surrogate": asdict(surrogate),
+    }
+    return TrainedDDPM(network, training.schedule, record, tuple(losses))
+
+
+def packing_of(trained: TrainedDDPM) -> PackingSpec:
+    """The packing a saved model was trained with; ``ValueError`` when its record has none."""
+    if "packing" not in trained.normalization:
+        raise ValueError("this diffusion model records no gradient packing; train it with `fedguard train-mjolnir`")
+    return spec_from_dict(trained.normalization["packing"])
+
+
+def check_shapes(trained: TrainedDDPM, shapes: list[tuple[int, ...]]) -> PackingSpec:
+    """The model's packing, after checking that it packs gradients of ``shapes`` (the trainable parameters)."""
+    spec = packing_of(trained)
+    if [tuple(s) for s in spec.shapes] != [tuple(s) for s in shapes]:
+        record = trained.normalization
+        raise ValueError(f"the diffusion model denoises gradients of {record.get('model')!r} "
+                         f"{record.get('model_params')} ({len(spec.shapes)} tensors, {spec.numel} entries), not of "
+                         f"this model ({len(shapes)} tensors, {sum(torch.Size(s).numel() for s in shapes)} entries); "
+                         f"train one with `fedguard train-mjolnir --model <name>`")
+    return spec

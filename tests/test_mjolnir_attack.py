@@ -1,0 +1,113 @@
+"""Mjölnir as a stage of the attacks: fedguard train-mjolnir, mjolnir+<attack>, the noise level it denoises at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from attackers.base import ATTACKS, build_attack
+from attackers.mjolnir import INNER_ATTACKS, Mjolnir, MjolnirParams, defense_noise_std
+from fedguard.cli import main
+from fedguard.config import ConfigError, load_config
+from fedguard.data import load_dataset
+from fedguard.defenses import LocalStep, build_defense
+from fedguard.defenses.dp_sgd import DPSGDParams
+from fedguard.defenses.dp_update import UpdateDPParams
+from fedguard.mjolnir import load_ddpm, start_step
+from fedguard.models import build_model
+from fedguard.models.mlp import MLPParams
+from fedguard.observation import ModelCard
+from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
+
+SMALL = ["data.name=digits", "model.name=mlp", "model.mlp.hidden=16", "train.batch-size=1"]
+
+
+@pytest.fixture(scope="module")
+def denoiser(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mjolnir") / "digits-mlp.npz"
+    args = ["train-mjolnir", *(a for o in SMALL for a in ("--set", o)), "--gradients", "32", "--epochs", "2",
+            "--out", str(out)]
+    assert main(args) == 0
+    return out
+
+
+def upload(defense: str = "none", params=None, image: int = 0):
+    data = load_dataset("digits")
+    torch.manual_seed(0)
+    model = build_model("mlp", data.spec, MLPParams(hidden=16))
+    card = ModelCard("mlp", {"hidden": 16, "depth": 2, "batch_norm": False}, data.spec, tuple(model.state_dict()),
+                     tuple(trainable_mask(model)))
+    x, y = data.test.batch([image])
+    grads, _ = compute_gradients(model, x, y)
+    sent = build_defense(defense, params)(LocalStep(model, x, y, grads, loss_fn, torch.Generator().manual_seed(0)), {})
+    return card.observe(1, 0, "gradient", get_arrays(model), [g.numpy() for g in sent], 1, {"batch-size": 1}), grads
+
+
+def test_train_mjolnir_records_what_the_model_denoises(denoiser: Path) -> None:
+    trained = load_ddpm(denoiser)
+    record = trained.normalization
+    assert record["model"] == "mlp" and record["model_params"]["hidden"] == 16 and record["batch_size"] == 1
+    assert record["dataset"] == "digits" and record["split"] == "test" and record["signal_power"] > 0
+    assert record["packing"]["side"] % 8 == 0 and len(trained.losses) == 2
+
+
+def test_every_optimization_attack_has_a_mjolnir_stage_with_its_own_parameters() -> None:
+    for inner in INNER_ATTACKS:
+        fields = {f for f in ATTACKS.get(f"mjolnir+{inner}").params.__dataclass_fields__}
+        assert {"denoiser", "noise_source", "noise_std"} <= fields
+        assert set(ATTACKS.get(inner).params.__dataclass_fields__) <= fields
+    own, inner = ATTACKS.get("mjolnir+ig").params(denoiser="m.npz", iterations=7).split()
+    assert own == MjolnirParams(denoiser="m.npz") and inner.iterations == 7
+
+
+def test_noise_level_comes_from_the_known_defense_in_packed_units(denoiser: Path) -> None:
+    dp = build_defense("dp", UpdateDPParams(clip=2.0, noise_multiplier=0.05))
+    assert defense_noise_std(dp, 4) == pytest.approx(0.1)
+    laplace = build_defense("dp", UpdateDPParams(clip=1.0, noise_multiplier=0.1, mechanism="laplace"))
+    assert defense_noise_std(laplace, 1) == pytest.approx(0.1 * np.sqrt(2))
+    assert defense_noise_std(build_defense("dp-sgd", DPSGDParams(clip=1.0, noise_multiplier=2.0)), 8) == 0.25
+    with pytest.raises(ValueError, match="adds none it models"):
+        defense_noise_std(build_defense("dgp"), 1)
+
+    params = UpdateDPParams(clip=10.0, noise_multiplier=0.001)
+    obs, _ = upload("dp", params)
+    attack = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5,
+                                                                         restarts=1), ("dp", params))
+    [denoised], [level], [start] = attack.denoised([obs])
+    scale = load_ddpm(denoiser).normalization["packing"]["scale"]
+    assert level == pytest.approx(0.01 / scale) and start == start_step(attack.trained.schedule, level)
+    assert [a.shape for a in denoised.upload] == [a.shape for a in obs.upload]
+    assert not np.array_equal(denoised.upload[0], obs.upload[0])  # the gradient was denoised
+    [result] = attack.reconstruct_many([obs])
+    assert result.stats["mjolnir_noise_level"] == level and result.images.shape == (1, 1, 8, 8)
+
+
+def test_a_denoiser_for_another_model_is_refused(denoiser: Path) -> None:
+    data = load_dataset("digits")
+    model = build_model("mlp", data.spec, MLPParams(hidden=8))
+    card = ModelCard("mlp", {"hidden": 8, "depth": 2, "batch_norm": False}, data.spec, tuple(model.state_dict()),
+                     tuple(trainable_mask(model)))
+    x, y = data.test.batch([0])
+    grads, _ = compute_gradients(model, x, y)
+    obs = card.observe(1, 0, "gradient", get_arrays(model), [g.numpy() for g in grads], 1, {"batch-size": 1})
+    attack = Mjolnir(MjolnirParams(denoiser=str(denoiser), noise_source="given", noise_std=0.01),
+                     build_attack("idlg", ATTACKS.get("idlg").params(iterations=2, restarts=1)))
+    with pytest.raises(ValueError, match="denoises gradients of 'mlp'.*train-mjolnir"):
+        attack.reconstruct_many([obs])
+
+
+def test_configuration_needs_the_defense_grant_and_a_denoiser(denoiser: Path) -> None:
+    base = [*SMALL, "attack.name=mjolnir+ig", "defense.name=dp", "capture.rounds=1"]
+    with pytest.raises(ConfigError, match="defense"):
+        load_config(None, [*base, f"attack.mjolnir+ig.denoiser={denoiser}"])
+    with pytest.raises(ConfigError, match="no Mjölnir diffusion model at"):
+        load_config(None, [*base, "threat.defense=true", "attack.mjolnir+ig.denoiser=missing.npz"])
+    config = load_config(None, [*base, "threat.defense=true", f"attack.mjolnir+ig.denoiser={denoiser}"])
+    assert config.attack_names() == ["mjolnir+ig"]
+    with pytest.raises(ValueError, match="noise-source 'given' needs noise-std > 0"):
+        MjolnirParams(noise_source="given")
+    with pytest.raises(ValueError, match="noise-source 'guess': choose one of defense, given, estimate"):
+        MjolnirParams(noise_source="guess")
