@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+import numpy as np
 import torch
 
 from fedguard.observation import Observation
@@ -26,11 +27,14 @@ NEEDS = {
 
 @dataclass
 class Reconstruction:
-    """``images`` (B, C, H, W) in [0, 1], ``labels`` (B,) int64, and attack statistics (loss, iterations, ...)."""
+    """``images`` (B, C, H, W) in [0, 1], ``labels`` (B,) int64, and attack statistics (loss, iterations, ...);
+    ``gradient``: the gradient the attack inverted when it changed the upload's (one array per trainable
+    parameter; a denoising stage), scored by the evaluator against the clean one."""
 
     images: torch.Tensor
     labels: torch.Tensor
     stats: dict[str, Any] = field(default_factory=dict)
+    gradient: list[np.ndarray] | None = None
 
 
 @dataclass

@@ -139,8 +139,9 @@ class Mjolnir:
             return []
         uploads, levels, starts = self.denoised(observations)
         results = self.inner.reconstruct_many(uploads)
-        for result, level, start in zip(results, levels, starts):
+        for result, upload, level, start in zip(results, uploads, levels, starts):
             result.stats.update({"mjolnir_noise_level": level, "mjolnir_start_step": start})
+            result.gradient = [a for a, t in zip(upload.upload, upload.trainable) if t]
         return results
 
     def reconstruct(self, obs: Observation) -> Reconstruction:

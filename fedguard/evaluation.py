@@ -15,12 +15,18 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from attackers.base import AttackOutcome
 from fedguard.config import Component, Config
-from fedguard.metrics import floor_scores, score_batch
+from fedguard.metrics import cosine_similarity, floor_scores, gradient_psnr, score_batch
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.metrics.image import PSNR_CAP_DB
+from fedguard.models import MODELS, build_model
+from fedguard.observation import Observation
 from fedguard.report.images import save_grid
+from fedguard.training import compute_gradients
 from fedguard.vault import VAULT_DIR, read_truth
 
 ATTACKS_FILE = "attacks.jsonl"
@@ -50,6 +56,25 @@ def attack_context(config: Config, attack: Component, **extra: Any) -> dict[str,
 def attack_contexts(config: Config, **extra: Any) -> dict[str, dict[str, Any]]:
     """Attack name -> its ``attack_context``, for every attack of ``config``."""
     return {attack.name: attack_context(config, attack, **extra) for attack in config.attacks}
+
+
+def clean_gradient(obs: Observation, images: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    """The gradient the client's true batch gives at the model it received (what an undefended client sends)."""
+    model = build_model(obs.model, obs.spec, MODELS.get(obs.model).params(**obs.model_params))
+    model.load_state_dict({name: torch.tensor(array) for name, array in zip(obs.names, obs.global_arrays)})
+    grads, _ = compute_gradients(model, images, labels)
+    return grads
+
+
+def gradient_scores(obs: Observation, gradient: list[np.ndarray], images: torch.Tensor,
+                    labels: torch.Tensor) -> dict[str, float]:
+    """Cosine similarity and PSNR (dB) to the clean gradient of the upload as sent (``_before``) and of the
+    gradient the attack inverted (``_after``, e.g. denoised)."""
+    clean = clean_gradient(obs, images, labels)
+    sent = [torch.from_numpy(a) for a, t in zip(obs.upload, obs.trainable) if t]
+    used = [torch.from_numpy(np.asarray(a)) for a in gradient]
+    return {"cosine_before": cosine_similarity(sent, clean), "cosine_after": cosine_similarity(used, clean),
+            "psnr_before": gradient_psnr(sent, clean), "psnr_after": gradient_psnr(used, clean)}
 
 
 def describe_row(row: dict[str, Any]) -> str:
@@ -108,6 +133,8 @@ class Evaluator:
                 row["per_image"] = [_json_image_scores(image) for image in scores["per_image"]]
                 row["leaked_images"] = sum(image["ssim"] > LEAK_SSIM for image in scores["per_image"])
                 row["floor"] = floor_scores(images, self.lpips_net)
+                if rec.gradient is not None:
+                    row["gradient"] = gradient_scores(obs, rec.gradient, images, labels)
                 label = "-".join(str(context[k]) for k in ("attack", "source") if k in context)
                 prefix = f"{IMAGES_DIR}/round-{obs.round:04d}_client-{obs.client:04d}_{label or 'attack'}"
                 save_grid(images, self.run_dir / f"{prefix}_truth.png", scale=None)

@@ -12,6 +12,8 @@ from fedguard.config import Config, ConfigError, flatten, load_config, parse_ove
 from fedguard.data.spec import DataSpec
 from fedguard.evalnet import EvalNetOptions, default_evalnet_path, save_evalnet, train_evalnet
 from fedguard.generators import TrainedGenerator, TrainOptions, save_generator, train_vae
+from fedguard.mjolnir import DDPMTrainOptions, SurrogateOptions, save_ddpm
+from fedguard.mjolnir.pipeline import train_mjolnir
 from fedguard.report.run_dir import CONFIG_FILE, prepare_run_dir, resolve_run_dir, unflatten
 from fedguard.selection import Selection
 from fedguard.sweep import load_preset
@@ -45,6 +47,9 @@ def test_every_preset_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     for dataset in ("photos", "mnist-5k"):
         save_evalnet(train_evalnet(dataset, "test", EvalNetOptions(epochs=1, width=2, mixes=1)),
                      tmp_path / default_evalnet_path(dataset))
+    surrogate = SurrogateOptions(epochs=1, gradients=4)
+    save_ddpm(train_mjolnir("lenet", None, "photos", surrogate, "cpu", DDPMTrainOptions(epochs=1, batch_size=4)),
+              tmp_path / "mjolnir" / "photos-lenet.npz")
     monkeypatch.chdir(tmp_path)
     presets = sorted((ROOT / "experiments").glob("*.toml"))
     assert presets, "no presets found"
@@ -134,6 +139,9 @@ def test_written_config_reproduces_the_run(tmp_path: Path) -> None:
 
 
 def test_default_run_dir_never_overwrites(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    surrogate = SurrogateOptions(epochs=1, gradients=4)
+    save_ddpm(train_mjolnir("lenet", None, "photos", surrogate, "cpu", DDPMTrainOptions(epochs=1, batch_size=4)),
+              tmp_path / "mjolnir" / "photos-lenet.npz")
     monkeypatch.chdir(tmp_path)
     config = load_config(None, ["name=x"])
     first = resolve_run_dir(config)

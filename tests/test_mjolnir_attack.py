@@ -13,6 +13,7 @@ from attackers.mjolnir import INNER_ATTACKS, Mjolnir, MjolnirParams, defense_noi
 from fedguard.cli import main
 from fedguard.config import ConfigError, load_config
 from fedguard.data import load_dataset
+from fedguard.evaluation import gradient_scores
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_sgd import DPSGDParams
 from fedguard.defenses.dp_update import UpdateDPParams
@@ -83,6 +84,7 @@ def test_noise_level_comes_from_the_known_defense_in_packed_units(denoiser: Path
     assert not np.array_equal(denoised.upload[0], obs.upload[0])  # the gradient was denoised
     [result] = attack.reconstruct_many([obs])
     assert result.stats["mjolnir_noise_level"] == level and result.images.shape == (1, 1, 8, 8)
+    assert [g.shape for g in result.gradient] == [a.shape for a, t in zip(obs.upload, obs.trainable) if t]
 
 
 def test_a_denoiser_for_another_model_is_refused(denoiser: Path) -> None:
@@ -111,3 +113,14 @@ def test_configuration_needs_the_defense_grant_and_a_denoiser(denoiser: Path) ->
         MjolnirParams(noise_source="given")
     with pytest.raises(ValueError, match="noise-source 'guess': choose one of defense, given, estimate"):
         MjolnirParams(noise_source="guess")
+
+
+def test_the_evaluator_scores_the_denoised_gradient_against_the_clean_one() -> None:
+    obs, clean = upload("dp", UpdateDPParams(clip=10.0, noise_multiplier=0.01))
+    x, y = load_dataset("digits").test.batch([0])
+    scores = gradient_scores(obs, [g.numpy() for g in clean], x, y)
+    assert scores["cosine_after"] == pytest.approx(1.0, abs=1e-6) and scores["psnr_after"] > 100
+    assert scores["cosine_before"] < 0.9 and scores["psnr_before"] < 30
+    plain, _ = upload()
+    assert gradient_scores(plain, [a for a, t in zip(plain.upload, plain.trainable) if t], x, y)["cosine_before"] == (
+        pytest.approx(1.0, abs=1e-6))
