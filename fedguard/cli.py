@@ -68,7 +68,8 @@ def _add_mjolnir_arguments(parser: argparse.ArgumentParser) -> None:
     ):
         parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
     parser.add_argument("--unet", choices=sorted(PRESETS), default="cpu", help="denoiser size (default cpu)")
-    parser.add_argument("--out", type=Path, help="output .npz (default mjolnir/<data>-<model>.npz)")
+    parser.add_argument("--out", type=Path, help="output .npz (default mjolnir/<data>-<model>.npz; the training "
+                                                 "gradients go beside it, as <name>.gradients.npz)")
 
 
 def _resolve(args: argparse.Namespace) -> Config:
@@ -155,7 +156,7 @@ def cmd_train_generator(args: argparse.Namespace) -> int:
 
 def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     """Train Mjölnir's gradient diffusion model on a surrogate's clean gradients, for the run a preset describes."""
-    from fedguard.mjolnir import save_ddpm
+    from fedguard.mjolnir import save_ddpm, save_gradient_set
     from fedguard.mjolnir.pipeline import train_mjolnir
 
     config = load_config(args.preset, args.overrides)
@@ -164,11 +165,12 @@ def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     training = DDPMTrainOptions(args.epochs, args.ddpm_batch_size, args.lr, args.seed)
     print(f"fedguard: {args.gradients} surrogate gradients of {config.model.name} (batch {config.train.batch_size}) "
           f"on the public {args.split} split of {config.data.name}, then a {args.unet} DDPM", flush=True)
-    trained = train_mjolnir(config.model.name, config.model.params, config.data.name, surrogate, args.unet, training,
+    trained, gradients = train_mjolnir(config.model.name, config.model.params, config.data.name, surrogate, args.unet, training,
                             args.split, config.data.source_options(),
                             on_epoch=lambda stats: print(f"fedguard: {stats}", flush=True))
     out = args.out or Path("mjolnir") / f"{config.data.name}-{config.model.name}.npz"
     print(f"fedguard: saved {save_ddpm(trained, out)}")
+    print(f"fedguard: saved the training gradients to {save_gradient_set(gradients, out.with_suffix('.gradients.npz'))}")
     return 0
 
 

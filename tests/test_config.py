@@ -48,8 +48,8 @@ def test_every_preset_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         save_evalnet(train_evalnet(dataset, "test", EvalNetOptions(epochs=1, width=2, mixes=1)),
                      tmp_path / default_evalnet_path(dataset))
     surrogate = SurrogateOptions(epochs=1, gradients=4)
-    save_ddpm(train_mjolnir("lenet", None, "photos", surrogate, "cpu", DDPMTrainOptions(epochs=1, batch_size=4)),
-              tmp_path / "mjolnir" / "photos-lenet.npz")
+    denoiser, _ = train_mjolnir("lenet", None, "photos", surrogate, "cpu", DDPMTrainOptions(epochs=1, batch_size=4))
+    save_ddpm(denoiser, tmp_path / "mjolnir" / "photos-lenet.npz")
     monkeypatch.chdir(tmp_path)
     presets = sorted((ROOT / "experiments").glob("*.toml"))
     assert presets, "no presets found"
@@ -140,8 +140,8 @@ def test_written_config_reproduces_the_run(tmp_path: Path) -> None:
 
 def test_default_run_dir_never_overwrites(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     surrogate = SurrogateOptions(epochs=1, gradients=4)
-    save_ddpm(train_mjolnir("lenet", None, "photos", surrogate, "cpu", DDPMTrainOptions(epochs=1, batch_size=4)),
-              tmp_path / "mjolnir" / "photos-lenet.npz")
+    denoiser, _ = train_mjolnir("lenet", None, "photos", surrogate, "cpu", DDPMTrainOptions(epochs=1, batch_size=4))
+    save_ddpm(denoiser, tmp_path / "mjolnir" / "photos-lenet.npz")
     monkeypatch.chdir(tmp_path)
     config = load_config(None, ["name=x"])
     first = resolve_run_dir(config)

@@ -17,7 +17,7 @@ from fedguard.evaluation import gradient_scores
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_sgd import DPSGDParams
 from fedguard.defenses.dp_update import UpdateDPParams
-from fedguard.mjolnir import load_ddpm, start_step
+from fedguard.mjolnir import load_ddpm, load_gradient_set, start_step
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard
@@ -53,6 +53,9 @@ def test_train_mjolnir_records_what_the_model_denoises(denoiser: Path) -> None:
     assert record["model"] == "mlp" and record["model_params"]["hidden"] == 16 and record["batch_size"] == 1
     assert record["dataset"] == "digits" and record["split"] == "test" and record["signal_power"] > 0
     assert record["packing"]["side"] % 8 == 0 and len(trained.losses) == 2
+    gradients = load_gradient_set(denoiser.with_suffix(".gradients.npz"))
+    assert gradients.images.shape == (32, 1, record["packing"]["side"], record["packing"]["side"])
+    assert gradients.spec.scale == record["packing"]["scale"] and gradients.batch_size == 1
 
 
 def test_every_optimization_attack_has_a_mjolnir_stage_with_its_own_parameters() -> None:

@@ -38,8 +38,9 @@ def train_mjolnir(
     source: SourceOptions = SourceOptions(),
     on_gradient: Callable[[RecordStats], None] | None = None,
     on_epoch: Callable[[DDPMEpoch], None] | None = None,
-) -> TrainedDDPM:
-    """Algorithms 1 and 2: surrogate gradients of ``model`` on ``split`` of ``dataset``, then the DDPM."""
+) -> tuple[TrainedDDPM, GradientSet]:
+    """Algorithms 1 and 2: surrogate gradients of ``model`` on ``split`` of ``dataset``, then the DDPM; returns
+    the model and the gradient data set it learned."""
     gradients = collect_gradients(model, model_params, dataset, split, surrogate, source, on_gradient)
     network, losses = train_ddpm(gradients.images, preset(unet), training, on_epoch)
     record = {
@@ -53,7 +54,7 @@ def train_mjolnir(
         "unet": unet,
         "surrogate": asdict(surrogate),
     }
-    return TrainedDDPM(network, training.schedule, record, tuple(losses))
+    return TrainedDDPM(network, training.schedule, record, tuple(losses)), gradients
 
 
 def packing_of(trained: TrainedDDPM) -> PackingSpec:
