@@ -155,6 +155,8 @@ class SimSection:
     num_cpus: int = option(2, "CPU cores Ray may use", ge=1)
     client_cpus: float = option(1.0, "CPU cores reserved for each simulated client", gt=0.0)
     client_gpus: float = option(0.0, "GPU share reserved for each simulated client", ge=0.0)
+    address: str = option("", "Ray cluster to run the simulation on, e.g. 10.0.0.5:6379 ('' = a new local one; "
+                              "num-cpus is then the cluster's)")
 
 
 @dataclass(frozen=True)

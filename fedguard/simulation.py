@@ -27,6 +27,8 @@ def start_ray(config: Config) -> None:
     Attacker workers claim the custom resource ``attacker`` (one each) and no
     CPU, so that Flower's client actors, which size themselves by CPUs, never
     starve them. Workers see this process's ``sys.path``, as Flower arranges it.
+    With ``sim.address`` it joins that cluster instead (start each machine with
+    ``ray start ... --resources '{"attacker": 1}'`` to give it attacker slots).
     """
     import ray
 
@@ -36,6 +38,10 @@ def start_ray(config: Config) -> None:
         return
     pythonpath = os.pathsep.join([*sys.path, *filter(None, [os.environ.get("PYTHONPATH")])])
     os.environ["PYTHONPATH"] = pythonpath
+    if config.sim.address:  # an existing cluster: its machines bring their own CPUs, GPUs and attacker slots
+        ray.init(address=config.sim.address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+                 logging_level=logging.WARNING)
+        return
     ray.init(
         num_cpus=config.sim.num_cpus,
         object_store_memory=512 * 1024 * 1024,

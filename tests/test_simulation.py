@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -88,3 +92,28 @@ def test_pruned_uploads_cross_the_wire_encoded_and_arrive_dense(tmp_path: Path) 
     trainable = [u for u, t in zip(obs.upload, obs.trainable) if t]
     sent = sum(int((u != 0).sum()) for u in trainable) / sum(u.size for u in trainable)
     assert 0.1 < sent <= 0.21, sent
+
+
+@pytest.mark.slow
+def test_the_simulation_runs_on_an_existing_ray_cluster(tmp_path: Path) -> None:
+    ray = str(Path(sys.executable).parent / "ray")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="fg-ray-", dir="/tmp")}  # socket paths must be short
+    start = [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+             '--resources={"attacker": 1}', "--include-dashboard=false", "--disable-usage-stats"]
+    started = subprocess.run(start, capture_output=True, text=True, timeout=120, env=env)
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    try:
+        out = tmp_path / "run"
+        run_quickstart(out, ["train.rounds=2", "partition.num-clients=3", "train.clients-per-round=3",
+                             "capture.rounds=1", "capture.clients=0", "attack.ig.iterations=5", "attack.ig.restarts=1",
+                             f"sim.address=127.0.0.1:{port}"])
+        rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rows] == [0, 1, 2]
+        attacks = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
+        assert [a["status"] for a in attacks] == ["ok"]
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120, env=env)
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
