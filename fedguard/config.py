@@ -519,9 +519,13 @@ def load_config(preset: Path | str | None = None, overrides: list[str] | tuple[s
         if not path.is_file():
             raise ConfigError([f"preset {str(path)!r} not found (presets live in experiments/)"])
         try:
-            flat.update(flatten(tomllib.loads(path.read_text())))
+            document = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as error:
             raise ConfigError([f"preset {str(path)!r} is not valid TOML: {error}"]) from None
+        if "sweep" in document:
+            raise ConfigError([f"preset {str(path)!r} describes a sweep of several runs ([sweep] table): run it with "
+                               f"`fedguard sweep {path}`"])
+        flat.update(flatten(document))
     for text in overrides:
         key, value = parse_override(text)
         flat[key] = value

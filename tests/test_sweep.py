@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedguard.config import ConfigError
+from fedguard.config import ConfigError, load_config
 from fedguard.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summarize_run, summary_table
 
 SMALL = """
@@ -135,3 +135,9 @@ defense = { name = "dp", dp = { noise-multiplier = 0.05 } }
     again: list[str] = []
     run_sweep(sweep, again.append)
     assert all("finished earlier, kept" in line for line in again), again
+
+
+def test_a_sweep_preset_given_to_run_says_to_sweep_it(tmp_path: Path) -> None:
+    preset = write(tmp_path, SMALL + '[sweep]\n[sweep.variants.a]\n"seed" = 1\n')
+    with pytest.raises(ConfigError, match=r"describes a sweep of several runs .*`fedguard sweep .*sweep.toml`"):
+        load_config(preset)
