@@ -9,13 +9,12 @@ of the predicted noise ratio in each.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from fedguard.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.data.spec import DataSpec
 from fedguard.evalnet.model import EvalNet
 
@@ -63,14 +62,7 @@ def default_evalnet_path(dataset: str) -> Path:
 
 def save_evalnet(trained: TrainedEvalNet, path: Path | str) -> Path:
     """Write ``trained`` to ``path`` atomically (creating its folder); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {f"net/{name}": t.detach().cpu().numpy() for name, t in trained.net.state_dict().items()}
-    partial = path.with_name(f".{path.name}.part")
-    with open(partial, "wb") as handle:
-        np.savez(handle, meta=np.array(json.dumps(trained.meta())), **arrays)
-    os.replace(partial, path)
-    return path
+    return save_archive(path, trained.meta(), module_arrays(trained.net, "net"))
 
 
 def load_evalnet(path: Path | str) -> TrainedEvalNet:
@@ -93,10 +85,5 @@ def load_evalnet(path: Path | str) -> TrainedEvalNet:
         arrays = {name.removeprefix("net/"): archive[name] for name in archive.files if name.startswith("net/")}
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: evaluation-network format {meta.get('format')!r}, expected {FORMAT!r}; retrain it")
-    net = EvalNet(DataSpec(*meta["spec"]), meta["width"])
-    expected = {name: tuple(t.shape) for name, t in net.state_dict().items()}
-    found = {name: tuple(a.shape) for name, a in arrays.items()}
-    if found != expected:
-        raise ValueError(f"{path}: network arrays {found} do not match its meta, which needs {expected}")
-    net.load_state_dict({name: torch.from_numpy(a) for name, a in arrays.items()})
+    net = load_module_arrays(EvalNet(DataSpec(*meta["spec"]), meta["width"]), arrays, path, "network")
     return TrainedEvalNet(net.eval().requires_grad_(False), meta["dataset"], meta["split"], tuple(meta["losses"]))

@@ -9,13 +9,12 @@ the mean loss of each (nats per image).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from fedguard.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.data.spec import DataSpec
 from fedguard.generators.model import Decoder
 
@@ -54,14 +53,7 @@ def default_generator_path(dataset: str) -> Path:
 
 def save_generator(trained: TrainedGenerator, path: Path) -> Path:
     """Write ``trained`` to ``path`` atomically (creating its folder); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {f"decoder/{name}": t.detach().cpu().numpy() for name, t in trained.decoder.state_dict().items()}
-    partial = path.with_name(f".{path.name}.part")
-    with open(partial, "wb") as handle:
-        np.savez(handle, meta=np.array(json.dumps(trained.meta())), **arrays)
-    os.replace(partial, path)
-    return path
+    return save_archive(path, trained.meta(), module_arrays(trained.decoder, "decoder"))
 
 
 def load_generator(path: Path | str) -> TrainedGenerator:
@@ -80,10 +72,6 @@ def load_generator(path: Path | str) -> TrainedGenerator:
         arrays = {name.removeprefix("decoder/"): archive[name] for name in archive.files if name.startswith("decoder/")}
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: generator format {meta.get('format')!r}, expected {FORMAT!r}; retrain it")
-    decoder = Decoder(DataSpec(*meta["spec"]), meta["latent_dim"], meta["width"])
-    expected = {name: tuple(t.shape) for name, t in decoder.state_dict().items()}
-    found = {name: tuple(a.shape) for name, a in arrays.items()}
-    if found != expected:
-        raise ValueError(f"{path}: decoder arrays {found} do not match its meta, which needs {expected}")
-    decoder.load_state_dict({name: torch.from_numpy(a) for name, a in arrays.items()})
+    decoder = load_module_arrays(Decoder(DataSpec(*meta["spec"]), meta["latent_dim"], meta["width"]), arrays, path,
+                                 "decoder")
     return TrainedGenerator(decoder.eval().requires_grad_(False), meta["dataset"], meta["split"], tuple(meta["losses"]))

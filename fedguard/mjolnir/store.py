@@ -10,13 +10,12 @@ mean loss of each epoch.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from fedguard.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.mjolnir.ddpm import Schedule
 from fedguard.mjolnir.unet import UNet, UNetConfig
 
@@ -47,15 +46,7 @@ class TrainedDDPM:
 
 def save_ddpm(trained: TrainedDDPM, path: Path | str) -> Path:
     """Write ``trained`` to ``path`` atomically (creating its folder); returns the path."""
-    path = Path(path)
-    meta = json.dumps(trained.meta())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {f"unet/{name}": t.detach().cpu().numpy() for name, t in trained.model.state_dict().items()}
-    partial = path.with_name(f".{path.name}.part")
-    with open(partial, "wb") as handle:
-        np.savez(handle, meta=np.array(meta), **arrays)
-    os.replace(partial, path)
-    return path
+    return save_archive(path, trained.meta(), module_arrays(trained.model, "unet"))
 
 
 def load_ddpm(path: Path | str) -> TrainedDDPM:
@@ -72,12 +63,7 @@ def load_ddpm(path: Path | str) -> TrainedDDPM:
         arrays = {name.removeprefix("unet/"): archive[name] for name in archive.files if name.startswith("unet/")}
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; retrain it")
-    model = UNet(UNetConfig(**meta["unet"]), meta["side"])
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    found = {name: tuple(a.shape) for name, a in arrays.items()}
-    if found != expected:
-        raise ValueError(f"{path}: UNet arrays {found} do not match its meta, which needs {expected}")
-    model.load_state_dict({name: torch.from_numpy(a) for name, a in arrays.items()})
+    model = load_module_arrays(UNet(UNetConfig(**meta["unet"]), meta["side"]), arrays, path, "UNet")
     return TrainedDDPM(
         model.eval().requires_grad_(False), Schedule(**meta["schedule"]), meta["normalization"], tuple(meta["losses"])
     )

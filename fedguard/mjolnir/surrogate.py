@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from fedguard.archive import save_archive
 from fedguard.data import DataSpec, SourceOptions, Split, load_dataset
 from fedguard.mjolnir.packing import PackingSpec, fit_scale, pack, packing_spec, spec_from_dict, spec_to_dict, unpack
 from fedguard.models import MODELS, build_model
@@ -285,17 +285,10 @@ def collect_gradients(
 
 def save_gradient_set(gradient_set: GradientSet, path: Path | str) -> Path:
     """Write ``gradient_set`` to ``path`` atomically (creating its folder); returns the path."""
-    path = Path(path)
-    meta = json.dumps(gradient_set.meta())
-    path.parent.mkdir(parents=True, exist_ok=True)
     arrays = {
         name: getattr(gradient_set, name).detach().cpu().numpy() for name in ("images", "steps", "batches", "losses")
     }
-    partial = path.with_name(f".{path.name}.part")
-    with open(partial, "wb") as handle:
-        np.savez_compressed(handle, meta=np.array(meta), **arrays)
-    os.replace(partial, path)
-    return path
+    return save_archive(path, gradient_set.meta(), arrays, compressed=True)
 
 
 def load_gradient_set(path: Path | str) -> GradientSet:
