@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from fedguard.config import ConfigError, load_config
 from fedguard.defenses import DEFENSES, LocalStep, build_defense
 from fedguard.defenses.dp_update import MECHANISMS, UpdateDP, UpdateDPParams, clip_by_global_norm, global_norm
+from fedguard.defenses.gaussian_mechanism import epsilon_after, gaussian_sigma
 
 LARGE = 200_000  # entries of the update whose noise is measured
 
@@ -160,6 +161,51 @@ def test_laplace_noise_has_scale_multiplier_times_clip(clip: float, multiplier: 
     assert abs(float(noise.mean())) < 0.01 * math.sqrt(2) * b
     assert kurtosis(noise) == pytest.approx(6.0, abs=0.6)  # Gaussian: 3
     assert float(noise.abs().mean()) == pytest.approx(b, rel=0.01)  # E|X| = b for Laplace(0, b)
+
+
+@pytest.mark.parametrize(("clip", "epsilon"), [(0.5, 1.0), (3.0, 50.0)])
+def test_epsilon_calibrates_the_gaussian_noise_for_sensitivity_two_clips(clip: float, epsilon: float) -> None:
+    defense = build_defense("dp", UpdateDPParams(clip=clip, epsilon=epsilon, delta=1e-5))
+    sigma = gaussian_sigma(epsilon, 1e-5, 2.0) * clip
+    assert defense.noise_scale == pytest.approx(sigma, rel=1e-12)
+    noise = noise_of(defense, large_update(), seed=7, clip=clip)
+    assert float(noise.std()) == pytest.approx(sigma, rel=0.01)
+
+
+def test_the_report_is_the_epsilon_spent_over_the_clients_uploads() -> None:
+    defense = build_defense("dp", UpdateDPParams(clip=1.0, epsilon=2.0, delta=1e-5))
+    state: dict[str, torch.Tensor] = {}
+    assert defense.report(state) == {"epsilon": 0.0, "delta": 1e-5}
+    defense(step_of(update(0)), state)
+    assert defense.report(state)["epsilon"] == pytest.approx(2.0, rel=1e-6)
+    for seed in range(3):
+        defense(step_of(update(seed)), state)
+    assert defense.report(state)["epsilon"] == pytest.approx(epsilon_after(4, defense.noise_multiplier, 2.0, 1e-5))
+    assert 2.0 < defense.report(state)["epsilon"] < 8.0  # exact composition beats the sum of four epsilons
+
+
+def test_a_noise_multiplier_reports_its_epsilon_and_laplace_noise_reports_none() -> None:
+    state: dict[str, torch.Tensor] = {}
+    gaussian = dp(1.0, 2.0, "gaussian")
+    gaussian(step_of(update(0)), state)
+    assert gaussian.report(state)["epsilon"] == pytest.approx(epsilon_after(1, 2.0, 2.0, 1e-5))
+    laplace, laplace_state = dp(1.0, 2.0, "laplace"), {}
+    laplace(step_of(update(0)), laplace_state)
+    assert laplace.report(laplace_state) == {}
+    silent, silent_state = dp(1.0, 0.0, "gaussian"), {}
+    silent(step_of(update(0)), silent_state)
+    assert silent.report(silent_state) == {}
+
+
+def test_epsilon_with_laplace_noise_or_with_a_noise_multiplier_is_rejected() -> None:
+    with pytest.raises(ValueError, match="gaussian mechanism only, not 'laplace'"):
+        UpdateDPParams(epsilon=1.0, mechanism="laplace")
+    with pytest.raises(ValueError, match=r"noise-multiplier \(0.5\) or epsilon \(1.0\), not both"):
+        UpdateDPParams(noise_multiplier=0.5, epsilon=1.0)
+    with pytest.raises(ValueError, match="epsilon must be finite and >= 0"):
+        UpdateDPParams(epsilon=-1.0)
+    with pytest.raises(ValueError, match="delta must be in"):
+        UpdateDPParams(delta=0.0)
 
 
 def test_the_noise_of_each_tensor_is_independent() -> None:

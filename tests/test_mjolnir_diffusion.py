@@ -20,7 +20,7 @@ from fedguard.mjolnir.ddpm import DDPMTrainOptions, Schedule, diffusion_loss, q_
 from fedguard.mjolnir.denoise import denoise, reverse_chain, reverse_coefficients, start_step, target_alpha_bar
 from fedguard.mjolnir.noise import (
     estimate_noise_level,
-    gaussian_sigma,
+    classical_gaussian_sigma,
     noise_level,
     noise_level_dp,
     noise_level_epsilon,
@@ -361,8 +361,8 @@ def test_a_tiny_trained_ddpm_denoises_a_toy_distribution() -> None:
 def test_noise_levels_against_hand_values() -> None:
     assert noise_level(0.3) == pytest.approx(0.3) and noise_level(0.3, scale=2.0) == pytest.approx(0.15)
     assert noise_level_dp(0.5, 2.0, scale=4.0) == pytest.approx(0.25)
-    assert gaussian_sigma(1.0, 1e-5, 1.0) == pytest.approx(4.8448, abs=1e-4)
-    assert gaussian_sigma(1.0, 1e-4, 1.0) == pytest.approx(4.3436, abs=1e-4)
+    assert classical_gaussian_sigma(1.0, 1e-5, 1.0) == pytest.approx(4.8448, abs=1e-4)
+    assert classical_gaussian_sigma(1.0, 1e-4, 1.0) == pytest.approx(4.3436, abs=1e-4)
     # Notes A.7: sensitivity 0.02 (2 * lr * C / m with lr 1e-3, C 10, m 1), delta 1e-5.
     assert noise_level_epsilon(1.0, 1e-5, 0.02) == pytest.approx(0.0969, abs=1e-4)
     assert noise_level_epsilon(0.5, 1e-5, 0.02) == pytest.approx(0.1938, abs=1e-4)
@@ -413,9 +413,9 @@ def test_estimated_noise_level() -> None:
         (lambda: noise_level(1.0, scale=0.0), r"scale must be finite and > 0, got 0.0"),
         (lambda: noise_level_dp(-0.5, 1.0), r"noise multiplier must be finite and >= 0, got -0.5"),
         (lambda: noise_level_dp(0.5, 0.0), r"clip must be finite and > 0, got 0.0"),
-        (lambda: gaussian_sigma(0.0, 1e-5, 1.0), r"epsilon must be finite and > 0, got 0.0"),
-        (lambda: gaussian_sigma(1.0, 1.5, 1.0), r"delta must be in \(0, 1\), got 1.5"),
-        (lambda: gaussian_sigma(1.0, 1e-5, -2.0), r"sensitivity must be finite and >= 0, got -2.0"),
+        (lambda: classical_gaussian_sigma(0.0, 1e-5, 1.0), r"epsilon must be finite and > 0, got 0.0"),
+        (lambda: classical_gaussian_sigma(1.0, 1.5, 1.0), r"delta must be in \(0, 1\), got 1.5"),
+        (lambda: classical_gaussian_sigma(1.0, 1e-5, -2.0), r"sensitivity must be finite and >= 0, got -2.0"),
         (lambda: noise_level_laplace(math.nan), r"Laplace scale b must be finite and >= 0, got nan"),
         (lambda: noise_level_from_c(0.0), r"c must be in \(0, 1\], got 0.0"),
         (lambda: estimate_noise_level(torch.zeros(1, 1, 4, 4), -1.0), r"signal power must be .* >= 0, got -1.0"),

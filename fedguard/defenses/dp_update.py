@@ -4,8 +4,18 @@ The update (all parameter tensors together) is scaled down to L2 norm at most
 ``clip``; then every entry gets independent noise of scale ``noise_multiplier
 * clip``: Gaussian with that standard deviation, or Laplace with that scale b
 (standard deviation sqrt(2) * b). This is the client-side mechanism of
-DP-FedAvg / DP-FedSGD (one upload = one release); the privacy accounting of
-DP-SGD is a separate defense.
+DP-FedAvg / DP-FedSGD (one upload = one release); DP-SGD, which clips every
+sample's gradient, is a separate defense.
+
+Privacy. Two clipped updates differ by at most 2 * clip in L2, the sensitivity
+of one upload when one client's data may change arbitrarily (the paper's
+Delta s = 2C/m with m = 1, Mjölnir Eq. 6). With ``epsilon`` > 0 the Gaussian
+noise is calibrated to (``epsilon``, ``delta``) for that sensitivity with the
+exact analytic Gaussian mechanism (``gaussian_mechanism``; valid for every
+epsilon), replacing ``noise_multiplier``. For Gaussian noise the defense reports
+each client's epsilon spent at ``delta`` over all its uploads so far (exact
+composition of Gaussian mechanisms). Laplace noise gets no epsilon: an L2 clip
+bounds its L1 sensitivity only by sqrt(d) * 2 * clip.
 """
 
 from __future__ import annotations
@@ -16,17 +26,24 @@ from dataclasses import dataclass
 import torch
 
 from fedguard.defenses.base import LocalStep, register_defense
+from fedguard.defenses.gaussian_mechanism import epsilon_after, gaussian_sigma
 
 MECHANISMS = ("gaussian", "laplace")
+SENSITIVITY_IN_CLIPS = 2.0  # L2 distance of two updates clipped to `clip`, in units of `clip`
+RELEASES = "releases"  # key of the defense state: uploads this client has made
 
 
 @dataclass(frozen=True)
 class UpdateDPParams:
-    """``clip``: L2 bound of the update; ``noise_multiplier``: noise scale / clip; ``mechanism``: gaussian | laplace."""
+    """``clip``: L2 bound of the update; ``noise_multiplier``: noise scale / clip; ``mechanism``: gaussian | laplace;
+    ``epsilon``: > 0 calibrates the Gaussian noise to (epsilon, ``delta``) instead of ``noise_multiplier``
+    (0: off); ``delta``: of the calibration and of the reported epsilon."""
 
     clip: float = 1.0
     noise_multiplier: float = 0.1
     mechanism: str = "gaussian"
+    epsilon: float = 0.0
+    delta: float = 1e-5
 
     def __post_init__(self) -> None:
         if not self.clip > 0:
@@ -37,6 +54,22 @@ class UpdateDPParams:
             raise ValueError(f"clip and noise-multiplier must be finite, got {self.clip} and {self.noise_multiplier}")
         if self.mechanism not in MECHANISMS:
             raise ValueError(f"mechanism {self.mechanism!r}: choose one of {', '.join(MECHANISMS)}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta}")
+        if not (self.epsilon >= 0 and math.isfinite(self.epsilon)):
+            raise ValueError(f"epsilon must be finite and >= 0 (0: use noise-multiplier), got {self.epsilon}")
+        if self.epsilon > 0 and self.mechanism != "gaussian":
+            raise ValueError(f"epsilon calibrates the gaussian mechanism only, not {self.mechanism!r}: "
+                             "set noise-multiplier for Laplace noise")
+        if self.epsilon > 0 and self.noise_multiplier != UpdateDPParams.noise_multiplier:
+            raise ValueError(f"give noise-multiplier ({self.noise_multiplier}) or epsilon ({self.epsilon}), not both")
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """Noise scale / clip: calibrated to (epsilon, delta) when epsilon > 0, else ``noise_multiplier``."""
+        if self.epsilon > 0:
+            return gaussian_sigma(self.epsilon, self.delta, SENSITIVITY_IN_CLIPS)
+        return self.noise_multiplier
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -55,15 +88,26 @@ class UpdateDP:
 
     def __init__(self, params: UpdateDPParams) -> None:
         self.params = params
+        self.noise_multiplier = params.effective_noise_multiplier
 
     @property
     def noise_scale(self) -> float:
         """Gaussian standard deviation, or Laplace scale b, of the noise on each entry."""
-        return self.params.noise_multiplier * self.params.clip
+        return self.noise_multiplier * self.params.clip
 
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         clipped = clip_by_global_norm([g.detach() for g in step.grads], self.params.clip)
+        state[RELEASES] = torch.tensor(int(state[RELEASES]) + 1 if RELEASES in state else 1, dtype=torch.int64)
         return [t + self.noise(t, step.generator) for t in clipped]
+
+    def report(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
+        """{'epsilon', 'delta'} this client has spent over its uploads, Gaussian noise only (nothing for Laplace
+        noise or without noise: no finite epsilon)."""
+        if self.params.mechanism != "gaussian" or self.noise_multiplier == 0:
+            return {}
+        releases = int(state[RELEASES]) if RELEASES in state else 0
+        spent = epsilon_after(releases, self.noise_multiplier, SENSITIVITY_IN_CLIPS, self.params.delta)
+        return {"epsilon": spent, "delta": self.params.delta}
 
     def noise(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Noise of the configured mechanism and scale, shaped, typed and placed like ``like``."""

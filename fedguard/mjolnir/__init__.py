@@ -23,7 +23,7 @@ from fedguard.mjolnir.denoise import (
 )
 from fedguard.mjolnir.noise import (
     estimate_noise_level,
-    gaussian_sigma,
+    classical_gaussian_sigma,
     noise_level,
     noise_level_dp,
     noise_level_epsilon,
@@ -60,7 +60,7 @@ __all__ = [
     "diffusion_loss",
     "estimate_noise_level",
     "fit_scale",
-    "gaussian_sigma",
+    "classical_gaussian_sigma",
     "load_ddpm",
     "load_gradient_set",
     "noise_level",

@@ -47,11 +47,13 @@ def noise_level_dp(noise_multiplier: float, clip: float, scale: float = 1.0) -> 
     return noise_level(noise_multiplier * clip, scale)
 
 
-def gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
+def classical_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
     """Classical Gaussian-mechanism std ``sqrt(2 ln(1.25 / delta)) * sensitivity / epsilon`` (paper Eq. 6).
 
     The (epsilon, delta) guarantee of this calibration holds for epsilon < 1 only; larger values are accepted as a
-    noise calibration, as in the paper's experiments (epsilon up to 10)."""
+    noise calibration, as in the paper's experiments (epsilon up to 10). The ``dp`` defense's ``epsilon`` uses the
+    exact analytic calibration instead (``fedguard.defenses.gaussian_mechanism``), and ``noise-source = defense``
+    reads the noise it really adds."""
     _check_positive("epsilon", epsilon)
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
@@ -61,7 +63,7 @@ def gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
 
 def noise_level_epsilon(epsilon: float, delta: float, sensitivity: float, scale: float = 1.0) -> float:
     """M of the Gaussian mechanism calibrated to (``epsilon``, ``delta``) for L2 ``sensitivity`` (raw units)."""
-    return noise_level(gaussian_sigma(epsilon, delta, sensitivity), scale)
+    return noise_level(classical_gaussian_sigma(epsilon, delta, sensitivity), scale)
 
 
 def noise_level_laplace(b: float, scale: float = 1.0) -> float:
