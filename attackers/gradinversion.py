@@ -55,11 +55,10 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
-from attackers.base import Reconstruction, check_search_params, images_per_upload, register_attack
+from attackers.base import Reconstruction, check_search_params, register_attack
 from attackers.bn_statistics import recover_batch_statistics
 from attackers.inverting_gradients import target_gradient, total_variation
-from attackers.jobs import JobBatch, job_seed, resolve_device
-from attackers.labels import declared_labels, infer_labels
+from attackers.jobs import JobBatch, job_seed, job_targets, resolve_device
 from fedguard.observation import Observation
 from fedguard.training import loss_fn
 
@@ -149,18 +148,12 @@ class GradInversion:
         bn_targets = [recover_batch_statistics(o) for o in observations]
         jobs_of = JobBatch.of(observations, restarts, device)
         model, names, params, stack = jobs_of.model, jobs_of.names, jobs_of.params, jobs_of.per_job
-        targets = [target_gradient(o, device) for o in observations]
-        batch = images_per_upload(first)
-        if labels is None:
-            labels = [declared_labels(o.declared) for o in observations]
-        inferred = [lab is None for lab in labels]
-        labels = [infer_labels(t, first.spec.num_classes, batch) if lab is None else lab
-                  for lab, t in zip(labels, targets)]
-        target = [stack([t[i] for t in targets]) for i in range(len(names))]
+        matched = job_targets(jobs_of, observations, [target_gradient(o, device) for o in observations], labels)
+        batch, inferred, labels = matched.batch, matched.inferred, matched.labels
+        target, y = matched.target, matched.y
         target_energy = sum((t.flatten(1) ** 2).sum(1) for t in target).clamp_min(1e-12)
         layers = list(bn_targets[0])
         bn_target = [tuple(stack([s[name][k].to(device) for s in bn_targets]) for k in (0, 1)) for name in layers]
-        y = stack([lab.to(device) for lab in labels])
         recorder = BatchNormInputs(model, layers)
 
         def job_forward(

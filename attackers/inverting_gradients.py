@@ -32,9 +32,8 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad, vmap
 
-from attackers.base import Reconstruction, check_search_params, images_per_upload, register_attack
-from attackers.jobs import JobBatch, job_seed, resolve_device
-from attackers.labels import declared_labels, infer_labels
+from attackers.base import Reconstruction, check_search_params, register_attack
+from attackers.jobs import JobBatch, job_seed, job_targets, resolve_device
 from fedguard.defenses.base import SimulatedDefense
 from fedguard.observation import Observation
 from fedguard.training import loss_fn
@@ -156,22 +155,16 @@ class InvertingGradients:
         start = time.perf_counter()
         restarts = self.params.restarts
         jobs_of = JobBatch.of(observations, restarts, device)
-        model, names, params, stack = jobs_of.model, jobs_of.names, jobs_of.params, jobs_of.per_job
-        targets = [target_update(o, device) for o in observations]
-        batch = images_per_upload(first)
-        if labels is None:
-            labels = [declared_labels(o.declared) for o in observations]
-        inferred = [lab is None for lab in labels]
-        labels = [infer_labels(t, first.spec.num_classes, batch) if lab is None else lab
-                  for lab, t in zip(labels, targets)]
+        model, names, params = jobs_of.model, jobs_of.names, jobs_of.params
+        matched = job_targets(jobs_of, observations, [target_update(o, device) for o in observations], labels)
+        batch, inferred, labels = matched.batch, matched.inferred, matched.labels
+        target, y = matched.target, matched.y
         jobs = len(observations) * restarts
-        target = [stack([t[i] for t in targets]) for i in range(len(names))]
         compared = [n for n in names if not self.params.skipped(n)]
         if not compared:
             raise ValueError(f"skip = {self.params.skip!r} leaves no parameter to compare; parameters: {', '.join(names)}")
         target = [t for n, t in zip(names, target) if not self.params.skipped(n)]
         target_norm = torch.sqrt(sum((t.flatten(1) ** 2).sum(1) for t in target))
-        y = stack([lab.to(device) for lab in labels])
 
         def param_grad(p: dict[str, torch.Tensor], x: torch.Tensor, yy: torch.Tensor) -> dict[str, torch.Tensor]:
             return grad(lambda q: loss_fn(functional_call(model, q, (x,)), yy))(p)

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 from torch.func import replace_all_batch_norm_modules_
 
-from attackers.base import shape_key
+from attackers.base import images_per_upload, shape_key
+from attackers.labels import declared_labels, infer_labels
 from fedguard.models import MODELS, build_model
 from fedguard.observation import Observation
 
@@ -74,3 +75,32 @@ class JobBatch:
     def per_job(self, per_upload: list[torch.Tensor]) -> torch.Tensor:
         """One tensor per upload -> one per job (each repeated for its restarts), stacked."""
         return torch.stack(per_upload).repeat_interleave(self.restarts, dim=0)
+
+
+@dataclass
+class JobTargets:
+    """What the jobs of a ``JobBatch`` match: ``target`` per trainable parameter (J, ...), labels ``y`` (J, B)
+    int64; per upload its ``labels`` (B,) and whether they were ``inferred``; ``batch``, images per upload."""
+
+    target: list[torch.Tensor]
+    y: torch.Tensor
+    labels: list[torch.Tensor]
+    inferred: list[bool]
+    batch: int
+
+
+def job_targets(
+    jobs: JobBatch, observations: list[Observation], targets: list[list[torch.Tensor]],
+    labels: list[torch.Tensor | None] | None,
+) -> JobTargets:
+    """Per job, the upload's ``targets`` (one list per upload, in parameter order) and its labels: ``labels`` if
+    given, else those the client declared (threat model ``labels``), else inferred from its target."""
+    first = observations[0]
+    batch = images_per_upload(first)
+    if labels is None:
+        labels = [declared_labels(o.declared) for o in observations]
+    inferred = [lab is None for lab in labels]
+    known = [infer_labels(t, first.spec.num_classes, batch) if lab is None else lab for lab, t in zip(labels, targets)]
+    device = targets[0][0].device
+    target = [jobs.per_job([t[i] for t in targets]) for i in range(len(jobs.names))]
+    return JobTargets(target, jobs.per_job([lab.to(device) for lab in known]), known, inferred, batch)
