@@ -34,7 +34,7 @@ def run_quickstart(out: Path, overrides: list[str]) -> subprocess.CompletedProce
 @pytest.mark.slow
 def test_simulation_trains_and_captures(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    overrides = ["train.rounds=12", "partition.num-clients=6", "train.clients-per-round=4", "capture.rounds=1,2",
+    overrides = ["train.rounds=12", "partition.num-clients=6", "train.clients-per-round=6", "capture.rounds=1,2",
                  "capture.clients=0-2", "train.batch-size=32", "attack.ig.iterations=60", "attack.ig.restarts=1"]
     result = run_quickstart(out, overrides)
     assert "round 12/12" in result.stdout and "left" in result.stdout
