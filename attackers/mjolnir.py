@@ -97,14 +97,14 @@ class Mjolnir:
         if "defense" in self.inner.needs:
             self.inner.know_defense(defense)
 
-    def noise_std(self, obs: Observation) -> float:
-        """The per-entry noise standard deviation of ``obs``'s gradient, in gradient units (0: estimate it)."""
+    def noise_std(self, obs: Observation) -> float | None:
+        """The per-entry noise standard deviation of ``obs``'s gradient, in gradient units (None: estimate it)."""
         if self.params.noise_source == "given":
             return self.params.noise_std
         if self.params.noise_source == "defense":
             batch = int(obs.declared.get("batch-size", obs.num_examples))
             return defense_noise_std(self.defense, batch)
-        return 0.0
+        return None
 
     def denoised(self, observations: list[Observation]) -> tuple[list[Observation], list[float], list[int]]:
         """The uploads with denoised gradients, each one's noise level M and start step."""
@@ -120,7 +120,7 @@ class Mjolnir:
         for index, obs in enumerate(observations):
             y = packed[index : index + 1]
             std = self.noise_std(obs)
-            level = std / spec.scale if std > 0 else estimate_noise_level(
+            level = std / spec.scale if std is not None else estimate_noise_level(
                 y, self.trained.normalization.get("signal_power", 1.0), mask)
             cleaned.append(denoise(self.trained.model, self.trained.schedule, y, level, generator, self.params.variance))
             levels.append(float(level))

@@ -18,9 +18,11 @@ from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_sgd import DPSGDParams
 from fedguard.defenses.dp_update import UpdateDPParams
 from fedguard.mjolnir import load_ddpm, load_gradient_set, start_step
+from fedguard.mjolnir.packing import unpack
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard
+from fedguard.server_app import initial_model
 from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
 
 SMALL = ["data.name=digits", "model.name=mlp", "model.mlp.hidden=16", "train.batch-size=1"]
@@ -58,6 +60,20 @@ def test_train_mjolnir_records_what_the_model_denoises(denoiser: Path) -> None:
     assert gradients.spec.scale == record["packing"]["scale"] and gradients.batch_size == 1
 
 
+def test_a_zero_surrogate_lr_records_gradients_at_the_runs_first_global_model(tmp_path: Path) -> None:
+    out = tmp_path / "at-start.npz"
+    args = ["train-mjolnir", *(a for o in [*SMALL, "seed=7"] for a in ("--set", o)), "--gradients", "4",
+            "--surrogate-epochs", "1", "--surrogate-lr", "0", "--epochs", "1", "--out", str(out)]
+    assert main(args) == 0
+    gradients = load_gradient_set(out.with_suffix(".gradients.npz"))
+    assert gradients.options.seed == 7 and gradients.options.lr == 0.0
+    global_model = initial_model(load_config(None, [*SMALL, "seed=7"]))
+    data = load_dataset("digits")
+    for image, batch in zip(gradients.images, gradients.batches):
+        expected = compute_gradients(global_model, *data.test.batch(batch))[0]
+        assert all(torch.equal(a, b) for a, b in zip(unpack(image, gradients.spec), expected))
+
+
 def test_every_optimization_attack_has_a_mjolnir_stage_with_its_own_parameters() -> None:
     for inner in INNER_ATTACKS:
         fields = {f for f in ATTACKS.get(f"mjolnir+{inner}").params.__dataclass_fields__}
@@ -88,6 +104,16 @@ def test_noise_level_comes_from_the_known_defense_in_packed_units(denoiser: Path
     [result] = attack.reconstruct_many([obs])
     assert result.stats["mjolnir_noise_level"] == level and result.images.shape == (1, 1, 8, 8)
     assert [g.shape for g in result.gradient] == [a.shape for a, t in zip(obs.upload, obs.trainable) if t]
+
+
+def test_a_known_noiseless_upload_is_passed_on_unchanged(denoiser: Path) -> None:
+    params = UpdateDPParams(clip=100.0, noise_multiplier=0.0)
+    obs, _ = upload("dp", params)
+    attack = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5,
+                                                                         restarts=1), ("dp", params))
+    [denoised], [level], [start] = attack.denoised([obs])
+    assert level == 0.0 and start == -1
+    assert all(np.array_equal(a, b) for a, b in zip(denoised.upload, obs.upload))
 
 
 def test_a_denoiser_for_another_model_is_refused(denoiser: Path) -> None:

@@ -50,8 +50,8 @@ class CountingDenoiser:
 def nearest_step(schedule: Schedule, m: float) -> int:
     """Brute force over the schedule in Python floats."""
     target = 1 / (1 + m * m)
-    distances = [abs(a - target) for a in schedule.alpha_bars.tolist()]
-    return distances.index(min(distances))
+    distances = [abs(a - target) for a in [1.0, *schedule.alpha_bars.tolist()]]
+    return distances.index(min(distances)) - 1
 
 
 def toy_grids(n: int, side: int, seed: int) -> torch.Tensor:
@@ -113,7 +113,9 @@ def test_start_step_is_the_nearest_alpha_bar(m: float) -> None:
 
 
 def test_start_step_edges() -> None:
-    assert start_step(SCHEDULE, 0.0) == 0 and start_step(SCHEDULE, 1e-6) == 0
+    assert start_step(SCHEDULE, 0.0) == -1 and start_step(SCHEDULE, 1e-6) == -1 and start_step(SCHEDULE, 0.01) == 0
+    boundary = math.sqrt(1 / (1 - SCHEDULE.betas[0].item() / 2) - 1)  # target halfway between 1 and alpha-bar 0
+    assert start_step(SCHEDULE, boundary * 0.99) == -1 and start_step(SCHEDULE, boundary * 1.01) == 0
     assert start_step(SCHEDULE, 1e3) == SCHEDULE.steps - 1 and start_step(SCHEDULE, 1e8) == SCHEDULE.steps - 1
     assert start_step(Schedule(steps=1), 5.0) == 0
 
@@ -204,6 +206,14 @@ def test_denoise_starts_at_t_star_from_the_rescaled_input_and_runs_to_zero() -> 
     assert model.steps == list(range(start_step(SCHEDULE, 0.5), -1, -1)) and len(model.steps) == 145
     assert torch.allclose(model.inputs[0], y / math.sqrt(1.25))
     assert all(not torch.equal(a, b) for a, b in zip(model.inputs, model.inputs[1:]))
+
+
+def test_a_noise_level_nearer_the_clean_end_than_step_zero_denoises_nothing() -> None:
+    model = CountingDenoiser()
+    y = torch.randn(2, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    for m in (0.0, 0.005):
+        assert torch.equal(denoise(model, SCHEDULE, y, m), y)
+    assert model.steps == []
 
 
 @pytest.mark.parametrize("variance", ["beta", "posterior"])

@@ -13,9 +13,12 @@ alpha-bar is strictly decreasing, so t* is the argmin over the schedule of
 ``|alpha_bars[k] - 1 / (1 + M**2)|``: the nearest of the two steps that
 bracket the target (Eq. 16's (T'_-, T'_+)). The mismatch is at most half the
 gap ``alpha_bars[k] * betas[k + 1]`` between the bracketing steps, or the
-distance to the end of the schedule when the target lies beyond it (M near 0
-gives t* = 0; a huge M gives the last step). The released code takes the first
-step below the target instead, one step later at most.
+distance to the end of the schedule when the target lies beyond it (a huge M
+gives the last step). The clean end, alpha-bar 1, counts as step -1: an M whose
+target is nearer to it than to step 0 (M below about 0.007, and M = 0, a known
+noiseless upload) starts nowhere and the gradient is returned as it is. The
+released code takes the first step below the target instead, one step later at
+most.
 
 Reverse chain. The published sampler restarts every step from its input (it
 returns one step of t = 0); this one chains them, k = t*, t* - 1, ..., 0:
@@ -52,9 +55,11 @@ def target_alpha_bar(noise_level: float) -> float:
 
 
 def start_step(schedule: Schedule, noise_level: float) -> int:
-    """The 0-based step t* whose alpha-bar is nearest ``1 / (1 + M**2)``, in [0, steps - 1]."""
+    """The 0-based step t* whose alpha-bar is nearest ``1 / (1 + M**2)``, in [0, steps - 1]; -1 when alpha-bar 1
+    (no noise) is nearer than step 0's."""
     target = target_alpha_bar(noise_level)
-    return int(torch.argmin((schedule.alpha_bars - target).abs()))
+    levels = torch.cat([torch.ones(1, dtype=schedule.alpha_bars.dtype), schedule.alpha_bars])
+    return int(torch.argmin((levels - target).abs())) - 1
 
 
 def reverse_coefficients(schedule: Schedule, variance: str = "beta") -> tuple[list[float], list[float], list[float]]:
@@ -102,12 +107,15 @@ def denoise(
     generator: torch.Generator | None = None,
     variance: str = "beta",
 ) -> torch.Tensor:
-    """Algorithm 3 with a known (or estimated) M: the denoised grids (N, 1, S, S), in the units of ``y``.
+    """Algorithm 3 with a known (or estimated) M: the denoised grids (N, 1, S, S), in the units of ``y`` (``y``
+    itself when the start step is -1).
 
     ``y``: perturbed packed gradients (N, 1, S, S) in the normalized units the model was trained on; ``noise_level``:
     M in the same units (module docstring). The batch shares M and so the start step. ``generator``: on
     ``y.device``; by default one seeded with 0, so equal inputs give equal outputs."""
     start = start_step(schedule, noise_level)
+    if start < 0:
+        return y.clone()
     if generator is None:
         generator = torch.Generator(device=y.device).manual_seed(0)
     return reverse_chain(model, schedule, y / math.sqrt(1 + noise_level**2), start, generator, variance)
