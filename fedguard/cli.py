@@ -60,13 +60,15 @@ def _add_mjolnir_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, default, meaning in (
         ("gradients", int, surrogate.gradients, "clean gradients recorded along the surrogate's training"),
         ("surrogate-epochs", int, surrogate.epochs, "passes of the surrogate over the public split"),
-        ("surrogate-lr", float, surrogate.lr, "SGD step of the surrogate"),
+        ("surrogate-lr", float, surrogate.lr, "SGD step of the surrogate (0: every gradient at its starting "
+                                              "weights, the run's round-1 global model under the preset's seed)"),
         ("epochs", int, training.epochs, "DDPM training epochs"),
         ("ddpm-batch-size", int, training.batch_size, "DDPM minibatch size"),
         ("lr", float, 1e-3, "DDPM Adam step"),
-        ("seed", int, surrogate.seed, "seed of the surrogate, the batches and the DDPM"),
     ):
         parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
+    parser.add_argument("--seed", type=int, help="seed of the surrogate's initialization, the batches and the DDPM "
+                                                 "(default: the preset's seed, which initializes the global model)")
     parser.add_argument("--unet", choices=sorted(PRESETS), default="cpu", help="denoiser size (default cpu)")
     parser.add_argument("--out", type=Path, help="output .npz (default mjolnir/<data>-<model>.npz; the training "
                                                  "gradients go beside it, as <name>.gradients.npz)")
@@ -160,9 +162,10 @@ def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     from fedguard.mjolnir.pipeline import train_mjolnir
 
     config = load_config(args.preset, args.overrides)
+    seed = config.run.seed if args.seed is None else args.seed
     surrogate = SurrogateOptions(args.surrogate_epochs, config.train.batch_size, args.surrogate_lr, args.gradients,
-                                 args.seed)
-    training = DDPMTrainOptions(args.epochs, args.ddpm_batch_size, args.lr, args.seed)
+                                 seed)
+    training = DDPMTrainOptions(args.epochs, args.ddpm_batch_size, args.lr, seed)
     print(f"fedguard: {args.gradients} surrogate gradients of {config.model.name} (batch {config.train.batch_size}) "
           f"on the public {args.split} split of {config.data.name}, then a {args.unet} DDPM", flush=True)
     trained, gradients = train_mjolnir(config.model.name, config.model.params, config.data.name, surrogate, args.unet, training,

@@ -257,6 +257,15 @@ def test_collection_can_start_from_given_weights_and_reports_progress():
     assert [tuple(p.shape) for p in parameters(start)] == list(got.spec.shapes)
 
 
+def test_a_zero_learning_rate_records_every_gradient_at_the_start_model():
+    data = load_dataset("mnist-5k")
+    params = MLPParams(hidden=16, depth=1)
+    start = build_surrogate("mlp", params, data.spec, seed=5)
+    got = collect_gradients("mlp", params, "mnist-5k", options=SurrogateOptions(epochs=1, gradients=4, lr=0.0, seed=5))
+    for image, batch in zip(got.images, got.batches):
+        assert_exact(unpack(image, got.spec), compute_gradients(start, *data.test.batch(batch))[0])
+
+
 def test_photos_lenet_set_has_side_128_and_survives_save_and_load(tmp_path):
     gradient_set = collect_gradients("lenet", None, "photos", "test", SurrogateOptions(gradients=8))
     assert gradient_set.images.shape == (8, 1, 128, 128) and gradient_set.spec.numel == 15_826
@@ -281,7 +290,7 @@ def test_loading_reports_a_missing_file_and_a_foreign_one(tmp_path):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("epochs", 0), ("batch_size", 0), ("gradients", 0), ("multiple", 0), ("seed", -1), ("lr", 0.0),
+    [("epochs", 0), ("batch_size", 0), ("gradients", 0), ("multiple", 0), ("seed", -1), ("lr", -0.1),
      ("lr", float("nan")), ("epochs", 1.5)],
 )
 def test_options_are_validated(field, value):

@@ -52,7 +52,8 @@ FORMAT = "fedguard-mjolnir-gradients/1"
 @dataclass(frozen=True)
 class SurrogateOptions:
     """``epochs``: passes of SGD over the public split; ``batch_size``: samples per batch, the client's
-    batch size; ``lr``: SGD step; ``gradients``: N, gradients recorded; ``seed``: the surrogate's
+    batch size; ``lr``: SGD step (0: the surrogate keeps its starting weights, so every gradient is taken at
+    one model, e.g. the global model of the attacked round); ``gradients``: N, gradients recorded; ``seed``: the surrogate's
     initialization and the batch order; ``multiple``: the packed side S is a multiple of it."""
 
     epochs: int = 2
@@ -69,8 +70,8 @@ class SurrogateOptions:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be finite and > 0, got {self.lr!r}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"lr must be finite and >= 0, got {self.lr!r}")
 
 
 @dataclass(frozen=True, eq=False)
