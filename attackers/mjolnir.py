@@ -111,7 +111,7 @@ class Mjolnir:
         first = observations[0]
         shapes = [a.shape for a, t in zip(first.upload, first.trainable) if t]
         spec = check_shapes(self.trained, shapes)
-        grads = [torch.stack([torch.from_numpy(o.upload[i]) for o in observations])
+        grads = [torch.stack([torch.tensor(o.upload[i]) for o in observations])
                  for i, trainable in enumerate(first.trainable) if trainable]
         packed = pack_many(grads, spec)
         mask = valid_mask(spec)

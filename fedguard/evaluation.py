@@ -71,8 +71,8 @@ def gradient_scores(obs: Observation, gradient: list[np.ndarray], images: torch.
     """Cosine similarity and PSNR (dB, +inf clipped at ``PSNR_CAP_DB`` like image PSNR) to the clean gradient of
     the upload as sent (``_before``) and of the gradient the attack inverted (``_after``, e.g. denoised)."""
     clean = clean_gradient(obs, images, labels)
-    sent = [torch.from_numpy(a) for a, t in zip(obs.upload, obs.trainable) if t]
-    used = [torch.from_numpy(np.asarray(a)) for a in gradient]
+    sent = [torch.tensor(a) for a, t in zip(obs.upload, obs.trainable) if t]
+    used = [torch.tensor(np.asarray(a)) for a in gradient]
     return {"cosine_before": cosine_similarity(sent, clean), "cosine_after": cosine_similarity(used, clean),
             "psnr_before": min(gradient_psnr(sent, clean), PSNR_CAP_DB),
             "psnr_after": min(gradient_psnr(used, clean), PSNR_CAP_DB)}
