@@ -31,7 +31,7 @@ import torch
 from attackers.base import ATTACKS, Reconstruction, register_attack, required_manipulation
 from fedguard.defenses.dp_sgd import DPSGD
 from fedguard.defenses.dp_update import UpdateDP
-from fedguard.mjolnir.denoise import VARIANCES, denoise, start_step
+from fedguard.mjolnir.denoise import VARIANCES, denoise_many, start_step
 from fedguard.mjolnir.noise import estimate_noise_level
 from fedguard.mjolnir.packing import pack_many, unpack_many, valid_mask
 from fedguard.mjolnir.pipeline import check_shapes
@@ -116,16 +116,15 @@ class Mjolnir:
         packed = pack_many(grads, spec)
         mask = valid_mask(spec)
         generator = torch.Generator().manual_seed(self.params.seed)
-        cleaned, levels, starts = [], [], []
+        levels = []
         for index, obs in enumerate(observations):
-            y = packed[index : index + 1]
             std = self.noise_std(obs)
-            level = std / spec.scale if std is not None else estimate_noise_level(
-                y, self.trained.normalization.get("signal_power", 1.0), mask)
-            cleaned.append(denoise(self.trained.model, self.trained.schedule, y, level, generator, self.params.variance))
-            levels.append(float(level))
-            starts.append(start_step(self.trained.schedule, level))
-        restored = unpack_many(torch.cat(cleaned), spec)
+            levels.append(float(std / spec.scale) if std is not None else estimate_noise_level(
+                packed[index : index + 1], self.trained.normalization.get("signal_power", 1.0), mask))
+        cleaned = denoise_many(self.trained.model, self.trained.schedule, packed, levels, generator,
+                               self.params.variance)
+        starts = [start_step(self.trained.schedule, level) for level in levels]
+        restored = unpack_many(cleaned, spec)
         uploads = []
         for index, obs in enumerate(observations):
             parts = iter(tensor[index].numpy().astype(obs.upload[0].dtype) for tensor in restored)

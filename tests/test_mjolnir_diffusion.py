@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fedguard.mjolnir.ddpm import DDPMTrainOptions, Schedule, diffusion_loss, q_sample, train_ddpm
-from fedguard.mjolnir.denoise import denoise, reverse_chain, reverse_coefficients, start_step, target_alpha_bar
+from fedguard.mjolnir.denoise import denoise, denoise_many, reverse_chain, reverse_coefficients, start_step, target_alpha_bar
 from fedguard.mjolnir.noise import (
     estimate_noise_level,
     classical_gaussian_sigma,
@@ -260,6 +260,56 @@ def test_an_oracle_denoiser_recovers_x0(variance: str) -> None:
 
     y = x0 + 0.7 * torch.randn(x0.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     assert torch.allclose(denoise(oracle, SCHEDULE, y, 0.7, variance=variance), x0, atol=1e-9)
+
+
+def test_one_batched_chain_with_one_noise_level_equals_denoise() -> None:
+    def model(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * t.view(-1, 1, 1, 1).to(x.dtype) / 1000
+
+    y = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    alone = denoise(model, SCHEDULE, y, 0.8, torch.Generator().manual_seed(4))
+    batched = denoise_many(model, SCHEDULE, y, [0.8, 0.8, 0.8], torch.Generator().manual_seed(4))
+    assert torch.equal(alone, batched)
+
+
+def test_each_grid_joins_the_batched_chain_at_its_own_start_step() -> None:
+    model = CountingDenoiser()
+    levels = [0.5, 0.1, 0.0, 0.5]
+    y = torch.randn(4, 1, 4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = denoise_many(model, SCHEDULE, y, levels)
+    starts = [start_step(SCHEDULE, m) for m in levels]
+    assert starts[2] == -1 and torch.equal(out[2], y[2])  # noiseless: never in the chain
+    assert model.steps == list(range(max(starts), -1, -1))
+    assert [len(x) for x in model.inputs] == [sum(s >= k for s in starts) for k in model.steps]
+    joined = model.inputs[model.steps.index(starts[1])]  # the M = 0.1 grid enters rescaled at its start step
+    assert torch.allclose(joined[1], y[1] / math.sqrt(1.01))  # chain rows follow the grids: 0, 1, 3
+    assert torch.allclose(model.inputs[0], y[[0, 3]] / math.sqrt(1.25))
+
+
+def test_an_oracle_denoiser_recovers_every_grid_at_its_own_noise_level() -> None:
+    x0 = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    abar = SCHEDULE.alpha_bars
+    rows = []
+
+    def oracle(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        a = abar[t].view(-1, 1, 1, 1)
+        return (x - a.sqrt() * x0[rows[-1]]) / (1 - a).sqrt()
+
+    levels = [0.7, 0.2, 1.5]
+    starts = [start_step(SCHEDULE, m) for m in levels]
+
+    def tracking(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        rows.append([i for i, s in enumerate(starts) if s >= int(t[0])])
+        return oracle(x, t)
+
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = x0 + torch.tensor(levels, dtype=torch.float64).view(-1, 1, 1, 1) * noise
+    assert torch.allclose(denoise_many(tracking, SCHEDULE, y, levels), x0, atol=1e-9)
+
+
+def test_batched_denoising_needs_one_level_per_grid() -> None:
+    with pytest.raises(ValueError, match="2 noise levels for 3 grids"):
+        denoise_many(CountingDenoiser(), SCHEDULE, torch.zeros(3, 1, 4, 4), [0.1, 0.2])
 
 
 def test_denoise_is_seeded_and_keeps_the_batch_shape() -> None:

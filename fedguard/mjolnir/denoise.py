@@ -99,6 +99,50 @@ def reverse_chain(
     return x
 
 
+def denoise_many(
+    model: Denoiser,
+    schedule: Schedule,
+    y: torch.Tensor,
+    noise_levels: list[float],
+    generator: torch.Generator | None = None,
+    variance: str = "beta",
+) -> torch.Tensor:
+    """Algorithm 3 for N grids with their own M, in one chain: the denoised grids (N, 1, S, S).
+
+    Grid i joins the chain at its own start step (rescaled by its 1/sqrt(1 + M_i**2)) and from there takes the
+    same steps as ``denoise`` would, so the model is called once per step for every grid then in the chain; grids
+    with start step -1 come back unchanged. The batch draws its noise together: with one M for all grids the
+    result equals ``denoise``'s for the same generator."""
+    if len(noise_levels) != len(y):
+        raise ValueError(f"{len(noise_levels)} noise levels for {len(y)} grids")
+    starts = [start_step(schedule, level) for level in noise_levels]
+    if generator is None:
+        generator = torch.Generator(device=y.device).manual_seed(0)
+    noise_coefficient, inverse_sqrt_alpha, sigma = reverse_coefficients(schedule, variance)
+    x = y.clone()
+    joining = {k: [i for i, start in enumerate(starts) if start == k] for k in set(starts) if k >= 0}
+    active: torch.Tensor | None = None
+    with torch.no_grad():
+        for k in range(max(starts), -1, -1):
+            if k in joining:
+                members = joining[k]
+                divisors = [math.sqrt(1 + noise_levels[i] ** 2) for i in members]
+                x[members] = x[members] / torch.tensor(divisors, dtype=y.dtype, device=y.device).reshape(-1, 1, 1, 1)
+                indices = [i for i, start in enumerate(starts) if start >= k]
+                active = None if len(indices) == len(x) else torch.tensor(indices, device=y.device)
+            chain = x if active is None else x[active]
+            t = torch.full((len(chain),), k, dtype=torch.long, device=y.device)
+            chain = (chain - noise_coefficient[k] * model(chain, t)) * inverse_sqrt_alpha[k]
+            if k > 0:
+                chain = chain + sigma[k] * torch.randn(chain.shape, generator=generator, device=y.device,
+                                                       dtype=y.dtype)
+            if active is None:
+                x = chain
+            else:
+                x[active] = chain
+    return x
+
+
 def denoise(
     model: Denoiser,
     schedule: Schedule,
