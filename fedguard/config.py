@@ -418,15 +418,16 @@ def _cross_checks(sections: dict[str, Any]) -> list[str]:
             if round_ not in captured:
                 problems.append(f"threat.malicious manipulates round {round_}, which is not a captured round of "
                                 f"this run (capture.rounds = {capture.rounds!r}, train.rounds = {train.rounds})")
-    problems += _defense_problems(sections["defense"], train.protocol)
+    problems += _defense_problems(sections["defense"], train.protocol, sections)
     for attack in sections["attacks"]:
         problems += _attack_problems(attack, sections, schedule, captured)
     return problems
 
 
-def _defense_problems(defense: Component, protocol: str) -> list[str]:
-    """Build the defense once, so that what its builder checks (files it loads) is reported before a run; and
-    check the protocols it supports (a defense's optional ``protocols`` attribute)."""
+def _defense_problems(defense: Component, protocol: str, sections: dict[str, Any]) -> list[str]:
+    """Build the defense once, so that what its builder checks (files it loads) is reported before a run; check
+    the protocols it supports (a defense's optional ``protocols`` attribute) and, when it has a
+    ``check_model(model)``, the run's model (built here for that)."""
     if defense.params is None:
         return []  # its parameters were reported already
     from fedguard.defenses import build_defense
@@ -439,6 +440,19 @@ def _defense_problems(defense: Component, protocol: str) -> list[str]:
     if supported is not None and protocol not in supported:
         return [f"defense.name = {defense.name!r} works on {' and '.join(sorted(supported))} uploads only; "
                 f"train.protocol = {protocol!r}"]
+    check_model = getattr(built, "check_model", None)
+    model, data = sections["model"], sections["data"]
+    if check_model is None or model.params is None:
+        return []
+    from fedguard.data import load_dataset
+    from fedguard.models import build_model
+
+    try:
+        check_model(build_model(model.name, load_dataset(data.name, data.source_options()).spec, model.params))
+    except ValueError as error:
+        return [f"defense.{defense.name} with model.name = {model.name!r}: {error}"]
+    except FileNotFoundError:
+        return []  # the data set's own problem, reported where it is loaded
     return []
 
 

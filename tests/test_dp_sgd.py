@@ -173,6 +173,15 @@ def test_batch_norm_models_are_refused(photos) -> None:
     refuse_batch_norm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4)))  # per-sample normalisation is fine
 
 
+def test_a_batch_norm_model_is_refused_when_the_run_is_configured() -> None:
+    base = ["defense.name=dp-sgd", "train.protocol=fedsgd", "model.name=mlp", "data.name=digits"]
+    with pytest.raises(ConfigError, match=r"defense.dp-sgd with model.name = 'mlp'.*BatchNorm mixes the samples"):
+        load_config(None, [*base, "model.mlp.batch-norm=true"])
+    assert load_config(None, [*base, "model.mlp.batch-norm=false"]).defense.name == "dp-sgd"
+    with pytest.raises(ConfigError, match="model.name = 'resnet18'"):
+        load_config(None, ["defense.name=dp-sgd", "train.protocol=fedsgd", "model.name=resnet18", "data.name=photos"])
+
+
 # ----------------------------------------------------------------------------------------------- accounting
 
 

@@ -129,6 +129,10 @@ class DPSGD:
     def __init__(self, params: DPSGDParams) -> None:
         self.params = params
 
+    def check_model(self, model: nn.Module) -> None:
+        """``ValueError`` for a model with BatchNorm (checked when the run is configured, not at the first step)."""
+        refuse_batch_norm(model)
+
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         batch = len(step.y)
         rate = sample_rate(self.params, batch, step.examples)
