@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedguard.config import Config, load_config, schema
+from fedguard.config import Config, ConfigError, load_config, schema
 from fedguard.data import DatasetNotFoundError
 from fedguard.evalnet import EvalNetOptions
 from fedguard.generators import SPLITS, TrainOptions
@@ -69,6 +69,9 @@ def _add_mjolnir_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
     parser.add_argument("--seed", type=int, help="seed of the surrogate's initialization, the batches and the DDPM "
                                                  "(default: the preset's seed, which initializes the global model)")
+    parser.add_argument("--at", type=Path, metavar="OBSERVATION",
+                        help="a captured upload (runs/<run>/observations/round-R_client-C.npz): the surrogate starts "
+                             "at the global model the server sent in that round (default: the seeded initialization)")
     parser.add_argument("--unet", choices=sorted(PRESETS), default="cpu", help="denoiser size (default cpu)")
     parser.add_argument("--out", type=Path, help="output .npz (default mjolnir/<data>-<model>.npz; the training "
                                                  "gradients go beside it, as <name>.gradients.npz)")
@@ -156,6 +159,22 @@ def cmd_train_generator(args: argparse.Namespace) -> int:
     return 0
 
 
+def global_weights_of(path: Path, config: Config) -> list:
+    """The global model's arrays a captured upload was computed at; ``ConfigError`` when the capture comes from
+    another model than ``config``'s."""
+    from fedguard.observation import load_observation
+
+    if not path.is_file():
+        raise ConfigError([f"--at {path}: no such captured upload (look in runs/<run>/observations/)"])
+    obs = load_observation(path)
+    params = dataclasses.asdict(config.model.params)
+    if obs.model != config.model.name or obs.model_params != params:
+        raise ConfigError([f"--at {path}: captured from {obs.model} {obs.model_params}, but the preset trains for "
+                           f"{config.model.name} {params}; pass the run's preset or --set model.*"])
+    print(f"fedguard: the surrogate starts at the global model of round {obs.round} ({path})", flush=True)
+    return list(obs.global_arrays)
+
+
 def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     """Train Mjölnir's gradient diffusion model on a surrogate's clean gradients, for the run a preset describes."""
     from fedguard.mjolnir import save_ddpm, save_gradient_set
@@ -166,11 +185,12 @@ def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     surrogate = SurrogateOptions(args.surrogate_epochs, config.train.batch_size, args.surrogate_lr, args.gradients,
                                  seed)
     training = DDPMTrainOptions(args.epochs, args.ddpm_batch_size, args.lr, seed)
+    weights = None if args.at is None else global_weights_of(args.at, config)
     print(f"fedguard: {args.gradients} surrogate gradients of {config.model.name} (batch {config.train.batch_size}) "
           f"on the public {args.split} split of {config.data.name}, then a {args.unet} DDPM", flush=True)
     trained, gradients = train_mjolnir(config.model.name, config.model.params, config.data.name, surrogate, args.unet, training,
                             args.split, config.data.source_options(),
-                            on_epoch=lambda stats: print(f"fedguard: {stats}", flush=True))
+                            on_epoch=lambda stats: print(f"fedguard: {stats}", flush=True), weights=weights)
     out = args.out or Path("mjolnir") / f"{config.data.name}-{config.model.name}.npz"
     print(f"fedguard: saved {save_ddpm(trained, out)}")
     print(f"fedguard: saved the training gradients to {save_gradient_set(gradients, out.with_suffix('.gradients.npz'))}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,9 @@ from fedguard.mjolnir import load_ddpm, load_gradient_set, start_step
 from fedguard.mjolnir.packing import unpack
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
-from fedguard.observation import ModelCard
+from fedguard.observation import ModelCard, save_observation
 from fedguard.server_app import initial_model
-from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
+from fedguard.training import compute_gradients, get_arrays, loss_fn, set_arrays, trainable_mask
 
 SMALL = ["data.name=digits", "model.name=mlp", "model.mlp.hidden=16", "train.batch-size=1"]
 
@@ -72,6 +73,28 @@ def test_a_zero_surrogate_lr_records_gradients_at_the_runs_first_global_model(tm
     for image, batch in zip(gradients.images, gradients.batches):
         expected = compute_gradients(global_model, *data.test.batch(batch))[0]
         assert all(torch.equal(a, b) for a, b in zip(unpack(image, gradients.spec), expected))
+
+
+def test_the_surrogate_can_start_at_a_captured_rounds_global_model(tmp_path: Path) -> None:
+    obs, _ = upload()
+    later = dataclasses.replace(obs, round=5, global_arrays=[a * 0.5 for a in obs.global_arrays])
+    path = save_observation(later, tmp_path / "observations")
+    out = tmp_path / "at-round-5.npz"
+    args = ["train-mjolnir", *(a for o in SMALL for a in ("--set", o)), "--gradients", "3", "--surrogate-epochs", "1",
+            "--surrogate-lr", "0", "--epochs", "1", "--at", str(path), "--out", str(out)]
+    assert main(args) == 0
+    gradients = load_gradient_set(out.with_suffix(".gradients.npz"))
+    assert gradients.start == "weights" and load_ddpm(out).normalization["start"] == "weights"
+    model = build_model("mlp", load_dataset("digits").spec, MLPParams(hidden=16))
+    set_arrays(model, later.global_arrays)
+    data = load_dataset("digits")
+    for image, batch in zip(gradients.images, gradients.batches):
+        expected = compute_gradients(model, *data.test.batch(batch))[0]
+        assert all(torch.equal(a, b) for a, b in zip(unpack(image, gradients.spec), expected))
+    other = [*(a for o in [*SMALL, "model.mlp.hidden=32"] for a in ("--set", o)), "--at", str(path)]
+    assert main(["train-mjolnir", *other, "--out", str(tmp_path / "x.npz")]) == 2
+    assert main(["train-mjolnir", *(a for o in SMALL for a in ("--set", o)), "--at", str(tmp_path / "none.npz"),
+                 "--out", str(tmp_path / "y.npz")]) == 2
 
 
 def test_every_optimization_attack_has_a_mjolnir_stage_with_its_own_parameters() -> None:

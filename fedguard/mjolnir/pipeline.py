@@ -9,8 +9,9 @@ their real entries (what ``estimate_noise_level`` subtracts).
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from fedguard.data import SourceOptions
@@ -38,10 +39,12 @@ def train_mjolnir(
     source: SourceOptions = SourceOptions(),
     on_gradient: Callable[[RecordStats], None] | None = None,
     on_epoch: Callable[[DDPMEpoch], None] | None = None,
+    weights: Sequence[np.ndarray] | None = None,
 ) -> tuple[TrainedDDPM, GradientSet]:
     """Algorithms 1 and 2: surrogate gradients of ``model`` on ``split`` of ``dataset``, then the DDPM; returns
-    the model and the gradient data set it learned."""
-    gradients = collect_gradients(model, model_params, dataset, split, surrogate, source, on_gradient)
+    the model and the gradient data set it learned. ``weights``: the surrogate's starting ``state_dict`` arrays
+    (e.g. a captured round's global model), None for the seeded initialization."""
+    gradients = collect_gradients(model, model_params, dataset, split, surrogate, source, on_gradient, weights)
     network, losses = train_ddpm(gradients.images, preset(unet), training, on_epoch)
     record = {
         "packing": spec_to_dict(gradients.spec),
@@ -53,6 +56,7 @@ def train_mjolnir(
         "signal_power": signal_power(gradients),
         "unet": unet,
         "surrogate": asdict(surrogate),
+        "start": gradients.start,
     }
     return TrainedDDPM(network, training.schedule, record, tuple(losses)), gradients
 
