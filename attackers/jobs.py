@@ -16,7 +16,7 @@ from torch.func import replace_all_batch_norm_modules_
 
 from attackers.base import images_per_upload, shape_key
 from attackers.labels import declared_labels, infer_labels
-from fedguard.models import MODELS, build_model
+from fedguard.models import global_model
 from fedguard.observation import Observation
 
 
@@ -32,8 +32,7 @@ def resolve_device(name: str) -> torch.device:
 def stateless_model(obs: Observation, device: torch.device) -> nn.Module:
     """The observed architecture at its global model, BatchNorm on batch statistics (as in a training step)
     and without running statistics, ready for ``torch.func.functional_call``."""
-    model = build_model(obs.model, obs.spec, MODELS.get(obs.model).params(**obs.model_params))
-    model.load_state_dict({name: torch.tensor(array) for name, array in zip(obs.names, obs.global_arrays)})
+    model = global_model(obs)
     replace_all_batch_norm_modules_(model)
     return model.train().to(device)
 

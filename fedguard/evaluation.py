@@ -23,7 +23,7 @@ from fedguard.config import Component, Config
 from fedguard.metrics import cosine_similarity, floor_scores, gradient_psnr, score_batch
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.metrics.image import PSNR_CAP_DB
-from fedguard.models import MODELS, build_model
+from fedguard.models import global_model
 from fedguard.observation import Observation
 from fedguard.report.images import save_grid
 from fedguard.training import compute_gradients
@@ -60,9 +60,7 @@ def attack_contexts(config: Config, **extra: Any) -> dict[str, dict[str, Any]]:
 
 def clean_gradient(obs: Observation, images: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
     """The gradient the client's true batch gives at the model it received (what an undefended client sends)."""
-    model = build_model(obs.model, obs.spec, MODELS.get(obs.model).params(**obs.model_params))
-    model.load_state_dict({name: torch.tensor(array) for name, array in zip(obs.names, obs.global_arrays)})
-    grads, _ = compute_gradients(model, images, labels)
+    grads, _ = compute_gradients(global_model(obs), images, labels)
     return grads
 
 
