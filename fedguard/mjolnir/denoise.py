@@ -75,6 +75,19 @@ def reverse_coefficients(schedule: Schedule, variance: str = "beta") -> tuple[li
     return (betas / (1 - alpha_bars).sqrt()).tolist(), alphas.rsqrt().tolist(), sigmas.tolist()
 
 
+def _reverse_step(
+    model: Denoiser, x: torch.Tensor, k: int, coefficients: tuple[list[float], list[float], list[float]],
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """One ancestral step from x_k (N, 1, S, S) to x_(k-1), with fresh noise unless k = 0."""
+    noise_coefficient, inverse_sqrt_alpha, sigma = coefficients
+    t = torch.full((len(x),), k, dtype=torch.long, device=x.device)
+    x = (x - noise_coefficient[k] * model(x, t)) * inverse_sqrt_alpha[k]
+    if k > 0:
+        x = x + sigma[k] * torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    return x
+
+
 def reverse_chain(
     model: Denoiser,
     schedule: Schedule,
@@ -89,13 +102,10 @@ def reverse_chain(
     ``x.device`` and draws the noise of steps start..1."""
     if not 0 <= start < schedule.steps:
         raise ValueError(f"start step {start} is outside the schedule's steps 0..{schedule.steps - 1}")
-    noise_coefficient, inverse_sqrt_alpha, sigma = reverse_coefficients(schedule, variance)
+    coefficients = reverse_coefficients(schedule, variance)
     with torch.no_grad():
         for k in range(start, -1, -1):
-            t = torch.full((len(x),), k, dtype=torch.long, device=x.device)
-            x = (x - noise_coefficient[k] * model(x, t)) * inverse_sqrt_alpha[k]
-            if k > 0:
-                x = x + sigma[k] * torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+            x = _reverse_step(model, x, k, coefficients, generator)
     return x
 
 
@@ -118,7 +128,7 @@ def denoise_many(
     starts = [start_step(schedule, level) for level in noise_levels]
     if generator is None:
         generator = torch.Generator(device=y.device).manual_seed(0)
-    noise_coefficient, inverse_sqrt_alpha, sigma = reverse_coefficients(schedule, variance)
+    coefficients = reverse_coefficients(schedule, variance)
     x = y.clone()
     joining = {k: [i for i, start in enumerate(starts) if start == k] for k in set(starts) if k >= 0}
     active: torch.Tensor | None = None
@@ -130,12 +140,7 @@ def denoise_many(
                 x[members] = x[members] / torch.tensor(divisors, dtype=y.dtype, device=y.device).reshape(-1, 1, 1, 1)
                 indices = [i for i, start in enumerate(starts) if start >= k]
                 active = None if len(indices) == len(x) else torch.tensor(indices, device=y.device)
-            chain = x if active is None else x[active]
-            t = torch.full((len(chain),), k, dtype=torch.long, device=y.device)
-            chain = (chain - noise_coefficient[k] * model(chain, t)) * inverse_sqrt_alpha[k]
-            if k > 0:
-                chain = chain + sigma[k] * torch.randn(chain.shape, generator=generator, device=y.device,
-                                                       dtype=y.dtype)
+            chain = _reverse_step(model, x if active is None else x[active], k, coefficients, generator)
             if active is None:
                 x = chain
             else:
