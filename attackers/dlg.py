@@ -26,7 +26,7 @@ from torch.func import functional_call, grad, vmap
 from attackers.base import Reconstruction, check_search_params, images_per_upload, register_attack
 from attackers.inverting_gradients import target_gradient
 from attackers.jobs import JobBatch, job_seed, resolve_device
-from attackers.labels import declared_labels, infer_labels
+from attackers.labels import declared_labels, upload_labels_inferred
 from fedguard.observation import Observation
 
 
@@ -128,7 +128,8 @@ class DeepLeakage:
         target = [stack([t[i] for t in targets]) for i in range(len(names))]
         given = [declared_labels(o.declared) for o in observations]
         if self.infer or all(lab is not None for lab in given):
-            known = [(infer_labels(t, classes, batch) if lab is None else lab).to(device) for lab, t in zip(given, targets)]
+            known = [(upload_labels_inferred(o, t, batch) if lab is None else lab).to(device)
+                     for o, lab, t in zip(observations, given, targets)]
         else:
             known = None
         fixed = stack(known) if known is not None else None

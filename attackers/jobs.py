@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.func import replace_all_batch_norm_modules_
 
 from attackers.base import images_per_upload, shape_key
-from attackers.labels import declared_labels, infer_labels
+from attackers.labels import declared_labels, upload_labels_inferred
 from fedguard.models import global_model
 from fedguard.observation import Observation
 
@@ -99,7 +99,8 @@ def job_targets(
     if labels is None:
         labels = [declared_labels(o.declared) for o in observations]
     inferred = [lab is None for lab in labels]
-    known = [infer_labels(t, first.spec.num_classes, batch) if lab is None else lab for lab, t in zip(labels, targets)]
+    known = [upload_labels_inferred(o, t, batch) if lab is None else lab
+             for o, lab, t in zip(observations, labels, targets)]
     device = targets[0][0].device
     target = [jobs.per_job([t[i] for t in targets]) for i in range(len(jobs.names))]
     return JobTargets(target, jobs.per_job([lab.to(device) for lab in known]), known, inferred, batch)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from attackers.base import Reconstruction, images_per_upload, register_attack
-from attackers.labels import declared_labels, infer_labels
+from attackers.labels import declared_labels, upload_labels_inferred
 from attackers.manipulation import register_manipulation
 from fedguard.data.spec import DataSpec
 from fedguard.observation import ModelCard, Observation
@@ -82,7 +82,7 @@ def upload_labels(obs: Observation, batch: int) -> tuple[torch.Tensor, bool]:
     if declared is not None:
         return declared, False
     grads = [torch.tensor(a) for a, t in zip(obs.upload, obs.trainable) if t]
-    return infer_labels(grads, obs.spec.num_classes, batch), True
+    return upload_labels_inferred(obs, grads, batch), True
 
 
 def in_box(candidates: torch.Tensor, slack: float) -> torch.Tensor:

@@ -121,8 +121,10 @@ def build_strategy(config: Config, model: torch.nn.Module, recorder: RoundRecord
     def aggregate_fit_metrics(metrics: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
         latest.clear()
         reports = aggregate_reports([m for _, m in metrics])
-        if reports:
-            latest["defense"] = reports
+        if reports.totals:
+            latest["defense"] = reports.totals
+        if reports.uploads:
+            latest["uploads"] = reports.uploads
         for key in ("upload-bytes", "dense-bytes"):
             sizes = [float(m[key]) for _, m in metrics if key in m]
             if sizes:

@@ -15,7 +15,8 @@ Every (setting, variant) pair is one run: the preset's keys, then the setting's,
 All runs are validated before the first one starts. Each runs as its own ``fedguard run`` process in
 ``<sweep folder>/<setting>/<variant>``, so a run that fails is reported and the others go on; a run
 folder that already holds ``rounds.jsonl`` with every round is kept, not run again (a stopped sweep
-resumes). ``sweep.jsonl`` holds one row per run and ``summary.md`` the table per variant.
+resumes). ``sweep.jsonl`` holds one row per run and ``summary.md`` the table per variant; a reproduction
+preset's ``[sweep.paper]`` (``fedguard.report.paper_table``) adds the paper's numbers beside ours.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any, Callable
 import tomli_w
 
 from fedguard.config import Config, ConfigError, flatten, load_config
+from fedguard.report.paper_table import PaperTable, parse_paper_table, render_paper_table
 from fedguard.report.run_dir import ROUNDS_FILE, unflatten
 
 SWEEP_FILE = "sweep.jsonl"
@@ -51,12 +53,14 @@ class SweepRun:
 
 @dataclass(frozen=True)
 class Sweep:
-    """The runs of a sweep preset and the variant the others' accuracy is compared to."""
+    """The runs of a sweep preset, the variant the others' accuracy is compared to, and for a reproduction
+    preset the paper's numbers to print beside ours."""
 
     name: str
     folder: Path
     baseline: str
     runs: tuple[SweepRun, ...]
+    paper: PaperTable | None = None
 
 
 def _table(sweep: dict[str, Any], key: str, path: Path) -> dict[str, dict[str, Any]]:
@@ -75,9 +79,10 @@ def load_sweep(preset: Path | str, out: Path | None = None) -> Sweep:
     sweep = document.pop("sweep", None)
     if not isinstance(sweep, dict):
         raise ConfigError([f"{path}: no [sweep] table; run a single experiment with `fedguard run {path}`"])
-    unknown = sorted(set(sweep) - {"baseline", "settings", "variants"})
+    unknown = sorted(set(sweep) - {"baseline", "settings", "variants", "paper"})
     if unknown:
-        raise ConfigError([f"{path}: unknown key(s) in [sweep]: {', '.join(unknown)} (choose baseline, settings, variants)"])
+        raise ConfigError([f"{path}: unknown key(s) in [sweep]: {', '.join(unknown)} "
+                           "(choose baseline, settings, variants, paper)"])
     variants = _table(sweep, "variants", path)
     settings = _table(sweep, "settings", path) or {"run": {}}
     if not variants:
@@ -98,9 +103,13 @@ def load_sweep(preset: Path | str, out: Path | None = None) -> Sweep:
                 problems += [f"{setting}/{variant}: {p}" for p in error.problems]
                 continue
             runs.append(SweepRun(setting, variant, config, folder / setting / variant))
+    paper = None
+    if "paper" in sweep:
+        paper, paper_problems = parse_paper_table(sweep["paper"], {f"{s}/{v}" for s in settings for v in variants}, str(path))
+        problems += paper_problems
     if problems:
         raise ConfigError(problems)
-    return Sweep(name, folder, baseline, tuple(runs))
+    return Sweep(name, folder, baseline, tuple(runs), paper)
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -131,23 +140,47 @@ def attack_scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return scores
 
 
+def raw_uploads(rounds: list[dict[str, Any]], attacked: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many uploads went out as the raw gradient (a defense's ``upload.raw`` report, e.g. CENSOR's
+    Algorithm 1 fallback): ``raw_fraction`` over every upload of the run, and ``raw_attacked`` of
+    ``attacked_uploads`` among the (round, client) uploads that attack rows scored. Empty when no upload
+    reported it."""
+    flags = {(r["round"], u.get("client")): u["raw"] for r in rounds for u in r.get("uploads", []) if "raw" in u}
+    if not flags:
+        return {}
+    targets = dict.fromkeys((a.get("round"), a.get("client")) for a in attacked)
+    return {"raw_fraction": sum(flags.values()) / len(flags), "attacked_uploads": len(targets),
+            "raw_attacked": sum(int(flags.get(t, 0) > 0) for t in targets)}
+
+
 def summarize_run(run: SweepRun, status: str) -> dict[str, Any]:
-    """One ``sweep.jsonl`` row: final accuracy, mean round time, defense reports, scores per attack, and the
-    strongest attack's (highest mean SSIM) scores at the top level, since a defense is as good as it is
-    against the best attack."""
+    """One ``sweep.jsonl`` row: final accuracy, mean round time, defense reports (the epsilon spent by the
+    end, where the defense reports one), raw uploads, scores per attack, and the strongest attack's (highest
+    mean SSIM) scores at the top level, since a defense is as good as it is against the best attack."""
     rounds = _rows(run.folder / ROUNDS_FILE)
     scored = [a for a in _rows(run.folder / ATTACKS_FILE) if a.get("status") == "ok"]
     trained = [r for r in rounds if r["round"] > 0]
     per_attack = {name: attack_scores([a for a in scored if a.get("attack") == name])
                   for name in dict.fromkeys(str(a.get("attack")) for a in scored)}
     strongest = max(per_attack, key=lambda name: per_attack[name]["ssim"] or 0.0, default=None)
+    report = trained[-1].get("defense", {}) if trained else {}
+    by_round = {}
+    if strongest:
+        for round_ in sorted({a["round"] for a in scored if a.get("attack") == strongest and isinstance(a.get("round"), int)}):
+            by_round[str(round_)] = attack_scores([a for a in scored if a.get("attack") == strongest
+                                                   and a.get("round") == round_])
+    sizes = [(r["upload_bytes"], r["dense_bytes"]) for r in trained if r.get("dense_bytes")]
     return {
         "setting": run.setting, "variant": run.variant, "defense": run.config.defense.name, "status": status,
         "folder": str(run.folder), "rounds": len(trained),
         "accuracy": rounds[-1]["accuracy"] if rounds else None,
         "seconds_per_round": _mean([r["seconds"] for r in trained[1:]] or [r["seconds"] for r in trained]),
-        "defense_report": trained[-1].get("defense", {}) if trained else {},
+        "defense_report": report,
+        "epsilon": report.get("epsilon"),
+        **raw_uploads(trained, scored),
+        "upload_share": sum(u for u, _ in sizes) / sum(d for _, d in sizes) if sizes else None,
         "attacks": per_attack,
+        "by_round": by_round,
         "strongest_attack": strongest,
         **(per_attack[strongest] if strongest else {}),
     }
@@ -157,19 +190,38 @@ def _cell(value: Any, digits: int, suffix: str = "") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _epsilon_cell(value: float | None) -> str:
+    """Epsilon spent, plain below 1,000 and in powers of ten above (a noise baseline's 2e+06)."""
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if value < 1000 else f"{value:.1e}"
+
+
+def _raw_cell(row: dict[str, Any], attacked: bool) -> str:
+    if "raw_fraction" not in row:
+        return "-"
+    if attacked:
+        return f"{row['raw_attacked']} of {row['attacked_uploads']}"
+    return f"{100 * row['raw_fraction']:.0f}%"
+
+
 def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
     """Markdown: one line per variant; per setting, the strongest attack's scores where the setting attacked,
     the final accuracy (also as a percentage of the baseline variant's) where it trained for more than one
-    round, and the mean seconds per round."""
+    round, the epsilon spent where a variant reports one, the raw uploads (of the attacked ones where the
+    setting attacked, else the share of all) where a variant reports them, and the mean seconds per round."""
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["setting"], r["variant"]): r for r in rows}
     attacked = {s for s in settings if any(r.get("images") for r in rows if r["setting"] == s)}
     trained = {s for s in settings if any((r.get("rounds") or 0) > 1 for r in rows if r["setting"] == s)}
+    private = {s for s in settings if any(r.get("epsilon") is not None for r in rows if r["setting"] == s)}
+    raw = {s for s in settings if any("raw_fraction" in r for r in rows if r["setting"] == s)}
     header, rule = ["variant"], ["---"]
     for setting in settings:
         columns = (["strongest attack", "PSNR (dB)", "SSIM", "LPIPS", "SSIM > 0.9"] if setting in attacked else []) + (
-            ["accuracy", "% of baseline"] if setting in trained else []) + ["s/round"]
+            ["accuracy", "% of baseline"] if setting in trained else []) + (
+            ["epsilon"] if setting in private else []) + (["raw uploads"] if setting in raw else []) + ["s/round"]
         header += [f"{setting}: {columns[0]}", *columns[1:]]
         rule += ["---" if column == "strongest attack" else "---:" for column in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
@@ -186,6 +238,10 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
                 accuracy, reference = row.get("accuracy"), base.get("accuracy")
                 share = 100 * accuracy / reference if accuracy is not None and reference else None
                 cells += [_cell(None if accuracy is None else 100 * accuracy, 1, "%"), _cell(share, 1, "%")]
+            if setting in private:
+                cells.append(_epsilon_cell(row.get("epsilon")))
+            if setting in raw:
+                cells.append(_raw_cell(row, setting in attacked))
             cells.append(_cell(row.get("seconds_per_round"), 2))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -221,7 +277,10 @@ def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: fl
         progress(f"fedguard: {label}: {status}; {scores}{accuracy}")
     with open(sweep.folder / SWEEP_FILE, "w", encoding="utf-8") as handle:
         handle.writelines(json.dumps(row) + "\n" for row in rows)
-    (sweep.folder / SUMMARY_FILE).write_text(summary_table(rows, sweep.baseline))
+    summary = summary_table(rows, sweep.baseline)
+    if sweep.paper is not None:
+        summary += "\n" + render_paper_table(sweep.paper, rows, sweep.baseline)
+    (sweep.folder / SUMMARY_FILE).write_text(summary)
     return rows
 
 

@@ -23,8 +23,9 @@ from attackers.inverting_gradients import InvertingGradients, InvertingGradients
 from fedguard.config import ConfigError, load_config
 from fedguard.data import load_dataset
 from fedguard.defenses import DEFENSES, LocalStep, build_defense
-from fedguard.defenses.censor import (FALLBACKS_KEY, STEPS_KEY, Censor, CensorParams, choose_candidate,
-                                      orthogonal_rescaled, probe_losses)  # the import registers "censor"
+from fedguard.defenses.censor import (FALLBACKS_KEY, RAW_KEY, STEPS_KEY, Censor, CensorParams, choose_candidate,
+                                      orthogonal_rescaled, probe_losses,
+                                      published_orthogonal_rescaled)  # the import registers "censor"
 from fedguard.metrics import psnr, ssim
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
@@ -126,6 +127,40 @@ def test_a_zero_gradient_gives_a_zero_upload_and_rows_are_independent() -> None:
     assert torch.equal(together[1], torch.zeros(10))
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.05, 30.0])
+def test_the_published_projection_is_the_codes_formula(scale: float) -> None:
+    """r^ = r / ||r||, o = r^ - (<r^, g> / ||g||) g, rescaled to ||g||: orthogonal only when ||g|| = 1, and
+    otherwise <o, g> = <r^, g> (1 - ||g||) before the rescaling."""
+    generator = torch.Generator().manual_seed(4)
+    g = torch.randn(1, 50, generator=generator, dtype=torch.float64)
+    g = g * scale / g.norm()
+    noise = torch.randn(4, 50, generator=generator, dtype=torch.float64)
+    out = published_orthogonal_rescaled(g, noise)
+    unit = noise / noise.norm(dim=1, keepdim=True)
+    orth = unit - (unit @ g.T) / g.norm() * g
+    torch.testing.assert_close(out, orth * g.norm() / orth.norm(dim=1, keepdim=True))
+    torch.testing.assert_close((orth @ g.T).squeeze(1), (unit @ g.T).squeeze(1) * (1 - scale))
+    torch.testing.assert_close(out.norm(dim=1), torch.full((4,), scale, dtype=torch.float64))
+    if scale == 1.0:
+        assert float((out @ g.T).abs().max()) < 1e-12
+    else:
+        assert float((out @ g.T).abs().max()) > 1e-3 * scale ** 2
+
+
+def test_the_projection_option_selects_the_candidates_formula(photos, batch) -> None:
+    model = model_of(photos, "mlp")
+    x, y = batch
+    step = step_of(model, x, y)
+    exact = censor(trials=3).candidates(step.grads, torch.Generator().manual_seed(1))
+    published = censor(trials=3, projection="published").candidates(step.grads, torch.Generator().manual_seed(1))
+    noises = [torch.randn((3, g.numel()), generator=gen, dtype=g.dtype)
+              for gen in [torch.Generator().manual_seed(1)] for g in step.grads]
+    for g, e, p, r in zip(step.grads, exact, published, noises):
+        torch.testing.assert_close(p, published_orthogonal_rescaled(g.reshape(1, -1), r).reshape(p.shape))
+        assert max(abs(cosine(c, g)) for c in e) < 1e-5
+    assert max(abs(cosine(c, g)) for g, p in zip(step.grads, published) for c in p) > 1e-4
+
+
 # ----------------------------------------------------------------------------------------------- selection
 
 
@@ -151,10 +186,12 @@ def test_temperature_zero_uploads_the_least_loss_candidate(photos, batch, key: s
         sent = defense(step, state)
         best = int(losses.argmin())
         assert float(losses.sort().values[1] - losses[best]) > 1e-5, "a near tie: the test cannot tell"
-        assert all(torch.equal(s, c[best]) for s, c in zip(sent, candidates))
+        fell_back = float(batched.min()) >= float(batched_base)
+        expected = step.grads if fell_back else [c[best] for c in candidates]  # Algorithm 1: G* = G^0 on fallback
+        assert all(torch.equal(s, e) for s, e in zip(sent, expected))
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in buffers.items()), "model or BN stats changed"
         assert model.training
-        fallbacks += int(float(losses.min()) >= base)
+        fallbacks += int(fell_back)
     assert int(state[FALLBACKS_KEY]) == fallbacks and int(state[STEPS_KEY]) == 3
 
 
@@ -214,7 +251,7 @@ def linear_model() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(12, 4))
 
 
-@pytest.mark.parametrize("fallback", ["best", "zero"])
+@pytest.mark.parametrize("fallback", ["raw", "best", "zero"])
 def test_when_no_candidate_improves_the_fallback_is_uploaded_and_counted(fallback: str) -> None:
     model = linear_model()
     x, y = torch.rand(3, 1, 3, 4, generator=torch.Generator().manual_seed(6)), torch.zeros(3, dtype=torch.long)
@@ -227,7 +264,10 @@ def test_when_no_candidate_improves_the_fallback_is_uploaded_and_counted(fallbac
         sent = defense(step, state)
         assert int(state[FALLBACKS_KEY]) == round_ and int(state[STEPS_KEY]) == round_
         assert state[FALLBACKS_KEY].dtype == torch.long and state[FALLBACKS_KEY].shape == ()
-        if fallback == "zero":
+        assert defense.report(state)["upload.raw"] == (1.0 if fallback == "raw" else 0.0)
+        if fallback == "raw":  # Algorithm 1: G* = G^0 when no candidate beats the current loss
+            assert all(torch.equal(s, g) for s, g in zip(sent, step.grads))
+        elif fallback == "zero":
             assert all(torch.equal(s, torch.zeros_like(s)) for s in sent)
         else:
             candidates = defense.candidates(step.grads, torch.Generator().manual_seed(round_))
@@ -235,26 +275,30 @@ def test_when_no_candidate_improves_the_fallback_is_uploaded_and_counted(fallbac
             assert all(abs(cosine(s, g)) < 1e-5 for s, g in zip(sent, step.grads))
 
 
-def test_when_a_candidate_improves_nothing_is_counted_and_zero_is_not_sent() -> None:
+@pytest.mark.parametrize("fallback", ["raw", "zero"])
+def test_when_a_candidate_improves_nothing_is_counted_and_the_fallback_is_not_sent(fallback: str) -> None:
     model = linear_model()
     x, y = torch.rand(3, 1, 3, 4, generator=torch.Generator().manual_seed(6)), torch.zeros(3, dtype=torch.long)
     state = {FALLBACKS_KEY: torch.tensor(7), STEPS_KEY: torch.tensor(9)}
+    defense = censor(trials=5, fallback=fallback)
     for round_ in (1, 2):
-        sent = censor(trials=5, fallback="zero")(step_of(model, x, y, round_, square_loss(-1.0), round_), state)
-        assert all(float(s.norm()) > 0 for s in sent)
+        step = step_of(model, x, y, round_, square_loss(-1.0), round_)
+        sent = defense(step, state)
+        assert all(float(s.norm()) > 0 and abs(cosine(s, g)) < 1e-5 for s, g in zip(sent, step.grads))
+        assert defense.report(state)["upload.raw"] == 0.0
     assert int(state[FALLBACKS_KEY]) == 7 and int(state[STEPS_KEY]) == 11
 
 
 def test_only_the_active_rounds_are_defended(photos, batch) -> None:
     model = model_of(photos, "mlp")
     x, y = batch
-    defense, state = censor(trials=3, active_rounds=2), {}
+    defense, state = censor(trials=3, active_rounds=2, fallback="best"), {}
     defended = defense(step_of(model, x, y, round_=2), state)
     assert all(abs(cosine(s, g)) < 1e-5 for s, g in zip(defended, step_of(model, x, y).grads))
     step = step_of(model, x, y, round_=3)
     raw = defense(step, state)
     assert all(torch.equal(s, g) for s, g in zip(raw, step.grads))
-    assert int(state[STEPS_KEY]) == 1
+    assert int(state[STEPS_KEY]) == 1 and defense.report(state)["upload.raw"] == 1.0
 
 
 # ----------------------------------------------------------------------------------------------- determinism, EOT
@@ -264,7 +308,7 @@ def test_the_upload_is_determined_by_the_generator_seed(photos, batch) -> None:
     model = model_of(photos, "lenet")
     x, y = batch
     for temperature in (0.0, 10.0):
-        defense = censor(trials=5, temperature=temperature)
+        defense = censor(trials=5, temperature=temperature, fallback="best")
         first_state, again_state = {}, {}
         first = defense(step_of(model, x, y, 11), first_state)
         again = defense(step_of(model, x, y, 11), again_state)
@@ -307,21 +351,23 @@ def test_bad_parameters_are_rejected_naming_the_value_and_the_range(field: str, 
         CensorParams(**{field: value})
 
 
-@pytest.mark.parametrize("fallback", ["raw", "original"])
-def test_a_fallback_that_leaks_is_rejected_naming_the_choices(fallback: str) -> None:
+@pytest.mark.parametrize(("field", "value", "choices"), [
+    ("fallback", "original", "raw, best, zero"), ("projection", "code", "exact, published")])
+def test_an_unknown_choice_is_rejected_naming_the_choices(field: str, value: str, choices: str) -> None:
     with pytest.raises(ValueError) as error:
-        CensorParams(fallback=fallback)
-    assert repr(fallback) in str(error.value) and "best, zero" in str(error.value)
+        CensorParams(**{field: value})
+    assert repr(value) in str(error.value) and choices in str(error.value)
 
 
 def test_censor_is_registered_and_configurable() -> None:
     assert DEFENSES.get("censor").params is CensorParams
-    assert CensorParams() == CensorParams(trials=20, probe_lr=0.5, temperature=0.0, fallback="best", active_rounds=0)
+    assert CensorParams() == CensorParams(trials=20, probe_lr=0.5, temperature=0.0, fallback="raw",
+                                          projection="exact", active_rounds=0)
     config = load_config(None, ["defense.name=censor", "defense.censor.trials=5", "defense.censor.probe-lr=0.1",
-                                "defense.censor.fallback=zero"])
-    assert config.defense.params == CensorParams(trials=5, probe_lr=0.1, fallback="zero")
-    with pytest.raises(ConfigError, match="best, zero"):
-        load_config(None, ["defense.name=censor", "defense.censor.fallback=raw"])
+                                "defense.censor.fallback=zero", "defense.censor.projection=published"])
+    assert config.defense.params == CensorParams(trials=5, probe_lr=0.1, fallback="zero", projection="published")
+    with pytest.raises(ConfigError, match="raw, best, zero"):
+        load_config(None, ["defense.name=censor", "defense.censor.fallback=leak"])
 
 
 def test_a_step_whose_gradients_do_not_match_the_model_is_rejected(photos, batch) -> None:
@@ -336,36 +382,79 @@ def test_a_step_whose_gradients_do_not_match_the_model_is_rejected(photos, batch
 # ----------------------------------------------------------------------------------------------- attack
 
 
-def test_inverting_gradients_no_longer_reconstructs_a_defended_photo(photos) -> None:
-    """Batch-1 MLP uploads of two photos; the attacker is even given the true labels."""
+def test_inverting_gradients_fails_on_orthogonal_uploads_and_succeeds_on_raw_ones(photos) -> None:
+    """Batch-1 MLP uploads of four photos; the attacker is even given the true labels. Under Algorithm 1
+    (fallback raw) an upload whose orthogonal candidates all raise the loss goes out raw and leaks as an
+    undefended one; every orthogonal upload defeats the attack, and with the 'best' fallback none leaks."""
     torch.manual_seed(0)
     model = build_model("mlp", photos.spec)
     arrays = get_arrays(model)
     card = ModelCard("mlp", {"hidden": 256, "depth": 2}, photos.spec, tuple(model.state_dict()),
                      tuple(trainable_mask(model)))
-    x, y = photos.test.batch(IMAGES[:2])
+    x, y = photos.test.batch(IMAGES)
     attack = InvertingGradients(InvertingGradientsParams(iterations=150, restarts=1, lr=0.025, tv=1e-4, device="cpu"))
-    results = {}
-    for name in ("none", "censor"):
-        protect, observations = build_defense(name), []
-        for i in range(2):
+    scores, raw = {}, {}
+    for name, params in (("none", None), ("raw", CensorParams()), ("best", CensorParams(fallback="best"))):
+        protect, observations, raw[name] = build_defense("censor" if params else "none", params), [], []
+        for i in range(len(IMAGES)):
             grads, _ = compute_gradients(model, x[i : i + 1], y[i : i + 1])
             step = LocalStep(model, x[i : i + 1], y[i : i + 1], grads, loss_fn, torch.Generator().manual_seed(i), 1, i)
-            sent = protect(step, {})
+            state: dict[str, torch.Tensor] = {}
+            sent = protect(step, state)
+            raw[name].append(bool(params) and protect.report(state)["upload.raw"] == 1.0)
             observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in sent], 1, {"batch-size": 1}))
-        images = torch.cat([r.images for r in attack.reconstruct_many(observations, [y[i : i + 1] for i in range(2)])])
-        results[name] = (float(psnr(images, x).mean()), float(ssim(images, x).mean()))
-    flat = x.mean((2, 3), keepdim=True).expand_as(x)
-    floor = float(psnr(flat, x).mean())
-    print("IG psnr/ssim", results, "flat-colour floor psnr", floor)
-    (clean_psnr, clean_ssim), (defended_psnr, defended_ssim) = results["none"], results["censor"]
-    assert clean_psnr > 30 and clean_ssim > 0.9
-    assert defended_psnr < clean_psnr - 15 and defended_psnr < floor
-    assert defended_ssim < clean_ssim - 0.6
+        labels = [y[i : i + 1] for i in range(len(IMAGES))]
+        images = torch.cat([r.images for r in attack.reconstruct_many(observations, labels)])
+        scores[name] = psnr(images, x)
+    floor = psnr(x.mean((2, 3), keepdim=True).expand_as(x), x)
+    print("IG psnr per photo", {k: v.tolist() for k, v in scores.items()}, "raw", raw, "floor", floor.tolist())
+    assert bool((scores["none"] > torch.maximum(floor + 2, torch.full_like(floor, 24))).all())
+    assert any(raw["raw"]) and not all(raw["raw"]), "the test needs raw and orthogonal uploads"
+    for i, was_raw in enumerate(raw["raw"]):
+        if was_raw:
+            assert float(scores["raw"][i]) == pytest.approx(float(scores["none"][i]), abs=0.5)
+        else:
+            assert float(scores["raw"][i]) < min(float(scores["none"][i]) - 15, float(floor[i]))
+    assert not any(raw["best"]) and bool((scores["best"] < torch.minimum(scores["none"] - 15, floor)).all())
 
 
-def test_report_counts_fallbacks_and_steps() -> None:
+def test_report_counts_fallbacks_and_steps_and_says_whether_this_upload_was_raw() -> None:
     defense = Censor(CensorParams())
-    assert defense.report({}) == {"censor-fallbacks": 0.0, "censor-steps": 0.0}
-    state = {FALLBACKS_KEY: torch.tensor(2), STEPS_KEY: torch.tensor(5)}
-    assert defense.report(state) == {"censor-fallbacks": 2.0, "censor-steps": 5.0}
+    assert defense.report({}) == {"censor-fallbacks": 0.0, "censor-steps": 0.0, "upload.raw": 0.0}
+    state = {FALLBACKS_KEY: torch.tensor(2), STEPS_KEY: torch.tensor(5), RAW_KEY: torch.tensor(1)}
+    assert defense.report(state) == {"censor-fallbacks": 2.0, "censor-steps": 5.0, "upload.raw": 1.0}
+
+
+# ----------------------------------------------------------------------------------------------- the paper's trend
+
+
+def test_algorithm_1_trains_the_mlp_and_reports_its_raw_uploads() -> None:
+    """Algorithm 1 (fallback raw, the default) trains the MNIST MLP with FedSGD, as in the paper; the leak-free
+    'best' fallback does not. Ten clients, batch 32, lr 0.5 (the defenses preset's utility setting), 100 rounds,
+    every client through the real client code; each round's raw fraction comes from the clients' reports.
+    Measured: 'raw' 89 % after 100 rounds with 80-90 % of the uploads raw; 'best' stays near chance."""
+    from fedguard.defenses import aggregate_reports
+    from fedguard.training import evaluate, set_arrays
+    from tests.helpers import client_fit
+
+    scores = {}
+    for fallback, rounds in (("raw", 100), ("best", 30)):
+        cfg = load_config(None, ["data.name=mnist-5k", "model.name=mlp", "partition.num-clients=10",
+                                 "train.clients-per-round=10", "train.batch-size=32", "train.lr=0.5",
+                                 "defense.name=censor", f"defense.censor.fallback={fallback}"])
+        torch.manual_seed(cfg.run.seed)
+        model = build_model("mlp", load_dataset("mnist-5k").spec)
+        arrays = get_arrays(model)
+        raw_fractions = []
+        for round_ in range(1, rounds + 1):
+            fits = [client_fit(cfg, client, arrays, round_) for client in range(10)]
+            raw_fractions.append(aggregate_reports([metrics for _, _, metrics in fits]).totals["raw"])
+            mean = [np.mean([upload[i] for upload, _, _ in fits], axis=0) for i in range(len(arrays))]
+            arrays = [a - 0.5 * g for a, g in zip(arrays, mean)]
+        set_arrays(model, arrays)
+        x, y = load_dataset("mnist-5k").test.batch()
+        scores[fallback] = (evaluate(model, x, y)[1], float(np.mean(raw_fractions)))
+    print("accuracy, raw fraction", scores)
+    (raw_accuracy, raw_fraction), (best_accuracy, best_fraction) = scores["raw"], scores["best"]
+    assert raw_accuracy > 0.8 and 0.0 < raw_fraction < 1.0
+    assert best_accuracy < 0.5 and best_fraction == 0.0

@@ -13,7 +13,7 @@ from clients.state import load_defense_state, store_defense_state
 from fedguard.client_app import make_client_fn, partition_of
 from fedguard.data import load_dataset
 from fedguard.data.federated import client_split
-from fedguard.defenses import LocalStep, aggregate_reports
+from fedguard.defenses import LocalStep, RoundReports, aggregate_reports
 from fedguard.models import build_model
 from fedguard.seeding import client_generators
 from fedguard.training import compute_gradients, get_arrays, local_sgd, parameters, trainable_mask
@@ -98,11 +98,22 @@ def test_defense_reports_travel_as_fit_metrics_and_aggregate_to_the_largest(monk
     _, _, second = client_fit(cfg, 0, arrays, round_=2, state=state)
     _, _, other = client_fit(cfg, 1, arrays, round_=2)
     assert first["defense.count"] == 1.0 and second["defense.count"] == 2.0 and other["defense.count"] == 1.0
-    assert aggregate_reports([second, other, {"loss": 9.0}]) == {"count": 2.0}
-    assert aggregate_reports([{"loss": 1.0}]) == {}
+    assert aggregate_reports([second, other, {"loss": 9.0}]).totals == {"count": 2.0}
+    assert aggregate_reports([{"loss": 1.0}]) == RoundReports({}, [])
     monkeypatch.undo()
     _, _, plain = client_fit(config(), 0, arrays, round_=1)
     assert not any(key.startswith("defense.") for key in plain)
+
+
+def test_per_upload_reports_are_kept_per_client_and_averaged() -> None:
+    metrics = [
+        {"client": 3, "defense.upload.raw": 1.0, "defense.upload.norm": 2.0, "defense.steps": 4.0},
+        {"client": 5, "defense.upload.raw": 0.0, "defense.upload.norm": 6.0, "defense.steps": 7.0},
+        {"client": 6, "loss": 1.0},
+    ]
+    reports = aggregate_reports(metrics)
+    assert reports.uploads == [{"client": 3, "raw": 1.0, "norm": 2.0}, {"client": 5, "raw": 0.0, "norm": 6.0}]
+    assert reports.totals == {"steps": 7.0, "raw": 0.5, "norm": 4.0}
 
 
 def test_fedavg_uploads_locally_trained_weights() -> None:

@@ -52,7 +52,7 @@ def test_every_preset_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         denoiser, _ = train_mjolnir(model, params, dataset, surrogate, "cpu", DDPMTrainOptions(epochs=1, batch_size=4))
         save_ddpm(denoiser, tmp_path / "mjolnir" / f"{dataset}-{model}.npz")
     monkeypatch.chdir(tmp_path)
-    presets = sorted((ROOT / "experiments").glob("*.toml"))
+    presets = sorted((ROOT / "experiments").rglob("*.toml"))
     assert presets, "no presets found"
     for preset in presets:
         flat = flatten(tomllib.loads(preset.read_text()))

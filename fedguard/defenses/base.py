@@ -18,6 +18,7 @@ import torch.nn as nn
 from fedguard.registry import Registry
 
 REPORT_PREFIX = "defense."  # fit-metric prefix of what a ReportingDefense reports
+UPLOAD_PREFIX = "upload."  # report-name prefix of a number about this upload alone (not cumulative)
 
 
 @dataclass
@@ -53,8 +54,13 @@ class ReportingDefense(Protocol):
     """A defense that also reports numbers about itself after each upload (cumulative privacy loss, fallbacks).
 
     ``report(state)`` is called with the client's state after the defense ran and returns floats by name; they
-    travel with the upload as fit metrics ``defense.<name>``, and ``rounds.jsonl`` records, per round, the
-    largest value over that round's clients.
+    travel with the upload as fit metrics ``defense.<name>``. Two kinds of name:
+
+    - ``<name>``: a running total of the client (epsilon spent, fallbacks so far); ``rounds.jsonl`` records,
+      per round, the largest value over that round's clients (the worst-off client).
+    - ``upload.<name>``: a number about this upload alone (its gradient norm, whether it was sent raw);
+      ``rounds.jsonl`` records each upload's values with its client under ``uploads`` and their mean over the
+      round's uploads as ``<name>`` beside the totals.
     """
 
     def report(self, state: dict[str, torch.Tensor]) -> dict[str, float]: ...
@@ -66,16 +72,36 @@ def defense_report(defense: Defense, state: dict[str, torch.Tensor]) -> dict[str
     return {} if report is None else {f"{REPORT_PREFIX}{k}": float(v) for k, v in report(state).items()}
 
 
-def aggregate_reports(metrics: list[dict[str, Any]]) -> dict[str, float]:
-    """Per ``defense.<name>`` metric, its largest value over the clients' fit metrics (the worst-off client);
-    keys without the prefix are dropped, and the prefix is removed."""
-    merged: dict[str, float] = {}
+@dataclass(frozen=True)
+class RoundReports:
+    """A round's defense reports: ``totals`` per name (largest running total over the clients, and the mean of
+    each per-upload number), ``uploads`` one dict per upload that reported per-upload numbers (with its
+    ``client`` where the metrics name one)."""
+
+    totals: dict[str, float]
+    uploads: list[dict[str, float]]
+
+
+def aggregate_reports(metrics: list[dict[str, Any]], client_key: str = "client") -> RoundReports:
+    """The round's ``RoundReports`` from the clients' fit metrics; keys without ``defense.`` are dropped."""
+    totals: dict[str, float] = {}
+    uploads: list[dict[str, float]] = []
     for client in metrics:
+        upload: dict[str, float] = {}
         for key, value in client.items():
-            if key.startswith(REPORT_PREFIX):
-                name = key[len(REPORT_PREFIX):]
-                merged[name] = max(float(value), merged.get(name, float("-inf")))
-    return merged
+            if not key.startswith(REPORT_PREFIX):
+                continue
+            name = key[len(REPORT_PREFIX):]
+            if name.startswith(UPLOAD_PREFIX):
+                upload[name[len(UPLOAD_PREFIX):]] = float(value)
+            else:
+                totals[name] = max(float(value), totals.get(name, float("-inf")))
+        if upload:
+            uploads.append({**({"client": client[client_key]} if client_key in client else {}), **upload})
+    for name in dict.fromkeys(k for u in uploads for k in u if k != "client"):
+        values = [u[name] for u in uploads if name in u]
+        totals[name] = sum(values) / len(values)
+    return RoundReports(totals, uploads)
 
 
 class SimulatedDefense(Protocol):
