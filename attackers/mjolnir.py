@@ -8,15 +8,20 @@ noise level M (the per-entry noise standard deviation divided by the packing sca
 the upload with the denoised gradient to the inner attack. Where M comes from (``noise_source``):
 
 - ``defense``: the clients' known defense (threat grant ``defense``): ``dp`` adds noise of standard
-  deviation ``noise-multiplier * clip`` per entry (Gaussian; sqrt(2) times that scale for Laplace);
+  deviation ``noise-multiplier * clip`` per entry, or what its epsilon calibration gives (Gaussian;
+  sqrt(2) times that scale for Laplace);
   ``dp-sgd`` adds ``noise-multiplier * clip`` to a sum of B per-sample gradients, i.e. that divided by the
   batch B of the upload. Other defenses add no noise Mjölnir models, which is refused.
 - ``given``: ``noise_std`` per entry, in gradient units.
 - ``estimate``: from the upload itself, sqrt(max(mean(y^2) - P, 0)) with P the mean square of the training
   gradients the model records.
 
-Clipping is not undone: the paper's setting, whose clean gradients the model learned, is the same.
-Parameters of the inner attack keep their names (``attack.mjolnir+ig.iterations``).
+The sampler is Algorithm 3's chain (``chained``) or the released code's single reverse step
+(``single-step``; ``fedguard.mjolnir.denoise``). Clipping is not undone: the paper's setting, whose clean
+gradients the model learned, is the same. Parameters of the inner attack keep their names
+(``attack.mjolnir+ig.iterations``). The identity baseline of ``mjolnir+<attack>`` is ``<attack>`` with the
+same parameters in the same run: it inverts the same noisy upload (same round and client) from the same
+seeded starting points.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from attackers.base import ATTACKS, Reconstruction, register_attack, required_manipulation
 from fedguard.defenses.dp_sgd import DPSGD
 from fedguard.defenses.dp_update import UpdateDP
-from fedguard.mjolnir.denoise import VARIANCES, denoise_many, start_step
+from fedguard.mjolnir.denoise import SAMPLERS, VARIANCES, denoise_many, start_step
 from fedguard.mjolnir.noise import estimate_noise_level
 from fedguard.mjolnir.packing import pack_many, unpack_many, valid_mask
 from fedguard.mjolnir.pipeline import check_shapes
@@ -47,13 +52,14 @@ class MjolnirParams:
     """``denoiser``: a ``.npz`` from ``fedguard train-mjolnir`` (required); ``noise_source``: 'defense',
     'given' or 'estimate'; ``noise_std``: the per-entry noise standard deviation in gradient units, for
     'given'; ``variance``: reverse-step variance, 'beta' (Algorithm 3) or 'posterior'; ``seed``: the reverse
-    chain's noise."""
+    chain's noise; ``sampler``: 'chained' (Algorithm 3) or 'single-step' (the released code's one step)."""
 
     denoiser: str = ""
     noise_source: str = "defense"
     noise_std: float = 0.0
     variance: str = "beta"
     seed: int = 0
+    sampler: str = "chained"
 
     def __post_init__(self) -> None:
         if self.noise_source not in NOISE_SOURCES:
@@ -64,6 +70,8 @@ class MjolnirParams:
             raise ValueError("noise-source 'given' needs noise-std > 0 (the per-entry noise standard deviation)")
         if self.variance not in VARIANCES:
             raise ValueError(f"variance {self.variance!r}: choose one of {', '.join(VARIANCES)}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler {self.sampler!r}: choose one of {', '.join(SAMPLERS)}")
 
 
 def defense_noise_std(defense: Any, batch_size: int) -> float:
@@ -122,7 +130,7 @@ class Mjolnir:
             levels.append(float(std / spec.scale) if std is not None else estimate_noise_level(
                 packed[index : index + 1], self.trained.normalization.get("signal_power", 1.0), mask))
         cleaned = denoise_many(self.trained.model, self.trained.schedule, packed, levels, generator,
-                               self.params.variance)
+                               self.params.variance, self.params.sampler)
         starts = [start_step(self.trained.schedule, level) for level in levels]
         restored = unpack_many(cleaned, spec)
         uploads = []

@@ -75,6 +75,12 @@ def _add_mjolnir_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unet", choices=sorted(PRESETS), default="cpu", help="denoiser size (default cpu)")
     parser.add_argument("--out", type=Path, help="output .npz (default mjolnir/<data>-<model>.npz; the training "
                                                  "gradients go beside it, as <name>.gradients.npz)")
+    parser.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
+                        help="write the training state to <name>.checkpoint.npz beside the output after every N-th "
+                             "epoch and the last (default 1; 0: never)")
+    parser.add_argument("--resume", type=Path, metavar="CHECKPOINT",
+                        help="go on from a checkpoint of this run (same preset, --set and options; --epochs the "
+                             "total): the result equals one uninterrupted run")
 
 
 def _resolve(args: argparse.Namespace) -> Config:
@@ -177,23 +183,32 @@ def global_weights_of(path: Path, config: Config) -> list:
 
 def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     """Train Mjölnir's gradient diffusion model on a surrogate's clean gradients, for the run a preset describes."""
-    from fedguard.mjolnir import save_ddpm, save_gradient_set
+    from fedguard.mjolnir import load_checkpoint, save_ddpm, save_gradient_set
     from fedguard.mjolnir.pipeline import train_mjolnir
 
+    if args.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got {args.checkpoint_every}")
+    resume = None if args.resume is None else load_checkpoint(args.resume)
     config = load_config(args.preset, args.overrides)
     seed = config.run.seed if args.seed is None else args.seed
     surrogate = SurrogateOptions(args.surrogate_epochs, config.train.batch_size, args.surrogate_lr, args.gradients,
                                  seed)
     training = DDPMTrainOptions(args.epochs, args.ddpm_batch_size, args.lr, seed)
     weights = None if args.at is None else global_weights_of(args.at, config)
+    out = args.out or Path("mjolnir") / f"{config.data.name}-{config.model.name}.npz"
+    checkpoint = None if args.checkpoint_every == 0 else out.with_suffix(".checkpoint.npz")
     print(f"fedguard: {args.gradients} surrogate gradients of {config.model.name} (batch {config.train.batch_size}) "
           f"on the public {args.split} split of {config.data.name}, then a {args.unet} DDPM", flush=True)
-    trained, gradients = train_mjolnir(config.model.name, config.model.params, config.data.name, surrogate, args.unet, training,
-                            args.split, config.data.source_options(),
-                            on_epoch=lambda stats: print(f"fedguard: {stats}", flush=True), weights=weights)
-    out = args.out or Path("mjolnir") / f"{config.data.name}-{config.model.name}.npz"
+    if resume is not None:
+        print(f"fedguard: resuming {args.resume} after epoch {resume.state.epoch} of {args.epochs}", flush=True)
+    trained, gradients = train_mjolnir(
+        config.model.name, config.model.params, config.data.name, surrogate, args.unet, training, args.split,
+        config.data.source_options(), on_epoch=lambda stats: print(f"fedguard: {stats}", flush=True), weights=weights,
+        checkpoint=checkpoint, checkpoint_every=args.checkpoint_every or 1, resume=resume)
     print(f"fedguard: saved {save_ddpm(trained, out)}")
     print(f"fedguard: saved the training gradients to {save_gradient_set(gradients, out.with_suffix('.gradients.npz'))}")
+    if checkpoint is not None:
+        print(f"fedguard: the training state to resume from is {checkpoint}")
     return 0
 
 

@@ -26,8 +26,16 @@ from hypothesis import strategies as st
 
 from fedguard.config import ConfigError, load_config
 from fedguard.defenses import DEFENSES, LocalStep, build_defense
-from fedguard.defenses.dp_update import MECHANISMS, UpdateDP, UpdateDPParams, clip_by_global_norm, global_norm
+from fedguard.defenses.dp_update import (
+    MECHANISMS,
+    UpdateDP,
+    UpdateDPParams,
+    clip_by_global_norm,
+    global_norm,
+    mjolnir_code_sigma,
+)
 from fedguard.defenses.gaussian_mechanism import epsilon_after, gaussian_sigma
+from fedguard.mjolnir.noise import classical_gaussian_sigma
 
 LARGE = 200_000  # entries of the update whose noise is measured
 
@@ -206,6 +214,57 @@ def test_epsilon_with_laplace_noise_or_with_a_noise_multiplier_is_rejected() -> 
         UpdateDPParams(epsilon=-1.0)
     with pytest.raises(ValueError, match="delta must be in"):
         UpdateDPParams(delta=0.0)
+
+
+# Mjölnir's published code: M = 2 * lr * C / m * sqrt(2 ln(1.25 / delta)) / epsilon, lr 1e-3, C 10, m 1.
+@pytest.mark.parametrize(("epsilon", "delta", "std"), [(1.0, 1e-4, 0.08687), (1.0, 1e-5, 0.09690),
+                                                       (5.0, 1e-4, 0.017374), (10.0, 1e-5, 0.009690)])
+def test_the_mjolnir_code_calibration_sets_the_published_codes_std_whatever_the_clip(
+    epsilon: float, delta: float, std: float
+) -> None:
+    expected = 0.02 * math.sqrt(2 * math.log(1.25 / delta)) / epsilon
+    assert mjolnir_code_sigma(epsilon, delta) == expected == pytest.approx(std, rel=1e-4)
+    assert expected == pytest.approx(classical_gaussian_sigma(epsilon, delta, 0.02), rel=1e-15)
+    for clip in (0.01, 1.0, 40.0):
+        defense = build_defense("dp", UpdateDPParams(clip=clip, epsilon=epsilon, delta=delta,
+                                                     calibration="mjolnir-code"))
+        assert defense.noise_scale == expected
+        assert defense.noise_multiplier == expected / clip
+
+
+def test_the_mjolnir_code_noise_has_that_std_on_every_entry() -> None:
+    defense = build_defense("dp", UpdateDPParams(clip=1.0, epsilon=1.0, delta=1e-4, calibration="mjolnir-code"))
+    noise = noise_of(defense, large_update(), seed=7, clip=1.0)
+    assert float(noise.std()) == pytest.approx(mjolnir_code_sigma(1.0, 1e-4), rel=0.01)
+    assert kurtosis(noise) == pytest.approx(3.0, abs=0.1)
+
+
+def test_the_mjolnir_code_report_is_the_epsilon_its_std_spends_for_the_clip() -> None:
+    sigma = mjolnir_code_sigma(1.0, 1e-4)
+    spent = {}
+    for clip in (10.0, 0.01):
+        defense, state = build_defense("dp", UpdateDPParams(clip=clip, epsilon=1.0, delta=1e-4,
+                                                            calibration="mjolnir-code")), {}
+        defense(step_of(update(0)), state)
+        spent[clip] = defense.report(state)["epsilon"]
+        assert defense.report(state) == {"epsilon": epsilon_after(1, sigma / clip, 2.0, 1e-4), "delta": 1e-4}
+    assert spent[10.0] > 1000  # clip 10: "epsilon 1" in the paper's units spends far more
+    assert spent[0.01] < 1  # a clip far below the std: less
+
+
+def test_the_calibration_is_checked() -> None:
+    assert UpdateDPParams().calibration == "analytic"
+    with pytest.raises(ValueError, match="calibration 'paper': choose one of analytic, mjolnir-code"):
+        UpdateDPParams(epsilon=1.0, calibration="paper")
+    with pytest.raises(ValueError, match="calibration 'mjolnir-code' maps epsilon to a noise std: set epsilon > 0"):
+        UpdateDPParams(calibration="mjolnir-code")
+    with pytest.raises(ValueError, match="gaussian mechanism only, not 'laplace'"):
+        UpdateDPParams(epsilon=1.0, calibration="mjolnir-code", mechanism="laplace")
+    with pytest.raises(ValueError, match=r"noise-multiplier \(0.5\) or epsilon \(1.0\), not both"):
+        UpdateDPParams(noise_multiplier=0.5, epsilon=1.0, calibration="mjolnir-code")
+    config = load_config(None, ["defense.name=dp", "defense.dp.epsilon=5", "defense.dp.delta=1e-4",
+                                "defense.dp.calibration=mjolnir-code"])
+    assert build_defense(config.defense.name, config.defense.params).noise_scale == mjolnir_code_sigma(5.0, 1e-4)
 
 
 def test_the_noise_of_each_tensor_is_independent() -> None:

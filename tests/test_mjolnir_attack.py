@@ -17,9 +17,10 @@ from fedguard.data import load_dataset
 from fedguard.evaluation import gradient_scores
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_sgd import DPSGDParams
-from fedguard.defenses.dp_update import UpdateDPParams
-from fedguard.mjolnir import load_ddpm, load_gradient_set, start_step
-from fedguard.mjolnir.packing import unpack
+from fedguard.defenses.dp_update import UpdateDPParams, mjolnir_code_sigma
+from fedguard.mjolnir import denoise_many, load_checkpoint, load_ddpm, load_gradient_set, start_step
+from fedguard.mjolnir.packing import pack, unpack
+from fedguard.mjolnir.pipeline import packing_of
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard, save_observation
@@ -97,6 +98,29 @@ def test_the_surrogate_can_start_at_a_captured_rounds_global_model(tmp_path: Pat
                  "--out", str(tmp_path / "y.npz")]) == 2
 
 
+def test_train_mjolnir_in_two_sittings_saves_the_model_of_one(tmp_path: Path) -> None:
+    common = [*(a for o in SMALL for a in ("--set", o)), "--gradients", "4", "--surrogate-epochs", "1",
+              "--ddpm-batch-size", "2"]
+    assert main(["train-mjolnir", *common, "--epochs", "4", "--out", str(tmp_path / "one.npz")]) == 0
+    assert main(["train-mjolnir", *common, "--epochs", "2", "--checkpoint-every", "2",
+                 "--out", str(tmp_path / "two.npz")]) == 0
+    checkpoint = tmp_path / "two.checkpoint.npz"
+    assert load_checkpoint(checkpoint).state.epoch == 2
+    assert main(["train-mjolnir", *common, "--epochs", "4", "--resume", str(checkpoint),
+                 "--out", str(tmp_path / "two.npz")]) == 0
+    one, two = load_ddpm(tmp_path / "one.npz"), load_ddpm(tmp_path / "two.npz")
+    assert one.losses == two.losses and len(two.losses) == 4 and one.normalization == two.normalization
+    for name, tensor in one.model.state_dict().items():
+        assert torch.equal(tensor, two.model.state_dict()[name])
+    assert load_checkpoint(checkpoint).state.epoch == 4
+    other = ["train-mjolnir", *common, "--epochs", "6", "--resume", str(checkpoint), "--out", str(tmp_path / "x.npz")]
+    assert main([*other, "--lr", "0.01"]) == 2  # another DDPM step: refused
+    assert main([*other, "--gradients", "3"]) == 2  # other training gradients: refused
+    assert main(["train-mjolnir", *common, "--epochs", "1", "--checkpoint-every", "0",
+                 "--out", str(tmp_path / "none.npz")]) == 0
+    assert not (tmp_path / "none.checkpoint.npz").exists()
+
+
 def test_every_optimization_attack_has_a_mjolnir_stage_with_its_own_parameters() -> None:
     for inner in INNER_ATTACKS:
         fields = {f for f in ATTACKS.get(f"mjolnir+{inner}").params.__dataclass_fields__}
@@ -137,6 +161,50 @@ def test_a_known_noiseless_upload_is_passed_on_unchanged(denoiser: Path) -> None
     [denoised], [level], [start] = attack.denoised([obs])
     assert level == 0.0 and start == -1
     assert all(np.array_equal(a, b) for a, b in zip(denoised.upload, obs.upload))
+
+
+def test_the_mjolnir_code_calibration_is_the_known_noise_std(denoiser: Path) -> None:
+    for clip in (0.5, 40.0):
+        params = UpdateDPParams(clip=clip, epsilon=1.0, delta=1e-4, calibration="mjolnir-code")
+        assert defense_noise_std(build_defense("dp", params), 1) == mjolnir_code_sigma(1.0, 1e-4)
+    obs, _ = upload("dp", params)
+    attack = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5,
+                                                                         restarts=1), ("dp", params))
+    [_], [level], _ = attack.denoised([obs])
+    assert level == mjolnir_code_sigma(1.0, 1e-4) / load_ddpm(denoiser).normalization["packing"]["scale"]
+
+
+def test_the_single_step_sampler_takes_each_upload_through_the_released_codes_step(denoiser: Path) -> None:
+    params = UpdateDPParams(clip=10.0, noise_multiplier=0.001)
+    obs, _ = upload("dp", params)
+    uploads = {}
+    for sampler in ("chained", "single-step"):
+        attack = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(
+            denoiser=str(denoiser), iterations=5, restarts=1, sampler=sampler), ("dp", params))
+        [uploads[sampler]], [level], _ = attack.denoised([obs])
+    trained = load_ddpm(denoiser)
+    spec = packing_of(trained)
+    grads = [torch.tensor(a) for a, t in zip(obs.upload, obs.trainable) if t]
+    expected = unpack(denoise_many(trained.model, trained.schedule, pack(grads, spec).unsqueeze(0), [level],
+                                   sampler="single-step")[0], spec)
+    got = [a for a, t in zip(uploads["single-step"].upload, uploads["single-step"].trainable) if t]
+    assert all(np.array_equal(a, b.numpy()) for a, b in zip(got, expected))
+    assert not np.array_equal(uploads["single-step"].upload[0], uploads["chained"].upload[0])
+    with pytest.raises(ValueError, match="sampler 'loop': choose one of chained, single-step"):
+        MjolnirParams(sampler="loop")
+
+
+def test_mjolnir_with_nothing_to_denoise_is_its_inner_attack_on_the_same_upload(denoiser: Path) -> None:
+    # The pairing `idlg` / `mjolnir+idlg` in one run is the identity baseline: the same upload, parameters and seeds.
+    params = UpdateDPParams(clip=100.0, noise_multiplier=0.0)
+    obs, _ = upload("dp", params)
+    plain = build_attack("idlg", ATTACKS.get("idlg").params(iterations=5, restarts=2))
+    staged = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5,
+                                                                          restarts=2), ("dp", params))
+    [alone], [after] = plain.reconstruct_many([obs]), staged.reconstruct_many([obs])
+    assert torch.equal(alone.images, after.images) and torch.equal(alone.labels, after.labels)
+    assert alone.stats["restart_losses"] == after.stats["restart_losses"]
+    assert after.stats["mjolnir_start_step"] == -1
 
 
 def test_a_denoiser_for_another_model_is_refused(denoiser: Path) -> None:

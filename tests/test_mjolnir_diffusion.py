@@ -16,8 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from fedguard.mjolnir.ddpm import DDPMTrainOptions, Schedule, diffusion_loss, q_sample, train_ddpm
-from fedguard.mjolnir.denoise import denoise, denoise_many, reverse_chain, reverse_coefficients, start_step, target_alpha_bar
+from fedguard.mjolnir.checkpoint import Checkpoint, check_resumable, grids_digest, load_checkpoint, save_checkpoint
+from fedguard.mjolnir.ddpm import DDPMTrainOptions, Schedule, TrainState, diffusion_loss, q_sample, train_ddpm
+from fedguard.mjolnir.denoise import (
+    _reverse_step,
+    denoise,
+    denoise_many,
+    reverse_chain,
+    reverse_coefficients,
+    start_step,
+    target_alpha_bar,
+)
 from fedguard.mjolnir.noise import (
     estimate_noise_level,
     classical_gaussian_sigma,
@@ -307,6 +316,40 @@ def test_an_oracle_denoiser_recovers_every_grid_at_its_own_noise_level() -> None
     assert torch.allclose(denoise_many(tracking, SCHEDULE, y, levels), x0, atol=1e-9)
 
 
+def _smooth_denoiser(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A deterministic stand-in eps_theta that depends on the input and the step."""
+    return torch.tanh(x) * (t.view(-1, 1, 1, 1).to(x.dtype) + 1) / 100
+
+
+def test_the_single_step_sampler_is_one_ancestral_step_zero_on_each_rescaled_grid() -> None:
+    levels = [0.5, 2.0, 0.0]  # start steps 145, 396 and -1: every grid takes the one step, as the released code does
+    y = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rescaled = y / torch.tensor([math.sqrt(1.25), math.sqrt(5.0), 1.0], dtype=torch.float64).view(-1, 1, 1, 1)
+    out = denoise_many(_smooth_denoiser, SCHEDULE, y, levels, sampler="single-step")
+    step = _reverse_step(_smooth_denoiser, rescaled, 0, reverse_coefficients(SCHEDULE), torch.Generator())
+    assert torch.equal(out, step)
+    beta, abar = SCHEDULE.betas[0].item(), SCHEDULE.alpha_bars[0].item()  # the code's t = 1: no noise is added
+    by_hand = (rescaled - beta / math.sqrt(1 - abar) * _smooth_denoiser(rescaled, torch.zeros(3))) / math.sqrt(1 - beta)
+    assert torch.allclose(out, by_hand, atol=1e-15)
+    assert not torch.equal(out[2], y[2])  # M = 0 is stepped too
+    posterior = denoise_many(_smooth_denoiser, SCHEDULE, y, levels, torch.Generator().manual_seed(9), "posterior",
+                             "single-step")
+    assert torch.equal(posterior, out)  # neither the variance nor the generator enters step 0
+    model = CountingDenoiser(0.5)
+    denoise_many(model, SCHEDULE, y, levels, sampler="single-step")
+    assert model.steps == [0] and torch.equal(model.inputs[0], rescaled)
+
+
+def test_the_single_step_sampler_differs_from_the_chain() -> None:
+    y = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    chained = denoise_many(_smooth_denoiser, SCHEDULE, y, [0.5, 0.5])
+    single = denoise_many(_smooth_denoiser, SCHEDULE, y, [0.5, 0.5], sampler="single-step")
+    assert torch.equal(chained, denoise(_smooth_denoiser, SCHEDULE, y, 0.5))
+    assert (chained - single).abs().max().item() > 0.1
+    with pytest.raises(ValueError, match="sampler 'loop': choose one of chained, single-step"):
+        denoise_many(_smooth_denoiser, SCHEDULE, y, [0.5, 0.5], sampler="loop")
+
+
 def test_batched_denoising_needs_one_level_per_grid() -> None:
     with pytest.raises(ValueError, match="2 noise levels for 3 grids"):
         denoise_many(CountingDenoiser(), SCHEDULE, torch.zeros(3, 1, 4, 4), [0.1, 0.2])
@@ -366,6 +409,77 @@ def test_training_is_seeded_and_keeps_the_lowest_loss_epoch() -> None:
     kept, _ = train_ddpm(images, TINY, truncated)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, kept.state_dict()[name]) and torch.equal(tensor, again.state_dict()[name])
+
+
+def _same_state(a: TrainState, b: TrainState) -> bool:
+    """Equal epochs, losses, weights, lowest-loss weights, Adam state and generator state, bit for bit."""
+    tensors = [(a.weights, b.weights), (a.best, b.best)]
+    tensors += [(a.optimizer[i], b.optimizer[i]) for i in a.optimizer]
+    return (a.epoch, a.losses, sorted(a.optimizer)) == (b.epoch, b.losses, sorted(b.optimizer)) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in tensors
+    ) and torch.equal(a.rng, b.rng)
+
+
+def test_training_in_two_sittings_equals_one_bit_for_bit(tmp_path) -> None:
+    images = toy_grids(6, 8, seed=2)
+    schedule = Schedule(steps=50, beta_end=0.2)
+    options = DDPMTrainOptions(epochs=4, batch_size=4, lr=3e-3, seed=5, schedule=schedule)
+    whole: list[TrainState] = []
+    model, losses = train_ddpm(images, TINY, options, checkpoint=whole.append)
+    assert [s.epoch for s in whole] == [1, 2, 3, 4] and len(whole[0].optimizer) == len(list(model.parameters()))
+    first: list[TrainState] = []
+    train_ddpm(images, TINY, DDPMTrainOptions(epochs=2, batch_size=4, lr=3e-3, seed=5, schedule=schedule),
+               checkpoint=first.append, checkpoint_every=2)
+    assert [s.epoch for s in first] == [2] and _same_state(first[0], whole[1])
+    checkpoint = Checkpoint(first[0], TINY, 8, options, {"scale": 0.25}, grids_digest(images))
+    path = save_checkpoint(checkpoint, tmp_path / "c.npz")
+    loaded = load_checkpoint(path)
+    assert _same_state(loaded.state, first[0]) and loaded.config == TINY and loaded.options == options
+    assert loaded.record == {"scale": 0.25} and loaded.digest == grids_digest(images) and loaded.side == 8
+    second: list[TrainState] = []
+    resumed, resumed_losses = train_ddpm(images, TINY, options, resume=loaded.state, checkpoint=second.append)
+    assert resumed_losses == losses and [s.epoch for s in second] == [3, 4]
+    assert _same_state(second[-1], whole[-1])
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name])
+    done, again = train_ddpm(images, TINY, options, resume=whole[-1])  # nothing left to train: the best epoch
+    assert again == losses and all(torch.equal(t, done.state_dict()[n]) for n, t in model.state_dict().items())
+    with pytest.raises(ValueError, match="has trained 4 epochs, more than epochs=3"):
+        train_ddpm(images, TINY, DDPMTrainOptions(epochs=3, schedule=schedule), resume=whole[-1])
+
+
+def test_a_checkpoint_is_written_every_n_epochs_and_after_the_last() -> None:
+    seen: list[TrainState] = []
+    options = DDPMTrainOptions(epochs=5, batch_size=4, schedule=Schedule(steps=10))
+    train_ddpm(toy_grids(4, 8, seed=0), TINY, options, checkpoint=seen.append, checkpoint_every=2)
+    assert [s.epoch for s in seen] == [2, 4, 5]
+    with pytest.raises(ValueError, match="checkpoint_every must be >= 1, got 0"):
+        train_ddpm(toy_grids(4, 8, seed=0), TINY, options, checkpoint=seen.append, checkpoint_every=0)
+
+
+def test_a_checkpoint_resumes_only_the_same_run(tmp_path) -> None:
+    images = toy_grids(4, 8, seed=0)
+    options = DDPMTrainOptions(epochs=2, batch_size=4, schedule=Schedule(steps=10))
+    states: list[TrainState] = []
+    train_ddpm(images, TINY, options, checkpoint=states.append)
+    record = {"packing": {"side": 8, "scale": 0.5, "shapes": [[64]]}, "model": "mlp"}
+    checkpoint = Checkpoint(states[-1], TINY, 8, options, record, grids_digest(images))
+    check_resumable(checkpoint, TINY, 8, DDPMTrainOptions(epochs=9, batch_size=4, schedule=Schedule(steps=10)),
+                    record, grids_digest(images))
+    with pytest.raises(ValueError, match=r"DDPM lr: 0.0001 then, 0.001 now; .*trained 2 epochs, more than epochs=1"):
+        fewer = DDPMTrainOptions(epochs=1, batch_size=4, lr=1e-3, schedule=Schedule(steps=10))
+        check_resumable(checkpoint, TINY, 8, fewer, record, grids_digest(images))
+    with pytest.raises(ValueError, match="the training gradients differ from those it trained on"):
+        check_resumable(checkpoint, TINY, 8, options, record, grids_digest(images * 2))
+    with pytest.raises(ValueError, match=r"training gradients' model: 'mlp' then, 'lenet' now"):
+        check_resumable(checkpoint, TINY, 8, options, {**record, "model": "lenet"}, grids_digest(images * 2))
+    with pytest.raises(ValueError, match=r"UNet .* on side 8 then, .* on side 16 now"):
+        check_resumable(checkpoint, TINY, 16, options, record, grids_digest(images))
+    with pytest.raises(FileNotFoundError, match=r"no Mjölnir training checkpoint at .*none\.npz"):
+        load_checkpoint(tmp_path / "none.npz")
+    np.savez(tmp_path / "other.npz", meta=np.array(json.dumps({"format": "x"})), rng=np.zeros(1, np.uint8))
+    with pytest.raises(ValueError, match="format 'x', expected 'fedguard-mjolnir-checkpoint/1'"):
+        load_checkpoint(tmp_path / "other.npz")
 
 
 def test_save_load_round_trip_is_exact(tmp_path) -> None:

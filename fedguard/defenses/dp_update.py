@@ -16,6 +16,15 @@ epsilon), replacing ``noise_multiplier``. For Gaussian noise the defense reports
 each client's epsilon spent at ``delta`` over all its uploads so far (exact
 composition of Gaussian mechanisms). Laplace noise gets no epsilon: an L2 clip
 bounds its L1 sensitivity only by sqrt(d) * 2 * clip.
+
+Calibration. ``calibration = "analytic"`` (default) is the exact calibration
+above. ``"mjolnir-code"`` is the noise of Mjölnir's published code (Liu et al.,
+AAAI 2025), so that epsilon is in that paper's noise units: a per-entry std of
+``0.02 * sqrt(2 ln(1.25 / delta)) / epsilon`` in gradient units, whatever the
+clip (0.02 = 2 * lr * C / m with the code's lr 1e-3, C 10, m 1; 0.0869 / epsilon
+at the code's delta 1e-4, 0.0969 / epsilon at the paper's 1e-5). Epsilon is then
+only a noise unit: the report gives the epsilon that std really spends for the
+clip (as for ``noise_multiplier``), not the configured one.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from fedguard.defenses.base import LocalStep, register_defense
 from fedguard.defenses.gaussian_mechanism import epsilon_after, gaussian_sigma
 
 MECHANISMS = ("gaussian", "laplace")
+CALIBRATIONS = ("analytic", "mjolnir-code")
+MJOLNIR_CODE_SENSITIVITY = 0.02  # 2 * lr * C / m of Mjölnir's published code: lr 1e-3, C 10, m 1 (gradient units)
 SENSITIVITY_IN_CLIPS = 2.0  # L2 distance of two updates clipped to `clip`, in units of `clip`
 RELEASES = "releases"  # key of the defense state: uploads this client has made
 
@@ -37,13 +48,16 @@ RELEASES = "releases"  # key of the defense state: uploads this client has made
 class UpdateDPParams:
     """``clip``: L2 bound of the update; ``noise_multiplier``: noise scale / clip; ``mechanism``: gaussian | laplace;
     ``epsilon``: > 0 calibrates the Gaussian noise to (epsilon, ``delta``) instead of ``noise_multiplier``
-    (0: off); ``delta``: of the calibration and of the reported epsilon."""
+    (0: off); ``delta``: of the calibration and of the reported epsilon; ``calibration``: how epsilon sets the
+    noise, 'analytic' (the exact mechanism for sensitivity 2 * clip) or 'mjolnir-code' (Mjölnir's published
+    code: std 0.02 * sqrt(2 ln(1.25 / delta)) / epsilon, whatever the clip)."""
 
     clip: float = 1.0
     noise_multiplier: float = 0.1
     mechanism: str = "gaussian"
     epsilon: float = 0.0
     delta: float = 1e-5
+    calibration: str = "analytic"
 
     def __post_init__(self) -> None:
         if not self.clip > 0:
@@ -63,13 +77,36 @@ class UpdateDPParams:
                              "set noise-multiplier for Laplace noise")
         if self.epsilon > 0 and self.noise_multiplier != UpdateDPParams.noise_multiplier:
             raise ValueError(f"give noise-multiplier ({self.noise_multiplier}) or epsilon ({self.epsilon}), not both")
+        if self.calibration not in CALIBRATIONS:
+            raise ValueError(f"calibration {self.calibration!r}: choose one of {', '.join(CALIBRATIONS)}")
+        if self.calibration == "mjolnir-code" and self.epsilon == 0:
+            raise ValueError("calibration 'mjolnir-code' maps epsilon to a noise std: set epsilon > 0")
 
     @property
     def effective_noise_multiplier(self) -> float:
         """Noise scale / clip: calibrated to (epsilon, delta) when epsilon > 0, else ``noise_multiplier``."""
+        if self.calibration == "mjolnir-code":
+            return mjolnir_code_sigma(self.epsilon, self.delta) / self.clip
         if self.epsilon > 0:
             return gaussian_sigma(self.epsilon, self.delta, SENSITIVITY_IN_CLIPS)
         return self.noise_multiplier
+
+    @property
+    def noise_scale(self) -> float:
+        """Gaussian standard deviation, or Laplace scale b, of the noise on each entry (gradient units)."""
+        if self.calibration == "mjolnir-code":
+            return mjolnir_code_sigma(self.epsilon, self.delta)
+        return self.effective_noise_multiplier * self.clip
+
+
+def mjolnir_code_sigma(epsilon: float, delta: float) -> float:
+    """Per-entry Gaussian std (gradient units) of Mjölnir's published code at (``epsilon``, ``delta``):
+    ``0.02 * sqrt(2 ln(1.25 / delta)) / epsilon``, the classical calibration for its sensitivity 0.02."""
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise ValueError(f"epsilon must be finite and > 0, got {epsilon}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    return MJOLNIR_CODE_SENSITIVITY * math.sqrt(2 * math.log(1.25 / delta)) / epsilon
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -89,11 +126,7 @@ class UpdateDP:
     def __init__(self, params: UpdateDPParams) -> None:
         self.params = params
         self.noise_multiplier = params.effective_noise_multiplier
-
-    @property
-    def noise_scale(self) -> float:
-        """Gaussian standard deviation, or Laplace scale b, of the noise on each entry."""
-        return self.noise_multiplier * self.params.clip
+        self.noise_scale = params.noise_scale  # Gaussian std, or Laplace scale b, on each entry
 
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         clipped = clip_by_global_norm([g.detach() for g in step.grads], self.params.clip)
@@ -102,7 +135,8 @@ class UpdateDP:
 
     def report(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
         """{'epsilon', 'delta'} this client has spent over its uploads, Gaussian noise only (nothing for Laplace
-        noise or without noise: no finite epsilon)."""
+        noise or without noise: no finite epsilon). Under 'mjolnir-code' it is what the noise std really spends for
+        sensitivity 2 * clip, not the configured epsilon."""
         if self.params.mechanism != "gaussian" or self.noise_multiplier == 0:
             return {}
         releases = int(state[RELEASES]) if RELEASES in state else 0

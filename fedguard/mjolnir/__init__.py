@@ -6,19 +6,32 @@ perturbed by noise of std M in those units, rescaled by 1 / sqrt(1 + M**2), is
 a sample of the forward process at the step whose alpha-bar is 1 / (1 + M**2),
 so the reverse chain from that step down to step 0 denoises it (``denoise``).
 ``noise`` turns DP, Gaussian and Laplace parameters into M, or estimates it.
-``store`` keeps a trained model in one ``.npz``. ``packing`` turns a model's
-gradient into that grid and back, exactly; ``surrogate`` collects the clean
-training gradients (Algorithm 1) from a surrogate model trained on public data.
+``store`` keeps a trained model in one ``.npz``, ``checkpoint`` a training run
+to resume. ``packing`` turns a model's gradient into that grid and back,
+exactly; ``surrogate`` collects the clean training gradients (Algorithm 1) from
+a surrogate model trained on public data.
 Pure torch.
 """
 
-from fedguard.mjolnir.ddpm import LOSSES, DDPMEpoch, DDPMTrainOptions, Schedule, diffusion_loss, q_sample, train_ddpm
+from fedguard.mjolnir.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedguard.mjolnir.ddpm import (
+    LOSSES,
+    DDPMEpoch,
+    DDPMTrainOptions,
+    Schedule,
+    TrainState,
+    diffusion_loss,
+    q_sample,
+    train_ddpm,
+)
 from fedguard.mjolnir.denoise import (
+    SAMPLERS,
     VARIANCES,
     denoise,
     denoise_many,
     reverse_chain,
     reverse_coefficients,
+    single_step_many,
     start_step,
     target_alpha_bar,
 )
@@ -45,13 +58,16 @@ from fedguard.mjolnir.unet import PRESETS, UNet, UNetConfig, check_side, preset
 __all__ = [
     "LOSSES",
     "PRESETS",
+    "SAMPLERS",
     "VARIANCES",
+    "Checkpoint",
     "DDPMEpoch",
     "DDPMTrainOptions",
     "GradientSet",
     "PackingSpec",
     "Schedule",
     "SurrogateOptions",
+    "TrainState",
     "TrainedDDPM",
     "UNet",
     "UNetConfig",
@@ -62,6 +78,7 @@ __all__ = [
     "diffusion_loss",
     "estimate_noise_level",
     "fit_scale",
+    "load_checkpoint",
     "classical_gaussian_sigma",
     "load_ddpm",
     "load_gradient_set",
@@ -77,8 +94,10 @@ __all__ = [
     "q_sample",
     "reverse_chain",
     "reverse_coefficients",
+    "save_checkpoint",
     "save_ddpm",
     "save_gradient_set",
+    "single_step_many",
     "start_step",
     "target_alpha_bar",
     "unpack",

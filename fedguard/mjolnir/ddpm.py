@@ -10,6 +10,11 @@ Training draws k uniformly from {0, ..., steps - 1} and fits eps_theta(x_k, k)
 to the noise with the unweighted loss of Algorithm 2 (mean squared error),
 or a Huber loss as in the released code. The epoch with the lowest mean loss
 is the one kept, as the code does.
+
+Resuming. After any epoch the run is a ``TrainState`` (weights, Adam's state,
+the generator's state, the losses and the lowest-loss weights); training from
+it to E epochs gives the weights and losses of one uninterrupted run of E
+epochs, bit for bit, on the same device and thread count.
 """
 
 from __future__ import annotations
@@ -121,17 +126,66 @@ class DDPMEpoch:
         return f"epoch {self.epoch}/{self.epochs}: loss {self.loss:.4f}, {self.seconds:.1f} s"
 
 
+@dataclass(frozen=True, eq=False)
+class TrainState:
+    """A run after ``epoch`` finished epochs, on the CPU: the network's ``weights`` and the lowest-loss epoch's
+    ``best`` (``state_dict`` entries), Adam's per-parameter ``optimizer`` state (parameter index -> {'step',
+    'exp_avg', 'exp_avg_sq'}), the state of the generator of batches, steps and noise (``rng``, uint8) and each
+    epoch's mean loss."""
+
+    epoch: int
+    weights: dict[str, torch.Tensor]
+    best: dict[str, torch.Tensor]
+    optimizer: dict[int, dict[str, torch.Tensor]]
+    rng: torch.Tensor
+    losses: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.epoch != len(self.losses):
+            raise ValueError(f"a state after {self.epoch} epochs needs {self.epoch} losses, got {len(self.losses)}")
+
+
+def _cpu(tensors: dict) -> dict:
+    """A copy of a (nested) dict of tensors, on the CPU."""
+    return {k: _cpu(v) if isinstance(v, dict) else v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+
+
+def _snapshot(
+    epoch: int, model: UNet, best: dict, optimizer: torch.optim.Optimizer, generator: torch.Generator,
+    losses: list[float],
+) -> TrainState:
+    """The run after ``epoch`` epochs, copied to the CPU."""
+    return TrainState(epoch, _cpu(model.state_dict()), _cpu(best), _cpu(optimizer.state_dict()["state"]),
+                      generator.get_state().clone(), tuple(losses))
+
+
+def _restore(state: TrainState, model: UNet, optimizer: torch.optim.Optimizer, generator: torch.Generator) -> None:
+    """Put ``state``'s weights, Adam state and generator state into a freshly built run."""
+    model.load_state_dict(state.weights)
+    optimizer.load_state_dict({"state": state.optimizer, "param_groups": optimizer.state_dict()["param_groups"]})
+    generator.set_state(state.rng)
+
+
 def train_ddpm(
     images: torch.Tensor,
     config: UNetConfig,
     options: DDPMTrainOptions = DDPMTrainOptions(),
     progress: Callable[[DDPMEpoch], None] | None = None,
+    resume: TrainState | None = None,
+    checkpoint: Callable[[TrainState], None] | None = None,
+    checkpoint_every: int = 1,
 ) -> tuple[UNet, list[float]]:
     """Train eps_theta on grids ``images`` (N, 1, S, S), already normalized, on their device.
 
-    Returns the network of the lowest-loss epoch (eval mode, frozen) and every epoch's mean loss."""
+    ``resume``: go on from that state (same images, config and options but ``epochs``, which must be at least
+    its epoch). ``checkpoint`` is called with the state after every ``checkpoint_every``-th epoch and after the
+    last one. Returns the network of the lowest-loss epoch (eval mode, frozen) and every epoch's mean loss."""
     if images.dim() != 4 or images.shape[1] != 1 or images.shape[2] != images.shape[3]:
         raise ValueError(f"images must have shape (N, 1, S, S), got {tuple(images.shape)}")
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+    if resume is not None and resume.epoch > options.epochs:
+        raise ValueError(f"the run to resume has trained {resume.epoch} epochs, more than epochs={options.epochs}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(options.seed)
         model = UNet(config, images.shape[-1]).to(images.device)
@@ -139,7 +193,10 @@ def train_ddpm(
     optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
     losses: list[float] = []
     best = None
-    for epoch in range(1, options.epochs + 1):
+    if resume is not None:
+        _restore(resume, model, optimizer, generator)
+        losses, best = list(resume.losses), resume.best
+    for epoch in range(len(losses) + 1, options.epochs + 1):
         start, total = time.perf_counter(), torch.zeros((), device=images.device)
         order = torch.randperm(len(images), generator=generator, device=images.device)
         for batch in order.split(options.batch_size):
@@ -153,5 +210,7 @@ def train_ddpm(
             best = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         if progress is not None:
             progress(DDPMEpoch(epoch, options.epochs, losses[-1], time.perf_counter() - start))
+        if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == options.epochs):
+            checkpoint(_snapshot(epoch, model, best, optimizer, generator, losses))
     model.load_state_dict(best)
     return model.eval().requires_grad_(False), losses

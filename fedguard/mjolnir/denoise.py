@@ -20,13 +20,21 @@ noiseless upload) starts nowhere and the gradient is returned as it is. The
 released code takes the first step below the target instead, one step later at
 most.
 
-Reverse chain. The published sampler restarts every step from its input (it
-returns one step of t = 0); this one chains them, k = t*, t* - 1, ..., 0:
+Reverse chain (sampler 'chained', default): the steps k = t*, t* - 1, ..., 0,
+each from the previous one's output:
 ``x <- (x - betas[k] / sqrt(1 - alpha_bars[k]) eps_theta(x, k)) / sqrt(alphas[k]) + sigma_k z``
 with z ~ N(0, I) for k > 0 and no noise at k = 0. ``sigma_k**2`` is
 ``betas[k]`` (Algorithm 3, default) or the posterior variance
 ``betas[k] (1 - alpha_bars[k - 1]) / (1 - alpha_bars[k])`` (the released code).
 Outputs are not clipped: gradients have no fixed range.
+
+Single step (sampler 'single-step'): the released code's sampler. It applies
+each step t*, ..., 0 to its rescaled input rather than to the previous output
+and returns the last, so its result is the step k = 0 once on
+``y / sqrt(1 + M**2)``: ``(x - betas[0] / sqrt(1 - alpha_bars[0]) eps_theta(x, 0)) / sqrt(alphas[0])``
+(no noise at k = 0, so the variance plays no part). It takes every grid through
+that step, whatever its M, M = 0 included, as the code does; the discarded steps
+are not computed.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch
 from fedguard.mjolnir.ddpm import Schedule
 
 VARIANCES = ("beta", "posterior")
+SAMPLERS = ("chained", "single-step")
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -109,6 +118,23 @@ def reverse_chain(
     return x
 
 
+def _rescaled(y: torch.Tensor, noise_levels: list[float]) -> torch.Tensor:
+    """Grids ``y`` (N, 1, S, S), grid i divided by ``sqrt(1 + M_i**2)``."""
+    divisors = [math.sqrt(1 + level**2) for level in noise_levels]
+    return y / torch.tensor(divisors, dtype=y.dtype, device=y.device).reshape(-1, 1, 1, 1)
+
+
+def single_step_many(
+    model: Denoiser, schedule: Schedule, y: torch.Tensor, noise_levels: list[float], generator: torch.Generator
+) -> torch.Tensor:
+    """The released code's sampler (module docstring): every grid of ``y`` (N, 1, S, S), rescaled by its
+    1/sqrt(1 + M_i**2), through the ancestral step k = 0 once, in one model call; (N, 1, S, S)."""
+    for level in noise_levels:
+        _check_noise_level(level)
+    with torch.no_grad():
+        return _reverse_step(model, _rescaled(y, noise_levels), 0, reverse_coefficients(schedule), generator)
+
+
 def denoise_many(
     model: Denoiser,
     schedule: Schedule,
@@ -116,18 +142,24 @@ def denoise_many(
     noise_levels: list[float],
     generator: torch.Generator | None = None,
     variance: str = "beta",
+    sampler: str = "chained",
 ) -> torch.Tensor:
     """Algorithm 3 for N grids with their own M, in one chain: the denoised grids (N, 1, S, S).
 
     Grid i joins the chain at its own start step (rescaled by its 1/sqrt(1 + M_i**2)) and from there takes the
     same steps as ``denoise`` would, so the model is called once per step for every grid then in the chain; grids
     with start step -1 come back unchanged. The batch draws its noise together: with one M for all grids the
-    result equals ``denoise``'s for the same generator."""
+    result equals ``denoise``'s for the same generator. ``sampler`` 'single-step' runs ``single_step_many``
+    instead (the released code)."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
     if len(noise_levels) != len(y):
         raise ValueError(f"{len(noise_levels)} noise levels for {len(y)} grids")
-    starts = [start_step(schedule, level) for level in noise_levels]
     if generator is None:
         generator = torch.Generator(device=y.device).manual_seed(0)
+    if sampler == "single-step":
+        return single_step_many(model, schedule, y, noise_levels, generator)
+    starts = [start_step(schedule, level) for level in noise_levels]
     coefficients = reverse_coefficients(schedule, variance)
     x = y.clone()
     joining = {k: [i for i, start in enumerate(starts) if start == k] for k in set(starts) if k >= 0}
@@ -136,8 +168,7 @@ def denoise_many(
         for k in range(max(starts), -1, -1):
             if k in joining:
                 members = joining[k]
-                divisors = [math.sqrt(1 + noise_levels[i] ** 2) for i in members]
-                x[members] = x[members] / torch.tensor(divisors, dtype=y.dtype, device=y.device).reshape(-1, 1, 1, 1)
+                x[members] = _rescaled(x[members], [noise_levels[i] for i in members])
                 indices = [i for i, start in enumerate(starts) if start >= k]
                 active = None if len(indices) == len(x) else torch.tensor(indices, device=y.device)
             chain = _reverse_step(model, x if active is None else x[active], k, coefficients, generator)

@@ -52,8 +52,9 @@ def classical_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -
 
     The (epsilon, delta) guarantee of this calibration holds for epsilon < 1 only; larger values are accepted as a
     noise calibration, as in the paper's experiments (epsilon up to 10). The ``dp`` defense's ``epsilon`` uses the
-    exact analytic calibration instead (``fedguard.defenses.gaussian_mechanism``), and ``noise-source = defense``
-    reads the noise it really adds."""
+    exact analytic calibration by default (``fedguard.defenses.gaussian_mechanism``), or this formula with the
+    published code's sensitivity 0.02 under ``calibration = "mjolnir-code"``; ``noise-source = defense`` reads the
+    noise it really adds."""
     _check_positive("epsilon", epsilon)
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")

@@ -3,19 +3,22 @@
 The saved model's ``normalization`` record says what it denoises: the packing of the gradient (shapes,
 side, scale), the model and its parameters, the dataset and split the surrogate trained on, the batch size
 of the recorded gradients, and ``signal_power``, the mean square of the packed training gradients over
-their real entries (what ``estimate_noise_level`` subtracts).
+their real entries (what ``estimate_noise_level`` subtracts). With a checkpoint file the training state is
+written after epochs, and a later call that resumes it goes on where it stopped (``checkpoint``).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from fedguard.data import SourceOptions
-from fedguard.mjolnir.ddpm import DDPMEpoch, DDPMTrainOptions, train_ddpm
+from fedguard.mjolnir.checkpoint import Checkpoint, check_resumable, grids_digest, save_checkpoint
+from fedguard.mjolnir.ddpm import DDPMEpoch, DDPMTrainOptions, TrainState, train_ddpm
 from fedguard.mjolnir.packing import PackingSpec, spec_from_dict, spec_to_dict, valid_mask
 from fedguard.mjolnir.store import TrainedDDPM
 from fedguard.mjolnir.surrogate import GradientSet, RecordStats, SurrogateOptions, collect_gradients
@@ -40,13 +43,36 @@ def train_mjolnir(
     on_gradient: Callable[[RecordStats], None] | None = None,
     on_epoch: Callable[[DDPMEpoch], None] | None = None,
     weights: Sequence[np.ndarray] | None = None,
+    checkpoint: Path | None = None,
+    checkpoint_every: int = 1,
+    resume: Checkpoint | None = None,
 ) -> tuple[TrainedDDPM, GradientSet]:
     """Algorithms 1 and 2: surrogate gradients of ``model`` on ``split`` of ``dataset``, then the DDPM; returns
     the model and the gradient data set it learned. ``weights``: the surrogate's starting ``state_dict`` arrays
-    (e.g. a captured round's global model), None for the seeded initialization."""
+    (e.g. a captured round's global model), None for the seeded initialization. ``checkpoint``: a file the
+    training state is written to after every ``checkpoint_every``-th epoch and the last (None: none);
+    ``resume``: a checkpoint of this very run (same gradients, record, UNet and options but epochs) to go on
+    from."""
     gradients = collect_gradients(model, model_params, dataset, split, surrogate, source, on_gradient, weights)
-    network, losses = train_ddpm(gradients.images, preset(unet), training, on_epoch)
-    record = {
+    record = training_record(gradients, dataset, split, surrogate, unet)
+    config, side, digest = preset(unet), gradients.spec.side, grids_digest(gradients.images)
+    if resume is not None:
+        check_resumable(resume, config, side, training, record, digest)
+
+    def save(state: TrainState) -> None:
+        save_checkpoint(Checkpoint(state, config, side, training, record, digest), checkpoint)
+
+    network, losses = train_ddpm(gradients.images, config, training, on_epoch,
+                                 None if resume is None else resume.state, None if checkpoint is None else save,
+                                 checkpoint_every)
+    return TrainedDDPM(network, training.schedule, record, tuple(losses)), gradients
+
+
+def training_record(
+    gradients: GradientSet, dataset: str, split: str, surrogate: SurrogateOptions, unet: str
+) -> dict[str, Any]:
+    """What a model trained on ``gradients`` denoises (module docstring), JSON-ready."""
+    return {
         "packing": spec_to_dict(gradients.spec),
         "model": gradients.model,
         "model_params": gradients.model_params,
@@ -58,7 +84,6 @@ def train_mjolnir(
         "surrogate": asdict(surrogate),
         "start": gradients.start,
     }
-    return TrainedDDPM(network, training.schedule, record, tuple(losses)), gradients
 
 
 def packing_of(trained: TrainedDDPM) -> PackingSpec:
