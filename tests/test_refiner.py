@@ -1,6 +1,6 @@
 """Refiner: robust data from a noise-blended start, the projection (relative and absolute radius), the upload
 report, the warm-start cache, BatchNorm untouched, a clear error without an evaluation network, and Inverting
-Gradients defeated on photo uploads.
+Gradients and iDLG defeated on photo uploads.
 
 A tiny evaluation network (width 8, 3 epochs on the photo tiles of the test split) is trained once per module.
 """
@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from attackers import build_attack
+from attackers.dlg import DLGParams
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from fedguard.config import ConfigError, load_config
 from fedguard.data import load_dataset
@@ -321,6 +323,33 @@ def test_default_relative_radius_lowers_inverting_gradients_ssim(
           "ssim ratio", defended_ssim.mean() / clean_ssim.mean())
     assert defended_ssim.mean() < 0.8 * clean_ssim.mean()
     assert defended_psnr.mean() < clean_psnr.mean() - 5
+
+
+def test_default_relative_radius_defeats_idlg_on_the_dlg_lenet(evalnet: Path) -> None:
+    """The paper's setting, the DLG LeNet on batch-1 photo uploads: iDLG (800 iterations, one restart) on three
+    tiles that leak undefended. Measured: SSIM 0.56 / 0.76 / 0.89 undefended,
+    0.11 / 0.08 / 0.28 under the default relative radius (0.21x)."""
+    data = load_dataset("photos")
+    torch.manual_seed(0)
+    model = build_model("lenet", data.spec)
+    arrays = get_arrays(model)
+    card = ModelCard("lenet", {}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model)))
+    tiles = [101, 150, 210]
+    x, y = data.test.batch(tiles)
+    attack = build_attack("idlg", DLGParams(iterations=800, restarts=1, device="cpu"))
+    scores = {}
+    for name, defense in (("none", None), ("refiner", refiner(evalnet))):
+        observations = []
+        for i in range(len(tiles)):
+            step = step_of(model, x[i : i + 1], y[i : i + 1], seed=i)
+            sent = step.grads if defense is None else defense(step, {})
+            observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in sent], 1,
+                                             {"batch-size": 1}))
+        images = torch.cat([r.images for r in attack.reconstruct_many(observations)])
+        scores[name] = ssim(images, x).numpy()
+    print("iDLG LeNet ssim", scores)
+    assert scores["none"].mean() > 0.5
+    assert scores["refiner"].mean() < 0.7 * scores["none"].mean()
 
 
 def test_configuration_refuses_a_missing_network_and_weight_uploads(evalnet: Path) -> None:
