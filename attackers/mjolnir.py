@@ -16,9 +16,12 @@ the upload with the denoised gradient to the inner attack. Where M comes from (`
 - ``estimate``: from the upload itself, sqrt(max(mean(y^2) - P, 0)) with P the mean square of the training
   gradients the model records.
 
-The sampler is Algorithm 3's chain (``chained``) or the released code's single reverse step
-(``single-step``; ``fedguard.mjolnir.denoise``). Clipping is not undone: the paper's setting, whose clean
-gradients the model learned, is the same. Parameters of the inner attack keep their names
+The denoiser file says which model it holds: the unconditional one (trained on clean gradients only) or
+the conditional one ("Mjölnir (Condition)", ``fedguard train-mjolnir --conditional``), which is also given
+the upload itself, rescaled by 1/sqrt(1 + M^2) with the same M, as its condition at every step of the same
+chain. The sampler is Algorithm 3's chain (``chained``) or, for an unconditional model, the released code's
+single reverse step (``single-step``; ``fedguard.mjolnir.denoise``). Clipping is not undone: the paper's
+setting, whose clean gradients the model learned, is the same. Parameters of the inner attack keep their names
 (``attack.mjolnir+ig.iterations``). The identity baseline of ``mjolnir+<attack>`` is ``<attack>`` with the
 same parameters in the same run: it inverts the same noisy upload (same round and client) from the same
 seeded starting points.
@@ -52,7 +55,8 @@ class MjolnirParams:
     """``denoiser``: a ``.npz`` from ``fedguard train-mjolnir`` (required); ``noise_source``: 'defense',
     'given' or 'estimate'; ``noise_std``: the per-entry noise standard deviation in gradient units, for
     'given'; ``variance``: reverse-step variance, 'beta' (Algorithm 3) or 'posterior'; ``seed``: the reverse
-    chain's noise; ``sampler``: 'chained' (Algorithm 3) or 'single-step' (the released code's one step)."""
+    chain's noise; ``sampler``: 'chained' (Algorithm 3) or 'single-step' (the released code's one step; not for
+    a conditional denoiser)."""
 
     denoiser: str = ""
     noise_source: str = "defense"
@@ -95,6 +99,9 @@ class Mjolnir:
             raise ValueError("Mjölnir needs a diffusion model: set denoiser to a file made by `fedguard train-mjolnir`")
         self.params, self.inner = params, inner
         self.trained = load_ddpm(Path(params.denoiser))
+        if self.trained.conditional and params.sampler != "chained":
+            raise ValueError(f"sampler {params.sampler!r} is the released code's, for an unconditional denoiser; "
+                             f"{params.denoiser} holds a conditional one, which runs the sampler 'chained'")
         self.needs: frozenset[str] = inner.needs | ({"defense"} if params.noise_source == "defense" else frozenset())
         self.manipulation = required_manipulation(inner)
         self.defense: Any = None
@@ -130,7 +137,7 @@ class Mjolnir:
             levels.append(float(std / spec.scale) if std is not None else estimate_noise_level(
                 packed[index : index + 1], self.trained.normalization.get("signal_power", 1.0), mask))
         cleaned = denoise_many(self.trained.model, self.trained.schedule, packed, levels, generator,
-                               self.params.variance, self.params.sampler)
+                               self.params.variance, self.params.sampler, self.trained.conditional)
         starts = [start_step(self.trained.schedule, level) for level in levels]
         restored = unpack_many(cleaned, spec)
         uploads = []

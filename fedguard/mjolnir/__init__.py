@@ -5,6 +5,8 @@ training sample of a DDPM (``ddpm``, with the UNet of ``unet``); a gradient
 perturbed by noise of std M in those units, rescaled by 1 / sqrt(1 + M**2), is
 a sample of the forward process at the step whose alpha-bar is 1 / (1 + M**2),
 so the reverse chain from that step down to step 0 denoises it (``denoise``).
+The conditional variant ("Mjölnir (Condition)", ``condition``) also feeds the
+rescaled noisy gradient to the UNet as a second channel at every step.
 ``noise`` turns DP, Gaussian and Laplace parameters into M, or estimates it.
 ``store`` keeps a trained model in one ``.npz``, ``checkpoint`` a training run
 to resume. ``packing`` turns a model's gradient into that grid and back,
@@ -14,6 +16,12 @@ Pure torch.
 """
 
 from fedguard.mjolnir.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedguard.mjolnir.condition import (
+    DEFAULT_NOISE_RANGE,
+    condition_of,
+    draw_noise_levels,
+    noisy_condition,
+)
 from fedguard.mjolnir.ddpm import (
     LOSSES,
     DDPMEpoch,
@@ -56,6 +64,7 @@ from fedguard.mjolnir.surrogate import (
 from fedguard.mjolnir.unet import PRESETS, UNet, UNetConfig, check_side, preset
 
 __all__ = [
+    "DEFAULT_NOISE_RANGE",
     "LOSSES",
     "PRESETS",
     "SAMPLERS",
@@ -73,9 +82,11 @@ __all__ = [
     "UNetConfig",
     "check_side",
     "collect_gradients",
+    "condition_of",
     "denoise",
     "denoise_many",
     "diffusion_loss",
+    "draw_noise_levels",
     "estimate_noise_level",
     "fit_scale",
     "load_checkpoint",
@@ -87,6 +98,7 @@ __all__ = [
     "noise_level_epsilon",
     "noise_level_from_c",
     "noise_level_laplace",
+    "noisy_condition",
     "pack",
     "pack_many",
     "packing_spec",

@@ -9,7 +9,9 @@ over 1000), ``alphas = 1 - betas`` and ``alpha_bars[k] = prod(alphas[:k + 1])``
 Training draws k uniformly from {0, ..., steps - 1} and fits eps_theta(x_k, k)
 to the noise with the unweighted loss of Algorithm 2 (mean squared error),
 or a Huber loss as in the released code. The epoch with the lowest mean loss
-is the one kept, as the code does.
+is the one kept, as the code does. With a ``noise_range`` the model is the
+conditional one: eps_theta(x_k, k, condition), the condition a fresh noisy
+copy of each clean grid (``fedguard.mjolnir.condition``).
 
 Resuming. After any epoch the run is a ``TrainState`` (weights, Adam's state,
 the generator's state, the losses and the lowest-loss weights); training from
@@ -27,6 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from fedguard.mjolnir.condition import check_noise_range, noisy_condition
 from fedguard.mjolnir.unet import UNet, UNetConfig
 
 LOSSES = ("mse", "huber")
@@ -76,14 +79,22 @@ def q_sample(schedule: Schedule, x0: torch.Tensor, t: torch.Tensor, noise: torch
 
 
 def diffusion_loss(
-    model: torch.nn.Module, schedule: Schedule, x0: torch.Tensor, generator: torch.Generator, loss: str = "mse"
+    model: torch.nn.Module, schedule: Schedule, x0: torch.Tensor, generator: torch.Generator, loss: str = "mse",
+    noise_range: tuple[float, float] | None = None, mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Algorithm 2's loss on a batch ``x0`` (N, 1, S, S): one uniform step and noise draw per grid, mean per entry."""
+    """Algorithm 2's loss on a batch ``x0`` (N, 1, S, S): one uniform step and noise draw per grid, mean per entry.
+
+    ``noise_range`` (M_min, M_max): the conditional model's loss, the condition of each grid drawn after the step
+    and the noise (``noisy_condition``, its noise on the entries of ``mask``, (1, S, S) bool, all by default); only
+    x0 is diffused."""
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r}: choose one of {', '.join(LOSSES)}")
     t = torch.randint(0, schedule.steps, (len(x0),), generator=generator, device=x0.device)
     noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
-    predicted = model(q_sample(schedule, x0, t, noise), t)
+    if noise_range is None:
+        predicted = model(q_sample(schedule, x0, t, noise), t)
+    else:
+        predicted = model(q_sample(schedule, x0, t, noise), t, noisy_condition(x0, noise_range, generator, mask))
     if loss == "mse":
         return F.mse_loss(predicted, noise)
     return F.smooth_l1_loss(predicted, noise)
@@ -91,7 +102,9 @@ def diffusion_loss(
 
 @dataclass(frozen=True)
 class DDPMTrainOptions:
-    """Epochs, minibatch size, Adam step, seed (weights, batches, steps and noise), loss (mse | huber), schedule.
+    """Epochs, minibatch size, Adam step, seed (weights, batches, steps and noise), loss (mse | huber), schedule,
+    and ``noise_range``: None for the unconditional model (the default), (M_min, M_max) for the conditional one
+    trained on conditions of noise levels in that range (``fedguard.mjolnir.condition``; M_min == M_max: fixed).
 
     Defaults after the released code: 20 epochs, Adam with step 1e-4, seed 1234, the linear 1000-step schedule;
     minibatches of 16 (the code's 8 is slow on a CPU) and the paper's squared error rather than the code's Huber."""
@@ -102,8 +115,11 @@ class DDPMTrainOptions:
     seed: int = 1234
     loss: str = "mse"
     schedule: Schedule = field(default_factory=Schedule)
+    noise_range: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
+        if self.noise_range is not None:
+            object.__setattr__(self, "noise_range", check_noise_range(self.noise_range))
         for name in ("epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -174,8 +190,11 @@ def train_ddpm(
     resume: TrainState | None = None,
     checkpoint: Callable[[TrainState], None] | None = None,
     checkpoint_every: int = 1,
+    mask: torch.Tensor | None = None,
 ) -> tuple[UNet, list[float]]:
-    """Train eps_theta on grids ``images`` (N, 1, S, S), already normalized, on their device.
+    """Train eps_theta on grids ``images`` (N, 1, S, S), already normalized, on their device; the conditional
+    eps_theta when ``options.noise_range`` is set, its conditions noised on the entries of ``mask`` ((1, S, S)
+    bool: the packing's real entries; all by default).
 
     ``resume``: go on from that state (same images, config and options but ``epochs``, which must be at least
     its epoch). ``checkpoint`` is called with the state after every ``checkpoint_every``-th epoch and after the
@@ -188,7 +207,7 @@ def train_ddpm(
         raise ValueError(f"the run to resume has trained {resume.epoch} epochs, more than epochs={options.epochs}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(options.seed)
-        model = UNet(config, images.shape[-1]).to(images.device)
+        model = UNet(config, images.shape[-1], options.noise_range is not None).to(images.device)
     generator = torch.Generator(device=images.device).manual_seed(options.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
     losses: list[float] = []
@@ -200,7 +219,8 @@ def train_ddpm(
         start, total = time.perf_counter(), torch.zeros((), device=images.device)
         order = torch.randperm(len(images), generator=generator, device=images.device)
         for batch in order.split(options.batch_size):
-            loss = diffusion_loss(model, options.schedule, images[batch], generator, options.loss)
+            loss = diffusion_loss(model, options.schedule, images[batch], generator, options.loss,
+                                  options.noise_range, mask)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

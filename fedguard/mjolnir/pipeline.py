@@ -4,7 +4,9 @@ The saved model's ``normalization`` record says what it denoises: the packing of
 side, scale), the model and its parameters, the dataset and split the surrogate trained on, the batch size
 of the recorded gradients, and ``signal_power``, the mean square of the packed training gradients over
 their real entries (what ``estimate_noise_level`` subtracts). With a checkpoint file the training state is
-written after epochs, and a later call that resumes it goes on where it stopped (``checkpoint``).
+written after epochs, and a later call that resumes it goes on where it stopped (``checkpoint``). Training
+options with a ``noise_range`` train the conditional model (``condition``), its conditions noised on the
+packing's real entries only.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def train_mjolnir(
 
     network, losses = train_ddpm(gradients.images, config, training, on_epoch,
                                  None if resume is None else resume.state, None if checkpoint is None else save,
-                                 checkpoint_every)
-    return TrainedDDPM(network, training.schedule, record, tuple(losses)), gradients
+                                 checkpoint_every, valid_mask(gradients.spec))
+    return TrainedDDPM(network, training.schedule, record, tuple(losses), training.noise_range), gradients
 
 
 def training_record(

@@ -3,8 +3,11 @@
 Arrays ``unet/<name>`` hold the denoiser's ``state_dict``; ``meta`` is a JSON
 string with the format version, the UNet configuration, the grid side S, the
 beta schedule, the caller's normalization record (e.g. the scale that maps raw
-gradients to training units and the clean signal power in those units) and the
-mean loss of each epoch.
+gradients to training units and the clean signal power in those units), the
+mean loss of each epoch, and the model's kind: ``conditional`` (absent in files
+of unconditional models written before the conditional variant existed) with
+the ``noise_range`` (M_min, M_max) of its training conditions, null for an
+unconditional model.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from fedguard.archive import load_module_arrays, module_arrays, save_archive
+from fedguard.mjolnir.condition import check_noise_range
 from fedguard.mjolnir.ddpm import Schedule
 from fedguard.mjolnir.unet import UNet, UNetConfig
 
@@ -24,12 +28,26 @@ FORMAT = "fedguard-mjolnir-ddpm/1"
 
 @dataclass(frozen=True)
 class TrainedDDPM:
-    """A denoiser, its schedule, the caller's normalization record (JSON-ready) and each epoch's mean loss."""
+    """A denoiser, its schedule, the caller's normalization record (JSON-ready), each epoch's mean loss and, for a
+    conditional denoiser, the ``noise_range`` (M_min, M_max) it was trained on (None for an unconditional one)."""
 
     model: UNet
     schedule: Schedule
     normalization: dict = field(default_factory=dict)
     losses: tuple[float, ...] = ()
+    noise_range: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.model.conditional != (self.noise_range is not None):
+            raise ValueError(f"the denoiser is {kind(self.model.conditional)}: noise_range must be "
+                             f"{'(M_min, M_max)' if self.model.conditional else 'None'}, got {self.noise_range!r}")
+        if self.noise_range is not None:
+            object.__setattr__(self, "noise_range", check_noise_range(self.noise_range))
+
+    @property
+    def conditional(self) -> bool:
+        """Whether the denoiser takes a condition (the noisy upload) beside x_t."""
+        return self.model.conditional
 
     def meta(self) -> dict:
         """Every field but the weights, JSON-ready."""
@@ -41,7 +59,14 @@ class TrainedDDPM:
             "normalization": self.normalization,
             "epochs": len(self.losses),
             "losses": list(self.losses),
+            "conditional": self.conditional,
+            "noise_range": None if self.noise_range is None else list(self.noise_range),
         }
+
+
+def kind(conditional: bool) -> str:
+    """'conditional' or 'unconditional'."""
+    return "conditional" if conditional else "unconditional"
 
 
 def save_ddpm(trained: TrainedDDPM, path: Path | str) -> Path:
@@ -49,10 +74,12 @@ def save_ddpm(trained: TrainedDDPM, path: Path | str) -> Path:
     return save_archive(path, trained.meta(), module_arrays(trained.model, "unet"))
 
 
-def load_ddpm(path: Path | str) -> TrainedDDPM:
-    """Read a model written by ``save_ddpm``; the denoiser is in eval mode, frozen, on the CPU.
+def load_ddpm(path: Path | str, conditional: bool | None = None) -> TrainedDDPM:
+    """Read a model written by ``save_ddpm``; the denoiser is in eval mode, frozen, on the CPU. ``conditional``:
+    the kind expected (None: whichever the file holds).
 
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for another format or mismatched arrays."""
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for another format, mismatched arrays or
+    another kind than expected."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no Mjölnir diffusion model at {path}; create it with `fedguard train-mjolnir`")
@@ -63,7 +90,11 @@ def load_ddpm(path: Path | str) -> TrainedDDPM:
         arrays = {name.removeprefix("unet/"): archive[name] for name in archive.files if name.startswith("unet/")}
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; retrain it")
-    model = load_module_arrays(UNet(UNetConfig(**meta["unet"]), meta["side"]), arrays, path, "UNet")
-    return TrainedDDPM(
-        model.eval().requires_grad_(False), Schedule(**meta["schedule"]), meta["normalization"], tuple(meta["losses"])
-    )
+    held = bool(meta.get("conditional", False))
+    if conditional is not None and conditional != held:
+        raise ValueError(f"{path}: its Mjölnir denoiser is {kind(held)}, expected {kind(conditional)}; train one "
+                         f"with `fedguard train-mjolnir{' --conditional' if conditional else ''}`")
+    model = load_module_arrays(UNet(UNetConfig(**meta["unet"]), meta["side"], held), arrays, path, "UNet")
+    noise_range = meta.get("noise_range")
+    return TrainedDDPM(model.eval().requires_grad_(False), Schedule(**meta["schedule"]), meta["normalization"],
+                       tuple(meta["losses"]), None if noise_range is None else tuple(noise_range))

@@ -3,7 +3,9 @@
 Layout (after the lucidrains-style UNet of the Mjölnir code, without its
 per-level linear attention and weight-standardized convolutions):
 
-- a 1x1 input convolution to ``base_channels`` (the code's 7x7 became 1x1);
+- a 1x1 input convolution to ``base_channels`` (the code's 7x7 became 1x1)
+  from one channel, x_t, or from two, x_t and the condition, for the
+  conditional variant ("Mjölnir (Condition)"; SR3-style concatenation);
 - a sinusoidal embedding of the step t (width ``base_channels``), then
   Linear -> GELU -> Linear to ``4 * base_channels``; every residual block turns
   it into a per-channel scale and shift;
@@ -175,16 +177,19 @@ class Upsample(nn.Module):
 
 
 class UNet(nn.Module):
-    """eps_theta: noisy grids x_t (N, 1, S, S) and 0-based steps t (N,) -> predicted noise (N, 1, S, S)."""
+    """eps_theta: noisy grids x_t (N, 1, S, S) and 0-based steps t (N,) -> predicted noise (N, 1, S, S).
 
-    def __init__(self, config: UNetConfig, side: int) -> None:
+    ``conditional``: the network also takes condition grids (N, 1, S, S), concatenated to x_t as a second
+    input channel; it still predicts the noise of x_t alone."""
+
+    def __init__(self, config: UNetConfig, side: int, conditional: bool = False) -> None:
         super().__init__()
         check_side(config, side)
-        self.config, self.side = config, side
+        self.config, self.side, self.conditional = config, side, conditional
         base, widths, groups, blocks = config.base_channels, config.widths, config.groups, config.blocks_per_level
         time_dim = 4 * base
         self.time = nn.Sequential(nn.Linear(base, time_dim), nn.GELU(), nn.Linear(time_dim, time_dim))
-        self.init = nn.Conv2d(1, base, 1)
+        self.init = nn.Conv2d(2 if conditional else 1, base, 1)
         self.down, self.downsample = nn.ModuleList(), nn.ModuleList()
         channels = base
         for level, width in enumerate(widths):
@@ -212,11 +217,11 @@ class UNet(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor, condition: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1:] != (1, self.side, self.side):
             raise ValueError(f"expected grids of shape (N, 1, {self.side}, {self.side}), got {tuple(x.shape)}")
         time = self.time(sinusoidal_embedding(t, self.config.base_channels))
-        h = self.init(x)
+        h = self.init(self._inputs(x, condition))
         first, skips = h, []
         for blocks, downsample in zip(self.down, self.downsample):
             for block in blocks:
@@ -229,3 +234,15 @@ class UNet(nn.Module):
                 h = block(torch.cat([h, skips.pop()], dim=1), time)
             h = upsample(h)
         return self.head(self.final(torch.cat([h, first], dim=1), time))
+
+    def _inputs(self, x: torch.Tensor, condition: torch.Tensor | None) -> torch.Tensor:
+        """x (N, 1, S, S), or x and the condition stacked as channels (N, 2, S, S) for a conditional UNet."""
+        if not self.conditional:
+            if condition is not None:
+                raise ValueError("this UNet is unconditional: it takes no condition grids")
+            return x
+        if condition is None or condition.shape != x.shape:
+            got = None if condition is None else tuple(condition.shape)
+            raise ValueError(f"this UNet is conditional: it needs condition grids of x's shape {tuple(x.shape)}, "
+                             f"got {got}")
+        return torch.cat([x, condition], dim=1)
