@@ -13,7 +13,7 @@ from fedguard.config import Config, ConfigError, load_config, schema
 from fedguard.data import DatasetNotFoundError
 from fedguard.evalnet import EvalNetOptions
 from fedguard.generators import SPLITS, TrainOptions
-from fedguard.mjolnir import PRESETS, DDPMTrainOptions, SurrogateOptions
+from fedguard.mjolnir import DEFAULT_NOISE_RANGE, PRESETS, DDPMTrainOptions, SurrogateOptions
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +57,10 @@ def _add_mjolnir_arguments(parser: argparse.ArgumentParser) -> None:
     surrogate, training = SurrogateOptions(), DDPMTrainOptions()
     parser.add_argument("--split", choices=SPLITS, default="test",
                         help="the public split the surrogate trains on ('test' (default): no client trains on it)")
+    parser.add_argument("--surrogate-data", metavar="NAME",
+                        help="the dataset whose public split the surrogate trains on (default: the preset's "
+                             "data.name); its samples must have the run's shape and classes, e.g. fashion-mnist for "
+                             "an MNIST run")
     for flag, kind, default, meaning in (
         ("gradients", int, surrogate.gradients, "clean gradients recorded along the surrogate's training"),
         ("surrogate-epochs", int, surrogate.epochs, "passes of the surrogate over the public split"),
@@ -73,8 +77,18 @@ def _add_mjolnir_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a captured upload (runs/<run>/observations/round-R_client-C.npz): the surrogate starts "
                              "at the global model the server sent in that round (default: the seeded initialization)")
     parser.add_argument("--unet", choices=sorted(PRESETS), default="cpu", help="denoiser size (default cpu)")
-    parser.add_argument("--out", type=Path, help="output .npz (default mjolnir/<data>-<model>.npz; the training "
-                                                 "gradients go beside it, as <name>.gradients.npz)")
+    parser.add_argument("--conditional", action="store_true",
+                        help="train the conditional denoiser (Mjölnir (Condition)): the UNet also sees the noisy "
+                             "gradient, learned from pairs of each clean gradient and a freshly noised copy; "
+                             "default output mjolnir/<data>-<model>-conditional.npz (default: the unconditional one)")
+    parser.add_argument("--noise-range", metavar="MIN,MAX",
+                        help="with --conditional: the noise levels M (noise std over the packing scale) of the "
+                             "training pairs, log-uniform on [MIN, MAX]; one value fixes M (default "
+                             f"{DEFAULT_NOISE_RANGE[0]:g},{DEFAULT_NOISE_RANGE[1]:g}: every level the M-adaptive "
+                             "start resolves)")
+    parser.add_argument("--out", type=Path, help="output .npz (default mjolnir/<data>-<model>.npz, <data> the "
+                                                 "surrogate's dataset; the training gradients go beside it, as "
+                                                 "<name>.gradients.npz)")
     parser.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
                         help="write the training state to <name>.checkpoint.npz beside the output after every N-th "
                              "epoch and the last (default 1; 0: never)")
@@ -181,10 +195,22 @@ def global_weights_of(path: Path, config: Config) -> list:
     return list(obs.global_arrays)
 
 
+def _training_noise_range(args: argparse.Namespace) -> tuple[float, float] | None:
+    """The conditional denoiser's training noise range from --conditional and --noise-range; None: unconditional."""
+    from fedguard.mjolnir.condition import parse_noise_range
+
+    if args.noise_range is not None and not args.conditional:
+        raise ValueError(f"--noise-range {args.noise_range} is for the conditional denoiser: add --conditional")
+    if not args.conditional:
+        return None
+    return DEFAULT_NOISE_RANGE if args.noise_range is None else parse_noise_range(args.noise_range)
+
+
 def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     """Train Mjölnir's gradient diffusion model on a surrogate's clean gradients, for the run a preset describes."""
     from fedguard.mjolnir import load_checkpoint, save_ddpm, save_gradient_set
     from fedguard.mjolnir.pipeline import train_mjolnir
+    from fedguard.mjolnir.surrogate import check_surrogate_data
 
     if args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got {args.checkpoint_every}")
@@ -193,16 +219,20 @@ def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     seed = config.run.seed if args.seed is None else args.seed
     surrogate = SurrogateOptions(args.surrogate_epochs, config.train.batch_size, args.surrogate_lr, args.gradients,
                                  seed)
-    training = DDPMTrainOptions(args.epochs, args.ddpm_batch_size, args.lr, seed)
+    training = DDPMTrainOptions(args.epochs, args.ddpm_batch_size, args.lr, seed,
+                                noise_range=_training_noise_range(args))
+    data = args.surrogate_data or config.data.name
+    if data != config.data.name:
+        check_surrogate_data(config.data.name, data, config.data.source_options())
     weights = None if args.at is None else global_weights_of(args.at, config)
-    out = args.out or Path("mjolnir") / f"{config.data.name}-{config.model.name}.npz"
+    out = args.out or Path("mjolnir") / f"{data}-{config.model.name}{'-conditional' if args.conditional else ''}.npz"
     checkpoint = None if args.checkpoint_every == 0 else out.with_suffix(".checkpoint.npz")
     print(f"fedguard: {args.gradients} surrogate gradients of {config.model.name} (batch {config.train.batch_size}) "
-          f"on the public {args.split} split of {config.data.name}, then a {args.unet} DDPM", flush=True)
+          f"on the public {args.split} split of {data}, then a {args.unet} DDPM", flush=True)
     if resume is not None:
         print(f"fedguard: resuming {args.resume} after epoch {resume.state.epoch} of {args.epochs}", flush=True)
     trained, gradients = train_mjolnir(
-        config.model.name, config.model.params, config.data.name, surrogate, args.unet, training, args.split,
+        config.model.name, config.model.params, data, surrogate, args.unet, training, args.split,
         config.data.source_options(), on_epoch=lambda stats: print(f"fedguard: {stats}", flush=True), weights=weights,
         checkpoint=checkpoint, checkpoint_every=args.checkpoint_every or 1, resume=resume)
     print(f"fedguard: saved {save_ddpm(trained, out)}")

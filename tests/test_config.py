@@ -48,7 +48,8 @@ def test_every_preset_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         save_evalnet(train_evalnet(dataset, "test", EvalNetOptions(epochs=1, width=2, mixes=1)),
                      tmp_path / default_evalnet_path(dataset))
     surrogate = SurrogateOptions(epochs=1, gradients=4)
-    for model, params, dataset in (("lenet", None, "photos"), ("mlp", {"hidden": 64}, "digits")):
+    for model, params, dataset in (("lenet", None, "photos"), ("mlp", {"hidden": 64}, "digits"),
+                                   ("lenet", None, "fashion-mnist")):
         denoiser, _ = train_mjolnir(model, params, dataset, surrogate, "cpu", DDPMTrainOptions(epochs=1, batch_size=4))
         save_ddpm(denoiser, tmp_path / "mjolnir" / f"{dataset}-{model}.npz")
     monkeypatch.chdir(tmp_path)

@@ -98,6 +98,31 @@ def test_the_surrogate_can_start_at_a_captured_rounds_global_model(tmp_path: Pat
                  "--out", str(tmp_path / "y.npz")]) == 2
 
 
+def test_the_surrogate_can_learn_on_another_dataset_of_the_runs_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The paper's setting: Fashion-MNIST gradients, at the run's round-1 global model, to denoise MNIST uploads.
+    run = ["data.name=mnist-5k", "model.name=mlp", "model.mlp.hidden=16", "train.batch-size=1"]
+    common = ["train-mjolnir", *(a for o in run for a in ("--set", o)), "--gradients", "3", "--surrogate-epochs", "1",
+              "--surrogate-lr", "0", "--epochs", "1", "--checkpoint-every", "0"]
+    monkeypatch.chdir(tmp_path)
+    assert main([*common, "--surrogate-data", "fashion-mnist"]) == 0
+    out = tmp_path / "mjolnir" / "fashion-mnist-mlp.npz"  # named after the data its gradients come from
+    assert load_ddpm(out).normalization["dataset"] == "fashion-mnist"
+    gradients = load_gradient_set(out.with_suffix(".gradients.npz"))
+    assert gradients.dataset == "fashion-mnist" and gradients.start == "seed"
+    global_model = initial_model(load_config(None, run))
+    data = load_dataset("fashion-mnist")
+    for image, batch in zip(gradients.images, gradients.batches):
+        expected = compute_gradients(global_model, *data.test.batch(batch))[0]
+        assert all(torch.equal(a, b) for a, b in zip(unpack(image, gradients.spec), expected))
+    capsys.readouterr()
+    assert main([*common, "--surrogate-data", "digits"]) == 2  # 1x8x8 digits: the MLP's first layer would differ
+    error = capsys.readouterr().err
+    assert "'digits' has 1x8x8 images with 10 classes" in error and "'mnist-5k' 1x28x28 images" in error
+    assert not (tmp_path / "mjolnir" / "digits-mlp.npz").exists()
+
+
 def test_train_mjolnir_in_two_sittings_saves_the_model_of_one(tmp_path: Path) -> None:
     common = [*(a for o in SMALL for a in ("--set", o)), "--gradients", "4", "--surrogate-epochs", "1",
               "--ddpm-batch-size", "2"]

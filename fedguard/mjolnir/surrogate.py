@@ -13,6 +13,9 @@ Each gradient is then packed into a 1 x S x S image (``packing``) in units of on
 scale fitted to the whole set, so that the images' entries have a root mean square
 near 1.
 
+The public data may come from another dataset than the run's, as in the paper (Fashion-MNIST gradients to
+denoise MNIST uploads), provided its samples have the run's shape and classes (``check_surrogate_data``).
+
 Batches have exactly ``batch_size`` samples: a shorter last batch of an epoch is
 skipped, its samples join the next epoch's shuffle.
 
@@ -186,6 +189,24 @@ def build_surrogate(model: str, params: Any, spec: DataSpec, seed: int) -> nn.Mo
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build_model(model, spec, config)
+
+
+def check_surrogate_data(run_data: str, surrogate_data: str, source: SourceOptions = SourceOptions()) -> DataSpec:
+    """The sample spec of ``surrogate_data``, after checking that it equals ``run_data``'s: the surrogate is the
+    run's model built for those samples, so its gradients have the run's shapes only for samples of the run's
+    shape and number of classes (e.g. Fashion-MNIST for an MNIST run). ``ValueError`` naming both otherwise."""
+    run_spec = load_dataset(run_data, source).spec
+    spec = load_dataset(surrogate_data, source).spec
+    if spec != run_spec:
+        def shape(s: DataSpec) -> str:
+            return f"{s.channels}x{s.height}x{s.width} images with {s.num_classes} classes"
+
+        raise ValueError(
+            f"the surrogate's data {surrogate_data!r} has {shape(spec)}, the run's data {run_data!r} "
+            f"{shape(run_spec)}; its gradients would not have the shapes of the run's model: choose a dataset of the "
+            f"run's shape"
+        )
+    return spec
 
 
 def recording_steps(total: int, count: int) -> list[int]:
