@@ -77,6 +77,8 @@ def _add_mjolnir_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a captured upload (runs/<run>/observations/round-R_client-C.npz): the surrogate starts "
                              "at the global model the server sent in that round (default: the seeded initialization)")
     parser.add_argument("--unet", choices=sorted(PRESETS), default="cpu", help="denoiser size (default cpu)")
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                        help="where the denoiser trains (default cpu; auto: CUDA when available)")
     parser.add_argument("--conditional", action="store_true",
                         help="train the conditional denoiser (Mjölnir (Condition)): the UNet also sees the noisy "
                              "gradient, learned from pairs of each clean gradient and a freshly noised copy; "
@@ -210,10 +212,12 @@ def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     """Train Mjölnir's gradient diffusion model on a surrogate's clean gradients, for the run a preset describes."""
     from fedguard.mjolnir import load_checkpoint, save_ddpm, save_gradient_set
     from fedguard.mjolnir.pipeline import train_mjolnir
+    from attackers.jobs import resolve_device
     from fedguard.mjolnir.surrogate import check_surrogate_data
 
     if args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got {args.checkpoint_every}")
+    device = resolve_device(args.device)
     resume = None if args.resume is None else load_checkpoint(args.resume)
     config = load_config(args.preset, args.overrides)
     seed = config.run.seed if args.seed is None else args.seed
@@ -234,7 +238,8 @@ def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     trained, gradients = train_mjolnir(
         config.model.name, config.model.params, data, surrogate, args.unet, training, args.split,
         config.data.source_options(), on_epoch=lambda stats: print(f"fedguard: {stats}", flush=True), weights=weights,
-        checkpoint=checkpoint, checkpoint_every=args.checkpoint_every or 1, resume=resume)
+        checkpoint=checkpoint, checkpoint_every=args.checkpoint_every or 1, resume=resume,
+        device=device)
     print(f"fedguard: saved {save_ddpm(trained, out)}")
     print(f"fedguard: saved the training gradients to {save_gradient_set(gradients, out.with_suffix('.gradients.npz'))}")
     if checkpoint is not None:

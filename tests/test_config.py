@@ -52,6 +52,9 @@ def test_every_preset_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
                                    ("lenet", None, "fashion-mnist")):
         denoiser, _ = train_mjolnir(model, params, dataset, surrogate, "cpu", DDPMTrainOptions(epochs=1, batch_size=4))
         save_ddpm(denoiser, tmp_path / "mjolnir" / f"{dataset}-{model}.npz")
+    conditional, _ = train_mjolnir("lenet", None, "fashion-mnist", surrogate, "cpu",
+                                   DDPMTrainOptions(epochs=1, batch_size=4, noise_range=(0.01, 100.0)))
+    save_ddpm(conditional, tmp_path / "mjolnir" / "fashion-mnist-lenet-conditional.npz")
     monkeypatch.chdir(tmp_path)
     presets = sorted((ROOT / "experiments").rglob("*.toml"))
     assert presets, "no presets found"

@@ -48,13 +48,14 @@ def train_mjolnir(
     checkpoint: Path | None = None,
     checkpoint_every: int = 1,
     resume: Checkpoint | None = None,
+    device: torch.device | str = "cpu",
 ) -> tuple[TrainedDDPM, GradientSet]:
     """Algorithms 1 and 2: surrogate gradients of ``model`` on ``split`` of ``dataset``, then the DDPM; returns
     the model and the gradient data set it learned. ``weights``: the surrogate's starting ``state_dict`` arrays
     (e.g. a captured round's global model), None for the seeded initialization. ``checkpoint``: a file the
     training state is written to after every ``checkpoint_every``-th epoch and the last (None: none);
     ``resume``: a checkpoint of this very run (same gradients, record, UNet and options but epochs) to go on
-    from."""
+    from; ``device``: where the DDPM trains (the gradients are collected on the CPU)."""
     gradients = collect_gradients(model, model_params, dataset, split, surrogate, source, on_gradient, weights)
     record = training_record(gradients, dataset, split, surrogate, unet)
     config, side, digest = preset(unet), gradients.spec.side, grids_digest(gradients.images)
@@ -64,9 +65,9 @@ def train_mjolnir(
     def save(state: TrainState) -> None:
         save_checkpoint(Checkpoint(state, config, side, training, record, digest), checkpoint)
 
-    network, losses = train_ddpm(gradients.images, config, training, on_epoch,
+    network, losses = train_ddpm(gradients.images.to(device), config, training, on_epoch,
                                  None if resume is None else resume.state, None if checkpoint is None else save,
-                                 checkpoint_every, valid_mask(gradients.spec))
+                                 checkpoint_every, valid_mask(gradients.spec).to(device))
     return TrainedDDPM(network, training.schedule, record, tuple(losses), training.noise_range), gradients
 
 
