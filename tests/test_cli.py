@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedguard.cli import main
 
@@ -40,3 +41,11 @@ def test_config_prints_resolved_keys(capsys: pytest.CaptureFixture[str]) -> None
     assert 'name = "quickstart"' in out and "train.rounds = 3" in out
     assert main(["config", "--keys"]) == 0
     assert "model.convnet.width = 64" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent")
+def test_train_mjolnir_refuses_cuda_where_there_is_none(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = main(["train-mjolnir", "--set", "data.name=digits", "--set", "model.name=mlp", "--gradients", "4",
+                 "--epochs", "1", "--device", "cuda", "--out", str(tmp_path / "d.npz")])
+    assert code == 2 and "device 'cuda' asked for, but CUDA is not available here" in capsys.readouterr().err
+    assert not (tmp_path / "d.npz").exists()
