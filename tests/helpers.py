@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from flwr.app import Context, RecordDict
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
 from clients import DefendedClient
 from fedguard.config import Config, load_config
+from fedguard.data.local import DEBIAN_FASHION_MNIST
+
+FASHION_MNIST = (DEBIAN_FASHION_MNIST / "t10k-images-idx3-ubyte.gz").is_file()
+needs_fashion_mnist = pytest.mark.skipif(
+    not FASHION_MNIST, reason="Debian package dataset-fashion-mnist not installed (.ci/run installs it where apt-get may)")
 
 
 def config(*overrides: str) -> Config:

@@ -26,6 +26,7 @@ from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard, save_observation
 from fedguard.server_app import initial_model
 from fedguard.training import compute_gradients, get_arrays, loss_fn, set_arrays, trainable_mask
+from tests.helpers import needs_fashion_mnist
 
 SMALL = ["data.name=digits", "model.name=mlp", "model.mlp.hidden=16", "train.batch-size=1"]
 
@@ -98,6 +99,7 @@ def test_the_surrogate_can_start_at_a_captured_rounds_global_model(tmp_path: Pat
                  "--out", str(tmp_path / "y.npz")]) == 2
 
 
+@needs_fashion_mnist
 def test_the_surrogate_can_learn_on_another_dataset_of_the_runs_shape(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -38,6 +38,7 @@ from fedguard.data import load_dataset
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_update import UpdateDPParams, mjolnir_code_sigma
 from fedguard.metrics.image import psnr
+from tests.helpers import needs_fashion_mnist
 from fedguard.metrics.scoring import floor_scores
 from fedguard.mjolnir import DDPMTrainOptions, Schedule, TrainedDDPM, preset, save_ddpm, train_ddpm
 from fedguard.mjolnir.packing import fit_scale, pack, packing_spec, spec_to_dict, valid_mask
@@ -118,6 +119,7 @@ def test_the_preset_defense_adds_the_codes_noise_and_nothing_else(setting: dict)
     assert all(torch.equal(s, g) for s, g in zip(sent, clean))
 
 
+@needs_fashion_mnist
 def test_dlg_rises_with_epsilon_and_denoising_does_not_lift_it(setting: dict, tmp_path: Path) -> None:
     noisy = {epsilon: uploads(setting, epsilon) for epsilon in EPSILONS}
     denoiser = small_denoiser(setting["model"], tmp_path / "fashion-mnist-lenet.npz")
