@@ -210,9 +210,9 @@ def _training_noise_range(args: argparse.Namespace) -> tuple[float, float] | Non
 
 def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     """Train Mjölnir's gradient diffusion model on a surrogate's clean gradients, for the run a preset describes."""
+    from attackers.jobs import resolve_device
     from fedguard.mjolnir import load_checkpoint, save_ddpm, save_gradient_set
     from fedguard.mjolnir.pipeline import train_mjolnir
-    from attackers.jobs import resolve_device
     from fedguard.mjolnir.surrogate import check_surrogate_data
 
     if args.checkpoint_every < 0:

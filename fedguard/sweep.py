@@ -33,7 +33,7 @@ from typing import Any, Callable
 import tomli_w
 
 from fedguard.config import Config, ConfigError, flatten, load_config
-from fedguard.report.paper_table import PaperTable, parse_paper_table, render_paper_table
+from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
 from fedguard.report.run_dir import ROUNDS_FILE, unflatten
 
 SWEEP_FILE = "sweep.jsonl"
@@ -235,9 +235,9 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
                 cells += [f"`{attack}`" if attack else "-", _cell(row.get("psnr"), 1), _cell(row.get("ssim"), 3),
                           _cell(row.get("lpips"), 3), leaked]
             if setting in trained:
-                accuracy, reference = row.get("accuracy"), base.get("accuracy")
-                share = 100 * accuracy / reference if accuracy is not None and reference else None
-                cells += [_cell(None if accuracy is None else 100 * accuracy, 1, "%"), _cell(share, 1, "%")]
+                accuracy, share = row.get("accuracy"), metric_value(row, "accuracy_share", base)
+                cells += [_cell(None if accuracy is None else 100 * accuracy, 1, "%"),
+                          _cell(None if share is None else 100 * share, 1, "%")]
             if setting in private:
                 cells.append(_epsilon_cell(row.get("epsilon")))
             if setting in raw:

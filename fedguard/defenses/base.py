@@ -82,7 +82,7 @@ class RoundReports:
     uploads: list[dict[str, float]]
 
 
-def aggregate_reports(metrics: list[dict[str, Any]], client_key: str = "client") -> RoundReports:
+def aggregate_reports(metrics: list[dict[str, Any]]) -> RoundReports:
     """The round's ``RoundReports`` from the clients' fit metrics; keys without ``defense.`` are dropped."""
     totals: dict[str, float] = {}
     uploads: list[dict[str, float]] = []
@@ -97,7 +97,7 @@ def aggregate_reports(metrics: list[dict[str, Any]], client_key: str = "client")
             else:
                 totals[name] = max(float(value), totals.get(name, float("-inf")))
         if upload:
-            uploads.append({**({"client": client[client_key]} if client_key in client else {}), **upload})
+            uploads.append({**({"client": client["client"]} if "client" in client else {}), **upload})
     for name in dict.fromkeys(k for u in uploads for k in u if k != "client"):
         values = [u[name] for u in uploads if name in u]
         totals[name] = sum(values) / len(values)
