@@ -1,21 +1,27 @@
 """The attack interface, what attacks may ask of the threat model, and the attack registry.
 
 An attack sees nothing but an ``Observation`` (what the server received) and
-returns a ``Reconstruction``. Each attack declares what it needs beyond the
-upload; a run whose threat model does not grant it fails at configuration
-time.
+returns a ``Reconstruction``. Each registered attack declares its
+``AttackTraits`` (what it attacks, what it needs beyond the upload, the
+manipulation it exploits, the files it loads) as a pure function of its
+parameters; the configuration checks them without building the attack, and a
+run whose threat model does not grant what an attack needs fails at
+configuration time. The server checks the files once, before round 1
+(``check_attack_files``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import numpy as np
 import torch
 
+from attackers.manipulation import HONEST
 from fedguard.observation import Observation
-from fedguard.registry import Registry
+from fedguard.registry import NoParams, Registry, RequiredFile
 
 NEEDS = {
     "labels": "the true labels of the batch",
@@ -66,10 +72,49 @@ class Attack(Protocol):
     def reconstruct_many(self, observations: list[Observation]) -> list[Reconstruction]: ...
 
 
+@dataclass(frozen=True)
+class AttackTraits:
+    """What an attack with given parameters declares, known without building it: the ``uploads`` it attacks,
+    what it ``needs`` from the threat model (keys of ``NEEDS``) on every upload and ``needs_by_upload`` on some
+    kinds only, the ``manipulation`` it exploits, whether it ``simulates_defense`` (EOT: the clients' defense
+    must be able to simulate itself), and the ``files`` it loads on the server."""
+
+    uploads: frozenset[str]
+    needs: frozenset[str] = frozenset()
+    needs_by_upload: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    manipulation: str = HONEST
+    simulates_defense: bool = False
+    files: tuple[RequiredFile, ...] = ()
+
+    @classmethod
+    def of(cls, attack: type, **changes: Any) -> "AttackTraits":
+        """The traits ``attack``'s class attributes declare, with ``changes`` for those its parameters set."""
+        names = ("uploads", "needs", "needs_by_upload", "manipulation")
+        declared = {name: getattr(attack, name) for name in names if hasattr(attack, name)}
+        return cls(**{**declared, **changes})
+
+
 AttackBuilder = Callable[[Any], Attack]
+TraitsOf = Callable[[Any], AttackTraits]
 
 ATTACKS: Registry[AttackBuilder] = Registry("attack")
-register_attack = ATTACKS.register
+
+
+def register_attack(
+    name: str, params: type = NoParams, *, traits: TraitsOf
+) -> Callable[[AttackBuilder], AttackBuilder]:
+    """Register the decorated builder under ``name``; ``traits(params)`` declares what it attacks and needs."""
+    return ATTACKS.register(name, params, traits)
+
+
+def class_traits(attack: type) -> TraitsOf:
+    """The ``traits`` of an attack whose class attributes declare them, whatever its parameters."""
+    return lambda params: AttackTraits.of(attack)
+
+
+def attack_traits(name: str, params: Any = None) -> AttackTraits:
+    """The traits of the registered attack ``name`` with ``params`` (its defaults when None); nothing is built."""
+    return ATTACKS.traits(name, params)
 
 
 def build_attack(name: str, params: Any = None, defense: tuple[str, Any] | None = None) -> Attack:
@@ -116,14 +161,43 @@ def shape_key(obs: Observation) -> tuple:
     return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, images_per_upload(obs), obs.kind, schedule)
 
 
-def required_manipulation(attack: Attack) -> str:
-    """The manipulation ``attack`` exploits: 'none' for an honest-server attack."""
-    return getattr(attack, "manipulation", "none")
+def required_manipulation(attack: Attack | AttackTraits) -> str:
+    """The manipulation an attack (or its traits) exploits: 'none' for an honest-server attack."""
+    return attack.manipulation
 
 
-def missing_grants(attack: Attack, granted: set[str], upload_kind: str = "gradient") -> list[str]:
-    """What ``attack`` needs on uploads of ``upload_kind`` that the threat model does not grant, for an error message.
+def missing_grants(attack: Attack | AttackTraits, granted: set[str], upload_kind: str = "gradient") -> list[str]:
+    """What an attack (or its traits) needs on uploads of ``upload_kind`` that the threat model does not grant,
+    for an error message.
 
-    ``attack.needs`` holds what it always needs; an optional ``needs_by_upload`` maps an upload kind to more."""
+    ``needs`` holds what it always needs; an optional ``needs_by_upload`` maps an upload kind to more."""
     needs = attack.needs | getattr(attack, "needs_by_upload", {}).get(upload_kind, frozenset())
     return [f"{need} ({NEEDS[need]})" for need in sorted(needs - granted)]
+
+
+class Chosen(Protocol):
+    """A configured attack: its registered name and parameters (``fedguard.config.Component``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def params(self) -> Any: ...
+
+
+def missing_attack_files(attacks: Iterable[Chosen]) -> list[str]:
+    """Each file the ``attacks`` load that is not there: its key, its path and how to make it."""
+    return [
+        f"attack.{attack.name}.{file.param.replace('_', '-')} = {file.path!r}: {file.missing}"
+        for attack in attacks
+        for file in attack_traits(attack.name, attack.params).files
+        if file.path and not Path(file.path).is_file()
+    ]
+
+
+def check_attack_files(attacks: Iterable[Chosen]) -> None:
+    """Raise ``FileNotFoundError`` naming every file the ``attacks`` load that is missing; the server calls it
+    once before round 1 (the clients, which never load these files, do not)."""
+    missing = missing_attack_files(attacks)
+    if missing:
+        raise FileNotFoundError("files the configured attacks load are missing:\n  " + "\n  ".join(missing))

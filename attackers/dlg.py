@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad, vmap
 
-from attackers.base import Reconstruction, check_search_params, images_per_upload, register_attack
+from attackers.base import Reconstruction, check_search_params, class_traits, images_per_upload, register_attack
 from attackers.inverting_gradients import target_gradient
 from attackers.jobs import JobBatch, job_seed, resolve_device
 from attackers.labels import declared_labels, upload_labels_inferred
@@ -105,6 +105,7 @@ class DeepLeakage:
 
     needs: frozenset[str] = frozenset()
     uploads: frozenset[str] = frozenset({"gradient"})
+    manipulation = "none"
 
     def __init__(self, params: DLGParams, infer: bool) -> None:
         self.params = params
@@ -204,13 +205,13 @@ class DeepLeakage:
         return results
 
 
-@register_attack("dlg", params=DLGParams)
+@register_attack("dlg", params=DLGParams, traits=class_traits(DeepLeakage))
 def build_dlg(params: DLGParams) -> DeepLeakage:
     """DLG (Zhu et al. 2019): L2 gradient matching, L-BFGS, images and soft labels optimized jointly."""
     return DeepLeakage(params, infer=False)
 
 
-@register_attack("idlg", params=DLGParams)
+@register_attack("idlg", params=DLGParams, traits=class_traits(DeepLeakage))
 def build_idlg(params: DLGParams) -> DeepLeakage:
     """iDLG (Zhao et al. 2020): DLG with the labels inferred from the last layer's gradient."""
     return DeepLeakage(params, infer=True)

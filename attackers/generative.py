@@ -30,14 +30,17 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad, vmap
 
-from attackers.base import Reconstruction, check_search_params, register_attack
+from attackers.base import AttackTraits, Reconstruction, check_search_params, register_attack
 from attackers.inverting_gradients import target_gradient
 from attackers.jobs import JobBatch, job_seed, job_targets, resolve_device
-from fedguard.generators import load_generator
+from fedguard.generators.store import load_generator, missing_generator
 from fedguard.observation import Observation
+from fedguard.registry import RequiredFile
 from fedguard.training import loss_fn
 
 DISTANCES = ("cosine", "l2")
+NO_GENERATOR = ("attack 'ggl' needs a generator: set attack.ggl.generator to a file made by "
+                "`fedguard train-generator --data <dataset>` (by default generators/<dataset>.npz)")
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,7 @@ class GenerativeAttack:
 
     def __init__(self, params: GenerativeParams) -> None:
         if not params.generator:
-            raise ValueError(
-                "attack 'ggl' needs a generator: set attack.ggl.generator to a file made by "
-                "`fedguard train-generator --data <dataset>` (by default generators/<dataset>.npz)"
-            )
+            raise ValueError(NO_GENERATOR)
         self.params = params
         self.generator = load_generator(Path(params.generator))
 
@@ -173,7 +173,13 @@ class GenerativeAttack:
         return results
 
 
-@register_attack("ggl", params=GenerativeParams)
+def generative_traits(params: GenerativeParams) -> AttackTraits:
+    """The class's traits and the generator file it loads."""
+    generator = RequiredFile("generator", params.generator, NO_GENERATOR, missing_generator(params.generator))
+    return AttackTraits.of(GenerativeAttack, files=(generator,))
+
+
+@register_attack("ggl", params=GenerativeParams, traits=generative_traits)
 def build_generative(params: GenerativeParams) -> GenerativeAttack:
     """Generative gradient leakage (after Li et al. 2022): latent search of a generator trained on public data."""
     return GenerativeAttack(params)

@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
-from attackers.base import Reconstruction, check_search_params, register_attack
+from attackers.base import Reconstruction, check_search_params, class_traits, register_attack
 from attackers.bn_statistics import recover_batch_statistics
 from attackers.inverting_gradients import target_gradient, total_variation
 from attackers.jobs import JobBatch, job_seed, job_targets, resolve_device
@@ -224,7 +224,7 @@ class GradInversion:
         return results
 
 
-@register_attack("gradinversion", params=GradInversionParams)
+@register_attack("gradinversion", params=GradInversionParams, traits=class_traits(GradInversion))
 def build_gradinversion(params: GradInversionParams) -> GradInversion:
     """GradInversion (Yin et al. 2021): L2 gradient matching + image, BatchNorm and group priors, Adam, restarts."""
     return GradInversion(params)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attackers.base import Reconstruction, images_per_upload, register_attack
+from attackers.base import Reconstruction, class_traits, images_per_upload, register_attack
 from attackers.manipulation import register_manipulation
 from attackers.trap_weights import TINY, as_images, card_input_layer, first_layer_gradient, in_box, upload_labels
 from fedguard.observation import ModelCard, Observation
@@ -171,7 +171,7 @@ class ImprintAttack:
         return [self.reconstruct(obs) for obs in observations]
 
 
-@register_attack("imprint")
+@register_attack("imprint", traits=class_traits(ImprintAttack))
 def build_imprint_attack(params: NoParams) -> ImprintAttack:
     """Robbing the Fed (Fowl et al. 2022): inputs read off differences of consecutive imprint bins."""
     return ImprintAttack()

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad, vmap
 
-from attackers.base import Reconstruction, check_search_params, register_attack
+from attackers.base import AttackTraits, Reconstruction, check_search_params, register_attack
 from attackers.jobs import JobBatch, job_seed, job_targets, resolve_device
 from fedguard.defenses.base import SimulatedDefense
 from fedguard.observation import Observation
@@ -128,7 +128,7 @@ class InvertingGradients:
 
     def __init__(self, params: InvertingGradientsParams) -> None:
         self.params = params
-        self.needs: frozenset[str] = frozenset({"defense"}) if params.eot else frozenset()
+        self.needs: frozenset[str] = inverting_gradients_traits(params).needs
         self.defense: SimulatedDefense | None = None
 
     def know_defense(self, defense: Any) -> None:
@@ -242,7 +242,13 @@ class InvertingGradients:
         return expected
 
 
-@register_attack("ig", params=InvertingGradientsParams)
+def inverting_gradients_traits(params: InvertingGradientsParams) -> AttackTraits:
+    """The class's traits; with ``eot`` > 0 it also needs the clients' defense, and one that can simulate itself."""
+    return AttackTraits.of(InvertingGradients, needs=frozenset({"defense"}) if params.eot else frozenset(),
+                           simulates_defense=params.eot > 0)
+
+
+@register_attack("ig", params=InvertingGradientsParams, traits=inverting_gradients_traits)
 def build_inverting_gradients(params: InvertingGradientsParams) -> InvertingGradients:
     """Inverting Gradients (Geiping et al. 2020): cosine distance + TV, signed Adam, restarts."""
     return InvertingGradients(params)

@@ -214,8 +214,11 @@ def upload_labels_inferred(obs: Observation, grads: list[torch.Tensor], batch_si
 
 
 def declared_labels(declared: dict) -> torch.Tensor | None:
-    """The labels a client declared with its upload ('3,1,4'; only when the threat model grants them), or None."""
-    text = declared.get("labels")
-    if text is None or text == "":
+    """The labels a client declared with its upload (a list; only when the threat model grants them), or None.
+    Observation files written before labels travelled as a list hold them as text, '3,1,4'."""
+    labels = declared.get("labels")
+    if labels is None or len(labels) == 0:
         return None
-    return torch.tensor([int(v) for v in str(text).split(",")], dtype=torch.long)
+    if isinstance(labels, str):
+        labels = labels.split(",")
+    return torch.tensor([int(v) for v in labels], dtype=torch.long)

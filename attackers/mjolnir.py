@@ -32,22 +32,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from attackers.base import ATTACKS, Reconstruction, register_attack, required_manipulation
+from attackers.base import ATTACKS, AttackTraits, Reconstruction, attack_traits, register_attack
 from fedguard.defenses.dp_sgd import DPSGD
 from fedguard.defenses.dp_update import UpdateDP
 from fedguard.mjolnir.denoise import SAMPLERS, VARIANCES, denoise_many, start_step
 from fedguard.mjolnir.noise import estimate_noise_level
 from fedguard.mjolnir.packing import pack_many, unpack_many, valid_mask
 from fedguard.mjolnir.pipeline import check_shapes
-from fedguard.mjolnir.store import load_ddpm
+from fedguard.mjolnir.store import load_ddpm, missing_ddpm
 from fedguard.observation import Observation
+from fedguard.registry import RequiredFile
 
 INNER_ATTACKS = ("ig", "dlg", "idlg", "gradinversion", "ggl")
 NOISE_SOURCES = ("defense", "given", "estimate")
+NO_DENOISER = "Mjölnir needs a diffusion model: set denoiser to a file made by `fedguard train-mjolnir`"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,11 @@ class MjolnirParams:
             raise ValueError(f"sampler {self.sampler!r}: choose one of {', '.join(SAMPLERS)}")
 
 
+def own_needs(params: MjolnirParams) -> frozenset[str]:
+    """What Mjölnir needs beyond its inner attack: the clients' defense when it is the noise level's source."""
+    return frozenset({"defense"}) if params.noise_source == "defense" else frozenset()
+
+
 def defense_noise_std(defense: Any, batch_size: int) -> float:
     """Per-entry noise standard deviation, in gradient units, that ``defense`` adds to a batch-``batch_size``
     upload; ``ValueError`` for a defense without additive noise."""
@@ -96,14 +103,14 @@ class Mjolnir:
 
     def __init__(self, params: MjolnirParams, inner: Any) -> None:
         if not params.denoiser:
-            raise ValueError("Mjölnir needs a diffusion model: set denoiser to a file made by `fedguard train-mjolnir`")
+            raise ValueError(NO_DENOISER)
         self.params, self.inner = params, inner
         self.trained = load_ddpm(Path(params.denoiser))
         if self.trained.conditional and params.sampler != "chained":
             raise ValueError(f"sampler {params.sampler!r} is the released code's, for an unconditional denoiser; "
                              f"{params.denoiser} holds a conditional one, which runs the sampler 'chained'")
-        self.needs: frozenset[str] = inner.needs | ({"defense"} if params.noise_source == "defense" else frozenset())
-        self.manipulation = required_manipulation(inner)
+        self.needs: frozenset[str] = inner.needs | own_needs(params)
+        self.manipulation: str = inner.manipulation
         self.defense: Any = None
 
     def know_defense(self, defense: Any) -> None:
@@ -184,6 +191,25 @@ def _composed_params(inner: str) -> type:
                                                               "__doc__": f"Mjölnir's parameters, then {inner}'s."})
 
 
+def mjolnir_traits(inner: str) -> Callable[[Any], AttackTraits]:
+    """``traits(params)`` of ``mjolnir+<inner>``: the inner attack's, on the uploads Mjölnir denoises, with
+    Mjölnir's own needs and its denoiser file."""
+
+    def traits(params: Any) -> AttackTraits:
+        own, inner_params = params.split()
+        inside = attack_traits(inner, inner_params)
+        denoiser = RequiredFile("denoiser", own.denoiser, NO_DENOISER, missing_ddpm(own.denoiser))
+        return dataclasses.replace(
+            inside,
+            uploads=Mjolnir.uploads,
+            needs=inside.needs | own_needs(own),
+            needs_by_upload={k: v for k, v in inside.needs_by_upload.items() if k in Mjolnir.uploads},
+            files=(denoiser, *inside.files),
+        )
+
+    return traits
+
+
 def _register(inner: str) -> None:
     params_type = _composed_params(inner)
 
@@ -192,7 +218,7 @@ def _register(inner: str) -> None:
         return Mjolnir(own, ATTACKS.get(inner).factory(inner_params))
 
     build.__doc__ = f"Mjölnir (Liu et al. 2025): denoise DP-protected gradients with a diffusion model, then {inner}."
-    register_attack(f"mjolnir+{inner}", params=params_type)(build)
+    register_attack(f"mjolnir+{inner}", params=params_type, traits=mjolnir_traits(inner))(build)
 
 
 for _inner in INNER_ATTACKS:

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from attackers.base import Reconstruction, images_per_upload, register_attack
+from attackers.base import Reconstruction, class_traits, images_per_upload, register_attack
 from attackers.labels import declared_labels, upload_labels_inferred
 from attackers.manipulation import register_manipulation
 from fedguard.data.spec import DataSpec
@@ -203,7 +203,7 @@ class TrapWeightsAttack:
         return [self.reconstruct(obs) for obs in observations]
 
 
-@register_attack("trap-weights", params=TrapReadoutParams)
+@register_attack("trap-weights", params=TrapReadoutParams, traits=class_traits(TrapWeightsAttack))
 def build_trap_weights_attack(params: TrapReadoutParams) -> TrapWeightsAttack:
     """Trap weights (Boenisch et al. 2023): inputs read off first-layer units that one input alone activates."""
     return TrapWeightsAttack(params)

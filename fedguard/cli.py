@@ -110,7 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run a Flower simulation of the configured federation."""
     from fedguard.data import load_dataset
     from fedguard.report.run_dir import ROUNDS_FILE, resolve_run_dir
-    from fedguard.simulation import simulate
+    from fedguard.simulation import LaunchError, simulate
 
     config = _resolve(args)
     data = load_dataset(config.data.name, config.data.source_options())
@@ -123,7 +123,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         flush=True,
     )
     start = time.perf_counter()
-    simulate(config, verbose=args.verbose)
+    try:
+        simulate(config, verbose=args.verbose)
+    except LaunchError as error:
+        print(f"fedguard: {error}", file=sys.stderr, flush=True)
+        return 1
     print(f"fedguard: done in {time.perf_counter() - start:.1f} s; rounds in {folder / ROUNDS_FILE}", flush=True)
     return 0
 

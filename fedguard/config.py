@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import importlib
+import os
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -19,13 +23,20 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from attackers import ATTACKS
+from attackers.base import AttackTraits, attack_traits, missing_grants, required_manipulation
 from attackers.manipulation import HONEST, MANIPULATIONS
 from fedguard.data import DATASETS, SourceOptions
 from fedguard.data.partition import PARTITIONERS, PartitionOptions
+from fedguard.data.registry import dataset_spec
 from fedguard.defenses import DEFENSES
-from fedguard.models import MODELS
-from fedguard.registry import Registry
+from fedguard.defenses.base import defense_traits
+from fedguard.models import MODELS, build_model
+from fedguard.registry import NoParams, Registry, RequiredFile
 from fedguard.selection import Selection
+from strategies.registry import AUTO as AUTO_STRATEGY
+from strategies.registry import STRATEGIES, strategy_names
+from strategies.registry import protocol_problem as strategy_protocol_problem
+from strategies.registry import resolve as resolve_strategy
 
 Scalar = bool | int | float | str
 NO_ATTACK = "none"
@@ -151,6 +162,20 @@ class PoolSection:
 
 
 @dataclass(frozen=True)
+class ServerSection:
+    strategy: str = option(AUTO_STRATEGY, "how the server aggregates: 'auto' (fedsgd for train.protocol = 'fedsgd', "
+                                          "fedavg for 'fedavg') or a registered strategy",
+                           choices=lambda: strategy_names())
+    connect_timeout: float = option(30.0, "seconds the server waits for one SuperNode per client before it stops "
+                                          "and says how to fix the federation", gt=0.0)
+    plugins: str = option("", "modules imported before the configuration is checked, comma-separated: they "
+                              "register strategies, defenses or attacks of your own")
+
+    def plugin_modules(self) -> list[str]:
+        return split_names(self.plugins)
+
+
+@dataclass(frozen=True)
 class SimSection:
     num_cpus: int = option(2, "CPU cores Ray may use", ge=1)
     client_cpus: float = option(1.0, "CPU cores reserved for each simulated client", gt=0.0)
@@ -184,7 +209,9 @@ SECTIONS: dict[str, type] = {
     "threat": ThreatSection,
     "pool": PoolSection,
     "sim": SimSection,
+    "server": ServerSection,
 }
+STRATEGY_PREFIX = "server"  # server.<strategy>.<parameter>
 
 
 @dataclass(frozen=True)
@@ -203,11 +230,18 @@ class Config:
     threat: ThreatSection = ThreatSection()
     pool: PoolSection = PoolSection()
     sim: SimSection = SimSection()
+    server: ServerSection = ServerSection()
+    strategy: Component = Component(AUTO_STRATEGY, NoParams())
+    """``server.strategy`` with the parameters of the strategy it stands for."""
 
     @classmethod
     def from_flat(cls, flat: Mapping[str, Any]) -> "Config":
-        """Validate flat keys (missing ones take defaults) into a ``Config``; raises ``ConfigError``."""
-        return _build(flat)
+        """Validate flat keys (missing ones take defaults) into a ``Config``; raises ``ConfigError``.
+
+        Memoized per process (every client validates the run config every round): identical keys and values
+        give the same frozen ``Config``, validated once."""
+        key = _memo_key(flat)
+        return _build(flat) if key is None else _build_memoized(key)
 
     def to_flat(self) -> dict[str, Scalar]:
         """Every key with its value, parameters of the components not chosen included."""
@@ -221,6 +255,8 @@ class Config:
             flat.update(_param_keys(kind, registry, chosen))
         for kind, registry in PARAMETER_KINDS.items():
             flat.update(_param_keys(kind, registry, self.components(kind)))
+        chosen = Component(resolve_strategy(self.strategy.name, self.train.protocol), self.strategy.params)
+        flat.update(_param_keys(STRATEGY_PREFIX, STRATEGIES, (chosen,)))
         return flat
 
     def components(self, kind: str) -> tuple[Component, ...]:
@@ -317,12 +353,54 @@ def schema() -> dict[str, tuple[type, Any, str]]:
             doc = (entry.params.__doc__ or "").strip().split("\n")[0]
             for f in dataclasses.fields(entry.params):
                 keys[f"{kind}.{entry.name}.{_dash(f.name)}"] = (types[f.name], f.default, doc)
+    for entry in STRATEGIES.entries():
+        types = _field_types(entry.params)
+        for f in dataclasses.fields(entry.params):
+            help_text = f.metadata.get("help") or (entry.params.__doc__ or "").strip().split("\n")[0]
+            keys[f"{STRATEGY_PREFIX}.{entry.name}.{_dash(f.name)}"] = (types[f.name], f.default, help_text)
     return keys
 
 
+def import_plugins(flat: Mapping[str, Any]) -> list[str]:
+    """Import the modules ``server.plugins`` names (from the working directory too); problems, if any."""
+    value = flat.get("server.plugins", "")
+    if not isinstance(value, str):
+        return []  # reported with the types
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    problems = []
+    for module in split_names(value):
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            problems.append(f"server.plugins = {value!r}: cannot import {module!r} ({error})")
+    return problems
+
+
+FlatKey = tuple[tuple[str, str, Any], ...]
+
+
+def _memo_key(flat: Mapping[str, Any]) -> FlatKey | None:
+    """``flat`` as sorted (key, type name, value) triples, so that True and 1 differ; None when a value is
+    unhashable (a TOML array: a type error ``_build`` reports)."""
+    key = tuple(sorted((name, type(value).__name__, value) for name, value in flat.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+@functools.lru_cache(maxsize=64)
+def _build_memoized(key: FlatKey) -> Config:
+    """``_build`` of the flat keys ``key`` holds; an invalid configuration raises and is not cached."""
+    return _build({name: value for name, _, value in key})
+
+
 def _build(flat: Mapping[str, Any]) -> Config:
+    plugin_problems = import_plugins(flat)
     keys = schema()
-    problems: list[str] = []
+    problems: list[str] = list(plugin_problems)
     values: dict[str, Any] = {}
     for key, value in flat.items():
         if key not in keys:
@@ -369,6 +447,13 @@ def _build(flat: Mapping[str, Any]) -> Config:
     for kind, registry in PARAMETER_KINDS.items():
         params = _component_params(kind, registry, values, problems)
         sections[f"{kind}s"] = tuple(Component(n, params.get(n)) for n in scheduled)
+
+    strategies = _component_params(STRATEGY_PREFIX, STRATEGIES, values, problems)
+    name = resolve_strategy(sections["server"].strategy, sections["train"].protocol)
+    sections["strategy"] = Component(sections["server"].strategy, strategies.get(name))
+    problem = strategy_protocol_problem(sections["server"].strategy, sections["train"].protocol)
+    if problem:
+        problems.append(problem)
 
     problems += _cross_checks(sections)
     if problems:
@@ -425,61 +510,68 @@ def _cross_checks(sections: dict[str, Any]) -> list[str]:
 
 
 def _defense_problems(defense: Component, protocol: str, sections: dict[str, Any]) -> list[str]:
-    """Build the defense once, so that what its builder checks (files it loads) is reported before a run; check
-    the protocols it supports (a defense's optional ``protocols`` attribute) and, when it has a
-    ``check_model(model)``, the run's model (built here for that)."""
+    """What the defense's traits say against this run (nothing is built, no file or data set is loaded): an
+    unset file parameter, the protocols it supports and, when it declares a ``check_model(model)``, the run's
+    model (built here for that)."""
     if defense.params is None:
         return []  # its parameters were reported already
-    from fedguard.defenses import build_defense
+    traits = defense_traits(defense.name, defense.params)
+    problems = _unset_files("defense", defense, traits.files)
+    if traits.protocols is not None and protocol not in traits.protocols:
+        problems.append(f"defense.name = {defense.name!r} works on {' and '.join(sorted(traits.protocols))} "
+                        f"uploads only; train.protocol = {protocol!r}")
+    if traits.check_model is not None:
+        problems += _model_problems(defense.name, traits.check_model, sections["model"], sections["data"])
+    return problems
 
-    try:
-        built = build_defense(defense.name, defense.params)
-    except (ValueError, FileNotFoundError) as error:
-        return [f"defense.{defense.name}: {error}"]
-    supported = getattr(built, "protocols", None)
-    if supported is not None and protocol not in supported:
-        return [f"defense.name = {defense.name!r} works on {' and '.join(sorted(supported))} uploads only; "
-                f"train.protocol = {protocol!r}"]
-    check_model = getattr(built, "check_model", None)
-    model, data = sections["model"], sections["data"]
-    if check_model is None or model.params is None:
-        return []
-    from fedguard.data import load_dataset
-    from fedguard.models import build_model
 
+def _model_problems(defense: str, check_model: Callable[[Any], None], model: Component,
+                    data: DataSection) -> list[str]:
+    """``check_model`` on the run's model, built for the data set's static spec (the data are not loaded)."""
+    spec = dataset_spec(data.name, data.source_options()) if data.name in DATASETS else None
+    if spec is None or model.params is None:
+        return []  # reported already, or known once the data are loaded (the defense checks the model then)
     try:
-        check_model(build_model(model.name, load_dataset(data.name, data.source_options()).spec, model.params))
+        check_model(build_model(model.name, spec, model.params))
     except ValueError as error:
-        return [f"defense.{defense.name} with model.name = {model.name!r}: {error}"]
-    except FileNotFoundError:
-        return []  # the data set's own problem, reported where it is loaded
+        return [f"defense.{defense} with model.name = {model.name!r}: {error}"]
     return []
+
+
+def _unset_files(kind: str, component: Component, files: tuple[RequiredFile, ...]) -> list[str]:
+    """The files ``component`` loads whose parameter is not set (whether a set path exists is not checked here:
+    the machine that loads the file checks it)."""
+    return [f"{kind}.{component.name}: {file.unset}" for file in files if not file.path]
+
+
+def _simulation_problems(attack: str, traits: AttackTraits, defense: Component) -> list[str]:
+    """An attack that simulates the clients' defense (EOT) against one that cannot simulate itself."""
+    if not traits.simulates_defense or defense.params is None or defense_traits(defense.name, defense.params).simulated:
+        return []  # an invalid defense was reported already
+    return [f"attack.{attack}: EOT needs a defense that can be simulated; defense.name = {defense.name!r} cannot "
+            f"(set attack.{attack}.eot = 0)"]
 
 
 def _attack_problems(attack: Component, sections: dict[str, Any], schedule: dict[int, str],
                      captured: set[int]) -> list[str]:
-    """Why ``attack`` cannot run in this configuration: protocol, threat-model grants, manipulation."""
-    from attackers.base import build_attack, missing_grants, required_manipulation
-
-    defense = sections["defense"]
-    try:
-        built = build_attack(attack.name, attack.params, (defense.name, defense.params))
-    except (ValueError, FileNotFoundError) as error:
-        return [f"attack.{attack.name}: {error}"]
-    problems = []
+    """Why ``attack`` cannot run in this configuration, from its traits (nothing is built, no file is loaded):
+    unset files, protocol, threat-model grants, the defense it simulates, manipulation."""
+    traits = attack_traits(attack.name, attack.params)
+    problems = _unset_files("attack", attack, traits.files)
     kind = "gradient" if sections["train"].protocol == "fedsgd" else "weights"
-    if kind not in built.uploads:
+    if kind not in traits.uploads:
         problems.append(
-            f"attack {attack.name!r} attacks {', '.join(sorted(built.uploads))} uploads, but "
+            f"attack {attack.name!r} attacks {', '.join(sorted(traits.uploads))} uploads, but "
             f"train.protocol = {sections['train'].protocol!r} uploads {kind}"
         )
-    missing = missing_grants(built, sections["threat"].granted(), kind)
+    missing = missing_grants(traits, sections["threat"].granted(), kind)
     if missing:
         problems.append(
             f"attack {attack.name!r} needs what the threat model does not grant: {'; '.join(missing)} "
             f"(set the matching threat.* key to true, or choose another attack)"
         )
-    needed = required_manipulation(built)
+    problems += _simulation_problems(attack.name, traits, sections["defense"])
+    needed = required_manipulation(traits)
     rounds = [r for r in captured if schedule.get(r, HONEST) == needed]
     if not rounds:
         where = ("a captured round the server does not manipulate" if needed == HONEST

@@ -2,7 +2,10 @@
 
 A component is registered under a name with an optional frozen dataclass of
 parameters; the configuration refers to it by that name and sets those
-parameters. Unknown names fail with the list of known ones.
+parameters. Unknown names fail with the list of known ones. A kind may also
+ask each entry for ``traits``: a pure function of the parameters declaring
+what the configuration checks (what an attack needs, which protocols a
+defense supports, ...) without building the component or loading any file.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+Traits = Callable[[Any], Any]
 
 
 @dataclass(frozen=True)
@@ -21,12 +25,25 @@ class NoParams:
 
 @dataclass(frozen=True)
 class Entry(Generic[F]):
-    """One registered component: its factory, parameter class and summary."""
+    """One registered component: its factory, parameter class, summary and traits (None: declares none)."""
 
     name: str
     factory: F
     params: type
     summary: str
+    traits: Traits | None = None
+
+
+@dataclass(frozen=True)
+class RequiredFile:
+    """A file a component loads: its parameter ``param`` names it and ``path`` is that parameter's value;
+    ``unset`` explains an empty ``path``, ``missing`` a ``path`` with no file (each with the command that makes
+    it)."""
+
+    param: str
+    path: str
+    unset: str
+    missing: str
 
 
 class Registry(Generic[F]):
@@ -36,8 +53,8 @@ class Registry(Generic[F]):
         self.kind = kind
         self._entries: dict[str, Entry[F]] = {}
 
-    def register(self, name: str, params: type = NoParams) -> Callable[[F], F]:
-        """Register the decorated factory under ``name`` with parameters ``params``."""
+    def register(self, name: str, params: type = NoParams, traits: Traits | None = None) -> Callable[[F], F]:
+        """Register the decorated factory under ``name`` with parameters ``params`` and ``traits(params)``."""
         if not dataclasses.is_dataclass(params):
             raise TypeError(f"{self.kind} '{name}': params must be a dataclass, got {params!r}")
 
@@ -45,7 +62,7 @@ class Registry(Generic[F]):
             if name in self._entries:
                 raise ValueError(f"{self.kind} '{name}' is already registered")
             summary = (factory.__doc__ or "").strip().split("\n")[0]
-            self._entries[name] = Entry(name, factory, params, summary)
+            self._entries[name] = Entry(name, factory, params, summary, traits)
             return factory
 
         return decorator
@@ -63,6 +80,13 @@ class Registry(Generic[F]):
         """Call the factory of ``name`` with ``args`` and ``params`` (its defaults when None)."""
         entry = self.get(name)
         return entry.factory(*args, params if params is not None else entry.params())
+
+    def traits(self, name: str, params: Any = None) -> Any:
+        """What ``name`` declares for ``params`` (its defaults when None); nothing is built."""
+        entry = self.get(name)
+        if entry.traits is None:
+            raise TypeError(f"{self.kind} {name!r} declares no traits: register it with traits=...")
+        return entry.traits(params if params is not None else entry.params())
 
     def names(self) -> list[str]:
         """Registered names, sorted."""

@@ -1,83 +1,170 @@
-"""Run the app on Flower's simulation engine: every client a Ray actor on this machine."""
+"""``fedguard run``: the app on Flower's simulation runtime, launched the way Flower supports, ``flwr run``.
+
+A private SuperLink is started for the run, on loopback, in simulation mode, with runtime dependency
+installation off and its state and Flower home in a temporary folder; the app (this repository's
+``pyproject.toml``) is started on it with ``flwr run``, the run's logs are streamed here, and the SuperLink
+is stopped at the end. The simulation engine starts Ray with ``sim.*`` (Flower's federation settings
+``num-supernodes``, ``client-resources-num-cpus/gpus``, ``init-args-num-cpus``); with ``sim.address`` or
+``RAY_ADDRESS`` it joins that Ray cluster instead.
+
+The ServerApp writes ``status.json`` in the run folder (``fedguard.report.run_status``); the run's exit code
+comes from it, since ``flwr run --stream`` ends the same way whether a run completed or failed.
+"""
 
 from __future__ import annotations
 
-import logging
 import os
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
 
-from fedguard.config import Config
+import tomli_w
 
+from fedguard.config import Config, flatten
+from fedguard.report.run_dir import unflatten
+from fedguard.report.run_status import read_status
 
-class _DropDeprecation(logging.Filter):
-    """Hide Flower's notice that ``run_simulation`` is deprecated: this launcher is the supported path."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "run_simulation` function is deprecated" not in record.getMessage()
-
-
-def backend_config(config: Config) -> dict:
-    """What each simulated client reserves; the cluster itself is started by ``start_ray``."""
-    return {"client_resources": {"num_cpus": config.sim.client_cpus, "num_gpus": config.sim.client_gpus}}
-
-
-def start_ray(config: Config) -> None:
-    """Start the local Ray cluster the clients and the attacker workers share.
-
-    Attacker workers claim the custom resource ``attacker`` (one each) and no
-    CPU, so that Flower's client actors, which size themselves by CPUs, never
-    starve them. Workers see this process's ``sys.path``, as Flower arranges it.
-    With ``sim.address`` it joins that cluster instead (start each machine with
-    ``ray start ... --resources '{"attacker": 1}'`` to give it attacker slots).
-    """
-    import ray
-
-    from attackers.pool import ATTACKER_RESOURCE
-
-    if ray.is_initialized():
-        return
-    pythonpath = os.pathsep.join([*sys.path, *filter(None, [os.environ.get("PYTHONPATH")])])
-    os.environ["PYTHONPATH"] = pythonpath
-    if config.sim.address:  # an existing cluster: its machines bring their own CPUs, GPUs and attacker slots
-        ray.init(address=config.sim.address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
-                 logging_level=logging.WARNING)
-        return
-    ray.init(
-        num_cpus=config.sim.num_cpus,
-        object_store_memory=512 * 1024 * 1024,
-        include_dashboard=False,
-        resources={ATTACKER_RESOURCE: config.pool.workers},
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
-        logging_level=logging.WARNING,
-    )
+APP_DIR = Path(__file__).resolve().parents[1]
+CONNECTION = "fedguard-local"
 
 
-def simulate(config: Config, verbose: bool = False) -> None:
-    """Run all rounds of ``config`` with ``partition.num-clients`` simulated SuperNodes."""
-    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    from flwr.simulation import run_simulation
+class LaunchError(RuntimeError):
+    """The private SuperLink or ``flwr run`` could not start, or the run did not complete."""
 
-    from fedguard.client_app import make_client_app
-    from fedguard.server_app import make_server_app
 
-    flwr_logger = logging.getLogger("flwr")
-    flwr_logger.addFilter(_DropDeprecation())
-    for handler in flwr_logger.handlers:
-        handler.addFilter(_DropDeprecation())
-    if not verbose:
-        flwr_logger.setLevel(logging.WARNING)
-    import ray
+def app_config_keys(app_dir: Path = APP_DIR) -> dict[str, Any]:
+    """The run-config keys the app declares (``[tool.flwr.app.config]``), flat, with their defaults."""
+    pyproject = app_dir / "pyproject.toml"
+    if not pyproject.is_file():
+        raise LaunchError(f"{app_dir} holds no pyproject.toml: `fedguard run` needs the source checkout that "
+                          "`make install` installs from (the Flower app is that folder)")
+    return flatten(tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"])
 
-    start_ray(config)
+
+def run_config(config: Config, declared: dict[str, Any]) -> dict[str, Any]:
+    """The run config ``flwr run`` passes: every key the app declares that differs from its default. Keys of
+    plugins (not declared by the app) must keep their defaults: Flower refuses undeclared keys."""
+    flat, defaults = config.to_flat(), Config().to_flat()
+    undeclared = sorted(k for k, v in flat.items() if k not in declared and v != defaults.get(k))
+    if undeclared:
+        raise LaunchError(f"{', '.join(undeclared)}: not declared in pyproject.toml's [tool.flwr.app.config], so "
+                          "Flower cannot pass them; declare them there (the plugin's keys and defaults)")
+    return {k: v for k, v in flat.items() if k in declared and v != declared[k]}
+
+
+def joins_cluster(config: Config) -> str | None:
+    """The Ray cluster the simulation joins (``sim.address``, else ``RAY_ADDRESS``), or None for a new one."""
+    return config.sim.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def federation_config(config: Config) -> str:
+    """``--federation-config`` of ``flwr run``: one SuperNode per client, the ``sim.*`` resources."""
+    items: dict[str, Any] = {
+        "num-supernodes": config.partition.num_clients,
+        "client-resources-num-cpus": config.sim.client_cpus,
+        "client-resources-num-gpus": config.sim.client_gpus,
+    }
+    if joins_cluster(config) is None:  # an existing cluster brings its own CPUs; Ray refuses num_cpus then
+        items["init-args-num-cpus"] = config.sim.num_cpus
+    return " ".join(f"{k}={v}" for k, v in items.items())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for_port(port: int, process: subprocess.Popen, timeout: float, log_file: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise LaunchError(f"the private SuperLink exited with code {process.returncode}:\n"
+                              f"{log_file.read_text()[-2000:]}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise LaunchError(f"the private SuperLink did not listen on 127.0.0.1:{port} within {timeout:.0f} s; "
+                      f"its log: {log_file}")
+
+
+def _environment(home: Path, config: Config) -> dict[str, str]:
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    address = joins_cluster(config)
+    if address:
+        env["RAY_ADDRESS"] = address
+    return env
+
+
+def simulate(config: Config, verbose: bool = False) -> Path:
+    """Run all rounds of ``config`` (whose ``out-dir`` is set) with ``partition.num-clients`` simulated
+    SuperNodes; returns the run folder. Raises ``LaunchError`` when the run did not complete."""
+    folder = Path(config.run.out_dir)
+    declared = app_config_keys()
+    overrides = run_config(config, declared)
+    home = Path(tempfile.mkdtemp(prefix="fedguard-flwr-"))
+    port = _free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+        f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+    (home / "run-config.toml").write_text(tomli_w.dumps(unflatten(overrides)))
+    env = _environment(home, config)
+    log_file = home / "superlink.log"
+    command = ["flower-superlink", "--insecure", "--simulation", "--disable-runtime-dependency-installation",
+               "--host", "127.0.0.1", "--port", str(port), "--database", str(home / "state.db")]
+    with open(log_file, "w") as log:
+        superlink = subprocess.Popen(command, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
     try:
-        run_simulation(
-            server_app=make_server_app(config),
-            client_app=make_client_app(config),
-            num_supernodes=config.partition.num_clients,
-            backend_config=backend_config(config),
-            verbose_logging=verbose,
-        )
+        _wait_for_port(port, superlink, 60, log_file)
+        run = ["flwr", "run", str(APP_DIR), CONNECTION, "--federation-config", federation_config(config),
+               "--run-config", str(home / "run-config.toml"), "--stream"]
+        _stream(run, env, home, verbose)
     finally:
-        ray.shutdown()
+        _stop(superlink)
+        shutil.rmtree(home, ignore_errors=True)
+    status = read_status(folder)
+    if status is None:
+        raise LaunchError(f"the run stopped before its ServerApp started or wrote {folder}/status.json")
+    if status["status"] != "completed":
+        raise LaunchError(f"the run {status['status']}: {status.get('error', '')}")
+    return folder
+
+
+def _stream(command: list[str], env: dict[str, str], cwd: Path, verbose: bool) -> None:
+    """Run ``command``, printing its output; Flower's own INFO lines only when ``verbose``."""
+    with subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, bufsize=1) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if verbose or not _is_flower_chatter(line):
+                print(line, end="", flush=True)
+    if process.returncode != 0:
+        raise LaunchError(f"`{' '.join(command[:3])} ...` exited with code {process.returncode}")
+
+
+def _is_flower_chatter(line: str) -> bool:
+    """Flower's INFO log lines (round banners, sampling), shown with ``--verbose`` only."""
+    return line.lstrip().startswith(("INFO :", "\x1b[92mINFO", "DEBUG :")) or not line.strip()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop the SuperLink and everything it started (its process group)."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)

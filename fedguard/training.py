@@ -52,15 +52,22 @@ def local_sgd(
     epochs: int,
     batch_size: int,
     generator: np.random.Generator,
+    proximal_mu: float = 0.0,
 ) -> tuple[int, float]:
-    """Plain SGD on (x, y) for ``epochs`` epochs in place; returns (steps taken, last loss)."""
+    """SGD on (x, y) for ``epochs`` epochs in place; returns (steps taken, last cross-entropy loss).
+
+    With ``proximal_mu > 0`` the loss gains FedProx's proximal term ``mu/2 ||w - w_0||^2`` (``w_0``: the
+    parameters at the start), whose gradient ``mu (w - w_0)`` is added to each step's."""
+    if proximal_mu < 0:
+        raise ValueError(f"proximal_mu must be >= 0, got {proximal_mu}")
+    anchor = [p.detach().clone() for p in parameters(model)] if proximal_mu > 0 else []
     steps, last = 0, float("nan")
     for _ in range(epochs):
         for batch in minibatches(len(y), batch_size, generator):
             grads, last = compute_gradients(model, x[batch], y[batch])
             with torch.no_grad():
-                for p, g in zip(parameters(model), grads):
-                    p.sub_(lr * g)
+                for i, (p, g) in enumerate(zip(parameters(model), grads)):
+                    p.sub_(lr * (g + proximal_mu * (p - anchor[i])) if anchor else lr * g)
             steps += 1
     return steps, last
 

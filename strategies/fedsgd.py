@@ -8,17 +8,19 @@ replace the global ones.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
-from flwr.common import FitIns, FitRes, Parameters, Scalar, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.server.client_manager import ClientManager
-from flwr.server.client_proxy import ClientProxy
-from flwr.server.strategy import FedAvg
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from fedguard.records import array_record, read_upload
 
 
 class FedSGD(FedAvg):
-    """Federated SGD with a uniform average of client gradients.
+    """Federated SGD with a uniform average of client gradients, on Flower's message API.
 
     Parameters
     ----------
@@ -28,52 +30,50 @@ class FedSGD(FedAvg):
         For each array of the model, True if it is a trainable parameter
         (updated by SGD) and False if it is a buffer (averaged).
     **kwargs
-        Passed on to ``FedAvg`` (client sampling, evaluation, initial parameters).
+        Passed on to Flower's ``FedAvg`` (node sampling, record keys).
     """
 
     def __init__(self, *, lr: float, trainable: Sequence[bool], **kwargs: Any) -> None:
-        if lr <= 0:
+        if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
         if not trainable:
             raise ValueError("trainable must list at least one array")
         super().__init__(**kwargs)
         self.lr = lr
         self.trainable = list(trainable)
-        self._current: list[np.ndarray] | None = None
+        self._current: dict[int, ArrayRecord] = {}
 
     def __repr__(self) -> str:
-        return f"FedSGD(lr={self.lr}, accept_failures={self.accept_failures})"
+        return f"FedSGD(lr={self.lr})"
 
-    def configure_fit(
-        self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, FitIns]]:
-        """Remember the global model, then sample clients as FedAvg does."""
-        self._current = parameters_to_ndarrays(parameters)
-        return super().configure_fit(server_round, parameters, client_manager)
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Remember the global model, then sample nodes as FedAvg does."""
+        self._current = {server_round: arrays}
+        return super().configure_train(server_round, arrays, config, grid)
 
-    def aggregate_fit(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, FitRes]],
-        failures: list[tuple[ClientProxy, FitRes] | BaseException],
-    ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        """One SGD step on the uniform mean of the uploaded gradients."""
-        if not results or (failures and not self.accept_failures):
-            return None, {}
-        if self._current is None:
-            raise RuntimeError("aggregate_fit called before configure_fit")
-        uploads = [parameters_to_ndarrays(res.parameters) for _, res in results]
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """One SGD step on the uniform mean of the uploaded gradients (in client order, so that a run
+        repeats bit for bit)."""
+        valid, _ = self._check_and_log_replies(list(replies), is_train=True)
+        if not valid:
+            return None, None
+        current = self._current.pop(server_round, None)
+        if current is None:
+            raise RuntimeError(f"aggregate_train of round {server_round} without configure_train")
+        uploads = sorted((read_upload(m) for m in valid), key=lambda u: (u.client is None, u.client, u.node))
+        names, arrays = list(current.keys()), current.to_numpy_ndarrays()
         for upload in uploads:
-            if len(upload) != len(self.trainable):
-                raise ValueError(f"an upload has {len(upload)} arrays, the model has {len(self.trainable)}")
+            if len(upload.arrays) != len(self.trainable):
+                raise ValueError(f"node {upload.node} uploaded {len(upload.arrays)} arrays, "
+                                 f"the model has {len(self.trainable)}")
         updated = [
-            fedsgd_update(current, [u[i] for u in uploads], self.lr, is_param)
-            for i, (current, is_param) in enumerate(zip(self._current, self.trainable))
+            fedsgd_update(now, [u.arrays[i] for u in uploads], self.lr, is_param)
+            for i, (now, is_param) in enumerate(zip(arrays, self.trainable))
         ]
-        metrics: dict[str, Scalar] = {}
-        if self.fit_metrics_aggregation_fn:
-            metrics = self.fit_metrics_aggregation_fn([(res.num_examples, res.metrics) for _, res in results])
-        return ndarrays_to_parameters(updated), metrics
+        metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
+        return array_record(names, updated), metrics
 
 
 def fedsgd_update(current: np.ndarray, uploads: list[np.ndarray], lr: float, is_param: bool) -> np.ndarray:

@@ -1,60 +1,64 @@
 """A wrapper that lets any Strategy's server look at individual uploads.
 
-The honest-but-curious server follows the protocol (aggregation is delegated,
+The honest-but-curious server follows the protocol (aggregation is left,
 unchanged, to the wrapped strategy) but copies chosen uploads, together with
 the global model they were computed on, into ``Observation`` objects for an
 attacker.
+
+What is captured is decided by one hook, ``should_capture(server_round, upload)``:
+by default an upload of a targeted round from a targeted client. A subclass
+overrides it to choose otherwise (the largest uploads, the clients declaring
+the smallest batch, ...); see ``examples/strategies`` for one selected from the
+configuration.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import numpy as np
-from flwr.common import FitIns, FitRes, Parameters, Scalar, parameters_to_ndarrays
-from flwr.server.client_manager import ClientManager
-from flwr.server.client_proxy import ClientProxy
-from flwr.server.strategy import Strategy
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
 
 from attackers.manipulation import HONEST
 from attackers.sinks import ObservationSink
 from fedguard.observation import UPLOAD_KINDS, ModelCard
+from fedguard.records import CLIENT_KEY, Upload, read_upload
 from fedguard.selection import Selection
-from strategies.delegating import DelegatingStrategy
+from strategies.wrapper import StrategyWrapper
 
 log = logging.getLogger(__name__)
 
-CLIENT_ID_KEY = "client"
 
-
-class HonestButCurious(DelegatingStrategy):
-    """Capture targeted uploads, then aggregate exactly as ``inner`` does.
+class HonestButCurious(StrategyWrapper):
+    """Capture chosen uploads, then aggregate exactly as ``strategy`` does.
 
     Parameters
     ----------
-    inner : Strategy
-        The strategy that samples clients and aggregates.
+    strategy : Strategy
+        The strategy that samples nodes and aggregates.
     sink : ObservationSink
-        Receives one ``Observation`` per targeted upload; must not block.
+        Receives one ``Observation`` per captured upload; must not block.
     card : ModelCard
         The model the server distributes.
     upload_kind : str
         'gradient' (FedSGD) or 'weights' (FedAvg).
     rounds, clients : Selection
-        Targeted rounds, and targeted client ids (the ``client`` metric each
-        client reports with its upload).
+        Targeted rounds, and targeted client ids (the ``client`` each client declares with its upload).
     """
 
     def __init__(
         self,
-        inner: Strategy,
+        strategy: Strategy,
         sink: ObservationSink,
         card: ModelCard,
         upload_kind: str,
         rounds: Selection,
         clients: Selection,
     ) -> None:
-        super().__init__(inner)
+        super().__init__(strategy)
         if upload_kind not in UPLOAD_KINDS:
             raise ValueError(f"upload_kind {upload_kind!r}: choose one of {', '.join(UPLOAD_KINDS)}")
         self.sink = sink
@@ -63,49 +67,51 @@ class HonestButCurious(DelegatingStrategy):
         self.rounds = rounds
         self.clients = clients
         self.captured = 0
-        self._sent: dict[int, tuple[list[np.ndarray], str]] = {}
+        self.sent: dict[int, tuple[list[np.ndarray], str]] = {}
+        """Round -> (the model sent to the clients, the manipulation that made it), for targeted rounds."""
 
     def __repr__(self) -> str:
-        return f"HonestButCurious({self.inner!r}, rounds={self.rounds.spec!r}, clients={self.clients.spec!r})"
+        return f"{type(self).__name__}({self.strategy!r}, rounds={self.rounds.spec!r}, clients={self.clients.spec!r})"
 
-    def configure_fit(
-        self, server_round: int, parameters: Parameters, client_manager: ClientManager
-    ) -> list[tuple[ClientProxy, FitIns]]:
-        """Keep the global model of targeted rounds, then configure as ``inner`` does."""
-        if server_round in self.rounds:
-            self._sent[server_round] = (parameters_to_ndarrays(parameters), HONEST)
-        return self.inner.configure_fit(server_round, parameters, client_manager)
+    def targets_round(self, server_round: int) -> bool:
+        """Whether uploads of ``server_round`` may be captured (the model sent is then kept)."""
+        return server_round in self.rounds
 
-    def aggregate_fit(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, FitRes]],
-        failures: list[tuple[ClientProxy, FitRes] | BaseException],
-    ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        """Hand targeted uploads to the sink, then aggregate as ``inner`` does."""
-        sent = self._sent.pop(server_round, None)
+    def should_capture(self, server_round: int, upload: Upload) -> bool:
+        """The capture hook: whether to hand ``upload`` (of a targeted round) to the attacker.
+
+        ``upload`` holds the arrays, ``num_examples``, what the client ``declared`` and its defense
+        ``reports``. By default: the uploads of the targeted clients."""
+        return upload.client is not None and upload.client in self.clients
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Keep the global model of targeted rounds, then configure as ``strategy`` does."""
+        if self.targets_round(server_round):
+            self.sent[server_round] = (arrays.to_numpy_ndarrays(), HONEST)
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Hand the chosen uploads to the sink, then aggregate as ``strategy`` does."""
+        replies = list(replies)
+        sent = self.sent.pop(server_round, None)
         if sent is not None:
-            for _, res in results:
-                self._capture(server_round, *sent, res)
-        return self.inner.aggregate_fit(server_round, results, failures)
+            for reply in replies:
+                if not reply.has_error():
+                    self.capture(server_round, *sent, read_upload(reply))
+        return self.strategy.aggregate_train(server_round, replies)
 
-    def _capture(self, server_round: int, sent: list[np.ndarray], manipulation: str, res: FitRes) -> None:
-        if CLIENT_ID_KEY not in res.metrics:
-            log.warning("round %d: an upload carries no %r metric; not captured", server_round, CLIENT_ID_KEY)
+    def capture(self, server_round: int, sent: list[np.ndarray], manipulation: str, upload: Upload) -> None:
+        """Submit an ``Observation`` of ``upload`` when ``should_capture`` says so."""
+        if upload.client is None:
+            log.warning("round %d: an upload from node %d declares no %r; not captured",
+                        server_round, upload.node, CLIENT_KEY)
             return
-        client = int(res.metrics[CLIENT_ID_KEY])
-        if client not in self.clients:
+        if not self.should_capture(server_round, upload):
             return
-        declared = {k: v for k, v in res.metrics.items() if k != CLIENT_ID_KEY}
-        obs = self.card.observe(
-            server_round,
-            client,
-            self.upload_kind,
-            [a.copy() for a in sent],
-            parameters_to_ndarrays(res.parameters),
-            res.num_examples,
-            declared,
-            manipulation,
-        )
+        declared = {k: v for k, v in upload.declared.items() if k != CLIENT_KEY}
+        obs = self.card.observe(server_round, upload.client, self.upload_kind, [a.copy() for a in sent],
+                                upload.arrays, upload.num_examples, declared, manipulation)
         self.sink.submit(obs)
         self.captured += 1

@@ -1,38 +1,45 @@
 """A wrapper that restores coordinate-encoded uploads before anything else on the server sees them.
 
 A client whose defended upload is mostly zeros (gradient pruning) sends it coordinate-encoded
-(``fedguard.sparse``) and says so with the fit metric ``encoding = "sparse"``. This wrapper, outermost,
-decodes those uploads to dense arrays and hands every result on to the wrapped strategy (capture and
-aggregation see the dense upload, exactly what the client's defense produced). Clients report the bytes
+(``fedguard.sparse``) and declares ``encoding = "sparse"``. This wrapper decodes those uploads to dense
+arrays, keyed as the global model, and hands every reply on to the wrapped strategy (capture and
+aggregation see the dense upload, exactly what the client's defense produced). Clients declare the bytes
 they sent (``upload-bytes``) and the dense size (``dense-bytes``) either way.
 """
 
 from __future__ import annotations
 
-from flwr.common import FitRes, Parameters, Scalar, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.server.client_proxy import ClientProxy
+from collections.abc import Iterable
 
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+
+from fedguard.records import ARRAYS, DECLARED, array_record
 from fedguard.sparse import ENCODING_KEY, SPARSE, decode_arrays
-from strategies.delegating import DelegatingStrategy
+from strategies.wrapper import StrategyWrapper
 
 
-def dense_result(res: FitRes) -> FitRes:
-    """``res`` with a coordinate-encoded upload decoded (the same object when it is dense already)."""
-    if res.metrics.get(ENCODING_KEY) != SPARSE:
-        return res
-    arrays = decode_arrays(parameters_to_ndarrays(res.parameters))
-    metrics = {k: v for k, v in res.metrics.items() if k != ENCODING_KEY}
-    return FitRes(res.status, ndarrays_to_parameters(arrays), res.num_examples, metrics)
+class SparseUploads(StrategyWrapper):
+    """Decode coordinate-encoded uploads, then do exactly what ``strategy`` does."""
 
+    _names: tuple[str, ...] = ()
 
-class SparseUploads(DelegatingStrategy):
-    """Decode coordinate-encoded uploads, then do exactly what ``inner`` does."""
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self._names = tuple(arrays.keys())
+        return self.strategy.configure_train(server_round, arrays, config, grid)
 
-    def aggregate_fit(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, FitRes]],
-        failures: list[tuple[ClientProxy, FitRes] | BaseException],
-    ) -> tuple[Parameters | None, dict[str, Scalar]]:
-        """Decode the sparse uploads, then aggregate as ``inner`` does."""
-        return self.inner.aggregate_fit(server_round, [(proxy, dense_result(res)) for proxy, res in results], failures)
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Decode the sparse uploads, then aggregate as ``strategy`` does."""
+        replies = list(replies)
+        for reply in replies:
+            if reply.has_error():
+                continue
+            declared = reply.content.get(DECLARED)
+            if not isinstance(declared, ConfigRecord) or declared.get(ENCODING_KEY) != SPARSE:
+                continue
+            dense = decode_arrays(reply.content[ARRAYS].to_numpy_ndarrays())
+            reply.content[ARRAYS] = array_record(self._names, dense)
+            del declared[ENCODING_KEY]
+        return self.strategy.aggregate_train(server_round, replies)

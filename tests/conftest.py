@@ -6,10 +6,14 @@ import os
 
 import pytest
 import torch
+from flwr.supercore.task_identity import TaskIdentity
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 torch.set_num_threads(1)
+# Messages built in this process (strategies driven without a SuperLink) take their run and task from here,
+# as a ServerApp's process has them from Flower.
+TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
 
 
 @pytest.fixture(autouse=True)

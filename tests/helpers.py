@@ -7,12 +7,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Context, RecordDict
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+import uuid
+from collections.abc import Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
 
 from clients import DefendedClient
 from fedguard.config import Config, load_config
 from fedguard.data.local import DEBIAN_FASHION_MNIST
+from fedguard.client_app import upload_reply
+from fedguard.records import ROUND_KEY, array_record
 
 FASHION_MNIST = (DEBIAN_FASHION_MNIST / "t10k-images-idx3-ubyte.gz").is_file()
 needs_fashion_mnist = pytest.mark.skipif(
@@ -36,11 +42,58 @@ def context(partition_id: int, num_partitions: int) -> Context:
     )
 
 
-def fit_res(arrays: list[np.ndarray], num_examples: int, metrics: dict[str, Any]) -> FitRes:
-    """A successful FitRes carrying ``arrays``."""
-    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), num_examples, metrics)
+class Nodes(Grid):
+    """A Grid that only lists ``num_nodes`` node ids (100, 101, ...): enough for ``configure_train``."""
+
+    def __init__(self, num_nodes: int) -> None:
+        self.num_nodes = num_nodes
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(range(100, 100 + self.num_nodes))
+
+    def set_run(self, run: Any) -> None:
+        raise NotImplementedError
+
+    @property
+    def run(self) -> Any:
+        raise NotImplementedError
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        raise NotImplementedError
+
+    def push_messages(self, messages: Any) -> Any:
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids: Any) -> Any:
+        raise NotImplementedError
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+        raise NotImplementedError
 
 
-def client_fit(cfg: Config, client: int, arrays: list[np.ndarray], round_: int, state: RecordDict | None = None):
-    """(upload, num_examples, metrics) of one client's fit."""
-    return DefendedClient(cfg, client, state if state is not None else RecordDict()).fit(arrays, {"round": round_})
+def reply(to: Message, arrays: list[np.ndarray], num_examples: int, declared: dict[str, Any]) -> Message:
+    """The reply of node ``to.dst_node_id`` carrying an upload and what its client declares (``defense.*``
+    reports included), as the ClientApp builds it."""
+    to.metadata.__dict__["_message_id"] = to.metadata.message_id or uuid.uuid4().hex
+    message = upload_reply(to, arrays, num_examples, {"loss": 0.5, **declared})
+    message.metadata.__dict__["_src_node_id"] = to.metadata.dst_node_id
+    return message
+
+
+def train_round(strategy: Strategy, server_round: int, names: list[str], arrays: list[np.ndarray],
+                uploads: list[tuple[list[np.ndarray], int, dict[str, Any]]]
+                ) -> tuple[ArrayRecord | None, MetricRecord | None, list[Message]]:
+    """One round of ``strategy`` on ``len(uploads)`` nodes answering ``uploads`` (node order): the aggregate,
+    its metrics and the instructions sent."""
+    sent = sorted(strategy.configure_train(server_round, array_record(names, arrays), ConfigRecord(),
+                                           Nodes(len(uploads))), key=lambda m: m.metadata.dst_node_id)
+    replies = [reply(m, *upload) for m, upload in zip(sent, uploads)]
+    aggregated, metrics = strategy.aggregate_train(server_round, replies)
+    return aggregated, metrics, sent
+
+
+def client_fit(cfg: Config, client: int, arrays: list[np.ndarray], round_: int, state: RecordDict | None = None,
+               **instructions: Any):
+    """(upload, num_examples, declared) of one client's fit."""
+    return DefendedClient(cfg, client, state if state is not None else RecordDict()).fit(
+        arrays, {ROUND_KEY: round_, **instructions})

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.server.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg
 
 from attackers.sinks import DiskSink
 from fedguard.data import DataSpec
 from fedguard.observation import ModelCard, Observation, load_observations, save_observation
 from fedguard.selection import Selection
+from fedguard.records import Upload
 from strategies import FedSGD, HonestButCurious
-from tests.helpers import fit_res
+from tests.helpers import train_round
 
 CARD = ModelCard("mlp", {"hidden": 2, "depth": 0}, DataSpec(1, 2, 2, 2), ("w", "b", "n"), (True, True, False))
 
@@ -33,12 +33,7 @@ class ListSink:
         pass
 
 
-class _Sampler:
-    def num_available(self) -> int:
-        return 4
-
-    def sample(self, num_clients: int, min_num_clients: int | None = None) -> list:
-        return [None] * num_clients
+NAMES = list(CARD.names)
 
 
 def global_arrays(round_: int) -> list[np.ndarray]:
@@ -48,8 +43,8 @@ def global_arrays(round_: int) -> list[np.ndarray]:
 def uploads(round_: int) -> list:
     rng = np.random.default_rng(round_)
     return [
-        (None, fit_res([rng.normal(size=(2, 4)).astype(np.float32), rng.normal(size=2).astype(np.float32),
-                        np.array(round_, np.int64)], 8, {"client": c, "batch-size": 8, "lr": 0.1}))
+        ([rng.normal(size=(2, 4)).astype(np.float32), rng.normal(size=2).astype(np.float32),
+          np.array(round_, np.int64)], 8, {"client": c, "batch-size": 8, "lr": 0.1, "labels": [c, 1]})
         for c in range(4)
     ]
 
@@ -57,13 +52,16 @@ def uploads(round_: int) -> list:
 def run_rounds(strategy, rounds: int = 3) -> list:
     aggregated = []
     for r in range(1, rounds + 1):
-        strategy.configure_fit(r, ndarrays_to_parameters(global_arrays(r)), _Sampler())
-        params, _ = strategy.aggregate_fit(r, uploads(r), [])
-        aggregated.append(parameters_to_ndarrays(params))
+        arrays, _, _ = train_round(strategy, r, NAMES, global_arrays(r), uploads(r))
+        aggregated.append(arrays.to_numpy_ndarrays())
     return aggregated
 
 
-@pytest.mark.parametrize("make_inner", [lambda: FedSGD(lr=0.1, trainable=[True, True, False]), lambda: FedAvg()])
+def fedsgd() -> FedSGD:
+    return FedSGD(lr=0.1, trainable=[True, True, False], min_train_nodes=4, min_available_nodes=4)
+
+
+@pytest.mark.parametrize("make_inner", [fedsgd, lambda: FedAvg(min_train_nodes=4, min_available_nodes=4)])
 def test_captures_exactly_the_targets_and_keeps_aggregation(make_inner) -> None:
     sink = ListSink()
     wrapped = HonestButCurious(make_inner(), sink, CARD, "gradient", Selection.parse("1,3"), Selection.parse("0,2"))
@@ -75,15 +73,28 @@ def test_captures_exactly_the_targets_and_keeps_aggregation(make_inner) -> None:
     assert wrapped.captured == 4
     first = sink.items[0]
     assert all(np.array_equal(a, b) for a, b in zip(first.global_arrays, global_arrays(1)))
-    expected_upload = parameters_to_ndarrays(uploads(1)[0][1].parameters)
-    assert all(np.array_equal(a, b) for a, b in zip(first.upload, expected_upload))
-    assert first.declared == {"batch-size": 8, "lr": 0.1} and first.num_examples == 8
+    assert all(np.array_equal(a, b) for a, b in zip(first.upload, uploads(1)[0][0]))
+    assert first.declared == {"batch-size": 8, "lr": 0.1, "labels": [0, 1], "loss": 0.5} and first.num_examples == 8
     assert first.kind == "gradient" and first.names == CARD.names
+
+
+class LargestBatches(HonestButCurious):
+    """A capture rule of one's own: only uploads declaring the largest batch of the round's clients so far."""
+
+    def should_capture(self, server_round: int, upload: Upload) -> bool:
+        return upload.declared["labels"][0] >= 2
+
+
+def test_the_capture_hook_chooses_what_is_captured() -> None:
+    sink = ListSink()
+    run_rounds(LargestBatches(fedsgd(), sink, CARD, "gradient", Selection.parse("all"), Selection.parse("all")), 2)
+    assert [(o.round, o.client) for o in sink.items] == [(1, 2), (1, 3), (2, 2), (2, 3)]
 
 
 def test_nothing_captured_outside_selection() -> None:
     sink = ListSink()
-    run_rounds(HonestButCurious(FedAvg(), sink, CARD, "weights", Selection.parse("none"), Selection.parse("all")))
+    run_rounds(HonestButCurious(FedAvg(min_train_nodes=4), sink, CARD, "weights", Selection.parse("none"),
+                                Selection.parse("all")))
     assert sink.items == []
 
 

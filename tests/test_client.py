@@ -5,20 +5,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import RecordDict
-from flwr.common import parameters_to_ndarrays
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
 
 from clients import DefendedClient
 from clients.state import load_defense_state, store_defense_state
-from fedguard.client_app import make_client_fn, partition_of
+from fedguard.client_app import make_client_app, partition_of
 from fedguard.data import load_dataset
 from fedguard.data.federated import client_split
 from fedguard.defenses import LocalStep, RoundReports, aggregate_reports
 from fedguard.models import build_model
 from fedguard.seeding import client_generators
 from fedguard.training import compute_gradients, get_arrays, local_sgd, parameters, trainable_mask
-from strategies.sparse_uploads import dense_result
-from tests.helpers import client_fit, config, context, fit_res
+from fedguard.records import array_record
+from strategies import SparseUploads
+from tests.helpers import Nodes, client_fit, config, context, reply
+from tests.local_grid import LocalGrid
 
 
 def start_arrays(cfg) -> list[np.ndarray]:
@@ -159,11 +161,42 @@ def test_partition_of_checks_node_config() -> None:
         partition_of(bad, cfg)
 
 
-def test_client_fn_reads_run_config_when_unbound() -> None:
-    ctx = context(1, 4)
-    ctx.run_config.update({"data.name": "digits", "partition.num-clients": 4, "train.clients-per-round": 2})
-    client = make_client_fn(None)(ctx)
-    assert client is not None
+def test_the_client_app_replies_with_typed_records_read_from_the_run_config() -> None:
+    cfg = config("threat.labels=true", "defense.name=dp", "train.protocol=fedavg")
+    model = build_model(cfg.model.name, load_dataset(cfg.data.name).spec, cfg.model.params)
+    grid = LocalGrid(make_client_app(None), 4)
+    for ctx in grid.contexts.values():
+        ctx.run_config.update({k: v for k, v in cfg.to_flat().items()})
+    strategy = FedAvg(min_train_nodes=4)
+    names, arrays = list(model.state_dict()), get_arrays(model)
+    messages = strategy.configure_train(1, array_record(names, arrays), ConfigRecord(), grid)
+    replies = sorted(grid.send_and_receive(messages), key=lambda m: m.metadata.src_node_id)
+    assert not any(m.has_error() for m in replies)
+    content = replies[2].content
+    assert isinstance(content["arrays"], ArrayRecord) and list(content["arrays"].keys()) == names
+    assert isinstance(content["metrics"], MetricRecord) and set(content["metrics"]) == {"num-examples", "loss"}
+    declared = content["declared"]
+    assert declared["client"] == 2 and declared["protocol"] == "fedavg" and declared["local-epochs"] == 1
+    assert isinstance(declared["labels"], list) and len(declared["labels"]) == content["metrics"]["num-examples"]
+    assert content["defense"] and all(k.startswith("defense.") for k in content["defense"])
+
+
+def test_fedprox_proximal_term_reaches_the_clients_local_training() -> None:
+    cfg = config("train.protocol=fedavg", "train.local-epochs=3", "train.lr=0.5")
+    arrays = start_arrays(cfg)
+    plain, _, declared_plain = client_fit(cfg, 0, arrays, round_=1)
+    prox, _, declared = client_fit(cfg, 0, arrays, round_=1, **{"proximal-mu": 1.0})
+    distance = [sum(float(np.sum((u - a) ** 2)) for u, a, m in zip(up, arrays, mask) if m)
+                for up, mask in ((plain, trainable_mask_of(cfg)), (prox, trainable_mask_of(cfg)))]
+    assert distance[1] < 0.8 * distance[0], "the proximal term keeps the local model closer to the global one"
+    assert declared["proximal-mu"] == 1.0 and "proximal-mu" not in declared_plain
+
+
+def trainable_mask_of(cfg) -> list[bool]:
+    return trainable_mask(build_model(cfg.model.name, load_dataset(cfg.data.name).spec, cfg.model.params))
+
+
+def test_a_client_outside_the_partitions_is_refused() -> None:
     with pytest.raises(ValueError, match="outside"):
         DefendedClient(config(), 4, RecordDict())
 
@@ -177,7 +210,7 @@ def test_labels_are_declared_only_when_the_threat_model_grants_them() -> None:
     rng, _ = client_generators(cfg.run.seed, 0, 1)
     local = client_split("digits", cfg.data.source_options(), "iid", cfg.partition.options(), 4, cfg.run.seed, 0)
     _, y = local.batch(rng.choice(len(local), size=8, replace=False))
-    assert shown["labels"] == ",".join(str(v) for v in y.tolist())
+    assert shown["labels"] == y.tolist()
 
 
 def test_pruned_uploads_travel_coordinate_encoded_and_decode_exactly() -> None:
@@ -186,9 +219,21 @@ def test_pruned_uploads_travel_coordinate_encoded_and_decode_exactly() -> None:
     upload, _, metrics = client_fit(cfg, 0, arrays, round_=1)
     assert metrics["encoding"] == "sparse" and metrics["upload-bytes"] < 0.5 * metrics["dense-bytes"]
     assert metrics["upload-bytes"] == sum(a.nbytes for a in upload)
-    decoded = dense_result(fit_res(upload, 8, metrics))
-    assert "encoding" not in decoded.metrics
-    dense = parameters_to_ndarrays(decoded.parameters)
+    names = [f"a{i}" for i in range(len(arrays))]
+    zeros = [np.zeros_like(a) for a in arrays]
+    seen = []
+
+    class Spy(FedAvg):
+        def aggregate_train(self, server_round, replies):
+            seen.extend(replies)
+            return super().aggregate_train(server_round, replies)
+
+    strategy = SparseUploads(Spy(min_train_nodes=1, min_available_nodes=1))
+    sent = list(strategy.configure_train(1, array_record(names, zeros), ConfigRecord(), Nodes(1)))
+    strategy.aggregate_train(1, [reply(sent[0], upload, 8, metrics)])
+    assert "encoding" not in seen[0].content["declared"]
+    assert list(seen[0].content["arrays"].keys()) == names
+    dense = seen[0].content["arrays"].to_numpy_ndarrays()
     assert [a.shape for a in dense] == [a.shape for a in arrays]
     assert sum(int((a != 0).sum()) for a in dense) < 0.3 * sum(a.size for a in dense)
     _, _, plain = client_fit(config(), 0, arrays, round_=1)

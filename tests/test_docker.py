@@ -1,5 +1,7 @@
 """The deployment files in docker/: Compose files valid against the Compose Specification schema,
 Dockerfiles clean under hadolint, and every path, command, flag and variable they name present.
+The SuperLink is Flower's official image of the pinned Flower version; the serverapp and
+SuperNode images are built here, with CPU-only torch unless a CUDA build is asked for.
 
 Offline and fast. The schema comes from the `docker-compose` 1.29.2 wheel
 (compose/config/compose_spec.json), installed without its dependencies; the linter from the
@@ -31,6 +33,13 @@ DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 COMPOSE_FILES = [DOCKER / "compose.yaml", DOCKER / "compose.gpu.yaml"]
 ENV_EXAMPLE = DOCKER / ".env.example"
 VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:[:?+-][^}]*)?\}")
+# PyTorch's CPU-only wheel index (torch 2.14.1+cpu and so on).
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# Flower's official images used as they are, and their entrypoints (Flower's
+# framework/docker/superlink/Dockerfile: ENTRYPOINT ["flower-superlink"]).
+FLOWER_IMAGES = {"flwr/superlink": "flower-superlink"}
+# The uid:gid the fedguard images run as (USER in the Dockerfiles); owner of the mounted files.
+APP_USER = "10001:10001"
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -104,6 +113,72 @@ def help_text(script: str) -> str:
     return subprocess.run([str(BIN / script), "--help"], capture_output=True, text=True, timeout=120).stdout
 
 
+def pins() -> dict[str, str]:
+    """pyproject.toml's exactly pinned dependencies, name -> version (extras dropped)."""
+    found = {}
+    for requirement in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?==([^,;\s]+)", requirement.replace(" ", ""))
+        if match:
+            found[match.group(1).lower()] = match.group(2)
+    return found
+
+
+def stage(dockerfile: Path, name: str) -> list[tuple[str, str]]:
+    """The instructions of build stage ``name``, those of the stages it is built FROM first."""
+    for instructions_ in stages(dockerfile):
+        base, _, alias = instructions_[0][1].partition(" AS ")
+        if alias.strip() == name:
+            named = {s[0][1].partition(" AS ")[2].strip() for s in stages(dockerfile)}
+            return (stage(dockerfile, base.strip()) if base.strip() in named else []) + instructions_
+    raise AssertionError(f"{dockerfile.name} has no stage {name}")
+
+
+def venv_stage(dockerfile: Path, target: str) -> list[tuple[str, str]]:
+    """The stage whose environment ``target`` copies in (COPY --from=...), or ``target`` itself."""
+    instructions_ = stage(dockerfile, target)
+    sources = [re.search(r"--from=(\S+)", rest).group(1) for w, rest in instructions_
+               if w == "COPY" and "/opt/venv" in rest and "--from=" in rest]
+    return stage(dockerfile, sources[0]) if sources else instructions_
+
+
+def pip_installs(instructions_: list[tuple[str, str]]) -> list[list[str]]:
+    """The arguments after `pip install` of each pip call in the RUN instructions, in order."""
+    calls = []
+    for word, rest in instructions_:
+        if word == "RUN":
+            lexer = shlex.shlex(rest, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            commands: list[list[str]] = [[]]
+            for token in lexer:
+                if token in ("&&", "||", ";", "|"):
+                    commands.append([])
+                else:
+                    commands[-1].append(token)
+            for tokens in commands:
+                if len(tokens) > 2 and tokens[0].endswith("pip") and tokens[1] == "install":
+                    calls.append(tokens[2:])
+    return calls
+
+
+def arg_default(instructions_: list[tuple[str, str]], name: str) -> str | None:
+    values = [rest.partition("=")[2].strip('"') for w, rest in instructions_ if w == "ARG" and rest.partition("=")[0] == name]
+    return values[-1] if values else None
+
+
+def image_entrypoint(service: dict) -> str:
+    """The console script a Compose service runs: its Dockerfile's ENTRYPOINT, or a Flower image's."""
+    if "build" in service:
+        dockerfile = ROOT / service["build"]["dockerfile"]
+        entries = {exec_form(rest)[0] for w, rest in instructions(dockerfile) if w == "ENTRYPOINT"}
+        assert len(entries) == 1, f"{dockerfile.name}: one entrypoint script for every target"
+        return entries.pop()
+    return FLOWER_IMAGES[service["image"].rpartition(":")[0]]
+
+
+def superlink() -> dict:
+    return compose(DOCKER / "compose.yaml")["services"]["superlink"]
+
+
 def supernode_services() -> dict[str, dict]:
     return {k: v for k, v in compose(DOCKER / "compose.yaml")["services"].items() if k.startswith("supernode-")}
 
@@ -151,8 +226,26 @@ def test_compose_cli_accepts_the_files_when_one_is_installed() -> None:
 
 # --- what the files name exists ---------------------------------------------------------------
 
-def test_there_are_the_three_images() -> None:
-    assert {p.name for p in DOCKERFILES} == {"superlink.Dockerfile", "supernode.Dockerfile", "serverapp.Dockerfile"}
+def test_two_images_are_built_here_and_the_superlink_is_flowers() -> None:
+    assert {p.name for p in DOCKERFILES} == {"supernode.Dockerfile", "serverapp.Dockerfile"}
+    assert sorted(p.name for p in DOCKER.glob("*.dockerignore")) == sorted(f"{p.name}.dockerignore" for p in DOCKERFILES)
+    services = compose(DOCKER / "compose.yaml")["services"]
+    assert set(services) == {"superlink", "serverapp", *supernode_services()}
+    for name, service in services.items():
+        if name == "superlink":
+            assert "build" not in service, "the SuperLink is Flower's image, not built from this repository"
+        else:
+            assert "build" in service and service["image"].startswith(f"fedguard-{name.split('-')[0]}:"), name
+    for path in COMPOSE_FILES[1:]:
+        assert "build" not in compose(path)["services"].get("superlink", {}), f"{path.name} builds the SuperLink"
+
+
+def test_superlink_image_is_flowers_of_the_pinned_flower_version() -> None:
+    repository, _, tag = superlink()["image"].rpartition(":")
+    assert repository == "flwr/superlink"
+    assert tag == pins()["flwr"], "the SuperLink must run the Flower version pyproject.toml pins"
+    # The flags below are checked against this environment's flower-superlink: the same version.
+    assert distribution("flwr").version == pins()["flwr"], "the test environment's flwr is not the pinned one"
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -203,16 +296,12 @@ def test_entrypoints_are_console_scripts_with_the_flags_they_are_given(dockerfil
 
 
 def test_compose_commands_use_flags_the_entrypoints_have() -> None:
-    entry = {}
-    for dockerfile in DOCKERFILES:
-        for word, rest in instructions(dockerfile):
-            if word == "ENTRYPOINT":
-                entry[dockerfile.name] = exec_form(rest)[0]
     services = compose(DOCKER / "compose.yaml")["services"]
     for name, service in services.items():
-        dockerfile = Path(service["build"]["dockerfile"]).name
+        script = image_entrypoint(service)
+        assert (BIN / script).is_file(), f"{name}: {script} is not installed by pyproject.toml's dependencies"
         for flag in (a for a in service.get("command", []) if a.startswith("--")):
-            assert flag in help_text(entry[dockerfile]), f"{name}: {entry[dockerfile]} has no {flag}"
+            assert re.search(rf"{re.escape(flag)}\b", help_text(script)), f"{name}: {script} has no {flag}"
 
 
 def test_builds_name_existing_dockerfiles_targets_and_contexts() -> None:
@@ -276,10 +365,10 @@ def test_bind_mounts_come_from_documented_host_folders() -> None:
 
 
 def test_tls_and_supernode_authentication_are_on_by_default() -> None:
-    superlink = exec_form(next(r for w, r in instructions(DOCKER / "superlink.Dockerfile") if w == "ENTRYPOINT"))
+    command = superlink()["command"]
     for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--enable-supernode-auth",
                  "--disable-runtime-dependency-installation"):
-        assert flag in superlink
+        assert flag in command
     for path in [*COMPOSE_FILES, *DOCKERFILES, ENV_EXAMPLE]:
         assert "--insecure" not in path.read_text(), f"{path.name} has an insecure variant"
     for name, service in supernode_services().items():
@@ -302,3 +391,96 @@ def test_supernodes_cover_every_partition_once_with_their_own_key() -> None:
         assert any(interpolate(v).split(":")[0].endswith(f"/keys/supernode-{index + 1}") for v in service["volumes"]), name
         seen.append(index)
     assert sorted(seen) == list(range(count))
+
+
+def test_superlink_gets_what_its_command_names() -> None:
+    """Every file the SuperLink's command names is mounted, and it serves the published port."""
+    service = superlink()
+    command = [interpolate(str(a)) for a in service["command"]]
+    assert command[command.index("--isolation") + 1] == "process", "the ServerApp runs in the serverapp container"
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    port = command[command.index("--port") + 1]
+    assert any(interpolate(p).rsplit(":", 1)[1] == port for p in service["ports"]), "the published port is not --port"
+    mounts = {interpolate(v).split(":")[1]: interpolate(v).split(":")[2:] for v in service["volumes"]}
+    for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile"):
+        path = command[command.index(flag) + 1]
+        assert path in mounts and mounts[path] == ["ro"], f"{flag} {path} is not a read-only mount"
+    database = Path(command[command.index("--database") + 1])
+    assert str(database.parent) in mounts and mounts[str(database.parent)] == [], "--database is not on a writable mount"
+    secret = command[command.index("--superexec-auth-secret-file") + 1]
+    assert secret in {f"/run/secrets/{s}" for s in service["secrets"]}, f"{secret} is not one of its secrets"
+    serverapp = compose(DOCKER / "compose.yaml")["services"]["serverapp"]
+    serverapp_entry = next(exec_form(r) for w, r in instructions(ROOT / serverapp["build"]["dockerfile"]) if w == "ENTRYPOINT")
+    assert serverapp_entry[serverapp_entry.index("--superexec-auth-secret-file") + 1] == secret
+    assert service["environment"]["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"
+    assert service["environment"]["FLWR_TELEMETRY_ENABLED"] == "0"
+    # Not root, and the uid that owns the mounted certificates, secret and state folder, like the
+    # images built here.
+    assert service["user"] == APP_USER
+    for dockerfile in DOCKERFILES:
+        assert [r for w, r in instructions(dockerfile) if w == "USER"][-1] == APP_USER, dockerfile.name
+
+
+@pytest.mark.parametrize(("dockerfile", "target"), [("serverapp.Dockerfile", "cpu"), ("supernode.Dockerfile", None)])
+def test_cpu_images_install_torch_from_the_cpu_index_before_the_project(dockerfile: str, target: str | None) -> None:
+    path = DOCKER / dockerfile
+    build = venv_stage(path, target) if target else instructions(path)
+    assert arg_default(build, "TORCH_INDEX_URL") == CPU_INDEX
+    calls = pip_installs(build)
+    torch_calls = [i for i, args in enumerate(calls) if "--index-url" in args]
+    project_calls = [i for i, args in enumerate(calls) if "." in args]
+    assert len(torch_calls) == 1 and len(project_calls) == 1, calls
+    torch_args, project_args = calls[torch_calls[0]], calls[project_calls[0]]
+    assert torch_args[torch_args.index("--index-url") + 1] == "${TORCH_INDEX_URL}"
+    assert {a for a in torch_args if "==" in a} == {f"torch=={pins()['torch']}", f"torchvision=={pins()['torchvision']}"}
+    # Torch first; the project install then keeps it only as long as pip may leave installed
+    # distributions alone (see the next test) and is not told to take everything from PyPI anew.
+    assert torch_calls[0] < project_calls[0]
+    assert not {"-U", "--upgrade", "--force-reinstall", "--ignore-installed", "-I"} & set(project_args)
+    assert not any(a.startswith(("--index-url", "-i", "--extra-index-url")) for a in project_args)
+    runs = " ".join(rest for w, rest in build if w == "RUN")
+    assert "torch.version.cuda" in runs, f"{dockerfile}: no check of the torch build after the project install"
+
+
+def test_serverapp_cuda_target_takes_pypis_cuda_torch() -> None:
+    build = venv_stage(DOCKER / "serverapp.Dockerfile", "cuda")
+    assert arg_default(build, "TORCH_INDEX_URL") is None
+    calls = pip_installs(build)
+    assert calls and not any(a.startswith(("--index-url", "-i", "--extra-index-url")) for args in calls for a in args)
+    assert any("." in args for args in calls)
+
+
+def test_compose_builds_supernodes_with_cpu_torch_by_default() -> None:
+    args = compose(DOCKER / "compose.yaml")["x-supernode"]["build"]["args"]
+    assert interpolate(args["TORCH_INDEX_URL"]) == CPU_INDEX
+    serverapp = compose(DOCKER / "compose.yaml")["services"]["serverapp"]["build"]
+    # The serverapp's target alone decides where torch comes from.
+    assert "TORCH_INDEX_URL" not in serverapp.get("args", {})
+    assert interpolate(str(serverapp["target"])) == "cpu"
+
+
+def test_cpu_torch_satisfies_every_requirement_on_torch_so_pip_keeps_it() -> None:
+    """What the Dockerfiles rely on: with torch X+cpu installed, `pip install .` (pyproject.toml's
+    torch==X, and what its dependencies require of torch) has nothing to replace. Checked with
+    the version matching pip itself uses, over the requirements of this environment's
+    distributions (the project's dependency tree)."""
+    try:
+        from pip._vendor.packaging.requirements import Requirement
+    except ImportError:  # pragma: no cover
+        Requirement = pytest.importorskip("packaging.requirements").Requirement
+    from importlib.metadata import distributions
+
+    local = {name: f"{pins()[name]}+cpu" for name in ("torch", "torchvision")}
+    checked = []
+    for requirement in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        checked.append(Requirement(requirement))
+    for dist in distributions():
+        for text in dist.requires or []:
+            checked.append(Requirement(text))
+    seen = 0
+    for requirement in checked:
+        name = requirement.name.lower()
+        if name in local and (requirement.marker is None or requirement.marker.evaluate({"extra": ""})):
+            assert requirement.specifier.contains(local[name], prereleases=True), f"{requirement} refuses {local[name]}"
+            seen += 1
+    assert seen >= 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 
 from fedguard.data import load_dataset
 from fedguard.data.federated import client_split
@@ -14,17 +13,7 @@ from fedguard.seeding import client_generators
 from fedguard.training import get_arrays, loss_fn, trainable_mask
 from strategies import FedSGD, SparseUploads
 from strategies.fedsgd import fedsgd_update
-from tests.helpers import client_fit, config, fit_res
-
-
-class _Sampler:
-    """Stands in for Flower's ClientManager."""
-
-    def num_available(self) -> int:
-        return 3
-
-    def sample(self, num_clients: int, min_num_clients: int | None = None) -> list:
-        return [None] * num_clients
+from tests.helpers import client_fit, config, train_round
 
 
 def test_one_round_equals_centralized_sgd_on_the_same_batches() -> None:
@@ -34,10 +23,10 @@ def test_one_round_equals_centralized_sgd_on_the_same_batches() -> None:
     model = build_model("mlp", data.spec, cfg.model.params)
     start = get_arrays(model)
 
-    strategy = SparseUploads(FedSGD(lr=cfg.train.lr, trainable=trainable_mask(model)))  # as the server stacks them
-    strategy.configure_fit(1, ndarrays_to_parameters(start), _Sampler())
-    results = [(None, fit_res(*client_fit(cfg, c, start, round_=1))) for c in range(3)]
-    new, _ = strategy.aggregate_fit(1, results, [])
+    # as the server stacks them
+    strategy = SparseUploads(FedSGD(lr=cfg.train.lr, trainable=trainable_mask(model), min_train_nodes=3))
+    names = list(model.state_dict())
+    new, _, _ = train_round(strategy, 1, names, start, [client_fit(cfg, c, start, round_=1) for c in range(3)])
 
     # Centralized: the same 3 x 8 samples, one SGD step on the mean loss.
     xs, ys = [], []
@@ -50,7 +39,7 @@ def test_one_round_equals_centralized_sgd_on_the_same_batches() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.7)
     loss_fn(model(torch.cat(xs)), torch.cat(ys)).backward()
     optimizer.step()
-    for got, want in zip(parameters_to_ndarrays(new), get_arrays(model)):
+    for got, want in zip(new.to_numpy_ndarrays(), get_arrays(model)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -69,7 +58,14 @@ def test_invalid_arguments() -> None:
         FedSGD(lr=0.1, trainable=[])
 
 
-def test_failures_and_empty_results() -> None:
-    strategy = FedSGD(lr=0.1, trainable=[True], accept_failures=False)
-    assert strategy.aggregate_fit(1, [], []) == (None, {})
-    assert strategy.aggregate_fit(1, [(None, fit_res([np.zeros(1)], 1, {}))], [RuntimeError()]) == (None, {})
+def test_failed_replies_are_left_out_and_none_means_no_update() -> None:
+    strategy = FedSGD(lr=0.1, trainable=[True], min_train_nodes=2)
+    assert strategy.aggregate_train(1, []) == (None, None)
+
+
+def test_the_mean_is_uniform_and_in_client_order() -> None:
+    strategy = FedSGD(lr=1.0, trainable=[True], min_train_nodes=3)
+    uploads = [([np.array([float(c + 1)], np.float32)], 10 * (c + 1), {"client": 2 - c}) for c in range(3)]
+    new, metrics, _ = train_round(strategy, 1, ["w"], [np.zeros(1, np.float32)], uploads)
+    assert new.to_numpy_ndarrays()[0].tolist() == [-2.0]  # uniform, not weighted by examples (which gives -2.33)
+    assert metrics["loss"] == pytest.approx(0.5)

@@ -161,7 +161,7 @@ def test_batched_uploads_equal_uploads_one_by_one() -> None:
 
 def test_declared_labels_are_used() -> None:
     obs, _, _, y = digits_upload()
-    declared = Observation(**{**obs.__dict__, "declared": {"batch-size": 4, "labels": "1,1,2,2"}})
+    declared = Observation(**{**obs.__dict__, "declared": {"batch-size": 4, "labels": [1, 1, 2, 2]}})
     [rec] = GradInversion(GradInversionParams(iterations=2, restarts=1, device="cpu")).reconstruct_many([declared])
     assert rec.labels.tolist() == [1, 1, 2, 2] and rec.stats["labels_inferred"] is False
 

@@ -172,7 +172,7 @@ def test_skipping_the_layers_a_defense_altered_restores_the_attack() -> None:
 def test_declared_labels_are_used_instead_of_inferred_ones() -> None:
     observations, _, y = uploads()
     wrong = (int(y[0]) + 1) % 10
-    obs = Observation(**{**observations[0].__dict__, "declared": {"batch-size": 1, "labels": str(wrong)}})
+    obs = Observation(**{**observations[0].__dict__, "declared": {"batch-size": 1, "labels": [int(wrong)]}})
     params = InvertingGradientsParams(iterations=2, restarts=1, device="cpu")
     [given] = InvertingGradients(params).reconstruct_many([obs])
     [inferred] = InvertingGradients(params).reconstruct_many(observations[:1])

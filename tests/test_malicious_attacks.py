@@ -93,7 +93,7 @@ def test_imprint_recovers_every_input_alone_in_its_bin(photos) -> None:
 def test_declared_labels_are_returned_as_declared(photos) -> None:
     model, card, sent = manipulated(photos.spec, build_imprint(ImprintParams(bins=8)), hidden=16)
     x, y = photos.test.batch([0, 1, 2])
-    obs = upload(model, card, sent, x, y, "imprint", {"labels": ",".join(map(str, y.tolist()))})
+    obs = upload(model, card, sent, x, y, "imprint", {"labels": y.tolist()})
     recon = build_attack("imprint").reconstruct(obs)
     assert recon.labels.tolist() == y.tolist() and not recon.stats["labels_inferred"]
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.server.strategy import FedAvg
+from flwr.app import ConfigRecord
+from flwr.serverapp.strategy import FedAvg
 
 from fedguard.observation import ModelCard
 from fedguard.selection import Selection
 from strategies import FedSGD, HonestButCurious, Malicious
-from tests.helpers import fit_res
-from tests.test_capture import CARD, ListSink, _Sampler, global_arrays
+from fedguard.records import array_record
+from tests.helpers import Nodes, reply
+from tests.test_capture import CARD, NAMES, ListSink, global_arrays
 
 
 def doubled(arrays: list[np.ndarray], card: ModelCard, rng: np.random.Generator) -> list[np.ndarray]:
@@ -19,25 +20,27 @@ def doubled(arrays: list[np.ndarray], card: ModelCard, rng: np.random.Generator)
     return [arrays[0] * 2, (arrays[1] + rng.normal(size=arrays[1].shape)).astype(arrays[1].dtype), arrays[2]]
 
 
-def results(round_: int, base: list[np.ndarray]) -> list:
-    """Four uploads: ``base`` moved by a client-specific amount (as weights) or that amount (as gradients)."""
-    return [(None, fit_res([base[0] - c, base[1] - c, base[2]], 8, {"client": c, "batch-size": 8, "lr": 0.1}))
-            for c in range(4)]
+def fedsgd() -> FedSGD:
+    return FedSGD(lr=0.1, trainable=[True, True, False], min_train_nodes=4, min_available_nodes=4)
 
 
 def play(strategy, round_: int, uploads_from_sent: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """One round; returns (arrays the clients received, the new global arrays)."""
-    instructions = strategy.configure_fit(round_, ndarrays_to_parameters(global_arrays(round_)), _Sampler())
-    received = [parameters_to_ndarrays(ins.parameters) for _, ins in instructions]
+    """One round of four clients, client c uploading the model it received moved by c (as weights) or that
+    amount (as gradients); returns (arrays the clients received, the new global arrays)."""
+    instructions = list(strategy.configure_train(round_, array_record(NAMES, global_arrays(round_)), ConfigRecord(),
+                                                 Nodes(4)))
+    received = [m.content["arrays"].to_numpy_ndarrays() for m in instructions]
     assert all(all(np.array_equal(a, b) for a, b in zip(r, received[0])) for r in received), "clients differ"
     base = received[0] if uploads_from_sent else [np.zeros_like(a) for a in received[0]]
-    params, _ = strategy.aggregate_fit(round_, results(round_, base), [])
-    return received[0], parameters_to_ndarrays(params)
+    replies = [reply(m, [base[0] - c, base[1] - c, base[2]], 8, {"client": c, "batch-size": 8, "lr": 0.1})
+               for c, m in enumerate(instructions)]
+    aggregated, _ = strategy.aggregate_train(round_, replies)
+    return received[0], aggregated.to_numpy_ndarrays()
 
 
 def test_scheduled_rounds_send_the_manipulated_model_and_captures_record_it() -> None:
     sink = ListSink()
-    strategy = Malicious(FedSGD(lr=0.1, trainable=[True, True, False]), sink, CARD, "gradient",
+    strategy = Malicious(fedsgd(), sink, CARD, "gradient",
                          Selection.parse("1,2"), Selection.parse("all"), {2: ("double", doubled)}, seed=5)
     honest_received, _ = play(strategy, 1, uploads_from_sent=False)
     sent, _ = play(strategy, 2, uploads_from_sent=False)
@@ -49,9 +52,9 @@ def test_scheduled_rounds_send_the_manipulated_model_and_captures_record_it() ->
 
 
 def test_fedsgd_steps_from_the_honest_model_with_the_clients_gradients() -> None:
-    malicious = Malicious(FedSGD(lr=0.1, trainable=[True, True, False]), ListSink(), CARD, "gradient",
+    malicious = Malicious(fedsgd(), ListSink(), CARD, "gradient",
                           Selection.parse("1"), Selection.parse("all"), {1: ("double", doubled)})
-    honest = HonestButCurious(FedSGD(lr=0.1, trainable=[True, True, False]), ListSink(), CARD, "gradient",
+    honest = HonestButCurious(fedsgd(), ListSink(), CARD, "gradient",
                               Selection.parse("1"), Selection.parse("all"))
     _, got = play(malicious, 1, uploads_from_sent=False)
     _, want = play(honest, 1, uploads_from_sent=False)
@@ -59,20 +62,20 @@ def test_fedsgd_steps_from_the_honest_model_with_the_clients_gradients() -> None
 
 
 def test_fedavg_applies_the_clients_change_to_the_honest_model() -> None:
-    strategy = Malicious(FedAvg(), ListSink(), CARD, "weights", Selection.parse("1"), Selection.parse("all"),
+    strategy = Malicious(FedAvg(min_train_nodes=4), ListSink(), CARD, "weights", Selection.parse("1"), Selection.parse("all"),
                          {1: ("double", doubled)})
     _, got = play(strategy, 1, uploads_from_sent=True)
     mean_change = -np.mean(np.arange(4))  # client c uploads sent - c
     honest = global_arrays(1)
     assert np.allclose(got[0], honest[0] + mean_change) and np.allclose(got[1], honest[1] + mean_change)
-    assert all(g.dtype == h.dtype and g.shape == h.shape for g, h in zip(got, honest))
+    assert all(g.shape == h.shape for g, h in zip(got, honest))
 
 
 def test_a_manipulation_that_changes_the_layout_is_refused() -> None:
     def reshaped(arrays, card, rng):
         return [arrays[0].reshape(-1), *arrays[1:]]
 
-    strategy = Malicious(FedAvg(), ListSink(), CARD, "weights", Selection.parse("1"), Selection.parse("all"),
+    strategy = Malicious(FedAvg(min_train_nodes=4), ListSink(), CARD, "weights", Selection.parse("1"), Selection.parse("all"),
                          {1: ("reshape", reshaped)})
     with pytest.raises(ValueError, match="'reshape' changed the model's layout"):
         play(strategy, 1, uploads_from_sent=True)

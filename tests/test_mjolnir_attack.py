@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from attackers.base import ATTACKS, build_attack
+from attackers.base import ATTACKS, build_attack, check_attack_files
 from attackers.mjolnir import INNER_ATTACKS, Mjolnir, MjolnirParams, defense_noise_std
 from fedguard.cli import main
 from fedguard.config import ConfigError, load_config
@@ -249,13 +249,19 @@ def test_a_denoiser_for_another_model_is_refused(denoiser: Path) -> None:
 
 
 def test_configuration_needs_the_defense_grant_and_a_denoiser(denoiser: Path) -> None:
+    """The configuration checks that a denoiser is set; the server checks that it is there, before round 1."""
     base = [*SMALL, "attack.name=mjolnir+ig", "defense.name=dp", "capture.rounds=1"]
     with pytest.raises(ConfigError, match="defense"):
         load_config(None, [*base, f"attack.mjolnir+ig.denoiser={denoiser}"])
-    with pytest.raises(ConfigError, match="no Mjölnir diffusion model at"):
-        load_config(None, [*base, "threat.defense=true", "attack.mjolnir+ig.denoiser=missing.npz"])
+    with pytest.raises(ConfigError, match="Mjölnir needs a diffusion model"):
+        load_config(None, [*base, "threat.defense=true"])
+    absent = load_config(None, [*base, "threat.defense=true", "attack.mjolnir+ig.denoiser=missing.npz"])
+    with pytest.raises(FileNotFoundError, match="attack.mjolnir\\+ig.denoiser = 'missing.npz': no Mjölnir diffusion "
+                                                "model at missing.npz"):
+        check_attack_files(absent.attacks)
     config = load_config(None, [*base, "threat.defense=true", f"attack.mjolnir+ig.denoiser={denoiser}"])
     assert config.attack_names() == ["mjolnir+ig"]
+    check_attack_files(config.attacks)
     with pytest.raises(ValueError, match="noise-source 'given' needs noise-std > 0"):
         MjolnirParams(noise_source="given")
     with pytest.raises(ValueError, match="noise-source 'guess': choose one of defense, given, estimate"):

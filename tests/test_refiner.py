@@ -342,9 +342,11 @@ def test_default_relative_radius_defeats_idlg_on_the_dlg_lenet(evalnet: Path) ->
     assert defended_ssim.mean() < 0.7 * clean_ssim.mean()
 
 
-def test_configuration_refuses_a_missing_network_and_weight_uploads(evalnet: Path) -> None:
-    with pytest.raises(ConfigError, match="no evaluation network at .*train-evalnet"):
-        load_config(None, ["defense.name=refiner", "defense.refiner.evalnet=missing.npz"])
+def test_configuration_refuses_an_unset_network_and_weight_uploads(evalnet: Path) -> None:
+    """Whether the network is there is for the clients, which load it, to check (``build_refiner``)."""
+    with pytest.raises(ConfigError, match="needs an evaluation network.*train-evalnet"):
+        load_config(None, ["defense.name=refiner"])
+    load_config(None, ["defense.name=refiner", "defense.refiner.evalnet=missing.npz"])
     with pytest.raises(ConfigError, match="works on fedsgd uploads only; train.protocol = 'fedavg'"):
         load_config(None, ["defense.name=refiner", f"defense.refiner.evalnet={evalnet}", "train.protocol=fedavg"])
     load_config(None, ["defense.name=refiner", f"defense.refiner.evalnet={evalnet}"])

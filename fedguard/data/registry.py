@@ -1,4 +1,4 @@
-"""The dataset registry and the per-process dataset cache."""
+"""The dataset registry, each dataset's static spec, and the per-process dataset cache."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fedguard.data.dataset import ImageData
-from fedguard.registry import Registry
+from fedguard.data.spec import DataSpec
+from fedguard.registry import NoParams, Registry
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,31 @@ class SourceOptions:
 
 
 DatasetLoader = Callable[[SourceOptions], ImageData]
+SpecOf = Callable[[SourceOptions], DataSpec | None]
 
 DATASETS: Registry[DatasetLoader] = Registry("dataset")
-register_dataset = DATASETS.register
+
+
+def unknown_spec(options: SourceOptions) -> None:
+    """The ``spec`` of a dataset whose shape only its data tell (e.g. the classes of an image folder)."""
+    return None
+
+
+def register_dataset(name: str, *, spec: SpecOf = unknown_spec) -> Callable[[DatasetLoader], DatasetLoader]:
+    """Register the decorated loader under ``name``; ``spec(options)`` is the shape of its samples, known without
+    loading them (None: only the data tell)."""
+    return DATASETS.register(name, NoParams, spec)
+
+
+def fixed_spec(channels: int, height: int, width: int, num_classes: int) -> SpecOf:
+    """The ``spec`` of a dataset whose shape does not depend on the options."""
+    return lambda options: DataSpec(channels, height, width, num_classes)
+
+
+def dataset_spec(name: str, options: SourceOptions = SourceOptions()) -> DataSpec | None:
+    """The spec ``load_dataset(name, options).spec`` will have, without loading anything (None: unknown before
+    loading)."""
+    return DATASETS.traits(name, options)
 
 
 class DatasetNotFoundError(FileNotFoundError):

@@ -4,18 +4,21 @@ A defense is a callable ``defense(step, state) -> list[Tensor]``: it receives
 everything a client knows at upload time and returns what is uploaded in place
 of ``step.grads`` (same shapes). ``state`` is a dict of tensors that survives
 between the rounds of one client (error-feedback residuals, caches); the
-defense reads and updates it in place.
+defense reads and updates it in place. Each registered defense declares its
+``DefenseTraits`` (protocols, model check, whether it can simulate itself, the
+files its clients load), which the configuration reads without building it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
 
-from fedguard.registry import Registry
+from fedguard.registry import NoParams, Registry, RequiredFile
 
 REPORT_PREFIX = "defense."  # fit-metric prefix of what a ReportingDefense reports
 UPLOAD_PREFIX = "upload."  # report-name prefix of a number about this upload alone (not cumulative)
@@ -116,10 +119,52 @@ class SimulatedDefense(Protocol):
     def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]: ...
 
 
+@dataclass(frozen=True)
+class DefenseTraits:
+    """What a defense with given parameters declares, known without building it: the ``protocols`` it works on
+    (None: every one), a ``check_model(model)`` raising ``ValueError`` for a model it cannot defend, whether it is
+    ``simulated`` (has ``simulate``, for EOT attacks), and the ``files`` its clients load."""
+
+    protocols: frozenset[str] | None = None
+    check_model: Callable[[nn.Module], None] | None = None
+    simulated: bool = False
+    files: tuple[RequiredFile, ...] = ()
+
+    @classmethod
+    def of(cls, defense: type, **changes: Any) -> "DefenseTraits":
+        """The traits ``defense``'s class declares (``protocols``, a static ``check_model``, ``simulate``), with
+        ``changes`` for those its parameters set."""
+        declared = cls(getattr(defense, "protocols", None), getattr(defense, "check_model", None),
+                       callable(getattr(defense, "simulate", None)))
+        return dataclasses.replace(declared, **changes)
+
+
 DefenseBuilder = Callable[[Any], Defense]
+DefenseTraitsOf = Callable[[Any], DefenseTraits]
 
 DEFENSES: Registry[DefenseBuilder] = Registry("defense")
-register_defense = DEFENSES.register
+
+
+def unrestricted(params: Any) -> DefenseTraits:
+    """The traits of a defense that declares none: every protocol and model, not simulated, no files."""
+    return DefenseTraits()
+
+
+def register_defense(
+    name: str, params: type = NoParams, *, traits: DefenseTraitsOf = unrestricted
+) -> Callable[[DefenseBuilder], DefenseBuilder]:
+    """Register the decorated builder under ``name``; ``traits(params)`` declares what the configuration checks."""
+    return DEFENSES.register(name, params, traits)
+
+
+def class_traits(defense: type) -> DefenseTraitsOf:
+    """The ``traits`` of a defense whose class declares them, whatever its parameters."""
+    return lambda params: DefenseTraits.of(defense)
+
+
+def defense_traits(name: str, params: Any = None) -> DefenseTraits:
+    """The traits of the registered defense ``name`` with ``params`` (its defaults when None); nothing is built."""
+    return DEFENSES.traits(name, params)
 
 
 def build_defense(name: str, params: Any = None) -> Defense:

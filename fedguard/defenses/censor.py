@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call, vmap
 
-from fedguard.defenses.base import LocalStep, register_defense
+from fedguard.defenses.base import LocalStep, class_traits, register_defense
 
 FALLBACKS = ("raw", "best", "zero")
 PROJECTIONS = ("exact", "published")
@@ -239,7 +239,7 @@ def probe_losses(step: LocalStep, candidates: list[torch.Tensor], probe_lr: floa
     return losses[:trials], losses[trials]
 
 
-@register_defense("censor", params=CensorParams)
+@register_defense("censor", params=CensorParams, traits=class_traits(Censor))
 def build_censor(params: CensorParams) -> Censor:
     """CENSOR: norm-matched update orthogonal to each layer's gradient, chosen by the local loss."""
     return Censor(params)

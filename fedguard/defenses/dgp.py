@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedguard.defenses.base import register_defense
+from fedguard.defenses.base import class_traits, register_defense
 from fedguard.defenses.magnitude import RankBandPruning, count
 
 EF_SCOPES = ("all", "bottom")
@@ -109,7 +109,7 @@ class DualGradientPruning(RankBandPruning):
         return torch.where(bottom, flat, 0.0)
 
 
-@register_defense("dgp", params=DGPParams)
+@register_defense("dgp", params=DGPParams, traits=class_traits(DualGradientPruning))
 def build_dgp(params: DGPParams) -> DualGradientPruning:
     """Dual Gradient Pruning (Xue et al. 2024): remove the top-k1 and bottom-k2 of each layer, error feedback."""
     return DualGradientPruning(params)

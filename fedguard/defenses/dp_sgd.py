@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
 from fedguard.defenses.accountant import epsilon_spent
-from fedguard.defenses.base import LocalStep, register_defense
+from fedguard.defenses.base import LocalStep, class_traits, register_defense
 
 STEPS, SAMPLE_RATE = "steps", "sample_rate"  # keys of the defense state
 
@@ -129,9 +129,7 @@ class DPSGD:
     def __init__(self, params: DPSGDParams) -> None:
         self.params = params
 
-    def check_model(self, model: nn.Module) -> None:
-        """``ValueError`` for a model with BatchNorm (checked when the run is configured, not at the first step)."""
-        refuse_batch_norm(model)
+    check_model = staticmethod(refuse_batch_norm)  # checked when the run is configured, not at the first step
 
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         batch = len(step.y)
@@ -173,7 +171,7 @@ class DPSGD:
         }
 
 
-@register_defense("dp-sgd", params=DPSGDParams)
+@register_defense("dp-sgd", params=DPSGDParams, traits=class_traits(DPSGD))
 def build_dp_sgd(params: DPSGDParams) -> DPSGD:
     """DP-SGD: per-sample L2 clipping and Gaussian noise, with an RDP privacy accountant."""
     return DPSGD(params)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedguard.defenses.base import LocalStep, register_defense
+from fedguard.defenses.base import LocalStep, class_traits, register_defense
 from fedguard.defenses.gaussian_mechanism import epsilon_after, gaussian_sigma
 
 MECHANISMS = ("gaussian", "laplace")
@@ -163,7 +163,7 @@ class UpdateDP:
         return [g * factor.reshape(-1, *[1] * (g.dim() - 1)) + self.noise(g, generator) for g in grads]
 
 
-@register_defense("dp", params=UpdateDPParams)
+@register_defense("dp", params=UpdateDPParams, traits=class_traits(UpdateDP))
 def build_update_dp(params: UpdateDPParams) -> UpdateDP:
     """Update-level DP: L2 clipping and Gaussian or Laplace noise."""
     return UpdateDP(params)

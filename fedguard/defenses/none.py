@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedguard.defenses.base import LocalStep, register_defense
+from fedguard.defenses.base import LocalStep, class_traits, register_defense
 
 
 class NoDefense:
@@ -18,7 +18,7 @@ class NoDefense:
         return list(grads)
 
 
-@register_defense("none")
+@register_defense("none", traits=class_traits(NoDefense))
 def build_none(params: object) -> NoDefense:
     """Upload the raw update (the undefended baseline)."""
     return NoDefense()

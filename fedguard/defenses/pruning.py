@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fedguard.defenses.base import register_defense
+from fedguard.defenses.base import class_traits, register_defense
 from fedguard.defenses.magnitude import RankBandPruning, count
 
 PREFIX = "prune"
@@ -55,7 +55,7 @@ class MagnitudePruning(RankBandPruning):
         return 0, min(count(self.params.keep, size, round_up=True), size)
 
 
-@register_defense("prune", params=PruneParams)
+@register_defense("prune", params=PruneParams, traits=class_traits(MagnitudePruning))
 def build_prune(params: PruneParams) -> MagnitudePruning:
     """Magnitude (Top-k) pruning per layer, with optional error feedback."""
     return MagnitudePruning(params)

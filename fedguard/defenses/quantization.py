@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedguard.defenses.base import LocalStep, register_defense
+from fedguard.defenses.base import LocalStep, class_traits, register_defense
 
 MAX_BITS = 16
 
@@ -74,7 +74,7 @@ class StochasticQuantization:
         return out
 
 
-@register_defense("quantize", params=QuantizeParams)
+@register_defense("quantize", params=QuantizeParams, traits=class_traits(StochasticQuantization))
 def build_quantize(params: QuantizeParams) -> StochasticQuantization:
     """Per-tensor uniform quantization to ``bits`` bits with unbiased stochastic rounding."""
     return StochasticQuantization(params)

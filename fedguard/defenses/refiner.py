@@ -71,12 +71,15 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from fedguard.defenses.base import LocalStep, register_defense
+from fedguard.defenses.base import DefenseTraits, LocalStep, register_defense
 from fedguard.evalnet import TrainedEvalNet, load_evalnet
 from fedguard.evalnet.store import COMMAND
+from fedguard.registry import RequiredFile
 
 CACHE_KEY = "x_star"
 RADII = ("relative", "absolute")
+NO_EVALNET = ("defense 'refiner' needs an evaluation network: set defense.refiner.evalnet to a file made by "
+              f"`{COMMAND}` (by default evalnets/<dataset>.npz)")
 REPORTED = {"grad-norm": "grad_norm", "distance": "raw_distance", "radius": "radius", "moved": "moved"}  # name: key
 
 
@@ -283,20 +286,26 @@ class Refiner:
                 torch.stack(privacy) if privacy else empty)
 
 
-@register_defense("refiner", params=RefinerParams)
+def missing_evalnet(evalnet: str) -> str:
+    """Why no evaluation network loads from ``evalnet``, and how to make one."""
+    return (f"defense 'refiner': no evaluation network at {Path(evalnet).expanduser().absolute()} "
+            f"(defense.refiner.evalnet = {evalnet!r}); create it with `{COMMAND} --out {evalnet}`")
+
+
+def refiner_traits(params: RefinerParams) -> DefenseTraits:
+    """The class's traits and the evaluation network its clients load."""
+    evalnet = RequiredFile("evalnet", params.evalnet, NO_EVALNET, missing_evalnet(params.evalnet))
+    return DefenseTraits.of(Refiner, files=(evalnet,))
+
+
+@register_defense("refiner", params=RefinerParams, traits=refiner_traits)
 def build_refiner(params: RefinerParams) -> Refiner:
     """Refiner (Fan et al.): upload the gradient of robust data rated as noise, projected near the true one."""
     if not params.evalnet:
-        raise ValueError(
-            "defense 'refiner' needs an evaluation network: set defense.refiner.evalnet to a file made by "
-            f"`{COMMAND}` (by default evalnets/<dataset>.npz)"
-        )
+        raise ValueError(NO_EVALNET)
     path = Path(params.evalnet).expanduser().absolute()
     if not path.is_file():
-        raise ValueError(
-            f"defense 'refiner': no evaluation network at {path} (defense.refiner.evalnet = {params.evalnet!r}); "
-            f"create it with `{COMMAND} --out {params.evalnet}`"
-        )
+        raise ValueError(missing_evalnet(params.evalnet))
     try:
         evalnet = load_evalnet(path)
     except ValueError as error:

@@ -64,7 +64,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from fedguard.defenses.base import LocalStep, register_defense
+from fedguard.defenses.base import LocalStep, class_traits, register_defense
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ class Soteria:
         return sent
 
 
-@register_defense("soteria", params=SoteriaParams)
+@register_defense("soteria", params=SoteriaParams, traits=class_traits(Soteria))
 def build_soteria(params: SoteriaParams) -> Soteria:
     """Soteria (Sun et al. 2021): prune the most revealing input features of one Linear layer's gradient."""
     return Soteria(params)

@@ -56,15 +56,18 @@ def save_generator(trained: TrainedGenerator, path: Path) -> Path:
     return save_archive(path, trained.meta(), module_arrays(trained.decoder, "decoder"))
 
 
+def missing_generator(path: Path | str) -> str:
+    """Why no generator loads from ``path``, and how to make one."""
+    return f"no generator at {path}; create it with `fedguard train-generator --data <dataset> --out {path}`"
+
+
 def load_generator(path: Path | str) -> TrainedGenerator:
     """Read a generator written by ``save_generator``; the decoder is in eval mode, frozen, on the CPU.
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for another format or mismatched arrays."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"no generator at {path}; create it with `fedguard train-generator --data <dataset> --out {path}`"
-        )
+        raise FileNotFoundError(missing_generator(path))
     with np.load(path, allow_pickle=False) as archive:
         if "meta" not in archive.files:
             raise ValueError(f"{path} is not a generator file: it has no 'meta' entry")

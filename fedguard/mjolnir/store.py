@@ -74,6 +74,11 @@ def save_ddpm(trained: TrainedDDPM, path: Path | str) -> Path:
     return save_archive(path, trained.meta(), module_arrays(trained.model, "unet"))
 
 
+def missing_ddpm(path: Path | str) -> str:
+    """Why no Mjölnir diffusion model loads from ``path``, and how to make one."""
+    return f"no Mjölnir diffusion model at {path}; create it with `fedguard train-mjolnir`"
+
+
 def load_ddpm(path: Path | str, conditional: bool | None = None) -> TrainedDDPM:
     """Read a model written by ``save_ddpm``; the denoiser is in eval mode, frozen, on the CPU. ``conditional``:
     the kind expected (None: whichever the file holds).
@@ -82,7 +87,7 @@ def load_ddpm(path: Path | str, conditional: bool | None = None) -> TrainedDDPM:
     another kind than expected."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no Mjölnir diffusion model at {path}; create it with `fedguard train-mjolnir`")
+        raise FileNotFoundError(missing_ddpm(path))
     with np.load(path, allow_pickle=False) as archive:
         if "meta" not in archive.files:
             raise ValueError(f"{path} is not a Mjölnir diffusion model file: it has no 'meta' entry")

@@ -1,0 +1,89 @@
+"""The layout of fedguard's train messages, shared by the ClientApp and the server strategies.
+
+A train instruction carries the global model (``ArrayRecord`` "arrays", keyed by the model's
+``state_dict`` names) and a ``ConfigRecord`` "config" (``server-round``, and where Flower's strategies
+put theirs, e.g. FedProx's ``proximal-mu``). A reply carries, as typed records:
+
+- "arrays" (``ArrayRecord``): the upload, same keys as the model (coordinate-encoded uploads use
+  ``encoded-<i>`` keys until ``strategies.SparseUploads`` decodes them);
+- "metrics" (``MetricRecord``): ``num-examples`` and ``loss``, the same keys from every client, as
+  Flower's built-in strategies require;
+- "declared" (``ConfigRecord``): what the client declares with its upload: ``client`` (its partition),
+  ``protocol``, ``lr``, ``batch-size``, local schedule, ``labels`` (a list, when the threat model grants
+  them), ``encoding``, ``upload-bytes``, ``dense-bytes``;
+- "defense" (``ConfigRecord``): the defense's reports (``fedguard.defenses.defense_report``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+DECLARED = "declared"
+DEFENSE = "defense"
+ROUND_KEY = "server-round"
+VAULT_KEY = "vault"
+NUM_EXAMPLES = "num-examples"
+CLIENT_KEY = "client"
+
+
+def array_record(names: list[str] | tuple[str, ...], arrays: list[np.ndarray]) -> ArrayRecord:
+    """``arrays`` keyed by ``names`` (same length)."""
+    if len(names) != len(arrays):
+        raise ValueError(f"{len(arrays)} arrays for {len(names)} names")
+    arrays = [np.asarray(a) for a in arrays]  # numpy scalars (0-d results) become arrays
+    return ArrayRecord(array_dict={name: Array(a if a.flags.c_contiguous else np.ascontiguousarray(a))
+                                   for name, a in zip(names, arrays)})
+
+
+def reply_content(arrays: ArrayRecord, num_examples: int, loss: float, declared: dict[str, Any],
+                  reports: dict[str, Any]) -> RecordDict:
+    """A client's train reply."""
+    return RecordDict({
+        ARRAYS: arrays,
+        METRICS: MetricRecord({NUM_EXAMPLES: int(num_examples), "loss": float(loss)}),
+        DECLARED: ConfigRecord(declared),
+        DEFENSE: ConfigRecord(reports),
+    })
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One client's train reply, read back on the server."""
+
+    node: int
+    client: int | None
+    arrays: list[np.ndarray]
+    num_examples: int
+    declared: dict[str, Any]
+    reports: dict[str, Any]
+
+
+def read_upload(reply: Message) -> Upload:
+    """The upload carried by a successful reply; raises ``ValueError`` naming what is missing."""
+    content = reply.content
+    for key, kind in ((ARRAYS, ArrayRecord), (METRICS, MetricRecord)):
+        if key not in content or not isinstance(content[key], kind):
+            raise ValueError(f"reply from node {reply.metadata.src_node_id} lacks the {kind.__name__} {key!r}")
+    declared = dict(content[DECLARED]) if DECLARED in content else {}
+    reports = dict(content[DEFENSE]) if DEFENSE in content else {}
+    client = declared.get(CLIENT_KEY)
+    return Upload(
+        node=reply.metadata.src_node_id,
+        client=int(client) if isinstance(client, int) and not isinstance(client, bool) else None,
+        arrays=content[ARRAYS].to_numpy_ndarrays(),
+        num_examples=int(content[METRICS][NUM_EXAMPLES]),
+        declared=declared,
+        reports=reports,
+    )
+
+
+def replace_arrays(reply: Message, names: list[str], arrays: list[np.ndarray]) -> None:
+    """Put ``arrays`` (keyed by ``names``) in place of the reply's upload."""
+    reply.content[ARRAYS] = array_record(names, arrays)

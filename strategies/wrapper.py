@@ -1,0 +1,49 @@
+"""A Strategy that hands every call to another one: the base of the wrappers that change one step.
+
+The wrappers follow Flower's own (``DifferentialPrivacyFixedClipping*``): they subclass
+``flwr.serverapp.strategy.Strategy``, hold the wrapped strategy and override the steps they change, so
+that ``start(grid, initial_arrays, ...)`` of the outermost one runs the whole federation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+
+class StrategyWrapper(Strategy):
+    """Every method calls the same method of ``strategy``; subclasses override the steps they change."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.strategy!r})"
+
+    def innermost(self) -> Strategy:
+        """The strategy that really aggregates, under every wrapper."""
+        inner = self.strategy
+        while isinstance(inner, StrategyWrapper):
+            inner = inner.strategy
+        return inner
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        return self.strategy.aggregate_train(server_round, replies)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        self.strategy.summary()
