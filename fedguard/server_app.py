@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -36,7 +37,7 @@ from fedguard.observation import ModelCard
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_status import write_status
-from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
+from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, free_run_dir, prepare_run_dir, resolve_run_dir
 from fedguard.records import VAULT_KEY, Upload, array_record
 from fedguard.training import evaluate, get_arrays, set_arrays, trainable_mask
 from fedguard.vault import VAULT_DIR
@@ -249,13 +250,33 @@ def run_server(grid: Grid, config: Config) -> Path:
     return folder
 
 
+RUNS_ENV = "FEDGUARD_RUNS"
+
+
+def runs_home() -> Path:
+    """Where runs started by ``flwr run`` go when ``out-dir`` is empty or relative: ``$FEDGUARD_RUNS``, else
+    ``~/fedguard-runs`` (the ServerApp's working directory is wherever Flower's SuperLink was started)."""
+    return Path(os.environ.get(RUNS_ENV) or Path.home() / "fedguard-runs")
+
+
+def under_runs_home(config: Config) -> Config:
+    """``config`` with its run folder absolute: a relative ``out-dir`` under ``runs_home()``; none,
+    ``runs_home()/<name>`` (or ``<name>-2``, ... when that holds a run)."""
+    if config.run.out_dir:
+        out = Path(config.run.out_dir)
+        out = out if out.is_absolute() else runs_home() / out
+    else:
+        out = free_run_dir(runs_home() / config.run.name)
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(out)))
+
+
 def make_server_app(config: Config | None = None) -> ServerApp:
-    """A ServerApp bound to ``config``, or reading Flower's run config when None."""
+    """A ServerApp bound to ``config``, or reading Flower's run config when None (``flwr run``)."""
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        run_server(grid, config if config is not None else Config.from_flat(context.run_config))
+        run_server(grid, config if config is not None else under_runs_home(Config.from_flat(context.run_config)))
 
     return server_app
 

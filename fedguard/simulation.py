@@ -14,6 +14,7 @@ comes from it, since ``flwr run --stream`` ends the same way whether a run compl
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -49,14 +50,14 @@ def app_config_keys(app_dir: Path = APP_DIR) -> dict[str, Any]:
 
 
 def run_config(config: Config, declared: dict[str, Any]) -> dict[str, Any]:
-    """The run config ``flwr run`` passes: every key the app declares that differs from its default. Keys of
-    plugins (not declared by the app) must keep their defaults: Flower refuses undeclared keys."""
+    """The run config ``flwr run`` passes: every key the app declares that differs from its default; keys of
+    plugins, which Flower would refuse as undeclared, packed into ``server.plugin-params``."""
     flat, defaults = config.to_flat(), Config().to_flat()
-    undeclared = sorted(k for k, v in flat.items() if k not in declared and v != defaults.get(k))
+    undeclared = {k: v for k, v in flat.items() if k not in declared and v != defaults.get(k)}
+    overrides = {k: v for k, v in flat.items() if k in declared and v != declared[k]}
     if undeclared:
-        raise LaunchError(f"{', '.join(undeclared)}: not declared in pyproject.toml's [tool.flwr.app.config], so "
-                          "Flower cannot pass them; declare them there (the plugin's keys and defaults)")
-    return {k: v for k, v in flat.items() if k in declared and v != declared[k]}
+        overrides["server.plugin-params"] = " ".join(shlex.quote(f"{k}={v}") for k, v in undeclared.items())
+    return overrides
 
 
 def joins_cluster(config: Config) -> str | None:
@@ -97,9 +98,11 @@ def _wait_for_port(port: int, process: subprocess.Popen, timeout: float, log_fil
 
 
 def _environment(home: Path, config: Config) -> dict[str, str]:
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
+    env = {**os.environ, "FLWR_HOME": str(home), "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # A plugin module in the working directory (server.plugins) imports in the simulation's processes too.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     address = joins_cluster(config)
     if address:
         env["RAY_ADDRESS"] = address

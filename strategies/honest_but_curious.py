@@ -8,8 +8,7 @@ attacker.
 What is captured is decided by one hook, ``should_capture(server_round, upload)``:
 by default an upload of a targeted round from a targeted client. A subclass
 overrides it to choose otherwise (the largest uploads, the clients declaring
-the smallest batch, ...); see ``examples/strategies`` for one selected from the
-configuration.
+the smallest batch, ...); ``tests/test_capture.py`` has one.
 """
 
 from __future__ import annotations

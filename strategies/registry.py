@@ -15,7 +15,7 @@ A strategy of your own, in a module of yours::
         return MyStrategy(**context.sampling(), ...)
 
 and ``server.plugins = "my_module"`` (imported before the configuration is checked),
-``server.strategy = "my-strategy"``. ``examples/strategies`` holds a tested one.
+``server.strategy = "my-strategy"``. ``extensions/`` holds a tested one.
 """
 
 from __future__ import annotations

@@ -287,7 +287,7 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployme
     deadline = time.monotonic() + 120
     while victim is None and time.monotonic() < deadline:
         for i in (1, 2, 3):
-            if re.search(r"ROUND 1\].*?Receiving: train message", dep.log(f"supernode-{i}").read_text(), re.S):
+            if "Receiving: train message" in dep.log(f"supernode-{i}").read_text():  # the first one is round 1
                 victim = f"supernode-{i}"
                 break
         else:
@@ -299,4 +299,4 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployme
     assert wait_finished(dep, "flwr-run", 200) == 0
     rounds = read_rows(out / "rounds.jsonl", 3)
     assert [r["round"] for r in rounds] == [0, 1, 2]
-    assert "received 1 results and 1 failures" in dep.log("flwr-run").read_text()
+    assert "Received 1 results and 1 failures" in dep.log("flwr-run").read_text()

@@ -72,3 +72,75 @@ def test_flwr_run_with_a_local_superlink(tmp_path: Path) -> None:
             superlink.wait(20)
         except subprocess.TimeoutExpired:
             os.killpg(superlink.pid, signal.SIGKILL)
+
+
+def stop_local_superlink(port: int) -> None:
+    """Stop the local SuperLink ``flwr run`` started on ``port`` (and its process group), none other."""
+    found = subprocess.run(["pgrep", "-f", f"flower-superlink.*--port {port}"], capture_output=True, text=True)
+    for pid in map(int, found.stdout.split()):
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def flower_home(tmp_path_factory: pytest.TempPathFactory):
+    """A Flower home of its own and the environment of an activated venv (``make install`` adds
+    FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 to it): ``flwr run .`` starts Flower's default local
+    SuperLink on ports of its own, stopped at the end."""
+    home = tmp_path_factory.mktemp("flwr-home")
+    http_port, control_port = free_port(), free_port()
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0",
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FEDGUARD_RUNS": str(home / "runs"),
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port), "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
+           "PATH": f"{BIN}:{os.environ['PATH']}"}
+    yield home, env
+    stop_local_superlink(http_port)
+
+
+@pytest.mark.slow
+def test_flwr_run_on_flowers_default_federation_stops_and_says_how_to_fix_it(flower_home) -> None:
+    home, env = flower_home
+    start = time.monotonic()
+    result = subprocess.run([str(BIN / "flwr"), "run", ".", "--stream", "--run-config", "train.rounds=2"],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    output = result.stdout + result.stderr
+    assert "2 SuperNodes are connected after 10 s, but partition.num-clients = 10" in output, output[-3000:]
+    assert "--federation-config 'num-supernodes=10'" in output
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert "Installing application dependencies" not in output
+    [folder] = (home / "runs").iterdir()
+    assert json.loads((folder / "status.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_flwr_run_selects_a_user_strategy_from_outside_the_package(flower_home) -> None:
+    home, env = flower_home
+    overrides = ("data.name='digits' partition.num-clients=4 train.clients-per-round=4 train.rounds=2 "
+                 "capture.rounds='none' out-dir='user-strategy' server.plugins='extensions.norm_clipped' "
+                 "server.strategy='norm-clipped-fedavg' "
+                 "server.plugin-params='server.norm-clipped-fedavg.clip=0.001'")
+    result = subprocess.run([str(BIN / "flwr"), "run", ".", "--stream", "--federation-config", "num-supernodes=4",
+                             "--run-config", overrides], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert "norm-clipped-fedavg: round 2: 4 of 4 uploads clipped to 0.001" in output, output[-3000:]
+    folder = home / "runs" / "user-strategy"
+    assert json.loads((folder / "status.json").read_text())["status"] == "completed"
+    assert [json.loads(line)["round"] for line in (folder / "rounds.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_fedguard_run_selects_a_user_strategy_through_flwr_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [str(BIN / "fedguard"), "run", "--set", "data.name=digits", "--set", "partition.num-clients=3",
+         "--set", "train.clients-per-round=3", "--set", "train.rounds=2", "--set", "capture.rounds=none",
+         "--set", "server.plugins=extensions.norm_clipped", "--set", "server.strategy=norm-clipped-fedavg",
+         "--set", "server.norm-clipped-fedavg.clip=0.002", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "norm-clipped-fedavg: round 1: 3 of 3 uploads clipped to 0.002" in output
+    assert json.loads((out / "status.json").read_text()) == {"status": "completed", "rounds": 2}

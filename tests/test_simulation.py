@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -115,5 +117,20 @@ def test_the_simulation_runs_on_an_existing_ray_cluster(tmp_path: Path) -> None:
         attacks = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
         assert [a["status"] for a in attacks] == ["ok"]
     finally:
-        subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120, env=env)
+        stop_processes_mentioning(env["RAY_TMPDIR"])  # this cluster's processes only, never the machine's others
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+
+
+def stop_processes_mentioning(text: str) -> None:
+    """SIGTERM, then SIGKILL, every process whose command line contains ``text`` (a cluster's temp folder)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        found = subprocess.run(["pgrep", "-f", text], capture_output=True, text=True)
+        pids = [int(p) for p in found.stdout.split() if int(p) != os.getpid()]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if not pids:
+            return
+        time.sleep(2)

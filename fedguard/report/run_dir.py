@@ -33,10 +33,15 @@ def resolve_run_dir(config: Config) -> Path:
     ``runs/<name>`` moves on to ``runs/<name>-2``, ``-3``, ... instead.
     """
     folder = config.run_dir().resolve()
+    if config.run.out_dir and (folder / ROUNDS_FILE).exists():
+        raise FileExistsError(f"out-dir {folder} already holds a run ({ROUNDS_FILE}); choose another or remove it")
+    return free_run_dir(folder)
+
+
+def free_run_dir(folder: Path) -> Path:
+    """``folder``, or ``folder-2``, ``-3``, ... the first that holds no round log."""
     if not (folder / ROUNDS_FILE).exists():
         return folder
-    if config.run.out_dir:
-        raise FileExistsError(f"out-dir {folder} already holds a run ({ROUNDS_FILE}); choose another or remove it")
     number = 2
     while (folder.with_name(f"{folder.name}-{number}") / ROUNDS_FILE).exists():
         number += 1
