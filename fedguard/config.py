@@ -175,9 +175,6 @@ class ServerSection:
                                     "'server.my-strategy.clip=0.5': flwr run passes only the keys pyproject.toml "
                                     "declares, so undeclared keys travel here")
 
-    def plugin_modules(self) -> list[str]:
-        return split_names(self.plugins)
-
 
 @dataclass(frozen=True)
 class SimSection:
@@ -352,17 +349,13 @@ def schema() -> dict[str, tuple[type, Any, str]]:
             keys[_key(prefix, f.name)] = (types[f.name], f.default, f.metadata.get("help", ""))
     for kind, (registry, default, help_text) in COMPONENT_KINDS.items():
         keys[f"{kind}.name"] = (str, default, f"{help_text}: {', '.join(_choices(kind))}")
-    for kind, registry in [(k, r) for k, (r, _, _) in COMPONENT_KINDS.items()] + list(PARAMETER_KINDS.items()):
+    parameterized = [(k, r) for k, (r, _, _) in COMPONENT_KINDS.items()] + list(PARAMETER_KINDS.items())
+    for kind, registry in parameterized + [(STRATEGY_PREFIX, STRATEGIES)]:
         for entry in registry.entries():
             types = _field_types(entry.params)
             doc = (entry.params.__doc__ or "").strip().split("\n")[0]
             for f in dataclasses.fields(entry.params):
-                keys[f"{kind}.{entry.name}.{_dash(f.name)}"] = (types[f.name], f.default, doc)
-    for entry in STRATEGIES.entries():
-        types = _field_types(entry.params)
-        for f in dataclasses.fields(entry.params):
-            help_text = f.metadata.get("help") or (entry.params.__doc__ or "").strip().split("\n")[0]
-            keys[f"{STRATEGY_PREFIX}.{entry.name}.{_dash(f.name)}"] = (types[f.name], f.default, help_text)
+                keys[f"{kind}.{entry.name}.{_dash(f.name)}"] = (types[f.name], f.default, f.metadata.get("help") or doc)
     return keys
 
 

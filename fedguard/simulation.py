@@ -98,7 +98,8 @@ def _wait_for_port(port: int, process: subprocess.Popen, timeout: float, log_fil
 
 
 def _environment(home: Path, config: Config) -> dict[str, str]:
-    env = {**os.environ, "FLWR_HOME": str(home), "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
+    env = {**os.environ, "FLWR_HOME": str(home), "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+           "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     # A plugin module in the working directory (server.plugins) imports in the simulation's processes too.
