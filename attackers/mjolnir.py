@@ -110,6 +110,7 @@ class Mjolnir:
             raise ValueError(f"sampler {params.sampler!r} is the released code's, for an unconditional denoiser; "
                              f"{params.denoiser} holds a conditional one, which runs the sampler 'chained'")
         self.needs: frozenset[str] = inner.needs | own_needs(params)
+        self.needs_by_upload = {k: v for k, v in inner.needs_by_upload.items() if k in self.uploads}
         self.manipulation: str = inner.manipulation
         self.defense: Any = None
 
@@ -154,20 +155,17 @@ class Mjolnir:
             uploads.append(dataclasses.replace(obs, upload=upload))
         return uploads, levels, starts
 
-    def reconstruct_many(self, observations: list[Observation]) -> list[Reconstruction]:
-        """Denoise, then the inner attack's reconstructions, with M and the start step in their stats."""
+    def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
+        """Denoise, then the inner attack's reconstructions from the starting points ``seed`` gives, with M and
+        the start step in their stats."""
         if not observations:
             return []
         uploads, levels, starts = self.denoised(observations)
-        results = self.inner.reconstruct_many(uploads)
+        results = self.inner.reconstruct_many(uploads, seed)
         for result, upload, level, start in zip(results, uploads, levels, starts):
             result.stats.update({"mjolnir_noise_level": level, "mjolnir_start_step": start})
             result.gradient = [a for a, t in zip(upload.upload, upload.trainable) if t]
         return results
-
-    def reconstruct(self, obs: Observation) -> Reconstruction:
-        """``reconstruct_many`` of one upload."""
-        return self.reconstruct_many([obs])[0]
 
 
 def _composed_params(inner: str) -> type:

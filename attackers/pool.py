@@ -57,11 +57,8 @@ class AttackWorker:
         torch.set_num_threads(max(1, threads))
         self.attacks = {name: factory() for name, factory in factories.items()}
 
-    def run(self, attack: str, observations: list[Observation]) -> list[Reconstruction]:
-        chosen = self.attacks[attack]
-        if hasattr(chosen, "reconstruct_many") and len(observations) > 1:
-            return chosen.reconstruct_many(observations)
-        return [chosen.reconstruct(obs) for obs in observations]
+    def run(self, attack: str, observations: list[Observation], seed: int) -> list[Reconstruction]:
+        return self.attacks[attack].reconstruct_many(observations, seed)
 
 
 @dataclass
@@ -112,6 +109,8 @@ class AttackPool:
         One GPU per worker (only when CUDA is visible).
     address : str | None
         Address of an existing Ray cluster to join when Ray is not running yet.
+    seed : int
+        The run's seed, handed to every ``reconstruct_many`` (it fixes the attacks' starting points).
     """
 
     def __init__(
@@ -125,6 +124,7 @@ class AttackPool:
         use_gpu: bool = False,
         address: str | None = None,
         poll_seconds: float = 0.2,
+        seed: int = 0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -145,6 +145,7 @@ class AttackPool:
         self.stats = PoolStats()
         self.num_workers = workers
         self.address = address
+        self.seed = seed
         self._has_resource = False
         self._start_error: str | None = None
         self._workers: list[Any] = []
@@ -231,7 +232,7 @@ class AttackPool:
                     if (task.attack, shape_key(task.observation)) == key:
                         group.append(task.observation)
                         self._queue.remove(task)
-                ref = self._workers[worker].run.remote(first.attack, group)
+                ref = self._workers[worker].run.remote(first.attack, group, self.seed)
                 self._busy[ref] = _Dispatch(worker, first.attack, group, time.monotonic(),
                                             self.time_limit * len(group))
 

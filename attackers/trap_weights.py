@@ -169,13 +169,14 @@ class TrapWeightsAttack:
     """Closed-form read-out of the inputs trapped by single first-layer units."""
 
     needs: frozenset[str] = frozenset()
+    needs_by_upload: dict[str, frozenset[str]] = {}
     uploads: frozenset[str] = frozenset({"gradient"})
     manipulation = "trap-weights"
 
     def __init__(self, params: TrapReadoutParams) -> None:
         self.params = params
 
-    def reconstruct(self, obs: Observation) -> Reconstruction:
+    def reconstruct_one(self, obs: Observation) -> Reconstruction:
         """The inputs behind one gradient upload of a trap-weights model."""
         start = time.perf_counter()
         batch = images_per_upload(obs)
@@ -198,9 +199,9 @@ class TrapWeightsAttack:
         }
         return Reconstruction(as_images([images[j] for j in ranked], batch, obs.spec), labels, stats)
 
-    def reconstruct_many(self, observations: list[Observation]) -> list[Reconstruction]:
-        """``reconstruct`` of each upload (closed form: nothing to batch)."""
-        return [self.reconstruct(obs) for obs in observations]
+    def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
+        """``reconstruct_one`` of each upload (closed form: nothing to batch, nothing random: ``seed`` unused)."""
+        return [self.reconstruct_one(obs) for obs in observations]
 
 
 @register_attack("trap-weights", params=TrapReadoutParams, traits=class_traits(TrapWeightsAttack))

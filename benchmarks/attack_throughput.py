@@ -110,9 +110,9 @@ def main() -> None:
             observations = captures(data_name, model_name, model_params, args.uploads)
             one = build_attack(name, attack_params(name, args.iterations, 1, args.device, generator))
             many = build_attack(name, attack_params(name, args.iterations, args.restarts, args.device, generator))
-            build_attack(name, attack_params(name, 2, 1, args.device, generator)).reconstruct(observations[0])  # warm-up
-            sequential = timed(lambda: [one.reconstruct(o) for o in observations for _ in range(args.restarts)])
-            batched = timed(lambda: many.reconstruct_many(observations))
+            build_attack(name, attack_params(name, 2, 1, args.device, generator)).reconstruct_many([observations[0]], 0)[0]  # warm-up
+            sequential = timed(lambda: [one.reconstruct_many([o], 0)[0] for o in observations for _ in range(args.restarts)])
+            batched = timed(lambda: many.reconstruct_many(observations, 0))
             print(f"{name:14} {model_name:8} {sequential:>16.2f} {batched:>10.2f} {args.uploads / batched:>8.2f} "
                   f"{sequential / batched:>8.2f}x", flush=True)
 

@@ -63,9 +63,9 @@ def main() -> None:
         obs = capture(name, params, batch=1)
         one = InvertingGradientsParams(iterations=args.iterations, restarts=1, device=args.device)
         many = InvertingGradientsParams(iterations=args.iterations, restarts=args.restarts, device=args.device)
-        InvertingGradients(InvertingGradientsParams(iterations=2, restarts=2, device=args.device)).reconstruct(obs)
-        sequential = timed(lambda: [InvertingGradients(one).reconstruct(obs) for _ in range(args.restarts)])
-        batched = timed(lambda: InvertingGradients(many).reconstruct(obs))
+        InvertingGradients(InvertingGradientsParams(iterations=2, restarts=2, device=args.device)).reconstruct_many([obs], 0)[0]
+        sequential = timed(lambda: [InvertingGradients(one).reconstruct_many([obs], 0)[0] for _ in range(args.restarts)])
+        batched = timed(lambda: InvertingGradients(many).reconstruct_many([obs], 0)[0])
         rate = args.restarts * args.iterations / batched
         print(f"{name:10} {args.restarts:>8} {sequential:>13.2f} {batched:>10.2f} {sequential / batched:>8.2f}x {rate:>13.0f}")
 

@@ -283,11 +283,17 @@ class Config:
         return Path(self.run.out_dir) if self.run.out_dir else Path("runs") / self.run.name
 
 
+BUILT_IN_PACKAGES = ("fedguard", "attackers", "strategies", "clients")
+
+
 def _param_keys(kind: str, registry: Registry[Any], chosen: tuple[Component, ...]) -> dict[str, Scalar]:
-    """``<kind>.<name>.<param>`` of every registered entry: the chosen ones' values, defaults for the rest."""
+    """``<kind>.<name>.<param>`` of every built-in entry and of the chosen ones: the chosen ones' values,
+    defaults for the rest (a plugin's entry not chosen stays out: another process may not import it)."""
     flat: dict[str, Scalar] = {}
     values = {c.name: c.params for c in chosen}
     for entry in registry.entries():
+        if entry.name not in values and entry.factory.__module__.split(".")[0] not in BUILT_IN_PACKAGES:
+            continue
         params = values.get(entry.name) or entry.params()
         for f in dataclasses.fields(entry.params):
             flat[f"{kind}.{entry.name}.{_dash(f.name)}"] = getattr(params, f.name)

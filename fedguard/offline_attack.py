@@ -8,7 +8,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any, Callable
 
-from attackers.base import ATTACKS, AttackOutcome, build_attack, required_manipulation, shape_key
+from attackers.base import ATTACKS, AttackOutcome, build_attack, check_attack_files, required_manipulation, shape_key
 from fedguard.config import Config, ConfigError, load_config
 from fedguard.evaluation import Evaluator, attack_contexts, describe_row
 from fedguard.observation import Observation, load_observations
@@ -44,6 +44,7 @@ def attack_capture(
     report. Returns (run folder, new rows)."""
     run_dir, folder = locate(capture_dir)
     config = offline_config(run_dir, overrides)
+    check_attack_files(config.attacks)  # every missing generator or denoiser named before any attack runs
     observations = load_observations(folder)
     evaluator = Evaluator(run_dir, attack_contexts(config, source="offline"))
     rows = []
@@ -56,16 +57,16 @@ def attack_capture(
             batch = list(same_shape)
             for start in range(0, len(batch), config.pool.group):
                 rows += _attack_group(component.name, attack, batch[start : start + config.pool.group], evaluator,
-                                      progress)
+                                      config.run.seed, progress)
     progress(f"fedguard: rows appended to {run_dir / 'attacks.jsonl'}; report {build_report(run_dir)}")
     return run_dir, rows
 
 
-def _attack_group(name: str, attack: Any, group: list[Observation], evaluator: Evaluator,
+def _attack_group(name: str, attack: Any, group: list[Observation], evaluator: Evaluator, seed: int,
                   progress: Callable[[str], None]) -> list[dict[str, Any]]:
     start = time.perf_counter()
     try:
-        recons = attack.reconstruct_many(group)
+        recons = attack.reconstruct_many(group, seed)
         outcomes = [AttackOutcome(obs, "ok", rec, attack=name) for obs, rec in zip(group, recons)]
     except Exception as error:
         message = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}"

@@ -114,6 +114,7 @@ def build_attack_pool(config: Config, folder: Path) -> AttackPool:
         threads=config.pool.threads,
         use_gpu=any(getattr(a.params, "device", "cpu") != "cpu" for a in config.attacks),
         address=config.pool.address or None,
+        seed=config.run.seed,
     )
 
 

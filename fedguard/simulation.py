@@ -60,6 +60,10 @@ def run_config(config: Config, declared: dict[str, Any]) -> dict[str, Any]:
     return overrides
 
 
+# Ray's switch for single-machine clusters: its processes listen on 127.0.0.1 instead of every interface.
+LOOPBACK_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
 def joins_cluster(config: Config) -> str | None:
     """The Ray cluster the simulation joins (``sim.address``, else ``RAY_ADDRESS``), or None for a new one."""
     return config.sim.address or os.environ.get("RAY_ADDRESS") or None
@@ -107,6 +111,10 @@ def _environment(home: Path, config: Config) -> dict[str, str]:
     address = joins_cluster(config)
     if address:
         env["RAY_ADDRESS"] = address
+        for name in LOOPBACK_RAY:  # a cluster's nodes reach each other on its own addresses
+            env.pop(name, None)
+    else:
+        env.update(LOOPBACK_RAY)
     return env
 
 

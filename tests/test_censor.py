@@ -26,7 +26,7 @@ from fedguard.defenses import DEFENSES, LocalStep, build_defense
 from fedguard.defenses.censor import (FALLBACKS_KEY, RAW_KEY, STEPS_KEY, Censor, CensorParams, choose_candidate,
                                       orthogonal_rescaled, probe_losses,
                                       published_orthogonal_rescaled)  # the import registers "censor"
-from fedguard.metrics import psnr, ssim
+from fedguard.metrics import psnr
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard
@@ -402,9 +402,9 @@ def test_inverting_gradients_fails_on_orthogonal_uploads_and_succeeds_on_raw_one
             state: dict[str, torch.Tensor] = {}
             sent = protect(step, state)
             raw[name].append(bool(params) and protect.report(state)["upload.raw"] == 1.0)
-            observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in sent], 1, {"batch-size": 1}))
-        labels = [y[i : i + 1] for i in range(len(IMAGES))]
-        images = torch.cat([r.images for r in attack.reconstruct_many(observations, labels)])
+            observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in sent], 1,
+                                             {"batch-size": 1, "labels": [int(y[i])]}))  # the labels granted
+        images = torch.cat([r.images for r in attack.reconstruct_many(observations, 0)])
         scores[name] = psnr(images, x)
     floor = psnr(x.mean((2, 3), keepdim=True).expand_as(x), x)
     print("IG psnr per photo", {k: v.tolist() for k, v in scores.items()}, "raw", raw, "floor", floor.tolist())

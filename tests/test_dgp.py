@@ -239,7 +239,7 @@ def ig_scores(defense: str) -> tuple[np.ndarray, np.ndarray]:
         observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in protect(step, {})], 1,
                                          {"batch-size": 1}))
     params = InvertingGradientsParams(iterations=150, restarts=1, lr=0.025, tv=1e-4, device="cpu")
-    images = torch.cat([r.images for r in InvertingGradients(params).reconstruct_many(observations)])
+    images = torch.cat([r.images for r in InvertingGradients(params).reconstruct_many(observations, 0)])
     return psnr(images, x).numpy(), ssim(images, x).numpy()
 
 

@@ -342,7 +342,7 @@ def test_dp_sgd_brings_inverting_gradients_down(photos) -> None:
         for i in range(len(images)):
             sent = protect(step_of(model, x[i : i + 1], y[i : i + 1], seed=i), {})
             observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in sent], 1, {"batch-size": 1}))
-        recons = torch.cat([r.images for r in attack.reconstruct_many(observations)])
+        recons = torch.cat([r.images for r in attack.reconstruct_many(observations, 0)])
         return psnr(recons, x).numpy(), ssim(recons, x).numpy()
 
     clean_psnr, clean_ssim = attacked("none", None)

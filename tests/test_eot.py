@@ -60,8 +60,8 @@ def test_eot_applies_the_defense_draws_times_per_iteration_to_every_job() -> Non
     defense = CountingDefense()
     attack.know_defense(defense)
     plain = InvertingGradients(InvertingGradientsParams(iterations=5, restarts=2, device="cpu"))
-    got = attack.reconstruct_many(observations[:2])
-    want = plain.reconstruct_many(observations[:2])
+    got = attack.reconstruct_many(observations[:2], 0)
+    want = plain.reconstruct_many(observations[:2], 0)
     assert len(defense.calls) == 3 * (5 + 1)  # each iteration and the final scoring
     jobs = {shapes[0][0] for shapes in defense.calls}
     assert jobs == {4} and len(defense.calls[0]) == len(observations[0].upload)  # 2 uploads x 2 restarts, all tensors
@@ -77,7 +77,7 @@ def test_eot_needs_the_defense_granted_and_simulable() -> None:
     assert isinstance(attack.defense.params, UpdateDPParams) and missing_grants(attack, {"defense"}) == []
     with pytest.raises(ValueError, match="needs the clients' defense"):
         build_attack("ig", config.attacks[0].params)
-    with pytest.raises(ValueError, match="cannot"):
-        InvertingGradients(config.attacks[0].params).know_defense(object())
+    with pytest.raises(ValueError, match="defense 'soteria' cannot be simulated"):
+        build_attack("ig", config.attacks[0].params, ("soteria", None))
     with pytest.raises(ValueError, match="eot must be >= 0"):
         InvertingGradientsParams(eot=-1)

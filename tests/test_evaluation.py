@@ -105,6 +105,16 @@ def test_attack_command_on_a_capture(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "ig round 1 client 0: ok" in capsys.readouterr().out
 
 
+def test_attack_command_names_missing_attack_files_before_any_attack_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = make_run(tmp_path, batch=1, clients=1)
+    absent = tmp_path / "no-generator.npz"
+    code = main(["attack", str(folder), "--set", "attack.name=ig,ggl", "--set", f"attack.ggl.generator={absent}"])
+    assert code == 2
+    assert f"attack.ggl.generator = {str(absent)!r}: no generator" in capsys.readouterr().err
+    assert not (folder / ATTACKS_FILE).exists()
+
+
 def test_attack_command_needs_an_attack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = make_run(tmp_path, clients=1)
     assert main(["attack", str(folder)]) == 2

@@ -144,3 +144,13 @@ def test_fedguard_run_selects_a_user_strategy_through_flwr_run(tmp_path: Path) -
     assert result.returncode == 0, output[-3000:]
     assert "norm-clipped-fedavg: round 1: 3 of 3 uploads clipped to 0.002" in output
     assert json.loads((out / "status.json").read_text()) == {"status": "completed", "rounds": 2}
+
+
+@pytest.mark.slow
+def test_flwr_run_with_an_unknown_key_is_refused_and_the_superlink_log_names_it(flower_home) -> None:
+    home, env = flower_home
+    result = subprocess.run([str(BIN / "flwr"), "run", ".", "--run-config", "train.roundz=2"],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "Invalid run configuration" in result.stdout + result.stderr
+    assert "train.roundz" in (home / "local-superlink" / "superlink.log").read_text()

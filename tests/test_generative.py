@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from attackers.base import build_attack
-from attackers.generative import GenerativeAttack, GenerativeParams, latent_kl
+from attackers.engine.terms import latent_kl
+from attackers.generative import GenerativeAttack, GenerativeParams
 from fedguard.cli import main
 from fedguard.data import DataSpec, load_dataset
 from fedguard.generators import (
@@ -174,12 +175,12 @@ def test_attack_rejects_a_generator_of_another_shape_and_weight_uploads(tmp_path
     small = save_generator(TrainedGenerator(Decoder(DataSpec(1, 8, 8, 10), 4, 4), "digits", "test", (1.0,)),
                            tmp_path / "digits.npz")
     with pytest.raises(ValueError, match=r"shape \(1, 8, 8\).*shape \(1, 28, 28\).*fedguard train-generator"):
-        attack(small, iterations=1).reconstruct(observations[0])
+        attack(small, iterations=1).reconstruct_many([observations[0]], 0)[0]
     fitting = save_generator(TrainedGenerator(Decoder(DataSpec(1, 28, 28, 10), 4, 4), "mnist-5k", "test", (1.0,)),
                              tmp_path / "mnist.npz")
     weights = Observation(**{**observations[0].__dict__, "kind": "weights"})
     with pytest.raises(ValueError, match="needs FedSGD gradients"):
-        attack(fitting, iterations=1).reconstruct(weights)
+        attack(fitting, iterations=1).reconstruct_many([weights], 0)[0]
 
 
 def test_latent_prior_is_zero_for_standardized_latents() -> None:
@@ -189,7 +190,7 @@ def test_latent_prior_is_zero_for_standardized_latents() -> None:
 
 def test_generator_prior_reconstructs_single_digits(generator_file: Path) -> None:
     observations, images, labels = uploads(1)
-    recons = attack(generator_file, iterations=150, restarts=2).reconstruct_many(observations[:3])
+    recons = attack(generator_file, iterations=150, restarts=2).reconstruct_many(observations[:3], 0)
     x = torch.cat(images[:3])
     got_psnr, got_ssim = scores(torch.cat([r.images for r in recons]), x)
     floor_psnr, floor_ssim = floor(x)
@@ -202,7 +203,7 @@ def test_generator_prior_reconstructs_single_digits(generator_file: Path) -> Non
 
 def test_generator_prior_reconstructs_pairs_of_digits(generator_file: Path) -> None:
     observations, images, labels = uploads(2)
-    recons = attack(generator_file, iterations=150, restarts=2).reconstruct_many(observations[:2])
+    recons = attack(generator_file, iterations=150, restarts=2).reconstruct_many(observations[:2], 0)
     for rec, x, y in zip(recons, images, labels):
         got_psnr, got_ssim = scores(rec.images, x)
         floor_psnr, floor_ssim = floor(x)

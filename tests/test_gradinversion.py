@@ -120,8 +120,8 @@ def floor(x: torch.Tensor) -> np.ndarray:
 @pytest.fixture(scope="module")
 def reconstructions():
     obs, _, x, y = digits_upload()
-    with_bn = GradInversion(ATTACK).reconstruct_many([obs])[0]
-    without_bn = GradInversion(GradInversionParams(**{**ATTACK.__dict__, "bn": 0.0})).reconstruct_many([obs])[0]
+    with_bn = GradInversion(ATTACK).reconstruct_many([obs], 0)[0]
+    without_bn = GradInversion(GradInversionParams(**{**ATTACK.__dict__, "bn": 0.0})).reconstruct_many([obs], 0)[0]
     return with_bn, without_bn, x, y
 
 
@@ -129,12 +129,12 @@ def test_gradinversion_reconstructs_a_batch_norm_batch(reconstructions) -> None:
     rec, _, x, y = reconstructions
     scores = score_batch(rec.images, x, rec.labels, y)
     per_image = np.array([s["psnr"] for s in scores["per_image"]])
-    print("GradInversion psnr", per_image, "floor", floor(x), "bn distance", rec.stats["bn_distance"],
+    print("GradInversion psnr", per_image, "floor", floor(x), "bn distance", rec.stats["bn_term"],
           "seconds", rec.stats["seconds"])
     assert (per_image > floor(x) + 8).all(), (per_image, floor(x))
     assert scores["ssim"] > 0.9 and scores["label_accuracy"] == 1.0
     assert rec.images.shape == x.shape and 0 <= float(rec.images.min()) and float(rec.images.max()) <= 1
-    assert set(rec.stats) >= {"loss", "restart_losses", "bn_distance", "iterations", "restarts", "batched_jobs",
+    assert set(rec.stats) >= {"loss", "restart_losses", "bn_term", "iterations", "restarts", "batched_jobs",
                               "seconds", "labels_inferred"}
     assert rec.stats["loss"] == min(rec.stats["restart_losses"]) and rec.stats["labels_inferred"] is True
 
@@ -143,8 +143,8 @@ def test_the_batch_norm_prior_is_what_makes_it_work(reconstructions) -> None:
     with_bn, without_bn, x, _ = reconstructions
     psnr_with, psnr_without = score_batch(with_bn.images, x)["psnr"], score_batch(without_bn.images, x)["psnr"]
     print("psnr with / without the BN prior", psnr_with, psnr_without,
-          "bn distance", with_bn.stats["bn_distance"], without_bn.stats["bn_distance"])
-    assert with_bn.stats["bn_distance"] < without_bn.stats["bn_distance"] / 4
+          "bn distance", with_bn.stats["bn_term"], without_bn.stats["bn_term"])
+    assert with_bn.stats["bn_term"] < without_bn.stats["bn_term"] / 4
     assert psnr_with > psnr_without + 6
 
 
@@ -152,8 +152,8 @@ def test_batched_uploads_equal_uploads_one_by_one() -> None:
     """Restarts of one upload interact through the group term, uploads never do."""
     uploads = [digits_upload(images=DIGITS, client=0)[0], digits_upload(images=[1, 2, 3, 4], client=1)[0]]
     params = GradInversionParams(iterations=20, restarts=2, group=0.1, group_start=0.0, device="cpu")
-    together = GradInversion(params).reconstruct_many(uploads)
-    alone = [GradInversion(params).reconstruct_many([obs])[0] for obs in uploads]
+    together = GradInversion(params).reconstruct_many(uploads, 0)
+    alone = [GradInversion(params).reconstruct_many([obs], 0)[0] for obs in uploads]
     for a, b in zip(together, alone):
         torch.testing.assert_close(a.images, b.images, atol=1e-5, rtol=0)
         assert a.stats["batched_jobs"] == 4 and b.stats["batched_jobs"] == 2
@@ -162,14 +162,14 @@ def test_batched_uploads_equal_uploads_one_by_one() -> None:
 def test_declared_labels_are_used() -> None:
     obs, _, _, y = digits_upload()
     declared = Observation(**{**obs.__dict__, "declared": {"batch-size": 4, "labels": [1, 1, 2, 2]}})
-    [rec] = GradInversion(GradInversionParams(iterations=2, restarts=1, device="cpu")).reconstruct_many([declared])
+    [rec] = GradInversion(GradInversionParams(iterations=2, restarts=1, device="cpu")).reconstruct_many([declared], 0)
     assert rec.labels.tolist() == [1, 1, 2, 2] and rec.stats["labels_inferred"] is False
 
 
 def test_an_upload_without_batch_norm_is_refused() -> None:
     plain, _, _, _ = digits_upload({"hidden": 16, "depth": 2})
     with pytest.raises(ValueError, match="no BatchNorm"):
-        GradInversion(GradInversionParams(iterations=1, device="cpu")).reconstruct(plain)
+        GradInversion(GradInversionParams(iterations=1, device="cpu")).reconstruct_many([plain], 0)[0]
 
 
 def test_params_name_the_bad_value() -> None:

@@ -65,7 +65,7 @@ def paired_psnr(images: torch.Tensor, truth: torch.Tensor) -> np.ndarray:
 def test_trap_weights_reads_out_the_inputs_that_fire_a_unit_alone(photos) -> None:
     model, card, sent = manipulated(photos.spec, build_trap_weights(TrapWeightsParams()), hidden=1000)
     x, y = photos.test.batch(TRAP_BATCH)
-    recon = build_attack("trap-weights").reconstruct(upload(model, card, sent, x, y, "trap-weights"))
+    recon = build_attack("trap-weights").reconstruct_many([upload(model, card, sent, x, y, "trap-weights")], 0)[0]
     recovered = recon.stats["recovered"]
     exact = psnr_from_mse(pairwise_mse(recon.images[:recovered], x)).amax(0).numpy()  # each pure image's best match
     print("trap weights stats", recon.stats, "psnr", paired_psnr(recon.images, x))
@@ -79,7 +79,7 @@ def test_imprint_recovers_every_input_alone_in_its_bin(photos) -> None:
     params = ImprintParams(bins=64)
     model, card, sent = manipulated(photos.spec, build_imprint(params), hidden=256)
     x, y = photos.test.batch(IMPRINT_BATCH)
-    recon = build_attack("imprint").reconstruct(upload(model, card, sent, x, y, "imprint"))
+    recon = build_attack("imprint").reconstruct_many([upload(model, card, sent, x, y, "imprint")], 0)[0]
     got = paired_psnr(recon.images, x)
     bins = np.searchsorted(params.edges(), x.flatten(1).double().mean(1).numpy(), side="right") - 1
     alone = np.array([np.sum(bins == b) == 1 for b in bins])
@@ -94,7 +94,7 @@ def test_declared_labels_are_returned_as_declared(photos) -> None:
     model, card, sent = manipulated(photos.spec, build_imprint(ImprintParams(bins=8)), hidden=16)
     x, y = photos.test.batch([0, 1, 2])
     obs = upload(model, card, sent, x, y, "imprint", {"labels": y.tolist()})
-    recon = build_attack("imprint").reconstruct(obs)
+    recon = build_attack("imprint").reconstruct_many([obs], 0)[0]
     assert recon.labels.tolist() == y.tolist() and not recon.stats["labels_inferred"]
 
 

@@ -175,7 +175,7 @@ def test_noise_level_comes_from_the_known_defense_in_packed_units(denoiser: Path
     assert level == pytest.approx(0.01 / scale) and start == start_step(attack.trained.schedule, level)
     assert [a.shape for a in denoised.upload] == [a.shape for a in obs.upload]
     assert not np.array_equal(denoised.upload[0], obs.upload[0])  # the gradient was denoised
-    [result] = attack.reconstruct_many([obs])
+    [result] = attack.reconstruct_many([obs], 0)
     assert result.stats["mjolnir_noise_level"] == level and result.images.shape == (1, 1, 8, 8)
     assert [g.shape for g in result.gradient] == [a.shape for a, t in zip(obs.upload, obs.trainable) if t]
 
@@ -228,7 +228,7 @@ def test_mjolnir_with_nothing_to_denoise_is_its_inner_attack_on_the_same_upload(
     plain = build_attack("idlg", ATTACKS.get("idlg").params(iterations=5, restarts=2))
     staged = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5,
                                                                           restarts=2), ("dp", params))
-    [alone], [after] = plain.reconstruct_many([obs]), staged.reconstruct_many([obs])
+    [alone], [after] = plain.reconstruct_many([obs], 0), staged.reconstruct_many([obs], 0)
     assert torch.equal(alone.images, after.images) and torch.equal(alone.labels, after.labels)
     assert alone.stats["restart_losses"] == after.stats["restart_losses"]
     assert after.stats["mjolnir_start_step"] == -1
@@ -245,7 +245,7 @@ def test_a_denoiser_for_another_model_is_refused(denoiser: Path) -> None:
     attack = Mjolnir(MjolnirParams(denoiser=str(denoiser), noise_source="given", noise_std=0.01),
                      build_attack("idlg", ATTACKS.get("idlg").params(iterations=2, restarts=1)))
     with pytest.raises(ValueError, match="denoises gradients of 'mlp'.*train-mjolnir"):
-        attack.reconstruct_many([obs])
+        attack.reconstruct_many([obs], 0)
 
 
 def test_configuration_needs_the_defense_grant_and_a_denoiser(denoiser: Path) -> None:

@@ -134,7 +134,7 @@ def test_dlg_rises_with_epsilon_and_denoising_does_not_lift_it(setting: dict, tm
             inner = attack.inner
     # Every upload, denoised or not, in one batch: each job starts where plain DLG on its client's upload starts.
     everything = [obs for observations in runs.values() for obs in observations]
-    results = iter(inner.reconstruct_many(everything))
+    results = iter(inner.reconstruct_many(everything, 0))
     truth = [x for x, _ in setting["batches"]]
     scores = {key: [float(psnr(next(results).images, x)) for x in truth] for key in runs}
     mean = {key: sum(values) / len(values) for key, values in scores.items()}

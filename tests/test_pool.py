@@ -51,10 +51,7 @@ class FakeAttack:
 
     needs: frozenset[str] = frozenset()
 
-    def reconstruct(self, obs: Observation) -> Reconstruction:
-        return self.reconstruct_many([obs])[0]
-
-    def reconstruct_many(self, observations: list[Observation]) -> list[Reconstruction]:
+    def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
         call = tuple(obs.client for obs in observations)
         for obs in observations:
             behaviour = obs.declared["behaviour"]
@@ -70,20 +67,19 @@ class FakeAttack:
             Reconstruction(
                 images=torch.full((obs.num_examples, *obs.spec.shape), 0.5),
                 labels=torch.zeros(obs.num_examples, dtype=torch.long),
-                stats={"client": obs.client, "group": len(observations), "call": call, "pid": os.getpid()},
+                stats={"client": obs.client, "group": len(observations), "call": call, "pid": os.getpid(),
+                       "seed": seed},
             )
             for obs in observations
         ]
 
 
 class ShortAttack(FakeAttack):
-    """Breaks the contract: returns one reconstruction fewer than it was given observations."""
+    """Breaks the contract on groups: given several observations, returns one reconstruction fewer."""
 
-    def reconstruct(self, obs: Observation) -> Reconstruction:
-        return FakeAttack.reconstruct_many(self, [obs])[0]
-
-    def reconstruct_many(self, observations: list[Observation]) -> list[Reconstruction]:
-        return super().reconstruct_many(observations)[:-1]
+    def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
+        done = super().reconstruct_many(observations, seed)
+        return done[:-1] if len(observations) > 1 else done
 
 
 class SlowStartAttack(FakeAttack):
@@ -186,7 +182,7 @@ def make_pool():
 
 def test_submit_returns_at_once_and_every_observation_is_attacked(make_pool) -> None:
     outcomes = Outcomes()
-    pool = make_pool(outcomes, workers=2)
+    pool = make_pool(outcomes, workers=2, seed=11)
     submitted = [observation(c, "sleep", seconds=2.0) for c in range(3)]
     start = time.monotonic()
     for obs in submitted:
@@ -204,6 +200,7 @@ def test_submit_returns_at_once_and_every_observation_is_attacked(make_pool) -> 
         assert outcome.status == "ok" and outcome.error is None
         rec = outcome.reconstruction
         assert rec.stats["client"] == obs.client and rec.stats["call"] == (obs.client,)
+        assert rec.stats["seed"] == 11, "the pool hands the run's seed to the attack"
         assert rec.images.shape == (1, 1, 2, 2) and rec.labels.dtype == torch.long
         assert outcome.seconds >= 2.0
     assert {o.worker for o in outcomes.items} == {0, 1}, "both idle workers must get work"
@@ -298,7 +295,7 @@ def test_close_reports_what_is_left_as_timeout_within_its_timeout(make_pool) -> 
     assert pool.pending() == 0
     # close stops the workers: the one stuck in the hanging attack is gone
     with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(workers[0].run.remote("fake", []), timeout=30)
+        ray.get(workers[0].run.remote("fake", [], 0), timeout=30)
 
 
 def test_observations_of_one_shape_are_attacked_together_up_to_group(make_pool) -> None:

@@ -285,7 +285,7 @@ def inversion_of(model_name: str, params: dict, tiles: list[int], attack) -> Inv
             sent = step.grads if defense is None else defense(step, {})
             observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in sent], 1,
                                              {"batch-size": 1}))
-        images = torch.cat([r.images for r in attack.reconstruct_many(observations)])
+        images = torch.cat([r.images for r in attack.reconstruct_many(observations, 0)])
         return psnr(images, x).numpy(), ssim(images, x).numpy()
 
     return scores

@@ -134,3 +134,116 @@ def stop_processes_mentioning(text: str) -> None:
         if not pids:
             return
         time.sleep(2)
+
+
+LISTENING_PROBE = """
+import os, ray
+ray.init(num_cpus=1, include_dashboard=False)
+ours = {str(os.getpid())} | {p for p in os.listdir('/proc') if p.isdigit() and os.environ['RAY_TMPDIR'].encode()
+                              in open(f'/proc/{p}/cmdline', 'rb').read()}
+inodes = set()
+for pid in ours:
+    for fd in os.listdir(f'/proc/{pid}/fd'):
+        try:
+            inodes.add(os.readlink(f'/proc/{pid}/fd/{fd}'))
+        except OSError:
+            pass
+for table in ('/proc/net/tcp', '/proc/net/tcp6'):
+    for row in open(table).read().splitlines()[1:]:
+        fields = row.split()
+        if fields[3] == '0A' and f'socket:[{fields[9]}]' in inodes:  # 0A: LISTEN
+            print('LISTEN', fields[1].split(':')[0])
+ray.shutdown()
+"""
+
+LOOPBACK_HEX = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1 as IPv4 and IPv4-mapped IPv6
+
+
+@pytest.mark.slow
+def test_the_simulations_own_ray_cluster_listens_on_loopback_only(tmp_path: Path) -> None:
+    from fedguard.simulation import _environment
+
+    config = load_config(ROOT / "experiments" / "quickstart.toml")
+    env = _environment(tmp_path, config)
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="fg-ray-", dir="/tmp")
+    env.pop("RAY_ADDRESS", None)
+    try:
+        result = subprocess.run([sys.executable, "-c", LISTENING_PROBE], env=env, capture_output=True, text=True,
+                                timeout=180)
+        addresses = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("LISTEN")]
+        assert len(addresses) >= 3, result.stdout[-2000:] + result.stderr[-2000:]  # GCS, raylet, workers
+        assert set(addresses) <= LOOPBACK_HEX, addresses
+    finally:
+        stop_processes_mentioning(env["RAY_TMPDIR"])
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+
+
+def test_joining_a_cluster_leaves_rays_addresses_to_the_cluster(tmp_path: Path, monkeypatch) -> None:
+    from fedguard.simulation import LOOPBACK_RAY, _environment
+
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # as an activated venv sets it
+    config = load_config(ROOT / "experiments" / "quickstart.toml", ["sim.address=10.0.0.5:6379"])
+    env = _environment(tmp_path, config)
+    assert env["RAY_ADDRESS"] == "10.0.0.5:6379"
+    assert not set(LOOPBACK_RAY) & set(env)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    alone = _environment(tmp_path, load_config(ROOT / "experiments" / "quickstart.toml"))
+    assert alone["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and "RAY_ADDRESS" not in alone
+
+
+COUNTING_PLUGIN = '''
+"""An attack that logs each build with its process id, and a log of every validation after this import."""
+import os
+from dataclasses import dataclass
+
+import fedguard.config
+from attackers.base import class_traits, register_attack
+from attackers.dlg import DLGParams, DeepLeakage
+
+
+def _log(what):
+    with open(os.environ["FEDGUARD_COUNT_LOG"], "a") as log:
+        log.write(f"{what} {os.getpid()}\\n")
+
+
+@dataclass(frozen=True)
+class CountedParams(DLGParams):
+    """iDLG that logs its builds"""
+
+
+@register_attack("counted-idlg", params=CountedParams, traits=class_traits(DeepLeakage))
+def build_counted(params):
+    _log("build")
+    return DeepLeakage(params, infer=True)
+
+
+_validate = fedguard.config._build
+
+
+def _counted_build(flat):
+    _log("validate")
+    return _validate(flat)
+
+
+fedguard.config._build = _counted_build
+'''
+
+
+@pytest.mark.slow
+def test_one_run_builds_each_attack_once_per_worker_and_validates_once_per_process(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    (tmp_path / "counting_plugin.py").write_text(COUNTING_PLUGIN)
+    count_log = tmp_path / "counts.log"
+    monkeypatch.setenv("FEDGUARD_COUNT_LOG", str(count_log))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    run_quickstart(out, ["server.plugins=counting_plugin", "attack.name=counted-idlg", "pool.workers=2",
+                         "attack.counted-idlg.iterations=3", "train.rounds=2", "partition.num-clients=4",
+                         "train.clients-per-round=4", "capture.rounds=1,2", "capture.clients=0-3"])
+    attacks = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
+    assert len(attacks) == 8 and {a["status"] for a in attacks} == {"ok"}
+    events = [line.split() for line in count_log.read_text().splitlines()]
+    builds = [pid for what, pid in events if what == "build"]
+    validations = [pid for what, pid in events if what == "validate"]
+    assert 1 <= len(builds) <= 2 and len(set(builds)) == len(builds), events  # one per worker, two workers
+    assert len(set(validations)) == len(validations), events  # no process validates the same keys twice

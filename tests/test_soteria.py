@@ -190,7 +190,7 @@ def attacked() -> dict:
             uploads.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in sent], 1, {"batch-size": 1}))
 
     def score(observations, params) -> tuple[np.ndarray, np.ndarray]:
-        images = torch.cat([r.images for r in InvertingGradients(params).reconstruct_many(observations)])
+        images = torch.cat([r.images for r in InvertingGradients(params).reconstruct_many(observations, 0)])
         return psnr(images, x).numpy(), ssim(images, x).numpy()
 
     result = {"clean": score(clean, IG), "soteria": score(defended, IG),

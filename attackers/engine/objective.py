@@ -1,0 +1,155 @@
+"""Each job's loss at a point of the search space: the weighted gradient distance plus the weighted priors.
+
+The dummy update of every job comes from one vmapped call: the parameter
+gradient of its dummy batch (FedSGD) or the client's declared local SGD
+replayed on it (FedAvg: ``global - after``, minibatches in order as Geiping
+et al. do, the client's shuffling being unknown). BatchNorm input statistics
+are recorded in the same forward pass when a ``bn`` term asks for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call, grad, vmap
+
+from attackers.engine.problem import Problem
+from attackers.engine.spec import SearchSpec
+from attackers.engine.terms import DISTANCES, PRIORS, Statistics, TermInputs
+from fedguard.observation import Observation
+
+Gradients = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LocalSchedule:
+    """The local training a FedAvg client declared: SGD step ``lr``, ``epochs`` over its examples in
+    minibatches of ``batch_size``."""
+
+    lr: float
+    epochs: int
+    batch_size: int
+
+    @classmethod
+    def of(cls, obs: Observation) -> "LocalSchedule":
+        try:
+            return cls(float(obs.declared["lr"]), int(obs.declared["local-epochs"]), int(obs.declared["batch-size"]))
+        except KeyError as missing:
+            raise ValueError(f"a weights upload without the declared local hyper-parameter {missing}") from None
+
+
+class BatchNormInputs:
+    """Forward hooks that record, per named BatchNorm module, the per-channel mean and biased variance of its
+    input during the latest forward pass (works inside ``torch.func`` transforms)."""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        modules = dict(model.named_modules())
+        self.names = names
+        self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name in names:
+            modules[name].register_forward_hook(self._hook(name))
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def record(module: nn.Module, inputs: tuple[torch.Tensor, ...], _: torch.Tensor) -> None:
+            h = inputs[0]
+            dims = [0, *range(2, h.dim())]
+            self.seen[name] = (h.mean(dims), h.var(dims, correction=0))
+        return record
+
+    def statistics(self) -> Statistics:
+        """(mean, variance) per module, (channels,) each, in ``names`` order."""
+        return [self.seen[name] for name in self.names]
+
+
+def batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (B, classes) against int64 labels (B,) or label distributions (B, classes)."""
+    if labels.is_floating_point():
+        return -(labels * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+    return torch.nn.functional.cross_entropy(logits, labels)
+
+
+class Objective:
+    """``losses(z, progress)`` (J,) to minimize and ``selection(z)`` to choose restarts by."""
+
+    def __init__(self, spec: SearchSpec, problem: Problem, defense: Any, seed: int) -> None:
+        self.spec, self.problem = spec, problem
+        jobs = problem.batch_of_jobs
+        model, names = jobs.model, jobs.names
+        recorder = BatchNormInputs(model, problem.bn_layers) if problem.bn_layers else None
+
+        def param_grad(p: Gradients, x: torch.Tensor, labels: torch.Tensor) -> tuple[Gradients, Statistics]:
+            def loss_of(q: Gradients) -> tuple[torch.Tensor, Statistics]:
+                loss = batch_loss(functional_call(model, q, (x,)), labels)
+                return loss, recorder.statistics() if recorder else []
+            return grad(loss_of, has_aux=True)(p)
+
+        update = param_grad
+        if problem.observations[0].kind == "weights":
+            update = local_update_fn(param_grad, LocalSchedule.of(problem.observations[0]),
+                                     problem.space.batch)
+        self.update = vmap(update, in_dims=(None if jobs.shared else 0, 0, 0))
+        self.params = jobs.params
+        self.compared = [n for n in names if not spec.skipped(n)]
+        self.distance = self._eot(DISTANCES[spec.distance], defense, seed)
+
+    def _eot(self, distance: Callable[..., torch.Tensor], defense: Any, seed: int) -> Callable[[Gradients], torch.Tensor]:
+        """``g -> (J,)``: the distance of ``g`` itself, or its mean over ``eot`` draws of the simulated defense."""
+        target, compared, draws = self.problem.target, self.compared, self.spec.eot
+        if not draws:
+            return lambda g: distance([g[n] for n in compared], target)
+        if defense is None:
+            raise ValueError("eot > 0 needs the clients' defense (threat.defense = true)")
+        generator = torch.Generator(device=target[0].device).manual_seed(seed)
+
+        def expected(g: Gradients) -> torch.Tensor:
+            names = list(g)
+            total = 0
+            for _ in range(draws):
+                drawn = dict(zip(names, defense.simulate([g[n] for n in names], generator)))
+                total = total + distance([drawn[n] for n in compared], target)
+            return total / draws
+
+        return expected
+
+    def parts(self, z: torch.Tensor, priors: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Each job's gradient distance (J,) and the value (J,) of each of ``priors`` at ``z``."""
+        space, problem = self.problem.space, self.problem
+        images = space.images(z)
+        labels = problem.y if problem.y is not None else space.soft_labels(z)
+        g, statistics = self.update(self.params, images, labels)
+        inputs = TermInputs(images, z, statistics, problem.bn_target, self.spec.restarts)
+        return self.distance(g), {name: PRIORS[name](inputs) for name in priors}
+
+    def losses(self, z: torch.Tensor, progress: float) -> torch.Tensor:
+        """(J,) weighted losses at ``z``, a prior counted once ``progress`` (fraction of iterations) reaches its start."""
+        active = [t for t in self.spec.terms if t.weight > 0 and progress >= t.start]
+        distance, priors = self.parts(z, [t.name for t in active])
+        return self.spec.distance_weight * distance + sum(t.weight * priors[t.name] for t in active)
+
+    def selection(self, z: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(J,) losses over the terms that select restarts, and the distance and every prior (weighted or not),
+        at the end point ``z``."""
+        distance, priors = self.parts(z, [t.name for t in self.spec.terms])
+        total = self.spec.distance_weight * distance + sum(
+            t.weight * priors[t.name] for t in self.spec.terms if t.weight > 0 and t.selects)
+        total = torch.where(torch.isfinite(total), total, torch.inf)
+        return total, {"distance": distance, **priors}
+
+
+def local_update_fn(param_grad: Callable[..., tuple[Gradients, Statistics]], schedule: LocalSchedule,
+                    examples: int) -> Callable[..., tuple[Gradients, Statistics]]:
+    """``(params, x, y) -> (params - params_after_local_SGD, [])``: the client's FedAvg steps replayed on dummy
+    data, minibatches in order."""
+
+    def local_update(p: Gradients, x: torch.Tensor, labels: torch.Tensor) -> tuple[Gradients, Statistics]:
+        q = p
+        for _ in range(schedule.epochs):
+            for start in range(0, examples, schedule.batch_size):
+                g, _ = param_grad(q, x[start : start + schedule.batch_size], labels[start : start + schedule.batch_size])
+                q = {n: q[n] - schedule.lr * g[n] for n in q}
+        return {n: p[n] - q[n] for n in p}, []
+
+    return local_update

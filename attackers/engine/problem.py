@@ -1,0 +1,139 @@
+"""The jobs of one search: the shared architecture, each job's weights, targets, labels and search space."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from attackers.base import Reconstruction, images_per_upload
+from attackers.bn_statistics import recover_batch_statistics
+from attackers.engine.spaces import JointSpace, LatentSpace, PixelSpace, Space
+from attackers.engine.spec import SearchSpec
+from attackers.engine.terms import Statistics
+from attackers.jobs import JobBatch, job_seed
+from attackers.labels import declared_labels, upload_labels_inferred
+from fedguard.observation import Observation
+
+UPLOAD_NAMES = {"gradient": "FedSGD gradients", "weights": "FedAvg weights"}
+
+
+def target_gradient(obs: Observation, device: torch.device) -> list[torch.Tensor]:
+    """The uploaded gradient of each trainable parameter (FedSGD uploads only)."""
+    if obs.kind != "gradient":
+        raise ValueError(f"this attack needs FedSGD gradients, got a {obs.kind!r} upload")
+    return [torch.tensor(a).to(device) for a, t in zip(obs.upload, obs.trainable) if t]
+
+
+def target_update(obs: Observation, device: torch.device) -> list[torch.Tensor]:
+    """Per trainable parameter: the gradient (FedSGD), or ``global - uploaded`` weights (FedAvg)."""
+    if obs.kind == "gradient":
+        return target_gradient(obs, device)
+    return [torch.tensor(g - u).to(device) for g, u, t in zip(obs.global_arrays, obs.upload, obs.trainable) if t]
+
+
+def space_for(obs: Observation, batch: int, joint: bool, decoder: Any, device: torch.device) -> Space:
+    """The search space: a generator's latents (``decoder``), images with soft labels (``joint``), or images."""
+    shape = obs.spec.shape
+    if decoder is not None:
+        if decoder.spec.shape != shape:
+            raise ValueError(f"the generator makes images of shape {decoder.spec.shape}, but the uploads come from "
+                             f"images of shape {shape}; train one on similar data with "
+                             f"`fedguard train-generator --data <dataset>`")
+        return LatentSpace(batch, decoder.latent_dim, decoder.to(device), shape)
+    if joint:
+        return JointSpace(batch, shape, obs.spec.num_classes)
+    return PixelSpace(batch, shape)
+
+
+class Problem:
+    """The jobs of one search: model, weights (shared or per job), targets of the compared parameters (J, ...)
+    each, labels (known per upload, or searched), the space, and the BatchNorm layers a ``bn`` term matches
+    with their target statistics (J, C)."""
+
+    def __init__(self, spec: SearchSpec, observations: list[Observation], jobs: JobBatch,
+                 target: list[torch.Tensor], known: list[torch.Tensor] | None, inferred: list[bool],
+                 space: Space, bn_layers: list[str], bn_target: Statistics) -> None:
+        self.spec, self.observations, self.batch_of_jobs = spec, observations, jobs
+        self.target, self.known, self.inferred, self.space = target, known, inferred, space
+        self.bn_layers, self.bn_target = bn_layers, bn_target
+        self.jobs = len(observations) * spec.restarts
+        self.y = jobs.per_job(known) if known is not None else None
+
+    @classmethod
+    def of(cls, spec: SearchSpec, observations: list[Observation], device: torch.device, decoder: Any) -> "Problem":
+        first = observations[0]
+        for obs in observations:
+            if obs.kind not in spec.uploads:
+                wanted = " or ".join(UPLOAD_NAMES[k] for k in sorted(spec.uploads))
+                raise ValueError(f"this attack needs {wanted}, got a {obs.kind!r} upload")
+        bn_stats = [recover_batch_statistics(o) for o in observations] if spec.uses("bn") else []
+        jobs = JobBatch.of(observations, spec.restarts, device)
+        targets = [target_update(o, device) for o in observations]
+        batch = images_per_upload(first)
+        declared = [declared_labels(o.declared) for o in observations]
+        joint = spec.labels == "joint" and any(lab is None for lab in declared)
+        known = None if joint else [(upload_labels_inferred(o, t, batch) if lab is None else lab).to(device)
+                                    for o, lab, t in zip(observations, declared, targets)]
+        inferred = [lab is None and not joint for lab in declared]
+        compared = [i for i, n in enumerate(jobs.names) if not spec.skipped(n)]
+        if not compared:
+            raise ValueError(f"skip = {spec.skip!r} leaves no parameter to compare; parameters: {', '.join(jobs.names)}")
+        target = [jobs.per_job([t[i] for t in targets]) for i in compared]
+        space = space_for(first, batch, joint, decoder, device)
+        layers = list(bn_stats[0]) if bn_stats else []
+        bn_target = [tuple(jobs.per_job([s[name][k].to(device) for s in bn_stats]) for k in (0, 1)) for name in layers]
+        return cls(spec, observations, jobs, target, known, inferred, space, layers, bn_target)
+
+    def generator(self, seed: int, job: int, attempt: int = 0) -> torch.Generator:
+        """The seeded generator of one job's ``attempt``-th starting point."""
+        obs = self.observations[job // self.spec.restarts]
+        return torch.Generator().manual_seed(job_seed(seed + attempt, obs, job % self.spec.restarts))
+
+    def fresh_starts(self, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``jobs (J,) bool -> (J, ...)`` new starting points (a job's n-th restart after a non-finite point)."""
+        attempts = [0] * self.jobs
+
+        def fresh(jobs: torch.Tensor) -> torch.Tensor:
+            points = []
+            for job, again in enumerate(jobs.tolist()):
+                attempts[job] += int(again)
+                points.append(self.space.start(self.generator(seed, job, attempts[job])))
+            return torch.stack(points)
+
+        return fresh
+
+    def final_labels(self, z: torch.Tensor) -> list[torch.Tensor]:
+        """The known labels of each upload, or the searched ones of each job."""
+        if self.known is not None:
+            return self.known
+        return list(self.space.final_labels(z))
+
+    def reconstructions(self, final: torch.Tensor, parts: dict[str, torch.Tensor], images: torch.Tensor,
+                        labels: list[torch.Tensor], resets: torch.Tensor, seconds: float) -> list[Reconstruction]:
+        """Per upload, its best restart's images and labels, with the search's statistics."""
+        spec = self.spec
+        uploads, restarts = len(self.observations), spec.restarts
+        final = final.reshape(uploads, restarts)
+        best = final.argmin(1)
+        results = []
+        for i in range(uploads):
+            job = i * restarts + int(best[i])
+            upload_labels = labels[i] if self.known is not None else labels[job]
+            stats: dict[str, Any] = {
+                "loss": float(final[i, best[i]]),
+                "restart_losses": [float(v) for v in final[i]],
+                "iterations": spec.iterations,
+                "restarts": restarts,
+                "batched_jobs": self.jobs,
+                "shared_weights": self.batch_of_jobs.shared,
+                "seconds": seconds / uploads,
+                "labels_inferred": self.inferred[i],
+                **{f"{name}_term": float(value[job]) for name, value in parts.items()},
+            }
+            if spec.optimizer.kind == "lbfgs":
+                stats["nan_restarts"] = int(resets[i * restarts : (i + 1) * restarts].sum())
+            results.append(Reconstruction(images[job].cpu(), upload_labels.cpu(), stats))
+        return results
+
+

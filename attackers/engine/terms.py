@@ -1,0 +1,128 @@
+"""The pieces of an optimization attack's objective: gradient distances and priors, each registered by name.
+
+A distance compares each job's dummy gradient with its target, per trainable
+parameter (J, ...) each, and returns (J,). A prior scores each job's dummy
+images and search variable (J,) from the ``TermInputs`` of one evaluation.
+Presets (``attackers.engine.presets``) combine them with weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+Distance = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
+
+
+def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    """Per-job inner product over every parameter: (J, ...) lists -> (J,)."""
+    return sum((x.flatten(1) * y.flatten(1)).sum(1) for x, y in zip(a, b))
+
+
+def cosine_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
+    """``1 - cos(g, target)`` per job, every parameter as one vector (Inverting Gradients)."""
+    return 1 - _dot(g, target) / (torch.sqrt(_dot(g, g)) * torch.sqrt(_dot(target, target)) + 1e-12)
+
+
+def l2_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
+    """Squared Euclidean distance per job (DLG)."""
+    return sum(((x - y).flatten(1) ** 2).sum(1) for x, y in zip(g, target))
+
+
+def relative_l2_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
+    """Squared Euclidean distance over the target's squared norm (1 for a zero dummy gradient; GradInversion)."""
+    return l2_distance(g, target) / _dot(target, target).clamp_min(1e-12)
+
+
+DISTANCES: dict[str, Distance] = {
+    "cosine": cosine_distance,
+    "l2": l2_distance,
+    "relative-l2": relative_l2_distance,
+}
+
+Statistics = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class TermInputs:
+    """What a prior may look at in one evaluation: dummy ``images`` (J, B, C, H, W) in [0, 1], the search
+    variable ``z`` (J, ...), each job's BatchNorm input ``statistics`` and their ``bn_target`` ((J, C) mean and
+    variance per layer; empty unless a term asks), and ``restarts`` (jobs of one upload are consecutive)."""
+
+    images: torch.Tensor
+    z: torch.Tensor
+    statistics: Statistics
+    bn_target: Statistics
+    restarts: int
+
+
+def total_variation(x: torch.Tensor) -> torch.Tensor:
+    """Mean absolute difference of neighbouring pixels of images (..., C, H, W) -> (...)."""
+    dx = (x[..., :, :, 1:] - x[..., :, :, :-1]).abs().mean((-3, -2, -1))
+    dy = (x[..., :, 1:, :] - x[..., :, :-1, :]).abs().mean((-3, -2, -1))
+    return dx + dy
+
+
+def tv_prior(inputs: TermInputs) -> torch.Tensor:
+    """Total variation, averaged over each job's batch."""
+    return total_variation(inputs.images).mean(1)
+
+
+def grey_prior(inputs: TermInputs) -> torch.Tensor:
+    """Mean squared distance of the pixels to mid-grey (the l2 image prior on [0, 1] pixels)."""
+    return ((inputs.images - 0.5) ** 2).flatten(1).mean(1)
+
+
+def batch_norm_prior(inputs: TermInputs) -> torch.Tensor:
+    """Sum over BatchNorm layers of ``||mu(x) - mu||_2 + ||var(x) - var||_2`` per job."""
+    return sum(torch.linalg.vector_norm(mean - mean_t, dim=1) + torch.linalg.vector_norm(var - var_t, dim=1)
+               for (mean, var), (mean_t, var_t) in zip(inputs.statistics, inputs.bn_target))
+
+
+def group_prior(inputs: TermInputs) -> torch.Tensor:
+    """Mean squared distance of each job's images to the (detached) mean of its upload's restarts."""
+    x, restarts = inputs.images, inputs.restarts
+    centre = x.detach().reshape(-1, restarts, *x.shape[1:]).mean(1).repeat_interleave(restarts, dim=0)
+    return ((x - centre) ** 2).flatten(1).mean(1)
+
+
+def latent_kl(z: torch.Tensor) -> torch.Tensor:
+    """GGL's latent prior: KL(N(m, v) || N(0, 1)) with m, v the mean and variance of each latent's entries,
+    averaged over the batch: (..., B, latent_dim) -> (...)."""
+    var = z.var(-1, unbiased=False)
+    return (0.5 * (var + z.mean(-1) ** 2 - 1 - torch.log(var + 1e-10))).mean(-1)
+
+
+def kl_prior(inputs: TermInputs) -> torch.Tensor:
+    """``latent_kl`` of the search variable (latents (J, B, latent_dim))."""
+    return latent_kl(inputs.z)
+
+
+PRIORS: dict[str, Callable[[TermInputs], torch.Tensor]] = {
+    "tv": tv_prior,
+    "l2": grey_prior,
+    "bn": batch_norm_prior,
+    "group": group_prior,
+    "kl": kl_prior,
+}
+
+
+@dataclass(frozen=True)
+class Term:
+    """A prior of the objective: ``weight * PRIORS[name]``, counted from ``start`` (a fraction of the iterations)
+    on; ``selects``: whether it counts when the best restart is chosen."""
+
+    name: str
+    weight: float
+    start: float = 0.0
+    selects: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name not in PRIORS:
+            raise ValueError(f"prior {self.name!r}: choose one of {', '.join(PRIORS)}")
+        if self.weight < 0:
+            raise ValueError(f"{self.name} weight must be >= 0, got {self.weight}")
+        if not 0 <= self.start <= 1:
+            raise ValueError(f"{self.name} start must be a fraction of the iterations in [0, 1], got {self.start}")

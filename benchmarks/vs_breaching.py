@@ -1,0 +1,333 @@
+"""fedguard's optimization attacks against breaching 0.1.2 (Geiping et al.), side by side, on the same inputs.
+
+Each case builds one model once (fixed seed) and captures U batch-1 FedSGD
+gradients of U distinct held-out 32x32 photos, as attack_throughput.py does.
+The very same weights and gradients go to both tools, which run one after
+the other in this process with the same thread count: fedguard with all U
+uploads in one ``reconstruct_many`` call (batched) and one upload per call
+(one at a time), breaching one upload per call, as it works. Each tool uses
+its own default attack configuration; only the iteration count and the device
+(CPU) are set, and for breaching the data shape and normalization (images in
+[0, 1]: mean 0, std 1). Neither tool is given the labels: fedguard infers
+them (ig) or optimizes soft labels (dlg), breaching runs its config's label
+strategy. Both see BatchNorm on batch statistics, as the client's training
+step did (breaching: no buffers shared). Only the reconstruction calls are
+timed, after one short untimed warm-up per tool. Reconstructions are scored
+against the true images with fedguard.metrics (PSNR, SSIM).
+
+Cases (rows per tool; breaching config in brackets):
+    ig-lenet    Inverting Gradients [invertinggradients], 2,000 iterations, DLG LeNet
+    ig-convnet  Inverting Gradients [invertinggradients], 500 iterations, ConvNet width 64
+    dlg-lenet   DLG [deepleakage], 300 L-BFGS steps, DLG LeNet
+
+    make bench-breaching
+    .venv/bin/python benchmarks/vs_breaching.py [--cases ig-lenet,ig-convnet,dlg-lenet] [--uploads 8]
+        [--iterations-scale 1.0] [--threads N] [--seed 0] [--peer-dir DIR] [--out PATH]
+
+On first run breaching==0.1.2 and those of its dependencies missing from
+this environment are installed with pip (pinned, --no-deps) into --peer-dir
+(default benchmarks/.peers/breaching-0.1.2), never into the venv; the folder
+goes last on sys.path, so this environment's torch is the one used. Prints a
+table (mean PSNR in dB, mean SSIM, uploads with SSIM > 0.9, seconds,
+reconstructions per second and their ratio to breaching's) and writes it as
+JSON to --out with the torch version, threads, CPU and each tool's exact
+configuration. ``--iterations-scale 0.01 --uploads 2`` is a quick smoke run.
+
+Targets of the project, on 2 cores with 8 uploads: fedguard batched at 5x
+breaching's reconstructions per second on the LeNet and 3x on the ConvNet,
+at equal or better mean SSIM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import io
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import warnings
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from attackers.base import ATTACKS, build_attack
+from fedguard.data import DataSpec, load_dataset
+from fedguard.metrics.image import clip_psnr, psnr, ssim
+from fedguard.metrics.scoring import LEAK_SSIM
+from fedguard.models import MODELS, build_model
+from fedguard.models.convnet import ConvNetParams
+from fedguard.observation import ModelCard, Observation
+from fedguard.training import compute_gradients, get_arrays, trainable_mask
+
+HERE = Path(__file__).resolve().parent
+BREACHING = "0.1.2"
+DATA = "photos"
+WARM_UP_ITERATIONS = 2
+PEER_PINS = {"hydra-core": "1.3.2", "omegaconf": "2.3.0", "antlr4-python3-runtime": "4.9.3", "scipy": "1.17.1",
+             "lpips": "0.1.4"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One comparison: fedguard attack ``fedguard`` vs breaching attack config ``breaching`` on ``model``."""
+
+    fedguard: str
+    breaching: str
+    model: str
+    model_params: Any
+    iterations: int
+
+    @property
+    def model_label(self) -> str:
+        width = getattr(self.model_params, "width", None)
+        return self.model if width is None else f"{self.model}-{width}"
+
+
+CASES = {
+    "ig-lenet": Case("ig", "invertinggradients", "lenet", None, 2000),
+    "ig-convnet": Case("ig", "invertinggradients", "convnet", ConvNetParams(width=64), 500),
+    "dlg-lenet": Case("dlg", "deepleakage", "lenet", None, 300),
+}
+
+
+@dataclasses.dataclass
+class Inputs:
+    """One case's inputs: the global ``model`` (training mode), one observation per upload, the true images."""
+
+    model: nn.Module
+    spec: DataSpec
+    observations: list[Observation]
+    truth: torch.Tensor  # (U, C, H, W) in [0, 1]
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence breaching's and hydra's prints and warnings."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def missing_requirements() -> list[str]:
+    """breaching and its pinned dependencies absent from this environment (torchvision: torch's release)."""
+    _, minor, patch = (int(v) for v in torch.__version__.split("+")[0].split(".")[:3])
+    pins = {**PEER_PINS, "torchvision": f"0.{minor + 15}.{patch}"}  # torch 2.N.p's torchvision is 0.(N+15).p
+
+    def present(name: str) -> bool:
+        try:
+            return bool(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            return False
+
+    return [f"breaching=={BREACHING}"] + [f"{n}=={v}" for n, v in pins.items() if not present(n)]
+
+
+def import_breaching(folder: Path) -> Any:
+    """The breaching package from ``folder`` (installed there with pip on first use), last on ``sys.path``."""
+    if not (folder / "breaching" / "__init__.py").is_file():
+        command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps", "--upgrade",
+                   "--target", str(folder), *missing_requirements()]
+        print(f"installing the peer: {shlex.join(command[3:])}", flush=True)
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"installing breaching into {folder} failed:\n{done.stderr.strip()[-3000:]}\n\n"
+                     f"Install it by hand into that folder, then run again:\n  {shlex.join(command)}")
+    sys.path.append(str(folder))
+    with quiet():
+        import breaching
+    return breaching
+
+
+def capture(case: Case, uploads: int, seed: int) -> Inputs:
+    """The case's model (built once with ``seed``) and ``uploads`` batch-1 gradient observations of distinct
+    test photos, client buffers included."""
+    data = load_dataset(DATA)
+    params = case.model_params if case.model_params is not None else MODELS.get(case.model).params()
+    torch.manual_seed(seed)
+    model = build_model(case.model, data.spec, params)
+    arrays = get_arrays(model)
+    card = ModelCard(case.model, dataclasses.asdict(params), data.spec, tuple(model.state_dict()),
+                     tuple(trainable_mask(model)))
+    state = {n: torch.tensor(a) for n, a in zip(card.names, arrays)}
+    truth, labels = data.test.batch([index * 7 for index in range(uploads)])
+    observations = []
+    for index in range(uploads):
+        model.load_state_dict(state)
+        grads, _ = compute_gradients(model, truth[index : index + 1], labels[index : index + 1])
+        after = iter(grads)
+        upload = [next(after).numpy() if t else a.detach().numpy().copy()
+                  for t, a in zip(card.trainable, model.state_dict().values())]
+        observations.append(card.observe(1, index, "gradient", arrays, upload, 1, {"batch-size": 1}))
+    model.load_state_dict(state)
+    return Inputs(model.train(), data.spec, observations, truth)
+
+
+def timed(fn: Callable[[], list[torch.Tensor]]) -> tuple[float, torch.Tensor]:
+    """(seconds, images (U, C, H, W)) of ``fn``, which returns one (1, C, H, W) batch per upload."""
+    start = time.perf_counter()
+    images = fn()
+    return time.perf_counter() - start, torch.cat(images).detach()
+
+
+def fedguard_params(case: Case, iterations: int) -> Any:
+    """The attack's default parameters with ``iterations`` on the CPU."""
+    return dataclasses.replace(ATTACKS.get(case.fedguard).params(), iterations=iterations, device="cpu")
+
+
+def run_fedguard(name: str, params: Any, observations: list[Observation], batched: bool,
+                 seed: int) -> tuple[float, torch.Tensor]:
+    """All uploads in one ``reconstruct_many`` call, or one per call: (seconds, images (U, C, H, W))."""
+    attack = build_attack(name, params)
+    groups = [observations] if batched else [[o] for o in observations]
+    return timed(lambda: [r.images for group in groups for r in attack.reconstruct_many(group, seed=seed)])
+
+
+def breaching_attacker(breaching: Any, case: Case, iterations: int, model: nn.Module) -> tuple[Any, Any]:
+    """(config, attacker): breaching's default config ``case.breaching`` with ``iterations``, on the CPU."""
+    with quiet():
+        cfg = breaching.get_attack_config(case.breaching, overrides=[f"optim.max_iterations={iterations}"])
+    setup = dict(dtype=torch.float, device=torch.device("cpu"))
+    return cfg, breaching.attacks.prepare_attack(copy.deepcopy(model), nn.CrossEntropyLoss(), cfg, setup)
+
+
+def breaching_payload(obs: Observation) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(server payload, shared data) of one upload: global parameters and gradient, no buffers (BatchNorm on
+    batch statistics, as in the client's step), no labels, images in [0, 1] (mean 0, std 1)."""
+    from omegaconf import OmegaConf
+
+    spec = obs.spec
+    data = OmegaConf.create(dict(modality="vision", task="classification", shape=list(spec.shape),
+                                 classes=spec.num_classes, mean=[0.0] * spec.channels, std=[1.0] * spec.channels))
+    parameters = [torch.tensor(a) for a, t in zip(obs.global_arrays, obs.trainable) if t]
+    gradients = [torch.tensor(a) for a, t in zip(obs.upload, obs.trainable) if t]
+    shared = dict(gradients=gradients, buffers=None,
+                  metadata=dict(num_data_points=obs.num_examples, labels=None, local_hyperparams=None))
+    return dict(parameters=parameters, buffers=None, metadata=data), shared
+
+
+def run_breaching(attacker: Any, observations: list[Observation], seed: int) -> tuple[float, torch.Tensor]:
+    """One ``reconstruct`` call per upload: (seconds, images (U, C, H, W) in breaching's normalized space,
+    which is pixel space here)."""
+    payloads = [breaching_payload(o) for o in observations]
+    torch.manual_seed(seed)
+    with quiet():
+        return timed(lambda: [attacker.reconstruct([p], [s], {}, dryrun=False)[0]["data"] for p, s in payloads])
+
+
+def check_layout(model: nn.Module, obs: Observation) -> None:
+    """breaching pairs gradients with ``model.parameters()``; they must be the observation's trainable entries."""
+    expected = [n for n, t in zip(obs.names, obs.trainable) if t]
+    if [n for n, _ in model.named_parameters()] != expected:
+        raise ValueError(f"{obs.model}: parameter order differs from the state_dict's trainable entries")
+
+
+def score(tool: str, case: Case, attack: str, iterations: int, seconds: float, recon: torch.Tensor,
+          truth: torch.Tensor) -> dict[str, Any]:
+    """One table row: mean PSNR (dB, capped), mean SSIM, leaked count and speed of ``recon`` vs ``truth``."""
+    recon = torch.nan_to_num(recon.float(), nan=0.5).clamp(0, 1)
+    structure = ssim(recon, truth)
+    return {"tool": tool, "model": case.model_label, "attack": attack, "iterations": iterations,
+            "uploads": len(truth), "psnr_db": float(clip_psnr(psnr(recon, truth)).mean()),
+            "ssim": float(structure.mean()), "ssim_over_0.9": int((structure > LEAK_SSIM).sum()),
+            "seconds": seconds, "recon_per_s": len(truth) / seconds}
+
+
+def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float,
+             seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The case's rows (fedguard batched, fedguard one at a time, breaching) and each tool's configuration."""
+    from omegaconf import OmegaConf
+
+    iterations = max(1, round(case.iterations * scale))
+    inputs = capture(case, uploads, seed)
+    check_layout(inputs.model, inputs.observations[0])
+    params = fedguard_params(case, iterations)
+    cfg, attacker = breaching_attacker(breaching, case, iterations, inputs.model)
+    first = inputs.observations[:1]
+    run_fedguard(case.fedguard, fedguard_params(case, WARM_UP_ITERATIONS), first, True, seed)
+    run_breaching(breaching_attacker(breaching, case, WARM_UP_ITERATIONS, inputs.model)[1], first, seed)
+    rows = []
+    for tool, batched in (("fedguard batched", True), ("fedguard one at a time", False)):
+        seconds, recon = run_fedguard(case.fedguard, params, inputs.observations, batched, seed)
+        rows.append(score(tool, case, case.fedguard, iterations, seconds, recon, inputs.truth))
+    seconds, recon = run_breaching(attacker, inputs.observations, seed)
+    rows.append(score("breaching", case, f"{case.breaching}.yaml", iterations, seconds, recon, inputs.truth))
+    for row in rows:
+        row["case"], row["vs_breaching"] = name, row["recon_per_s"] / rows[-1]["recon_per_s"]
+    config = {
+        "model": case.model, "model_params": dataclasses.asdict(case.model_params) if case.model_params else {},
+        "fedguard": {"attack": case.fedguard, "params": dataclasses.asdict(params)},
+        "breaching": {"config": f"breaching/config/attack/{case.breaching}.yaml",
+                      "attack": OmegaConf.to_container(cfg, resolve=True),
+                      "setup": {"device": "cpu", "dtype": "float32", "loss": "torch.nn.CrossEntropyLoss()",
+                                "data": {"shape": list(inputs.spec.shape), "mean": 0.0, "std": 1.0},
+                                "labels": None, "buffers": None, "num_data_points": 1}},
+    }
+    return rows, config
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ('unknown' where there is none)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """The rows as plain aligned text."""
+    print(f"{'tool':23} {'model':11} {'attack':24} {'iters':>6} {'uploads':>7} {'PSNR dB':>8} {'SSIM':>6} "
+          f"{'>0.9':>4} {'seconds':>9} {'recon/s':>8} {'vs breaching':>12}")
+    for r in rows:
+        print(f"{r['tool']:23} {r['model']:11} {r['attack']:24} {r['iterations']:>6} {r['uploads']:>7} "
+              f"{r['psnr_db']:>8.2f} {r['ssim']:>6.3f} {r['ssim_over_0.9']:>4} {r['seconds']:>9.2f} "
+              f"{r['recon_per_s']:>8.3f} {r['vs_breaching']:>11.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    parser.add_argument("--uploads", type=int, default=8, help="batch-1 uploads attacked per case")
+    parser.add_argument("--iterations-scale", type=float, default=1.0, help="multiplier of every case's iterations")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
+    parser.add_argument("--seed", type=int, default=0, help="model weights and attack starting points")
+    parser.add_argument("--peer-dir", type=Path, default=HERE / ".peers" / f"breaching-{BREACHING}")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "vs_breaching.json")
+    args = parser.parse_args()
+    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    if args.uploads < 1 or args.iterations_scale <= 0 or args.threads < 1:
+        parser.error("--uploads and --threads must be >= 1 and --iterations-scale > 0")
+    breaching = import_breaching(args.peer_dir.resolve())
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, breaching {BREACHING}, {args.threads} thread(s), {cpu_model()}, "
+          f"{args.uploads} uploads per case", flush=True)
+    rows: list[dict[str, Any]] = []
+    configs: dict[str, Any] = {}
+    for name in names:
+        case_rows, configs[name] = run_case(breaching, name, CASES[name], args.uploads, args.iterations_scale,
+                                            args.seed)
+        rows += case_rows
+        print(f"{name}: done", flush=True)
+    print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"torch": torch.__version__, "breaching": BREACHING, "threads": args.threads, "cpu": cpu_model(),
+              "uploads": args.uploads, "iterations_scale": args.iterations_scale, "seed": args.seed,
+              "data": DATA, "cases": configs, "rows": rows}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
