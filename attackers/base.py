@@ -7,7 +7,7 @@ manipulation it exploits, the files it loads) as a pure function of its
 parameters; the configuration checks them without building the attack, and a
 run whose threat model does not grant what an attack needs fails at
 configuration time. The server checks the files once, before round 1
-(``check_attack_files``).
+(``check_attack_files``): that they are there and that they load.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from attackers.manipulation import HONEST
 from fedguard.observation import Observation
 from fedguard.registry import NoParams, Registry, RequiredFile
+from fedguard.trained_files import refuse
 
 NEEDS = {
     "labels": "the true labels of the batch",
@@ -45,7 +46,8 @@ class Reconstruction:
 
 @dataclass
 class AttackOutcome:
-    """What became of one attack on one observation: ``status`` is 'ok', 'error' or 'timeout'."""
+    """What became of one attack on one observation: ``status`` is 'ok', 'error', 'timeout' or 'interrupted'
+    (the run stopped before it finished)."""
 
     observation: Observation
     status: str
@@ -202,13 +204,24 @@ def missing_attack_files(attacks: Iterable[Chosen]) -> list[str]:
         f"attack.{attack.name}.{file.param.replace('_', '-')} = {file.path!r}: {file.missing}"
         for attack in attacks
         for file in attack_traits(attack.name, attack.params).files
-        if file.path and not Path(file.path).is_file()
+        if file.path and not Path(file.path).exists()
+    ]
+
+
+def unusable_attack_files(attacks: Iterable[Chosen]) -> list[str]:
+    """Each file the ``attacks`` load that is there but cannot be used: its key, its path and what is wrong."""
+    return [
+        f"attack.{attack.name}.{file.param.replace('_', '-')} = {file.path!r}: {problem}"
+        for attack in attacks
+        for file in attack_traits(attack.name, attack.params).files
+        if file.path and (problem := file.unusable()) is not None
     ]
 
 
 def check_attack_files(attacks: Iterable[Chosen]) -> None:
-    """Raise ``FileNotFoundError`` naming every file the ``attacks`` load that is missing; the server calls it
-    once before round 1 (the clients, which never load these files, do not)."""
-    missing = missing_attack_files(attacks)
-    if missing:
-        raise FileNotFoundError("files the configured attacks load are missing:\n  " + "\n  ".join(missing))
+    """Raise ``TrainedFileError`` naming every file the ``attacks`` load that is missing (``MissingTrainedFile``,
+    also a ``FileNotFoundError``, then) or cannot be used (corrupt, non-finite, another kind of file); the server
+    and ``fedguard attack`` call it once before round 1 or the first attack (the clients, which never load these
+    files, do not)."""
+    attacks = list(attacks)
+    refuse(missing_attack_files(attacks), unusable_attack_files(attacks), "the configured attacks")

@@ -20,22 +20,28 @@ from dataclasses import dataclass
 
 from attackers.base import check_search_params, class_traits, register_attack
 from attackers.engine import OptimizationAttack, OptimizerSpec, SearchSpec
+from attackers.engine.optimizers import LINE_SEARCHES
 
 
 @dataclass(frozen=True)
 class DLGParams:
-    """Iterations, restarts, L-BFGS step and history length, device ('auto', 'cpu', 'cuda')."""
+    """L-BFGS ``iterations``, restarts, step ``lr``, ``history`` length, ``line_search`` ('none': a fixed step,
+    as ``torch.optim.LBFGS`` by default; 'fractions': the best of fixed fractions of the step), device ('auto',
+    'cpu', 'cuda')."""
 
-    iterations: int = 300
-    restarts: int = 4
+    iterations: int = 2000
+    restarts: int = 1
     lr: float = 1.0
     history: int = 10
+    line_search: str = "fractions"
     device: str = "auto"
 
     def __post_init__(self) -> None:
         check_search_params(self.iterations, self.restarts, self.lr, self.device)
         if self.history < 1:
             raise ValueError(f"history must be >= 1, got {self.history}")
+        if self.line_search not in LINE_SEARCHES:
+            raise ValueError(f"line_search {self.line_search!r}: choose one of {', '.join(LINE_SEARCHES)}")
 
 
 class DeepLeakage(OptimizationAttack):
@@ -49,7 +55,8 @@ class DeepLeakage(OptimizationAttack):
         return SearchSpec(
             params.iterations, params.restarts, params.device, distance="l2",
             labels="infer" if self.infer else "joint",
-            optimizer=OptimizerSpec("lbfgs", params.lr, history=params.history, box=False),
+            optimizer=OptimizerSpec("lbfgs", params.lr, history=params.history, line_search=params.line_search,
+                                    box=False),
         )
 
 

@@ -80,7 +80,8 @@ class GenerativeAttack(OptimizationAttack):
 
 def generative_traits(params: GenerativeParams) -> AttackTraits:
     """The class's traits and the generator file it loads."""
-    generator = RequiredFile("generator", params.generator, NO_GENERATOR, missing_generator(params.generator))
+    generator = RequiredFile("generator", params.generator, NO_GENERATOR, missing_generator(params.generator),
+                             load_generator)
     return AttackTraits.of(GenerativeAttack, files=(generator,))
 
 

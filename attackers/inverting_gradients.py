@@ -35,9 +35,9 @@ class InvertingGradientsParams:
     ``eot``: draws of the known defense averaged per iteration (0: off; needs threat.defense)."""
 
     iterations: int = 2000
-    restarts: int = 2
+    restarts: int = 1
     lr: float = 0.025
-    tv: float = 1e-4
+    tv: float = 0.01
     device: str = "auto"
     skip: str = ""
     eot: int = 0

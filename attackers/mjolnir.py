@@ -196,7 +196,7 @@ def mjolnir_traits(inner: str) -> Callable[[Any], AttackTraits]:
     def traits(params: Any) -> AttackTraits:
         own, inner_params = params.split()
         inside = attack_traits(inner, inner_params)
-        denoiser = RequiredFile("denoiser", own.denoiser, NO_DENOISER, missing_ddpm(own.denoiser))
+        denoiser = RequiredFile("denoiser", own.denoiser, NO_DENOISER, missing_ddpm(own.denoiser), load_ddpm)
         return dataclasses.replace(
             inside,
             uploads=Mjolnir.uploads,

@@ -6,10 +6,11 @@ was computed under, 'none' for an honest server) and returns at once, so
 aggregation never waits. A background thread hands queued tasks to idle
 workers (up to ``group`` observations of one attack and shape at a time, which
 the attack runs as one batch), collects results as they arrive and passes
-every outcome, good or bad, to ``on_outcome``. A worker that raises yields an 'error' outcome; one
-that runs past its time limit is killed, replaced, and yields a 'timeout'
-outcome. ``close`` waits for what is left up to a limit and reports the rest
-as 'timeout'.
+every outcome, good or bad, to ``on_outcome``. An attack that raises on a batch is run again on each of
+its observations alone, so that only the one it fails on yields an 'error' outcome; a worker that runs
+past its time limit is killed, replaced, and yields a 'timeout' outcome. ``close`` waits for what is left
+up to a limit and reports the rest as 'timeout', or as 'interrupted' once ``stop`` says the run is
+stopping (then nothing more is dispatched and ``close`` does not wait).
 
 Workers take one GPU each when CUDA is visible and the attack's device is not
 'cpu'; otherwise they take CPU threads. Inside a Flower simulation the pool
@@ -65,6 +66,7 @@ class AttackWorker:
 class _Task:
     attack: str
     observation: Observation
+    alone: bool = False  # a retry after its batch raised: dispatched in a group of its own
 
 
 @dataclass
@@ -84,7 +86,9 @@ class PoolStats:
     ok: int = 0
     error: int = 0
     timeout: int = 0
+    interrupted: int = 0
     restarts: int = 0
+    split_batches: int = 0  # batches that raised and were run again one observation at a time
     outcomes: list[AttackOutcome] = field(default_factory=list)
 
 
@@ -111,6 +115,8 @@ class AttackPool:
         Address of an existing Ray cluster to join when Ray is not running yet.
     seed : int
         The run's seed, handed to every ``reconstruct_many`` (it fixes the attacks' starting points).
+    stop : Callable[[], str | None]
+        Why the run is stopping early, or None while it goes on (see ``fedguard.stopping``).
     """
 
     def __init__(
@@ -125,6 +131,7 @@ class AttackPool:
         address: str | None = None,
         poll_seconds: float = 0.2,
         seed: int = 0,
+        stop: Callable[[], str | None] = lambda: None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -146,6 +153,8 @@ class AttackPool:
         self.num_workers = workers
         self.address = address
         self.seed = seed
+        self.stop = stop
+        self._last_failure = ""
         self._has_resource = False
         self._start_error: str | None = None
         self._workers: list[Any] = []
@@ -219,22 +228,29 @@ class AttackPool:
         return [i for i in range(len(self._workers)) if self._ready[i] and i not in busy]
 
     def _dispatch(self) -> None:
+        if self._closing.is_set() or self.stop() is not None:
+            return
         with self._lock:
             for worker in self._idle_workers():
                 if not self._queue:
                     return
                 first = self._queue.popleft()
-                key = (first.attack, shape_key(first.observation))
-                group = [first.observation]
-                for task in list(self._queue):
-                    if len(group) >= self.group:
-                        break
-                    if (task.attack, shape_key(task.observation)) == key:
-                        group.append(task.observation)
-                        self._queue.remove(task)
+                group = [first.observation] if first.alone else self._group_with(first)
                 ref = self._workers[worker].run.remote(first.attack, group, self.seed)
                 self._busy[ref] = _Dispatch(worker, first.attack, group, time.monotonic(),
                                             self.time_limit * len(group))
+
+    def _group_with(self, first: _Task) -> list[Observation]:
+        """``first`` and up to ``group - 1`` queued tasks of its attack and shape, taken off the queue."""
+        key = (first.attack, shape_key(first.observation))
+        group = [first.observation]
+        for task in list(self._queue):
+            if len(group) >= self.group:
+                break
+            if not task.alone and (task.attack, shape_key(task.observation)) == key:
+                group.append(task.observation)
+                self._queue.remove(task)
+        return group
 
     def _emit(self, outcome: AttackOutcome) -> None:
         setattr(self.stats, outcome.status, getattr(self.stats, outcome.status) + 1)
@@ -267,12 +283,14 @@ class AttackPool:
         try:
             reconstructions = ray.get(ref)
         except Exception as error:  # a worker's exception arrives wrapped by Ray
-            message = f"{type(error).__name__}: {error}".strip()[-2000:]
-            for obs in dispatch.observations:
-                self._emit(AttackOutcome(obs, "error", error=message, seconds=share, worker=dispatch.worker,
-                                         attack=dispatch.attack))
             if isinstance(error, ray.exceptions.RayActorError):
                 self._replace(dispatch.worker)
+            if len(dispatch.observations) > 1:
+                self._split(dispatch, error)
+                return
+            message = f"{type(error).__name__}: {error}".strip()[-2000:]
+            self._emit(AttackOutcome(dispatch.observations[0], "error", error=message, seconds=share,
+                                     worker=dispatch.worker, attack=dispatch.attack))
             return
         for index, obs in enumerate(dispatch.observations):
             if index < len(reconstructions):
@@ -282,6 +300,15 @@ class AttackPool:
                 self._emit(AttackOutcome(obs, "error", seconds=share, worker=dispatch.worker, attack=dispatch.attack,
                                          error=f"the attack returned {len(reconstructions)} reconstructions "
                                                f"for {len(dispatch.observations)} observations"))
+
+    def _split(self, dispatch: _Dispatch, error: Exception) -> None:
+        """Queue each observation of a batch that raised first, alone: only those the attack fails on alone
+        end as 'error'."""
+        log.warning("%s raised on a batch of %d uploads (%s); running each alone", dispatch.attack,
+                    len(dispatch.observations), type(error).__name__)
+        with self._lock:
+            self._queue.extendleft(_Task(dispatch.attack, obs, alone=True) for obs in reversed(dispatch.observations))
+            self.stats.split_batches += 1
 
     def _replace(self, worker: int) -> None:
         ray.kill(self._workers[worker], no_restart=True)
@@ -303,30 +330,56 @@ class AttackPool:
         try:
             self._collect()
             self._dispatch()
-        except Exception:
-            log.error("attack pool step failed:\n%s", traceback.format_exc())
+            self._last_failure = ""
+        except Exception as error:
+            failure = f"{type(error).__name__}: {error}"
+            if failure != self._last_failure:  # the same failure every poll is logged once
+                log.error("attack pool step failed:\n%s", traceback.format_exc())
+            self._last_failure = failure
+
+    def _unfinished(self, task: _Task, timeout: float | None, seconds: float = 0.0,
+                    worker: int = -1) -> AttackOutcome:
+        """The outcome of a task still queued, or running for ``seconds`` on ``worker``, when the pool closes."""
+        if self._start_error:
+            return AttackOutcome(task.observation, "error", error=self._start_error, attack=task.attack)
+        reason = self.stop()
+        if reason is not None:
+            return AttackOutcome(task.observation, "interrupted", attack=task.attack, seconds=seconds, worker=worker,
+                                 error=f"the run was {reason} before this attack finished")
+        waited = "" if timeout is None else f" (waited {timeout:.0f} s)"
+        return AttackOutcome(task.observation, "timeout", attack=task.attack, seconds=seconds, worker=worker,
+                             error=f"still pending when the run ended{waited}")
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait up to ``timeout`` seconds (None: the per-attack limits alone) for every observation,
-        report what is still unfinished as 'timeout', and stop the workers."""
+        """Wait up to ``timeout`` seconds (None: the per-attack limits alone), or until ``stop`` says the run
+        is stopping, for every observation; report what is still unfinished as 'timeout' or 'interrupted', and
+        stop the workers."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.pending() and self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
+        while (self.pending() and self._thread.is_alive() and self.stop() is None
+               and (deadline is None or time.monotonic() < deadline)):
             time.sleep(self._poll_seconds)
         self._closing.set()
         if self._thread.is_alive():
             self._thread.join()
         if self._workers and ray.is_initialized():
-            self._collect()
+            self._step()  # results that came in meanwhile; nothing is dispatched once closing
+        now = time.monotonic()
         with self._lock:
-            left = list(self._queue) + [_Task(d.attack, obs) for d in self._busy.values() for obs in d.observations]
+            left = [self._unfinished(task, timeout) for task in self._queue]
+            left += [self._unfinished(_Task(d.attack, obs), timeout, (now - d.started) / len(d.observations), d.worker)
+                     for d in self._busy.values() for obs in d.observations]
             self._queue.clear()
             self._busy.clear()
-        for task in left:
-            if self._start_error:
-                self._emit(AttackOutcome(task.observation, "error", error=self._start_error, attack=task.attack))
-            else:
-                self._emit(AttackOutcome(task.observation, "timeout", attack=task.attack,
-                                         error=f"still pending when the run ended (waited {timeout} s)"))
+        for outcome in left:
+            self._emit(outcome)
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        """Kill every worker; one that cannot be reached (Ray already gone) is left to Ray's own ending."""
         for worker in self._workers:
-            if worker is not None:
+            if worker is None:
+                continue
+            try:
                 ray.kill(worker, no_restart=True)
+            except Exception as error:
+                log.warning("attacker worker not stopped: %s: %s", type(error).__name__, error)

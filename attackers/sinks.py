@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -37,9 +38,9 @@ class DiskSink:
         self._queue.put(obs)
 
     def close(self, timeout: float | None = None) -> None:
-        """Write everything queued, then stop the writer (waits up to ``timeout`` seconds)."""
+        """Write everything queued, then stop the writer (waits up to ``timeout`` seconds, any length)."""
         self._queue.put(None)
-        self._thread.join(timeout)
+        self._thread.join(None if timeout is None else min(timeout, threading.TIMEOUT_MAX))
         if self._thread.is_alive():
             log.warning("observation writer still busy after %s s; %d left", timeout, self._queue.qsize())
 
@@ -63,6 +64,7 @@ class FanOut:
             sink.submit(obs)
 
     def close(self, timeout: float | None = None) -> None:
-        """Close each sink in order, each with up to ``timeout`` seconds."""
+        """Close each sink in order, all within ``timeout`` seconds together."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for sink in self.sinks:
-            sink.close(timeout)
+            sink.close(None if deadline is None else max(0.0, deadline - time.monotonic()))

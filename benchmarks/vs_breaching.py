@@ -18,7 +18,8 @@ against the true images with fedguard.metrics (PSNR, SSIM).
 Cases (rows per tool; breaching config in brackets):
     ig-lenet    Inverting Gradients [invertinggradients], 2,000 iterations, DLG LeNet
     ig-convnet  Inverting Gradients [invertinggradients], 500 iterations, ConvNet width 64
-    dlg-lenet   DLG [deepleakage], 300 L-BFGS steps, DLG LeNet
+    dlg-lenet   DLG [deepleakage], DLG LeNet: fedguard's default 2,000 L-BFGS iterations; breaching's 300
+                L-BFGS steps (torch.optim.LBFGS.step, up to 20 iterations each: the DLG code's setting)
 
     make bench-breaching
     .venv/bin/python benchmarks/vs_breaching.py [--cases ig-lenet,ig-convnet,dlg-lenet] [--uploads 8]
@@ -78,13 +79,15 @@ PEER_PINS = {"hydra-core": "1.3.2", "omegaconf": "2.3.0", "antlr4-python3-runtim
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One comparison: fedguard attack ``fedguard`` vs breaching attack config ``breaching`` on ``model``."""
+    """One comparison: fedguard attack ``fedguard`` vs breaching attack config ``breaching`` on ``model``, each
+    for its own count of ``iterations`` (``breaching_iterations`` when they differ in unit)."""
 
     fedguard: str
     breaching: str
     model: str
     model_params: Any
     iterations: int
+    breaching_iterations: int | None = None
 
     @property
     def model_label(self) -> str:
@@ -95,7 +98,7 @@ class Case:
 CASES = {
     "ig-lenet": Case("ig", "invertinggradients", "lenet", None, 2000),
     "ig-convnet": Case("ig", "invertinggradients", "convnet", ConvNetParams(width=64), 500),
-    "dlg-lenet": Case("dlg", "deepleakage", "lenet", None, 300),
+    "dlg-lenet": Case("dlg", "deepleakage", "lenet", None, 2000, breaching_iterations=300),
 }
 
 
@@ -247,10 +250,11 @@ def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float,
     from omegaconf import OmegaConf
 
     iterations = max(1, round(case.iterations * scale))
+    breaching_iterations = max(1, round((case.breaching_iterations or case.iterations) * scale))
     inputs = capture(case, uploads, seed)
     check_layout(inputs.model, inputs.observations[0])
     params = fedguard_params(case, iterations)
-    cfg, attacker = breaching_attacker(breaching, case, iterations, inputs.model)
+    cfg, attacker = breaching_attacker(breaching, case, breaching_iterations, inputs.model)
     first = inputs.observations[:1]
     run_fedguard(case.fedguard, fedguard_params(case, WARM_UP_ITERATIONS), first, True, seed)
     run_breaching(breaching_attacker(breaching, case, WARM_UP_ITERATIONS, inputs.model)[1], first, seed)
@@ -259,7 +263,8 @@ def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float,
         seconds, recon = run_fedguard(case.fedguard, params, inputs.observations, batched, seed)
         rows.append(score(tool, case, case.fedguard, iterations, seconds, recon, inputs.truth))
     seconds, recon = run_breaching(attacker, inputs.observations, seed)
-    rows.append(score("breaching", case, f"{case.breaching}.yaml", iterations, seconds, recon, inputs.truth))
+    rows.append(score("breaching", case, f"{case.breaching}.yaml", breaching_iterations, seconds, recon,
+                      inputs.truth))
     for row in rows:
         row["case"], row["vs_breaching"] = name, row["recon_per_s"] / rows[-1]["recon_per_s"]
     config = {

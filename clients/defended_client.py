@@ -18,7 +18,7 @@ from fedguard.data import Split, load_dataset
 from fedguard.data.federated import client_split
 from fedguard.defenses import Defense, LocalStep, build_defense, defense_report
 from fedguard.models import build_model
-from fedguard.records import ROUND_KEY, VAULT_KEY
+from fedguard.records import PROXIMAL_MU_KEY, ROUND_KEY
 from fedguard.seeding import client_generators
 from fedguard.sparse import ENCODING_KEY, SPARSE, byte_counts, encode_arrays
 from fedguard.vault import write_truth
@@ -34,9 +34,6 @@ from fedguard.training import (
     split_by_mask,
     trainable_mask,
 )
-
-
-PROXIMAL_MU_KEY = "proximal-mu"  # the key Flower's FedProx puts in the train config
 
 
 @functools.lru_cache(maxsize=2)
@@ -67,14 +64,23 @@ class DefendedClient(NumPyClient):
         The partition this client holds (0 <= client_id < partition.num-clients).
     state : RecordDict
         The client's ``Context.state``; defense state is kept there across rounds.
+    vault : Path | None
+        Where the true batches of targeted uploads are written for scoring, as the client's own configuration
+        names it (``fedguard.client_app.truth_vault``); None: nowhere.
     """
 
-    def __init__(self, config: Config, client_id: int, state: RecordDict) -> None:
+    def __init__(self, config: Config, client_id: int, state: RecordDict, vault: Path | None = None) -> None:
         if not 0 <= client_id < config.partition.num_clients:
             raise ValueError(f"client_id {client_id} outside [0, {config.partition.num_clients})")
         self.config = config
         self.client_id = client_id
         self.state = state
+        self.vault = vault
+
+    def _targeted(self, round_: int) -> bool:
+        """Whether the server captures this client's upload of ``round_`` (``capture.rounds``, ``.clients``)."""
+        capture = self.config.capture
+        return round_ in capture.round_selection() and self.client_id in capture.client_selection()
 
     def _load_model(self, arrays: list[np.ndarray]) -> nn.Module:
         model = _model(self.config.model.name, self.config.model.params, self.config.data)
@@ -84,12 +90,12 @@ class DefendedClient(NumPyClient):
     def fit(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
         """One round: local step, defense, upload.
 
-        ``config['server-round']`` is the server round; when ``config['vault']`` names a folder, the true
-        batch is written there for scoring (never uploaded); ``config['proximal-mu']`` (Flower's FedProx)
-        adds the proximal term to FedAvg's local training. Returns the upload (coordinate-encoded when
-        that is smaller, marked by ``encoding``), the number of examples, and what the client declares:
-        hyper-parameters, ``labels`` (a list, where the threat model grants them), sizes and the
-        defense's ``defense.*`` reports.
+        ``config['server-round']`` is the server round; in a targeted round the true batch is written to
+        ``vault`` for scoring (never uploaded, and never to a folder the server names);
+        ``config['proximal-mu']`` (Flower's FedProx) adds the proximal term to FedAvg's local training.
+        Returns the upload (coordinate-encoded when that is smaller, marked by ``encoding``), the number of
+        examples, and what the client declares: hyper-parameters, ``labels`` (a list, where the threat model
+        grants them), sizes and the defense's ``defense.*`` reports.
         """
         round_ = int(config[ROUND_KEY])
         cfg = self.config
@@ -114,16 +120,15 @@ class DefendedClient(NumPyClient):
                                     proximal_mu=mu)
             grads = [(g - t).detach() for g, t in zip(parameters(model), parameters(trained))]
             _, buffers = split_by_mask(get_arrays(trained), mask)
-            declared.update(
-                {"batch-size": cfg.train.batch_size, "local-epochs": cfg.train.local_epochs, "local-steps": steps, "loss": loss}
-            )
+            declared.update({"batch-size": min(cfg.train.batch_size, len(y)), "local-epochs": cfg.train.local_epochs,
+                             "local-steps": steps, "loss": loss})
             if mu > 0:
                 declared[PROXIMAL_MU_KEY] = mu
 
         if cfg.threat.labels:
             declared["labels"] = [int(v) for v in y.tolist()]
-        if VAULT_KEY in config and self.client_id in cfg.capture.client_selection():
-            write_truth(Path(str(config[VAULT_KEY])), round_, self.client_id, x, y)
+        if self.vault is not None and self._targeted(round_):
+            write_truth(self.vault, round_, self.client_id, x, y)
 
         defense_state = load_defense_state(self.state)
         step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id, len(local))

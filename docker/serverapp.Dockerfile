@@ -81,8 +81,9 @@ RUN groupadd --system --gid 10001 fedguard \
  && flower-superexec --version
 USER 10001:10001
 WORKDIR /home/fedguard
-# /runs: run folders (rounds.jsonl, observations, attacks.jsonl, report.html) and the vault the
-# SuperNodes write ground truth to. /data: datasets, generators and evaluation networks (read-only).
+# /runs: run folders (rounds.jsonl, observations, attacks.jsonl, report.html, and vault/ when the
+# ground truth SuperNodes kept is copied in). /data: datasets, generators and evaluation networks
+# (read-only).
 VOLUME ["/runs"]
 # --runtime-api-address and --root-certificates are given at run time (compose.yaml), since the
 # SuperLink's name must match its TLS certificate. Runtime dependency installation stays off:

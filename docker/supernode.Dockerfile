@@ -3,8 +3,9 @@
 #
 # Build from the repository root of a clean checkout of the commit to deploy:
 #   docker build -f docker/supernode.Dockerfile --build-arg FEDGUARD_REF=$(git rev-parse HEAD) -t fedguard-supernode .
-# The same image serves every SuperNode: which partition it trains on, which key it
-# authenticates with and which SuperLink it joins are all given at `docker run` time.
+# The same image serves every SuperNode: which key it authenticates with, which SuperLink it
+# joins and whether it keeps ground truth are all given at `docker run` time; the server assigns
+# it its partition.
 
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 FROM ${PYTHON_IMAGE}
@@ -45,15 +46,14 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch==2.14.1 to
 
 RUN groupadd --system --gid 10001 fedguard \
  && useradd --system --uid 10001 --gid fedguard --create-home --home-dir /home/fedguard fedguard \
- && mkdir -p /data /runs /certs /keys \
- && chown fedguard:fedguard /runs
+ && mkdir -p /data /vault /certs /keys \
+ && chown fedguard:fedguard /vault
 USER 10001:10001
 WORKDIR /home/fedguard
 
-# /data: this node's data partition (read-only). /runs: the run folders; the ground truth of a
-# captured upload is written to the vault folder the server names, under /runs/<run>/vault, so
-# /runs must be the same host folder the serverapp container writes to (see compose.yaml).
-VOLUME ["/runs"]
+# /data: the data set (read-only). /vault: where this node keeps the ground truth of its captured
+# uploads, only when its node config says so (vault-dir="/vault") and a host folder is mounted
+# there; no folder the server names is ever written to.
 
 # Runtime dependency installation stays off: flower-supernode only installs an app's
 # dependencies with --allow-runtime-dependency-installation, which is never passed.
@@ -61,5 +61,5 @@ VOLUME ["/runs"]
 # Per-node arguments follow at run time:
 #   --superlink HOST:PORT --root-certificates /certs/ca.crt
 #   --auth-supernode-private-key /keys/supernode.key
-#   --node-config "partition-id=I num-partitions=N"
+#   --node-config "partition-id=I num-partitions=N"   (and vault-dir="/vault" to keep ground truth)
 ENTRYPOINT ["flower-supernode"]

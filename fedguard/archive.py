@@ -1,7 +1,7 @@
 """Trained artifacts as one ``.npz`` each: named arrays plus a JSON ``meta`` string, no pickles.
 
-Generators, evaluation networks, diffusion models and gradient sets share this file layout; each module
-keeps its own ``meta`` and its own checks of what it reads.
+Generators, evaluation networks, diffusion models, checkpoints and gradient sets share this file layout;
+each module keeps its own ``meta``; ``fedguard.trained_files`` checks what they read.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+
+from fedguard.trained_files import FileKind, check_arrays
 
 
 def save_archive(path: Path | str, meta: dict[str, Any], arrays: dict[str, np.ndarray], compressed: bool = False) -> Path:
@@ -33,12 +35,22 @@ def module_arrays(module: nn.Module, prefix: str) -> dict[str, np.ndarray]:
     return {f"{prefix}/{name}": t.detach().cpu().numpy() for name, t in module.state_dict().items()}
 
 
-def load_module_arrays(module: nn.Module, arrays: dict[str, np.ndarray], path: Path, what: str) -> nn.Module:
-    """Load ``arrays`` (entry name -> array) into ``module``; ``ValueError`` naming ``path`` when their shapes
-    differ from the ones ``module``, built from the file's meta, needs. Returns ``module``."""
-    expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
-    found = {name: tuple(a.shape) for name, a in arrays.items()}
-    if found != expected:
-        raise ValueError(f"{path}: {what} arrays {found} do not match its meta, which needs {expected}")
-    module.load_state_dict({name: torch.from_numpy(a) for name, a in arrays.items()})
+def module_layout(module: nn.Module, prefix: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Name (``<prefix>/<entry>``), shape and dtype of each ``state_dict`` entry of ``module``, as ``module_arrays``
+    writes them."""
+    entries = module.state_dict().items()
+    return {f"{prefix}/{name}": (tuple(t.shape), t.detach().cpu().numpy().dtype) for name, t in entries}
+
+
+def load_module_arrays(module: nn.Module, arrays: dict[str, np.ndarray], prefix: str, path: Path, kind: FileKind,
+                       label: str) -> nn.Module:
+    """Load ``arrays`` (named ``<prefix>/<entry>``: every array of the file at ``path`` but its meta) into
+    ``module``, built from the file's meta, after ``check_arrays`` against its ``state_dict`` (``label`` names
+    them in its errors). Returns ``module``."""
+    layout = module_layout(module, prefix)
+    check_arrays(arrays, layout, path, kind, label)
+    module.load_state_dict({
+        name.removeprefix(f"{prefix}/"): torch.from_numpy(array.astype(layout[name][1], copy=False))
+        for name, array in arrays.items()
+    })
     return module

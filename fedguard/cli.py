@@ -110,7 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run a Flower simulation of the configured federation."""
     from fedguard.data import load_dataset
     from fedguard.report.run_dir import ROUNDS_FILE, resolve_run_dir
-    from fedguard.simulation import LaunchError, simulate
+    from fedguard.simulation import Interrupted, LaunchError, simulate
 
     config = _resolve(args)
     data = load_dataset(config.data.name, config.data.source_options())
@@ -128,6 +128,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except LaunchError as error:
         print(f"fedguard: {error}", file=sys.stderr, flush=True)
         return 1
+    except Interrupted as stopped:
+        print(f"fedguard: {stopped}", file=sys.stderr, flush=True)
+        return stopped.exit_code
     print(f"fedguard: done in {time.perf_counter() - start:.1f} s; rounds in {folder / ROUNDS_FILE}", flush=True)
     return 0
 

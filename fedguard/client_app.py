@@ -1,12 +1,21 @@
 """The Flower ClientApp: a Message-API app whose handlers hand each instruction to a ``DefendedClient``.
 
-The client's partition comes from the SuperNode's node config (``partition-id``, ``num-partitions``), as
-Flower's simulation and ``flower-supernode --node-config`` set it. The reply's layout is in
+A node trains on the partition the server assigned it (``partition-id`` of the train instruction: the
+server knows its clients by node id, ``strategies.RoundGuard``); without one, on the partition of the
+SuperNode's node config (``partition-id``), as Flower's simulation and ``flower-supernode --node-config``
+set it. The node config's ``num-partitions`` must equal ``partition.num-clients``. The reply's layout is in
 ``fedguard.records``.
+
+Ground truth (the true batch of a targeted upload, kept for scoring) goes only where the client's own
+configuration says, never where a message from the server says (``truth_vault``): on Flower's simulation
+engine, which runs the server and every client for one party, into the vault of the run's folder
+(``fedguard.run_folder.flwr_run_dir``: ``out-dir``, or one named after the Flower run id); on a SuperNode, only when its operator opts in with the node config's ``vault-dir``.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,14 +25,18 @@ from flwr.clientapp import ClientApp
 from clients import DefendedClient
 from fedguard.config import Config
 from fedguard.defenses.base import REPORT_PREFIX
-from fedguard.records import ARRAYS, CONFIG, NUM_EXAMPLES, array_record, reply_content
+from fedguard.records import ARRAYS, CONFIG, NUM_EXAMPLES, PARTITION_KEY, array_record, reply_content
+from fedguard.run_folder import VAULT_DIR, flwr_run_dir
 from fedguard.sparse import ENCODING_KEY, SPARSE
 
+VAULT_DIR_KEY = "vault-dir"  # node config: the folder under which a SuperNode keeps its ground truth
 
-def partition_of(context: Context, config: Config) -> int:
-    """This node's partition id, checked against the configured number of clients."""
+
+def partition_of(context: Context, config: Config, assigned: Any = None) -> int:
+    """This node's partition: ``assigned`` (by the server), else the node config's ``partition-id``; checked
+    against the configured number of clients."""
     try:
-        partition_id = int(context.node_config["partition-id"])
+        partition_id = int(context.node_config["partition-id"] if assigned is None else assigned)
         num_partitions = int(context.node_config["num-partitions"])
     except KeyError as missing:
         raise ValueError(
@@ -36,6 +49,38 @@ def partition_of(context: Context, config: Config) -> int:
             f"{config.partition.num_clients}; make them equal"
         )
     return partition_id
+
+
+def in_simulation() -> bool:
+    """Whether this ClientApp runs on Flower's simulation engine: inside one of its Ray actors. A SuperNode
+    never runs its ClientApp in Ray, and nothing a server sends can make it."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+def simulated_vault(config: Config, run_id: int) -> Path:
+    """The vault of Flower run ``run_id``'s folder, resolved as the ServerApp resolves it."""
+    return flwr_run_dir(config.run.out_dir, config.run.name, run_id) / VAULT_DIR
+
+
+def node_vault(context: Context) -> Path | None:
+    """``run-<run id>`` under the node config's ``vault-dir`` (an absolute path), or None when the SuperNode's
+    operator did not opt in."""
+    root = context.node_config.get(VAULT_DIR_KEY)
+    if root is None:
+        return None
+    if not isinstance(root, str) or not Path(root).is_absolute():
+        raise ValueError(f"node config {VAULT_DIR_KEY}={root!r}: give an absolute folder, e.g. "
+                         f"--node-config '... {VAULT_DIR_KEY}=\"/vault\"'")
+    return Path(root) / f"run-{context.run_id}"
+
+
+def truth_vault(context: Context, config: Config) -> Path | None:
+    """Where this client writes the true batches of targeted uploads, or None for nowhere: the simulated run's
+    vault, or the SuperNode's own (``node_vault``); nowhere when ``capture.ground-truth`` is off."""
+    if not config.capture.ground_truth:
+        return None
+    return simulated_vault(config, context.run_id) if in_simulation() else node_vault(context)
 
 
 def upload_reply(msg: Message, upload: list[np.ndarray], num_examples: int, metrics: dict[str, Any]) -> Message:
@@ -55,20 +100,21 @@ def make_client_app(config: Config | None = None) -> ClientApp:
     """A ClientApp bound to ``config``, or reading Flower's run config when None."""
     client_app = ClientApp()
 
-    def client(context: Context) -> DefendedClient:
+    def client(context: Context, instruction: ConfigRecord) -> DefendedClient:
         cfg = config if config is not None else Config.from_flat(context.run_config)
-        return DefendedClient(cfg, partition_of(context, cfg), context.state)
+        return DefendedClient(cfg, partition_of(context, cfg, instruction.get(PARTITION_KEY)), context.state,
+                              truth_vault(context, cfg))
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:
         arrays = msg.content[ARRAYS].to_numpy_ndarrays()
-        upload, num_examples, metrics = client(context).fit(arrays, dict(msg.content[CONFIG]))
+        upload, num_examples, metrics = client(context, msg.content[CONFIG]).fit(arrays, dict(msg.content[CONFIG]))
         return upload_reply(msg, upload, num_examples, metrics)
 
     @client_app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         arrays = msg.content[ARRAYS].to_numpy_ndarrays()
-        loss, num_examples, metrics = client(context).evaluate(arrays, dict(msg.content[CONFIG]))
+        loss, num_examples, metrics = client(context, msg.content[CONFIG]).evaluate(arrays, dict(msg.content[CONFIG]))
         record = MetricRecord({NUM_EXAMPLES: num_examples, "loss": loss, "accuracy": float(metrics["accuracy"])})
         return Message(content=RecordDict({"metrics": record, "declared": ConfigRecord({"client": metrics["client"]})}),
                        reply_to=msg)

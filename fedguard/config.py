@@ -6,6 +6,14 @@ Defaults live in the dataclasses below (and are repeated in ``pyproject.toml``
 for ``flwr run``); experiment presets are TOML files of the same keys; command
 line overrides are ``key=value`` strings. Every key, type, range and component
 name is checked before anything starts, and all problems are reported at once.
+
+What cannot work is refused here rather than failing in the run: non-finite
+floats, integers beyond 64 bits or beyond their use, selections of rounds or
+clients the run does not have, parameters whose derived values overflow, paths
+the file system cannot hold, presets nested too deeply, and partitions that
+leave a client no training data (the limits and their reasons are in
+``fedguard.limits``; data set sizes, known without loading, in
+``fedguard.data.sizes``).
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import inspect
+import operator
 import os
 import shlex
 import sys
@@ -29,11 +39,16 @@ from attackers.manipulation import HONEST, MANIPULATIONS
 from fedguard.data import DATASETS, SourceOptions
 from fedguard.data.partition import PARTITIONERS, PartitionOptions
 from fedguard.data.registry import dataset_spec
+from fedguard.data.sizes import samples_needed, split_sizes
 from fedguard.defenses import DEFENSES
 from fedguard.defenses.base import defense_traits
+from fedguard.limits import (INT64_MAX, INT64_MIN, MAX_CLIENTS, MAX_IMAGE_SIZE, MAX_LISTED, MAX_LOCAL_EPOCHS,
+                             MAX_PROCESSES, MAX_ROUNDS, RUN_FILES_RESERVE, finite_problem, nesting_problem,
+                             path_problem, shown)
 from fedguard.models import MODELS, build_model
 from fedguard.registry import NoParams, Registry, RequiredFile
 from fedguard.selection import Selection
+from fedguard.spans import Spans, describe
 from strategies.registry import AUTO as AUTO_STRATEGY
 from strategies.registry import STRATEGIES, strategy_names
 from strategies.registry import protocol_problem as strategy_protocol_problem
@@ -59,7 +74,8 @@ def option(default: Scalar, help: str, **checks: Any) -> Any:
 @dataclass(frozen=True)
 class RunSection:
     name: str = option("fedguard", "run name; output goes to runs/<name> unless out-dir is set")
-    seed: int = option(0, "seed of partitioning, client sampling of batches and model initialization", ge=0)
+    seed: int = option(0, "seed of partitioning, client sampling of batches and model initialization", ge=0,
+                       le=INT64_MAX)
     out_dir: str = option("", "output folder (empty: runs/<name>)")
 
 
@@ -69,7 +85,7 @@ class DataSection:
     root: str = option("", "local folder for datasets that do not ship with the packages")
     download: bool = option(False, "let torchvision download a missing dataset (needs the network)")
     test_fraction: float = option(0.2, "held-out share for datasets without an official test split", gt=0.0, lt=1.0)
-    image_size: int = option(32, "side in pixels for the photos and imagefolder sources", ge=8)
+    image_size: int = option(32, "side in pixels for the photos and imagefolder sources", ge=8, le=MAX_IMAGE_SIZE)
 
     def source_options(self) -> SourceOptions:
         """The loader's view of this section."""
@@ -79,7 +95,7 @@ class DataSection:
 @dataclass(frozen=True)
 class PartitionSection:
     name: str = option("iid", "how training data is split among clients", choices=PARTITIONERS.names)
-    num_clients: int = option(10, "number of clients (simulated SuperNodes)", ge=1)
+    num_clients: int = option(10, "number of clients (simulated SuperNodes)", ge=1, le=MAX_CLIENTS)
     alpha: float = option(0.5, "Dirichlet concentration for partition.name = 'dirichlet'", gt=0.0)
     classes_per_client: int = option(2, "classes each client holds for partition.name = 'classes'", ge=1)
 
@@ -92,11 +108,11 @@ class PartitionSection:
 class TrainSection:
     protocol: str = option("fedsgd", "fedsgd: one batch gradient per client; fedavg: local epochs, weights uploaded",
                            choices=lambda: ["fedavg", "fedsgd"])
-    rounds: int = option(20, "number of federated rounds", ge=1)
-    clients_per_round: int = option(10, "clients sampled in each round", ge=1)
+    rounds: int = option(20, "number of federated rounds", ge=1, le=MAX_ROUNDS)
+    clients_per_round: int = option(10, "clients sampled in each round", ge=1, le=MAX_CLIENTS)
     batch_size: int = option(32, "samples per client batch", ge=1)
     lr: float = option(0.5, "learning rate: the server's SGD step (fedsgd) or the clients' local SGD (fedavg)", gt=0.0)
-    local_epochs: int = option(1, "local epochs per round (fedavg)", ge=1)
+    local_epochs: int = option(1, "local epochs per round (fedavg)", ge=1, le=MAX_LOCAL_EPOCHS)
 
 
 @dataclass(frozen=True)
@@ -141,24 +157,37 @@ def parse_schedule(text: str) -> dict[int, str]:
         if not piece:
             continue
         round_text, _, name = (part.strip() for part in piece.partition(":"))
-        if not round_text.isdigit() or int(round_text) < 1 or not name:
-            raise ValueError(f"threat.malicious: {piece!r} is not round:manipulation (e.g. '2:trap-weights')")
+        round_ = _schedule_round(round_text, piece)
+        if not name:
+            raise ValueError(f"threat.malicious: {shown(piece)} is not round:manipulation (e.g. '2:trap-weights')")
         if name not in MANIPULATIONS:
-            raise ValueError(f"threat.malicious: manipulation {name!r} in {piece!r}: choose one of "
+            raise ValueError(f"threat.malicious: manipulation {shown(name)} in {shown(piece)}: choose one of "
                              f"{', '.join(MANIPULATIONS.names())}")
-        if int(round_text) in schedule:
-            raise ValueError(f"threat.malicious: round {round_text} is manipulated twice")
-        schedule[int(round_text)] = name
+        if round_ in schedule:
+            raise ValueError(f"threat.malicious: round {round_} is manipulated twice")
+        schedule[round_] = name
     return schedule
+
+
+def _schedule_round(text: str, piece: str) -> int:
+    """The round of a ``threat.malicious`` piece: decimal digits, 1 to ``MAX_ROUNDS``."""
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"threat.malicious: {shown(piece)} is not round:manipulation (e.g. '2:trap-weights')")
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(MAX_ROUNDS)) or not 1 <= int(digits) <= MAX_ROUNDS:
+        raise ValueError(f"threat.malicious: round {shown(text)} in {shown(piece)}: rounds are 1 to {MAX_ROUNDS}")
+    return int(digits)
 
 
 @dataclass(frozen=True)
 class PoolSection:
-    workers: int = option(1, "attacker worker processes (one GPU each when CUDA is visible)", ge=1)
+    workers: int = option(1, "attacker worker processes (one GPU each when CUDA is visible)", ge=1,
+                          le=MAX_PROCESSES)
     time_limit: float = option(900.0, "seconds one captured upload may take before its worker is restarted", gt=0.0)
     wait: float = option(1800.0, "seconds to wait after the last round for attacks still running", ge=0.0)
-    group: int = option(4, "most captured uploads of one shape a worker attacks in one batch", ge=1)
-    threads: int = option(1, "torch threads of each CPU worker", ge=1)
+    group: int = option(4, "most captured uploads of one shape a worker attacks in one batch", ge=1,
+                        le=MAX_PROCESSES)
+    threads: int = option(1, "torch threads of each CPU worker", ge=1, le=MAX_PROCESSES)
     address: str = option("", "Ray cluster to join when none is running ('' = the simulation's or a new local one)")
 
 
@@ -325,25 +354,54 @@ def _field_types(cls: type) -> dict[str, type]:
 def _check_type(key: str, value: Any, expected: type) -> tuple[Any, str | None]:
     """``value`` converted to ``expected`` (int -> float allowed), or an error message."""
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value), None
+        try:
+            return float(value), None
+        except OverflowError:
+            return value, f"{key} = {shown(value)}: must be a finite number"
     if isinstance(value, expected) and not (expected is int and isinstance(value, bool)):
         return value, None
-    return value, f"{key} = {value!r}: expected {expected.__name__}, got {type(value).__name__}"
+    return value, f"{key} = {shown(value)}: expected {expected.__name__}, got {type(value).__name__}"
 
 
-def _check_range(key: str, value: Any, meta: Mapping[str, Any]) -> str | None:
-    bounds: list[tuple[str, Callable[[Any, Any], bool], str]] = [
-        ("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-        ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<"),
-    ]
-    for name, ok, symbol in bounds:
-        if name in meta and not ok(value, meta[name]):
-            return f"{key} = {value!r}: must be {symbol} {meta[name]}"
+BOUNDS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<"),
+}
+
+
+def _bounds(expected: type, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The bounds of a key: those ``meta`` declares and, on a side it leaves open, for an integer the 64-bit
+    range of the run configuration (``flwr run`` refuses larger integers)."""
+    bounds = {name: meta[name] for name in BOUNDS if name in meta}
+    if expected is int and not {"ge", "gt"} & bounds.keys():
+        bounds["ge"] = INT64_MIN
+    if expected is int and not {"le", "lt"} & bounds.keys():
+        bounds["le"] = INT64_MAX
+    return bounds
+
+
+def _check_range(key: str, value: Any, expected: type, meta: Mapping[str, Any]) -> str | None:
+    """Why ``value`` (of type ``expected``) is out of the range or choices of ``key``, or None."""
+    if expected is float:
+        problem = finite_problem(key, value)
+        if problem:
+            return problem
+    bounds = _bounds(expected, meta)
+    if not all(BOUNDS[name][0](value, bound) for name, bound in bounds.items()):
+        valid = " and ".join(f"{BOUNDS[name][1]} {bound}" for name, bound in bounds.items())
+        beyond_int64 = expected is int and not INT64_MIN <= value <= INT64_MAX
+        why = " (flwr run carries integers in 64 bits)" if beyond_int64 else ""
+        return f"{key} = {shown(value)}: must be {valid}{why}"
     if "choices" in meta:
         choices = meta["choices"]()
         if value not in choices:
-            return f"{key} = {value!r}: choose one of {', '.join(map(str, choices))}"
+            return f"{key} = {shown(value)}: choose one of {', '.join(map(str, choices))}"
     return None
+
+
+def _section_metadata() -> dict[str, Mapping[str, Any]]:
+    """Key -> the field metadata (help, bounds, choices) of every section key."""
+    return {_key(prefix, f.name): f.metadata for prefix, section in SECTIONS.items()
+            for f in dataclasses.fields(section)}
 
 
 def schema() -> dict[str, tuple[type, Any, str]]:
@@ -372,13 +430,20 @@ def import_plugins(flat: Mapping[str, Any]) -> list[str]:
         return []  # reported with the types
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
-    problems = []
-    for module in split_names(value):
-        try:
-            importlib.import_module(module)
-        except ImportError as error:
-            problems.append(f"server.plugins = {value!r}: cannot import {module!r} ({error})")
-    return problems
+    return [problem for module in split_names(value) if (problem := _import_plugin(module, value))]
+
+
+def _import_plugin(module: str, value: str) -> str | None:
+    """Import ``module``; why it cannot be, or None. A plugin runs its own code on import: whatever it raises
+    is reported with the other problems."""
+    if not all(part.isidentifier() for part in module.split(".")):
+        return (f"server.plugins = {shown(value)}: {shown(module)} is not a module name (dotted Python "
+                f"identifiers, e.g. extensions.norm_clipped)")
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 (a plugin's import error of any kind is a configuration problem)
+        return f"server.plugins = {shown(value)}: cannot import {shown(module)} ({type(error).__name__}: {error})"
+    return None
 
 
 FlatKey = tuple[tuple[str, str, Any], ...]
@@ -404,8 +469,13 @@ def _build_memoized(key: FlatKey) -> Config:
 def plugin_params(flat: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
     """The keys ``server.plugin-params`` packs ('key=value key=value'), typed by the schema."""
     text = flat.get("server.plugin-params", "")
+    try:
+        items = shlex.split(text) if isinstance(text, str) else []
+    except ValueError as error:
+        problems.append(f"server.plugin-params = {shown(text)}: cannot split it into key=value items ({error})")
+        return {}
     unpacked: dict[str, Any] = {}
-    for item in shlex.split(text) if isinstance(text, str) else []:
+    for item in items:
         try:
             key, value = parse_override(item)
         except ConfigError as error:
@@ -416,34 +486,15 @@ def plugin_params(flat: Mapping[str, Any], problems: list[str]) -> dict[str, Any
 
 
 def _build(flat: Mapping[str, Any]) -> Config:
-    plugin_problems = import_plugins(flat)
-    flat = {**plugin_params(flat, plugin_problems), **flat}
-    keys = schema()
-    problems: list[str] = list(plugin_problems)
-    values: dict[str, Any] = {}
-    for key, value in flat.items():
-        if key not in keys:
-            close = difflib.get_close_matches(key, keys, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            problems.append(f"unknown key {key!r}{hint} (`fedguard config` lists every key)")
-            continue
-        converted, error = _check_type(key, value, keys[key][0])
-        if error:
-            problems.append(error)
-        else:
-            values[key] = converted
-
-    sections: dict[str, Any] = {}
-    for prefix, section in SECTIONS.items():
-        kwargs = {}
-        for f in dataclasses.fields(section):
-            key = _key(prefix, f.name)
-            value = values.get(key, f.default)
-            error = _check_range(key, value, f.metadata)
-            if error:
-                problems.append(error)
-            kwargs[f.name] = value
-        sections[prefix or "run"] = section(**kwargs)
+    """Validate ``flat`` into a ``Config``; raises one ``ConfigError`` listing every problem."""
+    problems = import_plugins(flat)
+    flat = {**plugin_params(flat, problems), **flat}
+    values, invalid = _checked_values(flat, problems)
+    sections: dict[str, Any] = {
+        prefix or "run": section(**{f.name: values.get(_key(prefix, f.name), f.default)
+                                    for f in dataclasses.fields(section)})
+        for prefix, section in SECTIONS.items()
+    }
 
     for kind, (registry, default, _) in COMPONENT_KINDS.items():
         value = values.get(f"{kind}.name", default)
@@ -451,9 +502,10 @@ def _build(flat: Mapping[str, Any]) -> Config:
         names = [] if kind in LISTED_KINDS and names == [NO_ATTACK] else names
         for name in names:
             if name not in _choices(kind) or (kind in LISTED_KINDS and name == NO_ATTACK):
-                problems.append(f"{kind}.name = {value!r}: {name!r} is not one of {', '.join(_choices(kind))}")
+                problems.append(f"{kind}.name = {shown(value)}: {shown(name)} is not one of "
+                                f"{', '.join(_choices(kind))}")
         if len(set(names)) < len(names):
-            problems.append(f"{kind}.name = {value!r}: names a component twice")
+            problems.append(f"{kind}.name = {shown(value)}: names a component twice")
         params = _component_params(kind, registry, values, problems)
         chosen = tuple(Component(n, params.get(n)) for n in names if n in params)
         sections[f"{kind}s" if kind in LISTED_KINDS else kind] = chosen if kind in LISTED_KINDS else (
@@ -474,10 +526,41 @@ def _build(flat: Mapping[str, Any]) -> Config:
     if problem:
         problems.append(problem)
 
-    problems += _cross_checks(sections)
+    problems += _cross_checks(sections, invalid)
     if problems:
         raise ConfigError(problems)
     return Config(**sections)
+
+
+def _checked_values(flat: Mapping[str, Any], problems: list[str]) -> tuple[dict[str, Any], set[str]]:
+    """The values of ``flat`` that pass their key's own checks (known key, type, finite, range, choices),
+    converted, and the keys whose values do not (each reported in ``problems``)."""
+    keys, metadata = schema(), _section_metadata()
+    values: dict[str, Any] = {}
+    invalid: set[str] = set()
+    for key, value in flat.items():
+        if key not in keys:
+            problems.append(_unknown_key(key, keys))
+            continue
+        expected = keys[key][0]
+        converted, error = _check_type(key, value, expected)
+        error = error or _check_range(key, converted, expected, metadata.get(key, {}))
+        if error:
+            problems.append(error)
+            invalid.add(key)
+        else:
+            values[key] = converted
+    return values, invalid
+
+
+def _unknown_key(key: str, keys: Mapping[str, Any]) -> str:
+    """The problem of an unknown key, with the known keys closest to it."""
+    close = difflib.get_close_matches(key, keys, n=3) if len(key) <= 2 * max(map(len, keys)) else []
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown key {shown(key)}{hint} (`fedguard config` lists every key)"
+
+
+PARAM_ERRORS = (ValueError, TypeError, ArithmeticError)
 
 
 def _component_params(kind: str, registry: Registry[Any], values: Mapping[str, Any],
@@ -485,57 +568,220 @@ def _component_params(kind: str, registry: Registry[Any], values: Mapping[str, A
     """Name -> parameter dataclass of every registered ``kind`` (invalid ones reported and left out)."""
     built: dict[str, Any] = {}
     for entry in registry.entries():
-        kwargs = {
-            f.name: values[f"{kind}.{entry.name}.{_dash(f.name)}"]
-            for f in dataclasses.fields(entry.params)
-            if f"{kind}.{entry.name}.{_dash(f.name)}" in values
-        }
+        given = {f.name: values[_param_key(kind, entry.name, f.name)] for f in dataclasses.fields(entry.params)
+                 if _param_key(kind, entry.name, f.name) in values}
         try:
-            built[entry.name] = entry.params(**kwargs)
-        except (ValueError, TypeError) as error:
-            problems.append(f"{kind}.{entry.name}: {error}")
+            params = entry.params(**given)
+        except PARAM_ERRORS as error:
+            problems += _attributed(kind, entry, given, error)
+            continue
+        derived = _derived_problem(kind, entry.name, params, given)
+        if derived:
+            problems.append(derived)
+            continue
+        built[entry.name] = params
     return built
 
 
-def _cross_checks(sections: dict[str, Any]) -> list[str]:
+def _param_key(kind: str, name: str, field_name: str) -> str:
+    return f"{kind}.{name}.{_dash(field_name)}"
+
+
+def _settings(kind: str, name: str, given: Mapping[str, Any]) -> str:
+    """'defense.dp.clip = 0.5, defense.dp.epsilon = 2.0': the keys ``given`` sets."""
+    return ", ".join(f"{_param_key(kind, name, field)} = {shown(value)}" for field, value in given.items())
+
+
+def _attributed(kind: str, entry: Any, given: Mapping[str, Any], error: Exception) -> list[str]:
+    """``error`` of ``entry``'s parameters, each problem naming the keys that cause it: every key refused on
+    its own, else (a combination is refused) all the keys set."""
+    alone = {}
+    for name, value in given.items():
+        try:
+            entry.params(**{name: value})
+        except PARAM_ERRORS as own:
+            alone[name] = own
+    if not alone:
+        return [f"{kind}.{entry.name}: {error} ({_settings(kind, entry.name, given)})"]
+    return [f"{kind}.{entry.name}: {own} ({_settings(kind, entry.name, {field: given[field]})})"
+            for field, own in alone.items()]
+
+
+def _derived_problem(kind: str, name: str, params: Any, given: Mapping[str, Any]) -> str | None:
+    """Why a value derived from ``params`` (a property of their class, e.g. the noise scale an epsilon sets)
+    cannot be computed, or None; parameters left at their defaults are not probed."""
+    if not given:
+        return None
+    for attribute, _ in inspect.getmembers(type(params), lambda member: isinstance(member, property)):
+        try:
+            getattr(params, attribute)
+        except PARAM_ERRORS as error:
+            return (f"{kind}.{name}: its {_dash(attribute)} cannot be computed from {_settings(kind, name, given)} "
+                    f"({type(error).__name__}: {error}); choose values of a usable size")
+    return None
+
+
+def _usable(invalid: set[str], *keys: str) -> bool:
+    """Whether every one of ``keys`` holds a valid value (a check between keys reads only valid values)."""
+    return not invalid.intersection(keys)
+
+
+@dataclass(frozen=True)
+class CapturedRounds:
+    """The rounds whose uploads the server captures: those ``spans`` chooses among 1..``rounds``."""
+
+    spans: Spans
+    rounds: int
+
+    def __contains__(self, round_: int) -> bool:
+        return 1 <= round_ <= self.rounds and round_ in self.spans
+
+    def count(self) -> int:
+        """How many rounds are captured."""
+        return self.spans.count(1, self.rounds)
+
+
+def _cross_checks(sections: dict[str, Any], invalid: set[str]) -> list[str]:
+    """Problems between keys, each checked when the keys it reads hold valid values."""
     problems = []
-    train, partition, capture = sections["train"], sections["partition"], sections["capture"]
-    if train.clients_per_round > partition.num_clients:
+    train, partition = sections["train"], sections["partition"]
+    if (_usable(invalid, "train.clients-per-round", "partition.num-clients")
+            and train.clients_per_round > partition.num_clients):
         problems.append(
             f"train.clients-per-round = {train.clients_per_round}: must be <= partition.num-clients "
             f"({partition.num_clients})"
         )
-    selections = []
-    for parse in (capture.round_selection, capture.client_selection):
-        try:
-            selections.append(parse())
-        except ValueError as error:
-            problems.append(str(error))
+    problems += _data_problems(sections["data"], partition, invalid)
+    problems += _path_problems(sections["run"], sections["data"])
+    captured, capture_problems = _capture_problems(sections["capture"], train, partition, invalid)
+    problems += capture_problems
     try:
-        schedule = sections["threat"].schedule()
+        schedule: dict[int, str] | None = sections["threat"].schedule()
     except ValueError:
-        return problems  # reported with the components
-    captured = set(range(1, train.rounds + 1))
-    if len(selections) == 2:
-        captured = {r for r in captured if r in selections[0]}
-        for round_ in sorted(schedule):
-            if round_ not in captured:
-                problems.append(f"threat.malicious manipulates round {round_}, which is not a captured round of "
-                                f"this run (capture.rounds = {capture.rounds!r}, train.rounds = {train.rounds})")
-    problems += _defense_problems(sections["defense"], train.protocol, sections)
+        schedule = None  # reported with the components
+    if schedule is not None and captured is not None:
+        for round_ in sorted(r for r in schedule if r not in captured):
+            problems.append(f"threat.malicious manipulates round {round_}, which is not a captured round of "
+                            f"this run (capture.rounds = {shown(sections['capture'].rounds)}, "
+                            f"train.rounds = {train.rounds})")
+    defense = sections["defense"]
+    problems += _chosen_by("defense", defense.name, _defense_problems(defense, train.protocol, sections))
+    attack_names = ",".join(a.name for a in sections["attacks"])
     for attack in sections["attacks"]:
-        problems += _attack_problems(attack, sections, schedule, captured)
+        problems += _chosen_by("attack", attack_names, _attack_problems(attack, sections, schedule, captured))
     return problems
 
 
+def _chosen_by(kind: str, names: str, problems: list[str]) -> list[str]:
+    """``problems`` of a chosen component, each naming the key that chose it."""
+    key = f"{kind}.name"
+    return [p if key in p else f"{p} ({key} = {shown(names)})" for p in problems]
+
+
+def _capture_problems(capture: CaptureSection, train: TrainSection, partition: PartitionSection,
+                      invalid: set[str]) -> tuple[CapturedRounds | None, list[str]]:
+    """The captured rounds (None when ``train.rounds`` is invalid) and what is wrong with ``capture.rounds`` and
+    ``capture.clients``: unreadable, too long to expand, naming rounds or clients the run does not have, or
+    capturing rounds of no client. Counted on intervals: nothing is expanded."""
+    problems: list[str] = []
+    rounds_known = _usable(invalid, "train.rounds")
+    clients_known = _usable(invalid, "partition.num-clients")
+    rounds = _read_spans(capture.rounds, "capture.rounds", 1, train.rounds if rounds_known else None,
+                         f"this run's rounds are 1-{train.rounds} (train.rounds = {train.rounds})", problems)
+    last = partition.num_clients - 1
+    clients = _read_spans(capture.clients, "capture.clients", 0, last if clients_known else None,
+                          f"client ids are 0-{last} (partition.num-clients = {partition.num_clients})", problems)
+    if (rounds is not None and clients is not None and rounds_known and clients_known
+            and rounds.count(1, train.rounds) and clients.is_empty()):
+        problems.append(f"capture.clients = {shown(capture.clients)} selects no client, so capture.rounds = "
+                        f"{shown(capture.rounds)} captures nothing: choose client ids among 0-"
+                        f"{partition.num_clients - 1}, or set capture.rounds = 'none'")
+    if not rounds_known:
+        return None, problems
+    every = Spans.parse("all", "capture.rounds")  # an unusable capture.rounds was reported: do not blame attacks
+    return CapturedRounds(rounds if rounds is not None else every, train.rounds), problems
+
+
+def _read_spans(spec: str, key: str, low: int, high: int | None, valid: str, problems: list[str]) -> Spans | None:
+    """``spec`` read as intervals, checked to lie in [``low``, ``high``] (None: the bound is unknown) and to list
+    at most ``MAX_LISTED`` integers; None when it cannot be used (reported in ``problems``)."""
+    try:
+        spans = Spans.parse(spec, key)
+    except ValueError as error:
+        problems.append(str(error))
+        return None
+    outside = spans.outside(low, high) if high is not None else ()
+    if outside:
+        problems.append(f"{key} = {shown(spec)}: {describe(outside)} not in this run; {valid}")
+        return None
+    if spans.listed > MAX_LISTED:
+        problems.append(f"{key} = {shown(spec)}: lists {spans.listed} integers (repeats counted); at most "
+                        f"{MAX_LISTED}")
+        return None
+    return spans
+
+
+DATA_KEYS = ("data.name", "data.test-fraction", "data.image-size", "partition.name", "partition.num-clients",
+             "partition.classes-per-client")
+
+
+def _data_problems(data: DataSection, partition: PartitionSection, invalid: set[str]) -> list[str]:
+    """What the data set's static sizes and classes say against the partition (nothing is loaded: see
+    ``fedguard.data.sizes``; an image folder is checked when it is loaded)."""
+    if not _usable(invalid, *DATA_KEYS):
+        return []
+    problems = _classes_problems(data, partition)
+    sizes = split_sizes(data.name, data.source_options())
+    if sizes is None:
+        return problems
+    setting = ", ".join([f"data.name = {data.name!r}",
+                         *(f"{key} = {getattr(data, key.split('.')[1].replace('-', '_'))!r}"
+                           for key in sizes.depends_on)])
+    if sizes.train + sizes.test == 0:
+        return problems + [f"{setting}: the data set holds no samples at these settings"]
+    if sizes.test == 0:
+        problems.append(f"{setting}: leaves the test split empty, and the server evaluates the global model on "
+                        f"it: choose a larger data.test-fraction")
+    needed = samples_needed(partition.name, partition.num_clients)
+    if sizes.train < needed:
+        per_client = needed // partition.num_clients
+        remedies = [f"at most {sizes.train // per_client} clients"] if sizes.train >= per_client else []
+        remedies += ["a smaller data.test-fraction"] if "data.test-fraction" in sizes.depends_on else []
+        problems.append(f"{setting} leaves {sizes.train} training samples for partition.num-clients = "
+                        f"{partition.num_clients}, and partition.name = {partition.name!r} needs {per_client} per "
+                        f"client: choose {' or '.join(remedies) or 'another data set'}")
+    return problems
+
+
+def _classes_problems(data: DataSection, partition: PartitionSection) -> list[str]:
+    """``partition.classes-per-client`` beyond the data set's classes, for partition.name = 'classes'."""
+    spec = dataset_spec(data.name, data.source_options()) if partition.name == "classes" else None
+    if spec is None or partition.classes_per_client <= spec.num_classes:
+        return []
+    return [f"partition.classes-per-client = {partition.classes_per_client}: data.name = {data.name!r} has "
+            f"{spec.num_classes} classes; choose 1 to {spec.num_classes}"]
+
+
+def _path_problems(run: RunSection, data: DataSection) -> list[str]:
+    """Paths that cannot name a folder here: the run folder (with room for the files the run writes inside it)
+    and ``data.root``."""
+    if run.out_dir:
+        problems = [path_problem("out-dir", run.out_dir, RUN_FILES_RESERVE)]
+    else:
+        problems = [path_problem("name", run.name, RUN_FILES_RESERVE, under="runs")]
+    if data.root:
+        problems.append(path_problem("data.root", data.root))
+    return [p for p in problems if p]
+
+
 def _defense_problems(defense: Component, protocol: str, sections: dict[str, Any]) -> list[str]:
-    """What the defense's traits say against this run (nothing is built, no file or data set is loaded): an
-    unset file parameter, the protocols it supports and, when it declares a ``check_model(model)``, the run's
-    model (built here for that)."""
+    """What the defense's traits say against this run (nothing is built, no file or data set is loaded): its
+    files, the protocols it supports and, when it declares a ``check_model(model)``, the run's model (built here
+    for that)."""
     if defense.params is None:
         return []  # its parameters were reported already
     traits = defense_traits(defense.name, defense.params)
-    problems = _unset_files("defense", defense, traits.files)
+    problems = _file_problems("defense", defense, traits.files)
     if traits.protocols is not None and protocol not in traits.protocols:
         problems.append(f"defense.name = {defense.name!r} works on {' and '.join(sorted(traits.protocols))} "
                         f"uploads only; train.protocol = {protocol!r}")
@@ -557,10 +803,16 @@ def _model_problems(defense: str, check_model: Callable[[Any], None], model: Com
     return []
 
 
-def _unset_files(kind: str, component: Component, files: tuple[RequiredFile, ...]) -> list[str]:
-    """The files ``component`` loads whose parameter is not set (whether a set path exists is not checked here:
-    the machine that loads the file checks it)."""
-    return [f"{kind}.{component.name}: {file.unset}" for file in files if not file.path]
+def _file_problems(kind: str, component: Component, files: tuple[RequiredFile, ...]) -> list[str]:
+    """The files ``component`` loads whose parameter is not set, or names a path that cannot be a file here
+    (whether a file is there is not checked: the machine that loads it checks)."""
+    problems = []
+    for file in files:
+        if not file.path:
+            problems.append(f"{kind}.{component.name}: {file.unset}")
+        elif problem := path_problem(_param_key(kind, component.name, file.param), file.path):
+            problems.append(problem)
+    return problems
 
 
 def _simulation_problems(attack: str, traits: AttackTraits, defense: Component) -> list[str]:
@@ -571,12 +823,13 @@ def _simulation_problems(attack: str, traits: AttackTraits, defense: Component) 
             f"(set attack.{attack}.eot = 0)"]
 
 
-def _attack_problems(attack: Component, sections: dict[str, Any], schedule: dict[int, str],
-                     captured: set[int]) -> list[str]:
+def _attack_problems(attack: Component, sections: dict[str, Any], schedule: dict[int, str] | None,
+                     captured: CapturedRounds | None) -> list[str]:
     """Why ``attack`` cannot run in this configuration, from its traits (nothing is built, no file is loaded):
-    unset files, protocol, threat-model grants, the defense it simulates, manipulation."""
+    files, protocol, threat-model grants, the defense it simulates, manipulation (when the schedule and the
+    captured rounds are known)."""
     traits = attack_traits(attack.name, attack.params)
-    problems = _unset_files("attack", attack, traits.files)
+    problems = _file_problems("attack", attack, traits.files)
     kind = "gradient" if sections["train"].protocol == "fedsgd" else "weights"
     if kind not in traits.uploads:
         problems.append(
@@ -591,71 +844,122 @@ def _attack_problems(attack: Component, sections: dict[str, Any], schedule: dict
         )
     problems += _simulation_problems(attack.name, traits, sections["defense"])
     needed = required_manipulation(traits)
-    rounds = [r for r in captured if schedule.get(r, HONEST) == needed]
-    if not rounds:
+    if schedule is not None and captured is not None and not _captures(captured, schedule, needed):
         where = ("a captured round the server does not manipulate" if needed == HONEST
                  else f"a captured round manipulated with {needed!r} (e.g. threat.malicious = '1:{needed}')")
         problems.append(f"attack {attack.name!r} needs {where}; threat.malicious = "
-                        f"{sections['threat'].malicious!r}, capture.rounds = {sections['capture'].rounds!r}")
+                        f"{shown(sections['threat'].malicious)}, capture.rounds = {shown(sections['capture'].rounds)}")
     return problems
 
 
+def _captures(captured: CapturedRounds, schedule: dict[int, str], needed: str) -> bool:
+    """Whether a captured round is manipulated with ``needed`` (``HONEST``: not manipulated); counted, not
+    listed."""
+    manipulated = [r for r in schedule if r in captured]
+    if needed == HONEST:
+        return captured.count() > len(manipulated)
+    return any(schedule[r] == needed for r in manipulated)
+
+
 def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested TOML tables -> dotted keys, as Flower flattens its run config."""
+    """Nested TOML tables -> dotted keys, as Flower flattens its run config (iteratively: any depth)."""
     flat: dict[str, Any] = {}
-    for key, value in table.items():
-        full = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, full))
-        else:
+    stack = [(prefix, iter(table.items()))]
+    while stack:
+        path, items = stack[-1]
+        for key, value in items:
+            full = f"{path}.{key}" if path else key
+            if isinstance(value, Mapping):
+                stack.append((full, iter(value.items())))
+                break
             flat[full] = value
+        else:
+            stack.pop()
     return flat
 
 
 def parse_override(text: str) -> tuple[str, Scalar]:
     """'key=value' -> (key, typed value), the type taken from the schema."""
     if "=" not in text:
-        raise ConfigError([f"override {text!r}: write key=value, e.g. train.rounds=5"])
+        raise ConfigError([f"override {shown(text)}: write key=value, e.g. train.rounds=5"])
     key, raw = (part.strip() for part in text.split("=", 1))
     keys = schema()
     if key not in keys:
-        close = difflib.get_close_matches(key, keys, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError([f"unknown key {key!r}{hint} (`fedguard config` lists every key)"])
+        raise ConfigError([_unknown_key(key, keys)])
     expected = keys[key][0]
     if expected is bool:
         lowered = raw.lower()
         if lowered not in ("true", "false", "1", "0", "yes", "no"):
-            raise ConfigError([f"{key} = {raw!r}: expected true or false"])
+            raise ConfigError([f"{key} = {shown(raw)}: expected true or false"])
         return key, lowered in ("true", "1", "yes")
     if expected in (int, float):
         try:
             return key, expected(raw)
         except ValueError:
-            raise ConfigError([f"{key} = {raw!r}: expected {expected.__name__}"]) from None
+            raise ConfigError([f"{key} = {shown(raw)}: expected {expected.__name__}"]) from None
     return key, raw.strip('"')
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """The TOML document of the preset at ``path``; raises ``ConfigError`` when it is missing, cannot be read,
+    is not TOML or nests tables more than ``MAX_NESTING`` deep."""
+    name = f"preset {shown(str(path))}"
+    if not os.path.isfile(path):
+        raise ConfigError([f"{name} not found (presets live in experiments/)"])
+    try:
+        document = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError([f"{name} is not valid TOML: {error}"]) from None
+    except RecursionError:
+        raise ConfigError([f"{name}: arrays or inline tables are nested too deeply to read"]) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError([f"{name} cannot be read as text: {error}"]) from None
+    nested = nesting_problem(document)
+    if nested:
+        raise ConfigError([f"{name}: {nested}"])
+    return document
+
+
+def read_preset(preset: Path) -> dict[str, Any]:
+    """The flat keys of the preset TOML file ``preset``; raises ``ConfigError`` when ``read_toml`` refuses it or
+    it describes a sweep."""
+    document = read_toml(preset)
+    if "sweep" in document:
+        raise ConfigError([f"preset {shown(str(preset))} describes a sweep of several runs ([sweep] table): run it "
+                           f"with `fedguard sweep {preset}`"])
+    return flatten(document)
+
+
 def load_config(preset: Path | str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the preset TOML file (if any), then ``key=value`` overrides."""
+    """Defaults, then the preset TOML file (if any), then ``key=value`` overrides; raises one ``ConfigError``
+    listing the problems of all of them (the keys are checked together once the preset could be read)."""
     flat: dict[str, Any] = {}
+    preset_problems: list[str] = []
     if preset is not None:
-        path = Path(preset)
-        if not path.is_file():
-            raise ConfigError([f"preset {str(path)!r} not found (presets live in experiments/)"])
         try:
-            document = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as error:
-            raise ConfigError([f"preset {str(path)!r} is not valid TOML: {error}"]) from None
-        if "sweep" in document:
-            raise ConfigError([f"preset {str(path)!r} describes a sweep of several runs ([sweep] table): run it with "
-                               f"`fedguard sweep {path}`"])
-        flat.update(flatten(document))
+            flat.update(read_preset(Path(preset)))
+        except ConfigError as error:
+            preset_problems = error.problems
     plugins = [text for text in overrides if text.partition("=")[0].strip() == "server.plugins"]
     if plugins:  # imported first: the overrides may set their keys
         flat.update([parse_override(plugins[-1])])
     import_plugins(flat)
+    problems = list(preset_problems)
     for text in overrides:
-        key, value = parse_override(text)
+        try:
+            key, value = parse_override(text)
+        except ConfigError as error:
+            if preset_problems or "=" not in text:
+                problems += error.problems
+                continue
+            key, value = (part.strip() for part in text.split("=", 1))  # the validation reports it, by its key
         flat[key] = value
-    return Config.from_flat(flat)
+    if not preset_problems:
+        try:
+            config = Config.from_flat(flat)
+        except ConfigError as error:
+            problems += error.problems
+        else:
+            if not problems:
+                return config
+    raise ConfigError(problems)

@@ -4,21 +4,26 @@ For every outcome the evaluator reads the true batch from the vault, matches
 reconstructed to true images by linear assignment, computes MSE, PSNR, SSIM,
 LPIPS, label accuracy, the count of images above ``LEAK_SSIM`` and the
 scores of flat mean-colour images (the floor), saves both batches as PNG grids and appends one row
-to ``attacks.jsonl`` (flushed at once, so nothing is lost if the run stops).
+to ``attacks.jsonl`` (one write per row, strict JSON; see ``fedguard.run_folder``), so nothing is lost if
+the run stops.
+
+Every attacked upload gets exactly one row, whose ``status`` is one of ``ROW_STATUSES``: the attack's own
+('ok', 'error', 'timeout', 'interrupted') or 'score-error' when the attack succeeded but scoring it failed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
+import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from attackers.base import AttackOutcome
+from attackers.base import AttackOutcome, Reconstruction
 from fedguard.config import Component, Config
 from fedguard.metrics import cosine_similarity, floor_scores, gradient_psnr, score_batch
 from fedguard.metrics.scoring import LEAK_SSIM
@@ -26,11 +31,20 @@ from fedguard.metrics.image import PSNR_CAP_DB
 from fedguard.models import global_model
 from fedguard.observation import Observation
 from fedguard.report.images import save_grid
+from fedguard.run_folder import ATTACKS_FILE, VAULT_DIR, JsonlAppender, grid_name, image_prefix
 from fedguard.training import compute_gradients
-from fedguard.vault import VAULT_DIR, read_truth
+from fedguard.vault import read_truth
 
-ATTACKS_FILE = "attacks.jsonl"
-IMAGES_DIR = "images"
+
+ROW_STATUSES = ("ok", "error", "timeout", "score-error", "interrupted")
+
+
+def status_counts(rows: list[dict[str, Any]]) -> str:
+    """How many rows have each status, e.g. '3 ok, 1 interrupted': 'ok' always, the others when present."""
+    counts = Counter(str(row.get("status")) for row in rows)
+    shown = [status for status in ROW_STATUSES if status == "ok" or counts[status]]
+    shown += sorted(status for status in counts if status not in ROW_STATUSES)
+    return ", ".join(f"{counts[status]} {status}" for status in shown)
 
 
 def _json_image_scores(scores: dict[str, Any]) -> dict[str, Any]:
@@ -104,10 +118,26 @@ class Evaluator:
         self._lock = threading.Lock()
 
     def __call__(self, outcome: AttackOutcome) -> dict[str, Any]:
-        """Score ``outcome``, write its row and grids; returns the row."""
-        obs = outcome.observation
+        """Score ``outcome``, write its row and grids; returns the row. A scoring failure makes the row
+        'score-error' with the reason, never drops it."""
         context = self.contexts.get(outcome.attack, {"attack": outcome.attack})
-        row: dict[str, Any] = {
+        row = self._row(outcome, context)
+        if outcome.status == "ok" and outcome.reconstruction is not None:
+            try:
+                row.update(self._scores(outcome.observation, outcome.reconstruction, context))
+            except Exception:
+                row.update(status="score-error", error=f"scoring failed:\n{traceback.format_exc(limit=-3)}"[-2000:])
+        with self._lock:
+            self.rows.append(row)
+            with JsonlAppender(self.run_dir / ATTACKS_FILE) as rows:
+                rows.append(row)
+        return row
+
+    @staticmethod
+    def _row(outcome: AttackOutcome, context: dict[str, Any]) -> dict[str, Any]:
+        """The row of ``outcome`` before scoring: where the upload came from, the attack, its status."""
+        obs = outcome.observation
+        return {
             "round": obs.round,
             "client": obs.client,
             **context,
@@ -118,29 +148,27 @@ class Evaluator:
             "seconds": round(outcome.seconds, 3),
             "mse": None, "psnr": None, "ssim": None, "lpips": None, "label_accuracy": None, "images": None,
         }
-        rec = outcome.reconstruction
-        if outcome.status == "ok" and rec is not None:
-            row["stats"] = {k: v for k, v in rec.stats.items() if isinstance(v, (int, float, str, bool, list))}
-            truth = read_truth(self.run_dir / VAULT_DIR, obs.round, obs.client)
-            if truth is None:
-                row["error"] = "no ground truth in the vault for this upload; not scored"
-            else:
-                images, labels = truth
-                scores = score_batch(rec.images, images, rec.labels, labels, self.lpips_net)
-                row.update({key: scores[key] for key in ("mse", "psnr", "ssim", "lpips", "label_accuracy")})
-                row["lpips_error"] = scores["lpips_error"]
-                row["per_image"] = [_json_image_scores(image) for image in scores["per_image"]]
-                row["leaked_images"] = sum(image["ssim"] > LEAK_SSIM for image in scores["per_image"])
-                row["floor"] = floor_scores(images, self.lpips_net)
-                if rec.gradient is not None:
-                    row["gradient"] = gradient_scores(obs, rec.gradient, images, labels)
-                label = "-".join(str(context[k]) for k in ("attack", "source") if k in context)
-                prefix = f"{IMAGES_DIR}/round-{obs.round:04d}_client-{obs.client:04d}_{label or 'attack'}"
-                save_grid(images, self.run_dir / f"{prefix}_truth.png", scale=None)
-                save_grid(rec.images[scores["order"]], self.run_dir / f"{prefix}_recon.png", scale=None)
-                row["images"] = prefix
-        with self._lock:
-            self.rows.append(row)
-            with open(self.run_dir / ATTACKS_FILE, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(row) + "\n")
-        return row
+
+    def _scores(self, obs: Observation, rec: Reconstruction, context: dict[str, Any]) -> dict[str, Any]:
+        """What scoring adds to the row of a successful attack: its stats, the scores against the vault's
+        true batch and the grids' prefix (a note instead when the vault has no batch for the upload)."""
+        added: dict[str, Any] = {
+            "stats": {k: v for k, v in rec.stats.items() if isinstance(v, (int, float, str, bool, list))}}
+        truth = read_truth(self.run_dir / VAULT_DIR, obs.round, obs.client)
+        if truth is None:
+            return {**added, "error": "no ground truth in the vault for this upload; not scored"}
+        images, labels = truth
+        scores = score_batch(rec.images, images, rec.labels, labels, self.lpips_net)
+        added.update({key: scores[key] for key in ("mse", "psnr", "ssim", "lpips", "label_accuracy")})
+        added["lpips_error"] = scores["lpips_error"]
+        added["per_image"] = [_json_image_scores(image) for image in scores["per_image"]]
+        added["leaked_images"] = sum(image["ssim"] > LEAK_SSIM for image in scores["per_image"])
+        added["floor"] = floor_scores(images, self.lpips_net)
+        if rec.gradient is not None:
+            added["gradient"] = gradient_scores(obs, rec.gradient, images, labels)
+        label = "-".join(str(context[k]) for k in ("attack", "source") if k in context)
+        prefix = image_prefix(obs.round, obs.client, label or "attack")
+        save_grid(images, self.run_dir / grid_name(prefix, "truth"), scale=None)
+        save_grid(rec.images[scores["order"]], self.run_dir / grid_name(prefix, "recon"), scale=None)
+        added["images"] = prefix
+        return added

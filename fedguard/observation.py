@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from fedguard.data.spec import DataSpec
+from fedguard.run_folder import UPLOAD_GLOB, upload_file_name
 
 UPLOAD_KINDS = ("gradient", "weights")
 
@@ -62,7 +63,7 @@ class Observation:
     @property
     def file_name(self) -> str:
         """``round-RRRR_client-CCCC.npz``."""
-        return f"round-{self.round:04d}_client-{self.client:04d}.npz"
+        return upload_file_name(self.round, self.client)
 
     def meta(self) -> dict[str, Any]:
         """Every field but the arrays, JSON-ready."""
@@ -120,7 +121,7 @@ def load_observation(path: Path) -> Observation:
 
 def load_observations(folder: Path) -> list[Observation]:
     """Every observation in ``folder``, ordered by round then client."""
-    return [load_observation(p) for p in sorted(Path(folder).glob("round-*_client-*.npz"))]
+    return [load_observation(p) for p in sorted(Path(folder).glob(UPLOAD_GLOB))]
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,28 @@
-"""Re-running attacks on saved observations, without the federation: ``fedguard attack``."""
+"""Re-running attacks on saved observations, without the federation: ``fedguard attack``.
+
+An observation that cannot be read (a truncated or foreign file) is named with the reason and skipped; the
+others are attacked, and the count of skipped ones is said at the end.
+"""
 
 from __future__ import annotations
 
 import time
 import traceback
+import zipfile
 from itertools import groupby
 from pathlib import Path
 from typing import Any, Callable
 
 from attackers.base import ATTACKS, AttackOutcome, build_attack, check_attack_files, required_manipulation, shape_key
 from fedguard.config import Config, ConfigError, load_config
-from fedguard.evaluation import Evaluator, attack_contexts, describe_row
-from fedguard.observation import Observation, load_observations
+from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
+from fedguard.observation import Observation, load_observation
 from fedguard.report.html import build_report
-from fedguard.report.run_dir import CONFIG_FILE, OBSERVATIONS_DIR
+from fedguard.run_folder import ATTACKS_FILE, CONFIG_FILE, OBSERVATIONS_DIR, UPLOAD_GLOB
+
+# What reading a damaged or foreign .npz raises: numpy's and zipfile's errors, a missing array or meta key,
+# meta fields of the wrong type.
+UNREADABLE = (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile)
 
 
 def locate(capture_dir: Path) -> tuple[Path, Path]:
@@ -21,9 +30,9 @@ def locate(capture_dir: Path) -> tuple[Path, Path]:
     capture_dir = Path(capture_dir)
     if (capture_dir / OBSERVATIONS_DIR).is_dir():
         return capture_dir, capture_dir / OBSERVATIONS_DIR
-    if capture_dir.is_dir() and any(capture_dir.glob("round-*_client-*.npz")):
+    if capture_dir.is_dir() and any(capture_dir.glob(UPLOAD_GLOB)):
         return capture_dir.parent, capture_dir
-    raise FileNotFoundError(f"{capture_dir} holds no captured observations (round-*_client-*.npz, or observations/)")
+    raise FileNotFoundError(f"{capture_dir} holds no captured observations ({UPLOAD_GLOB}, or {OBSERVATIONS_DIR}/)")
 
 
 def offline_config(run_dir: Path, overrides: list[str]) -> Config:
@@ -36,16 +45,29 @@ def offline_config(run_dir: Path, overrides: list[str]) -> Config:
     return config
 
 
+def readable_observations(folder: Path, progress: Callable[[str], None]) -> tuple[list[Observation], int]:
+    """(every observation in ``folder`` that can be read, how many could not); each one skipped is named with
+    its reason through ``progress``."""
+    observations, skipped = [], 0
+    for path in sorted(folder.glob(UPLOAD_GLOB)):
+        try:
+            observations.append(load_observation(path))
+        except UNREADABLE as error:
+            skipped += 1
+            progress(f"fedguard: skipped {path}: unreadable ({type(error).__name__}: {error})")
+    return observations, skipped
+
+
 def attack_capture(
     capture_dir: Path, overrides: list[str], progress: Callable[[str], None] = print
 ) -> tuple[Path, list[dict[str, Any]]]:
     """Run every configured attack on the saved observations it applies to (those computed under the
     manipulation it exploits), score against the run's vault, append to its ``attacks.jsonl``, rebuild its
-    report. Returns (run folder, new rows)."""
+    report. Observations that cannot be read are skipped, each named. Returns (run folder, new rows)."""
     run_dir, folder = locate(capture_dir)
     config = offline_config(run_dir, overrides)
     check_attack_files(config.attacks)  # every missing generator or denoiser named before any attack runs
-    observations = load_observations(folder)
+    observations, skipped = readable_observations(folder, progress)
     evaluator = Evaluator(run_dir, attack_contexts(config, source="offline"))
     rows = []
     for component in config.attacks:
@@ -58,24 +80,40 @@ def attack_capture(
             for start in range(0, len(batch), config.pool.group):
                 rows += _attack_group(component.name, attack, batch[start : start + config.pool.group], evaluator,
                                       config.run.seed, progress)
-    progress(f"fedguard: rows appended to {run_dir / 'attacks.jsonl'}; report {build_report(run_dir)}")
+    if skipped:
+        progress(f"fedguard: {skipped} unreadable observation{'s' if skipped != 1 else ''} of "
+                 f"{skipped + len(observations)} skipped")
+    progress(f"fedguard: {len(rows)} rows ({status_counts(rows)}) appended to {run_dir / ATTACKS_FILE}; "
+             f"report {build_report(run_dir)}")
     return run_dir, rows
 
 
 def _attack_group(name: str, attack: Any, group: list[Observation], evaluator: Evaluator, seed: int,
                   progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    start = time.perf_counter()
-    try:
-        recons = attack.reconstruct_many(group, seed)
-        outcomes = [AttackOutcome(obs, "ok", rec, attack=name) for obs, rec in zip(group, recons)]
-    except Exception as error:
-        message = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}"
-        outcomes = [AttackOutcome(obs, "error", error=message[-2000:], attack=name) for obs in group]
-    share = (time.perf_counter() - start) / len(group)
+    """Attack ``group`` as one batch, score and write a row per observation; when the batch raises, each
+    observation is attacked alone, so that only those the attack fails on end as 'error'."""
     rows = []
-    for outcome in outcomes:
-        outcome.seconds = share
+    for outcome in _outcomes(name, attack, group, seed):
         row = evaluator(outcome)
         rows.append(row)
         progress(f"  {describe_row(row)}")
     return rows
+
+
+def _outcomes(name: str, attack: Any, group: list[Observation], seed: int) -> list[AttackOutcome]:
+    """One outcome per observation of ``group``: the batch's, or, when it raises, each observation's alone."""
+    start = time.perf_counter()
+    try:
+        recons = list(attack.reconstruct_many(group, seed))
+        missing = f"the attack returned {len(recons)} reconstructions for {len(group)} observations"
+        outcomes = [AttackOutcome(obs, "ok", rec, attack=name) for obs, rec in zip(group, recons)]
+        outcomes += [AttackOutcome(obs, "error", error=missing, attack=name) for obs in group[len(recons):]]
+    except Exception as error:
+        if len(group) > 1:
+            return [outcome for obs in group for outcome in _outcomes(name, attack, [obs], seed)]
+        message = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}"
+        outcomes = [AttackOutcome(group[0], "error", error=message[-2000:], attack=name)]
+    share = (time.perf_counter() - start) / len(group)
+    for outcome in outcomes:
+        outcome.seconds = share
+    return outcomes

@@ -1,14 +1,16 @@
 """The layout of fedguard's train messages, shared by the ClientApp and the server strategies.
 
 A train instruction carries the global model (``ArrayRecord`` "arrays", keyed by the model's
-``state_dict`` names) and a ``ConfigRecord`` "config" (``server-round``, and where Flower's strategies
-put theirs, e.g. FedProx's ``proximal-mu``). A reply carries, as typed records:
+``state_dict`` names) and a ``ConfigRecord`` "config" (``server-round``; ``partition-id``, the client the
+server assigned to the node, which trains on that partition; and where Flower's strategies put theirs,
+e.g. FedProx's ``proximal-mu``). A reply carries, as typed records:
 
 - "arrays" (``ArrayRecord``): the upload, same keys as the model (coordinate-encoded uploads use
   ``encoded-<i>`` keys until ``strategies.SparseUploads`` decodes them);
 - "metrics" (``MetricRecord``): ``num-examples`` and ``loss``, the same keys from every client, as
   Flower's built-in strategies require;
-- "declared" (``ConfigRecord``): what the client declares with its upload: ``client`` (its partition),
+- "declared" (``ConfigRecord``): what the client declares with its upload: ``client`` (its partition, which
+  the server checks against the one it assigned; ``strategies.upload_checks``),
   ``protocol``, ``lr``, ``batch-size``, local schedule, ``labels`` (a list, when the threat model grants
   them), ``encoding``, ``upload-bytes``, ``dense-bytes``;
 - "defense" (``ConfigRecord``): the defense's reports (``fedguard.defenses.defense_report``).
@@ -28,9 +30,11 @@ METRICS = "metrics"
 DECLARED = "declared"
 DEFENSE = "defense"
 ROUND_KEY = "server-round"
-VAULT_KEY = "vault"
 NUM_EXAMPLES = "num-examples"
+LOSS_KEY = "loss"
 CLIENT_KEY = "client"
+PARTITION_KEY = "partition-id"
+PROXIMAL_MU_KEY = "proximal-mu"  # the key Flower's FedProx puts in the train config
 
 
 def array_record(names: list[str] | tuple[str, ...], arrays: list[np.ndarray]) -> ArrayRecord:
@@ -47,7 +51,7 @@ def reply_content(arrays: ArrayRecord, num_examples: int, loss: float, declared:
     """A client's train reply."""
     return RecordDict({
         ARRAYS: arrays,
-        METRICS: MetricRecord({NUM_EXAMPLES: int(num_examples), "loss": float(loss)}),
+        METRICS: MetricRecord({NUM_EXAMPLES: int(num_examples), LOSS_KEY: float(loss)}),
         DECLARED: ConfigRecord(declared),
         DEFENSE: ConfigRecord(reports),
     })

@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
+from fedguard.trained_files import MissingTrainedFile, TrainedFileError
+
 F = TypeVar("F", bound=Callable[..., Any])
 Traits = Callable[[Any], Any]
 
@@ -38,12 +40,23 @@ class Entry(Generic[F]):
 class RequiredFile:
     """A file a component loads: its parameter ``param`` names it and ``path`` is that parameter's value;
     ``unset`` explains an empty ``path``, ``missing`` a ``path`` with no file (each with the command that makes
-    it)."""
+    it); ``load(path)`` reads and checks the file as the component does, raising ``TrainedFileError``."""
 
     param: str
     path: str
     unset: str
     missing: str
+    load: Callable[[str], Any]
+
+    def unusable(self) -> TrainedFileError | None:
+        """Why the file at ``path`` cannot be used (``load`` refuses it); None when it loads or is missing."""
+        try:
+            self.load(self.path)
+        except MissingTrainedFile:
+            return None
+        except TrainedFileError as error:
+            return error
+        return None
 
 
 class Registry(Generic[F]):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,19 +30,23 @@ from attackers.pool import AttackPool, AttackSpec
 from attackers.sinks import DiskSink, FanOut
 from fedguard.config import Config
 from fedguard.data import load_dataset
+from fedguard.data.federated import partitions
 from fedguard.defenses import aggregate_reports
+from fedguard.defenses.base import check_defense_files
 from fedguard.models import build_model
-from fedguard.evaluation import ATTACKS_FILE, Evaluator, attack_contexts, describe_row
+from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
 from fedguard.observation import ModelCard
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_status import write_status
-from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, free_run_dir, prepare_run_dir, resolve_run_dir
-from fedguard.records import VAULT_KEY, Upload, array_record
+from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
+from fedguard.records import Upload, array_record
+from fedguard.run_folder import ATTACKS_FILE, flwr_run_dir, read_jsonl
+from fedguard.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_on_flower_exit
 from fedguard.training import evaluate, get_arrays, set_arrays, trainable_mask
-from fedguard.vault import VAULT_DIR
 from strategies import GradientStep, HonestButCurious, Malicious, RoundGuard, SparseUploads, StrategyContext
 from strategies.registry import GRADIENT_NATIVE, build_strategy, resolve
+from strategies.upload_checks import NonFiniteModel, Rejection, UploadRules, nonfinite_problem
 
 log = logging.getLogger(__name__)
 
@@ -65,35 +69,32 @@ def model_card(config: Config, model: torch.nn.Module) -> ModelCard:
     )
 
 
-def train_config_fn(config: Config, folder: Path) -> Callable[[int], dict[str, Any]]:
-    """What each round's train config adds: in targeted rounds, where the ground-truth vault is."""
-    rounds = config.capture.round_selection()
-    vault = str(folder / VAULT_DIR)
-
-    def train_config(server_round: int) -> dict[str, Any]:
-        return {VAULT_KEY: vault} if config.capture.ground_truth and server_round in rounds else {}
-
-    return train_config
-
-
 def central_evaluation(config: Config, card: ModelCard, recorder: RoundRecorder,
                        latest: dict[str, Any]) -> Callable[[int, ArrayRecord], MetricRecord]:
     """``evaluate_fn`` of ``Strategy.start``: scores the global model on the held-out split after every
-    round and writes the round's row (with what ``latest`` holds of its uploads)."""
+    round and writes the round's row (with what ``latest`` holds of its uploads). A global model holding a
+    NaN or an infinity stops the run with ``NonFiniteModel``, its row saying why (``stopped``)."""
     x_test, y_test = load_dataset(config.data.name, config.data.source_options()).test.batch()
     evaluator = build_model(config.model.name, card.spec, config.model.params)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        set_arrays(evaluator, arrays.to_numpy_ndarrays())
+        values = arrays.to_numpy_ndarrays()
+        set_arrays(evaluator, values)
         loss, accuracy = evaluate(evaluator, x_test, y_test)
-        recorder.record(server_round, loss, accuracy, **(latest if server_round > 0 else {}))
+        problem = nonfinite_problem(list(arrays.keys()), values)
+        stopped = {} if problem is None else {"stopped": f"the global model's {problem}"}
+        recorder.record(server_round, loss, accuracy, **(latest if server_round > 0 else {}), **stopped)
+        if problem is not None:
+            raise NonFiniteModel(f"round {server_round}: after aggregation the global model's {problem}; "
+                                 "the run stops")
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     return evaluate_fn
 
 
-def build_attack_pool(config: Config, folder: Path) -> AttackPool:
-    """The attacker workers running every configured attack, and the evaluator that scores what they return."""
+def build_attack_pool(config: Config, folder: Path, stop: StopRequest) -> AttackPool:
+    """The attacker workers running every configured attack, and the evaluator that scores what they return;
+    they stop taking work once ``stop`` is requested."""
     defense = (config.defense.name, config.defense.params)
     specs = [
         AttackSpec(a.name, functools.partial(build_attack, a.name, a.params, defense),
@@ -115,6 +116,7 @@ def build_attack_pool(config: Config, folder: Path) -> AttackPool:
         use_gpu=any(getattr(a.params, "device", "cpu") != "cpu" for a in config.attacks),
         address=config.pool.address or None,
         seed=config.run.seed,
+        stop=stop.reason,
     )
 
 
@@ -170,11 +172,20 @@ def wait_for_nodes(grid: Grid, config: Config, poll: float = 0.5) -> int:
     )
 
 
-def round_accounting(recorder_extra: dict[str, Any]) -> Any:
-    """``on_replies`` of ``RoundGuard``: keeps the round's defense reports, sizes and reply counts for the
-    row written with its evaluation."""
+def upload_rules(config: Config, card: ModelCard) -> UploadRules:
+    """What the run lets a client declare: its ``train.*`` settings, the classes and each partition's size."""
+    held = partitions(config.data.name, config.data.source_options(), config.partition.name,
+                      config.partition.options(), config.partition.num_clients, config.run.seed)
+    return UploadRules(config.train.protocol, config.train.lr, config.train.batch_size, config.train.local_epochs,
+                       card.spec.num_classes, tuple(len(p) for p in held))
 
-    def on_replies(server_round: int, uploads: list[Upload], errors: list[str]) -> None:
+
+def round_accounting(recorder_extra: dict[str, Any]) -> Any:
+    """``on_replies`` of ``RoundGuard``: keeps the round's defense reports, sizes, reply counts and rejected
+    uploads (``rejected``: ``{"client", "reason"}`` each; ``skipped`` when none was left) for the row written
+    with its evaluation."""
+
+    def on_replies(server_round: int, uploads: list[Upload], errors: list[str], rejected: list[Rejection]) -> None:
         recorder_extra.clear()
         reports = aggregate_reports([{**u.reports, **({"client": u.client} if u.client is not None else {})}
                                      for u in uploads])
@@ -191,17 +202,73 @@ def round_accounting(recorder_extra: dict[str, Any]) -> Any:
             recorder_extra["failures"] = len(errors)
             for reason in errors:
                 log.warning("round %d: %s", server_round, reason)
+        if rejected:
+            recorder_extra["rejected"] = [r.row() for r in rejected]
+            for r in rejected:
+                log.warning("round %d: the upload of client %s is rejected: %s", server_round, r.client, r.reason)
+            if not uploads:
+                recorder_extra["skipped"] = f"every upload was rejected ({len(rejected)}); the model is unchanged"
 
     return on_replies
 
 
+def _attempt(what: str, step: Callable[[], Any]) -> None:
+    """Run one step of a run's ending; a failure is printed with its reason and the next steps still run."""
+    try:
+        step()
+    except Exception as error:
+        print(f"fedguard: {what} failed: {type(error).__name__}: {error}", flush=True)
+        log.error("%s failed:\n%s", what, traceback.format_exc())
+
+
+def close_capture(sink: FanOut, pool: AttackPool | None, wait: float, folder: Path) -> None:
+    """Write the captured uploads and wait up to ``wait`` seconds for the attacks still running (not once the
+    run is stopping); every attack left gets its row."""
+    if pool is not None and pool.pending() and pool.stop() is None:
+        print(f"fedguard: waiting up to {wait:g} s for {pool.pending()} attacks", flush=True)
+    sink.close(timeout=wait)
+    captured = len(list((folder / OBSERVATIONS_DIR).glob("*.npz")))
+    print(f"fedguard: {captured} uploads captured in {folder / OBSERVATIONS_DIR}", flush=True)
+
+
+def announce_attacks(folder: Path) -> None:
+    """Print how many of the run's attack rows have each status."""
+    rows = read_jsonl(folder / ATTACKS_FILE)
+    print(f"fedguard: attacks: {status_counts(rows)}; results in {folder / ATTACKS_FILE}", flush=True)
+
+
+def finish_run(folder: Path, config: Config, recorder: RoundRecorder, outcome: tuple[str, str],
+               sink: FanOut | None, pool: AttackPool | None, stop: StopRequest) -> None:
+    """The ending of every run, however it stopped: ``status.json`` ('interrupted' too when a stop came while
+    the attacks ran), the round log, the captured uploads and a row for every attack, the report. A step that
+    fails does not keep the next ones from running."""
+    rounds = max((r["round"] for r in recorder.rows), default=0)
+    _attempt("writing status.json", lambda: write_status(folder, outcome[0], rounds, outcome[1]))
+    _attempt("closing the round log", recorder.close)
+    print(f"fedguard: {recorder.summary()}", flush=True)
+    if sink is not None:
+        _attempt("closing the capture", lambda: close_capture(sink, pool, config.pool.wait, folder))
+        reason = stop.reason()
+        if outcome[0] == "completed" and reason is not None:
+            _attempt("writing status.json",
+                     lambda: write_status(folder, "interrupted", rounds, f"{reason} while the attacks ran"))
+    if pool is not None:
+        _attempt("counting the attack rows", lambda: announce_attacks(folder))
+    _attempt("writing the report", lambda: print(f"fedguard: report {build_report(folder)}", flush=True))
+
+
 def run_server(grid: Grid, config: Config) -> Path:
-    """Run every round on ``grid``; returns the run folder. Outputs are flushed even on failure."""
+    """Run every round on ``grid``; returns the run folder. Outputs are flushed even on failure; a stop
+    request (``fedguard.stopping``) ends the run as 'interrupted', every result kept."""
     check_attack_files(config.attacks)
+    check_defense_files(config.defense.name, config.defense.params)
     folder = resolve_run_dir(config)
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder)))
     prepare_run_dir(config)
     print(f"fedguard: run folder {folder}", flush=True)
+    stop = StopRequest.from_environment()
+    stop_on_flower_exit(stop)
+    grid = StoppableGrid(grid, stop)
 
     model = initial_model(config)
     card = model_card(config, model)
@@ -217,11 +284,12 @@ def run_server(grid: Grid, config: Config) -> Path:
         if not (rounds.is_empty() or clients.is_empty()):
             sinks: list[Any] = [DiskSink(folder / OBSERVATIONS_DIR)]
             if config.attacks:
-                pool = build_attack_pool(config, folder)
+                pool = build_attack_pool(config, folder, stop)
                 sinks.append(pool)
             sink = FanOut(sinks)
             strategy = capture_strategy(config, strategy, sink, card)
-        strategy = RoundGuard(SparseUploads(strategy), train_config_fn(config, folder), round_accounting(latest))
+        strategy = RoundGuard(SparseUploads(strategy), round_accounting(latest),
+                              upload_rules(config, card))
         strategy.start(
             grid,
             initial_arrays=array_record(card.names, get_arrays(model)),
@@ -229,45 +297,21 @@ def run_server(grid: Grid, config: Config) -> Path:
             evaluate_fn=central_evaluation(config, card, recorder, latest),
         )
         outcome = ("completed", "")
+    except RunInterrupted as interruption:
+        outcome = ("interrupted", str(interruption))
+        print(f"fedguard: the run was {interruption}; recording the attacks left as interrupted", flush=True)
     except BaseException as error:
         outcome = ("failed", f"{type(error).__name__}: {error}")
         print(f"fedguard: the run failed: {outcome[1]}", flush=True)
         raise
     finally:
-        write_status(folder, outcome[0], max((r["round"] for r in recorder.rows), default=0), outcome[1])
-        recorder.close()
-        print(f"fedguard: {recorder.summary()}", flush=True)
-        if sink is not None:
-            if pool is not None and pool.pending():
-                print(f"fedguard: waiting up to {config.pool.wait:.0f} s for {pool.pending()} attacks", flush=True)
-            sink.close(timeout=config.pool.wait)
-            captured = len(list((folder / OBSERVATIONS_DIR).glob("*.npz")))
-            print(f"fedguard: {captured} uploads captured in {folder / OBSERVATIONS_DIR}", flush=True)
-        if pool is not None:
-            stats = pool.stats
-            print(f"fedguard: attacks: {stats.ok} ok, {stats.error} failed, {stats.timeout} timed out; "
-                  f"results in {folder / ATTACKS_FILE}", flush=True)
-        print(f"fedguard: report {build_report(folder)}", flush=True)
+        finish_run(folder, config, recorder, outcome, sink, pool, stop)
     return folder
 
 
-RUNS_ENV = "FEDGUARD_RUNS"
-
-
-def runs_home() -> Path:
-    """Where runs started by ``flwr run`` go when ``out-dir`` is empty or relative: ``$FEDGUARD_RUNS``, else
-    ``~/fedguard-runs`` (the ServerApp's working directory is wherever Flower's SuperLink was started)."""
-    return Path(os.environ.get(RUNS_ENV) or Path.home() / "fedguard-runs")
-
-
-def under_runs_home(config: Config) -> Config:
-    """``config`` with its run folder absolute: a relative ``out-dir`` under ``runs_home()``; none,
-    ``runs_home()/<name>`` (or ``<name>-2``, ... when that holds a run)."""
-    if config.run.out_dir:
-        out = Path(config.run.out_dir)
-        out = out if out.is_absolute() else runs_home() / out
-    else:
-        out = free_run_dir(runs_home() / config.run.name)
+def under_runs_home(config: Config, run_id: int) -> Config:
+    """``config`` with the run folder of Flower run ``run_id`` (``fedguard.run_folder.flwr_run_dir``)."""
+    out = flwr_run_dir(config.run.out_dir, config.run.name, run_id)
     return dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(out)))
 
 
@@ -277,7 +321,8 @@ def make_server_app(config: Config | None = None) -> ServerApp:
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        run_server(grid, config if config is not None else under_runs_home(Config.from_flat(context.run_config)))
+        run_server(grid, config if config is not None
+                   else under_runs_home(Config.from_flat(context.run_config), context.run_id))
 
     return server_app
 

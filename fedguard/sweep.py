@@ -16,29 +16,27 @@ All runs are validated before the first one starts. Each runs as its own ``fedgu
 ``<sweep folder>/<setting>/<variant>``, so a run that fails is reported and the others go on; a run
 folder that already holds ``rounds.jsonl`` with every round is kept, not run again (a stopped sweep
 resumes). ``sweep.jsonl`` holds one row per run and ``summary.md`` the table per variant; a reproduction
-preset's ``[sweep.paper]`` (``fedguard.report.paper_table``) adds the paper's numbers beside ours.
+preset's ``[sweep.paper]`` (``fedguard.report.paper_table``) adds the paper's numbers beside ours. Run logs
+are read and the sweep's files written as ``fedguard.run_folder`` says: a torn last line of a run's log is
+skipped with a warning, and every file appears whole.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import signal
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import tomli_w
 
-from fedguard.config import Config, ConfigError, flatten, load_config
+from fedguard.config import Config, ConfigError, flatten, load_config, read_toml
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
-from fedguard.report.run_dir import ROUNDS_FILE, unflatten
-
-SWEEP_FILE = "sweep.jsonl"
-SUMMARY_FILE = "summary.md"
-ATTACKS_FILE = "attacks.jsonl"
+from fedguard.report.run_dir import unflatten
+from fedguard.run_folder import ATTACKS_FILE, ROUNDS_FILE, SUMMARY_FILE, SWEEP_FILE, read_jsonl, write_atomic, write_jsonl
 
 
 @dataclass(frozen=True)
@@ -75,7 +73,7 @@ def load_sweep(preset: Path | str, out: Path | None = None) -> Sweep:
     path = Path(preset)
     if not path.is_file():
         raise ConfigError([f"sweep preset {str(path)!r} not found (presets live in experiments/)"])
-    document = tomllib.loads(path.read_text())
+    document = read_toml(path)
     sweep = document.pop("sweep", None)
     if not isinstance(sweep, dict):
         raise ConfigError([f"{path}: no [sweep] table; run a single experiment with `fedguard run {path}`"])
@@ -112,12 +110,6 @@ def load_sweep(preset: Path | str, out: Path | None = None) -> Sweep:
     return Sweep(name, folder, baseline, tuple(runs), paper)
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 def _mean(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None and math.isfinite(v)]
     return sum(present) / len(present) if present else None
@@ -125,7 +117,7 @@ def _mean(values: list[float | None]) -> float | None:
 
 def finished(run: SweepRun) -> bool:
     """Whether ``run.folder`` holds a rounds log with every round."""
-    rounds = _rows(run.folder / ROUNDS_FILE)
+    rounds = read_jsonl(run.folder / ROUNDS_FILE)
     return bool(rounds) and rounds[-1]["round"] == run.config.train.rounds
 
 
@@ -157,8 +149,8 @@ def summarize_run(run: SweepRun, status: str) -> dict[str, Any]:
     """One ``sweep.jsonl`` row: final accuracy, mean round time, defense reports (the epsilon spent by the
     end, where the defense reports one), raw uploads, scores per attack, and the strongest attack's (highest
     mean SSIM) scores at the top level, since a defense is as good as it is against the best attack."""
-    rounds = _rows(run.folder / ROUNDS_FILE)
-    scored = [a for a in _rows(run.folder / ATTACKS_FILE) if a.get("status") == "ok"]
+    rounds = read_jsonl(run.folder / ROUNDS_FILE)
+    scored = [a for a in read_jsonl(run.folder / ATTACKS_FILE) if a.get("status") == "ok"]
     trained = [r for r in rounds if r["round"] > 0]
     per_attack = {name: attack_scores([a for a in scored if a.get("attack") == name])
                   for name in dict.fromkeys(str(a.get("attack")) for a in scored)}
@@ -247,6 +239,35 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+STOP_WAIT = 90.0  # seconds a stopped run gets to record its attacks and stop its processes (it takes 60 at most)
+
+
+def run_one(command: list[str], log: Path, timeout: float | None) -> int:
+    """Run one ``fedguard run`` in a session of its own, its output in ``log``; its exit code, -1 when it ran past
+    ``timeout``. A timeout or Ctrl-C reaches it as one SIGTERM or SIGINT and it gets ``STOP_WAIT`` seconds to stop
+    cleanly (results and report kept, its processes ended); the Ctrl-C then goes on up."""
+    with open(log, "w", encoding="utf-8") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _stop_run(process, signal.SIGTERM)
+            return -1
+        except KeyboardInterrupt:
+            _stop_run(process, signal.SIGINT)
+            raise
+
+
+def _stop_run(process: subprocess.Popen, signum: int) -> None:
+    """Signal ``process`` once, wait ``STOP_WAIT`` seconds for it to stop, then kill it."""
+    process.send_signal(signum)
+    try:
+        process.wait(STOP_WAIT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: float | None = None) -> list[dict[str, Any]]:
     """Run every run of ``sweep`` that is not finished yet, one process each; write ``sweep.jsonl`` and
     ``summary.md``; returns the rows."""
@@ -260,31 +281,25 @@ def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: fl
             continue
         run.folder.mkdir(parents=True, exist_ok=True)
         preset = run.folder.parent / f"{run.variant}.toml"
-        preset.write_text(tomli_w.dumps(unflatten(run.config.to_flat())))
+        write_atomic(preset, tomli_w.dumps(unflatten(run.config.to_flat())))
         progress(f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}")
         log = run.folder.parent / f"{run.variant}.log"
-        with open(log, "w", encoding="utf-8") as handle:
-            command = [sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)]
-            try:
-                code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                code = -1
+        code = run_one([sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)], log, timeout)
         status = "ok" if code == 0 else f"failed (exit {code}; see {log})"
         row = summarize_run(run, status)
         rows.append(row)
         scores = f"PSNR {row['psnr']:.1f} dB, " if row.get("psnr") is not None else ""
         accuracy = f"accuracy {100 * row['accuracy']:.1f}%" if row["accuracy"] is not None else "no round finished"
         progress(f"fedguard: {label}: {status}; {scores}{accuracy}")
-    with open(sweep.folder / SWEEP_FILE, "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    write_jsonl(sweep.folder / SWEEP_FILE, rows)
     summary = summary_table(rows, sweep.baseline)
     if sweep.paper is not None:
         summary += "\n" + render_paper_table(sweep.paper, rows, sweep.baseline)
-    (sweep.folder / SUMMARY_FILE).write_text(summary)
+    write_atomic(sweep.folder / SUMMARY_FILE, summary)
     return rows
 
 
 def load_preset(preset: Path | str) -> Config | Sweep:
     """A sweep preset's ``Sweep``, or a plain preset's ``Config``: what ``fedguard`` would run."""
-    document = tomllib.loads(Path(preset).read_text())
+    document = read_toml(Path(preset))
     return load_sweep(preset) if "sweep" in document else load_config(preset)

@@ -1,9 +1,11 @@
 """The ground-truth vault: the true batches behind targeted uploads, for scoring only.
 
-In simulation, clients write the batch of each targeted round here; attackers
-never read it (they receive only ``Observation`` objects); the evaluator does.
-One file per upload: ``vault/round-RRRR_client-CCCC.npz`` with ``images``
-(B, C, H, W) float32 in [0, 1] and ``labels`` (B,) int64.
+In simulation, clients write the batch of each targeted round to the run folder's
+``vault/``; a SuperNode writes only when its own node config opts in, under its
+own folder (``fedguard.client_app.truth_vault``). Attackers never read it (they
+receive only ``Observation`` objects); the evaluator does. One file per upload:
+``round-RRRR_client-CCCC.npz`` with ``images`` (B, C, H, W) float32 in [0, 1]
+and ``labels`` (B,) int64.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-VAULT_DIR = "vault"
+from fedguard.run_folder import upload_file_name
 
 
 def truth_path(vault: Path, round_: int, client: int) -> Path:
     """Where the batch of ``client`` in ``round_`` is kept."""
-    return Path(vault) / f"round-{round_:04d}_client-{client:04d}.npz"
+    return Path(vault) / upload_file_name(round_, client)
 
 
 def write_truth(vault: Path, round_: int, client: int, images: torch.Tensor, labels: torch.Tensor) -> Path:

@@ -45,7 +45,8 @@ class HonestButCurious(StrategyWrapper):
     upload_kind : str
         'gradient' (FedSGD) or 'weights' (FedAvg).
     rounds, clients : Selection
-        Targeted rounds, and targeted client ids (the ``client`` each client declares with its upload).
+        Targeted rounds, and targeted client ids (the ``client`` of each upload: under ``RoundGuard``, the one
+        the server assigned to the node that sent it).
     """
 
     def __init__(

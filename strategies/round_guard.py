@@ -1,76 +1,131 @@
-"""The outermost wrapper of every fedguard server: per-round instructions, reply accounting, dtypes.
+"""The outermost wrapper of every fedguard server: client identities, per-round instructions, the checks of
+every upload, reply accounting, dtypes.
 
-- Each round's train ``ConfigRecord`` gets what ``train_config(server_round)`` adds (the ground-truth
-  vault of targeted rounds).
+- Clients are known by node id: at the first round the nodes connected are assigned clients 0..n-1 in
+  node-id order, and each train instruction tells its node which (``partition-id``); a node that joins
+  later is sent nothing. A reply's client is the one assigned to the node Flower says sent it, never the
+  one it declares.
+- Every upload is checked before anything else sees it (``strategies.upload_checks``); a refused one is
+  left out of the round, with its client and the reason. One upload per instructed node and round.
 - Evaluation is central (the ServerApp scores the global model on the held-out split), so no node is
   asked to evaluate.
-- Every round's replies are counted: ``on_replies(server_round, uploads, errors)`` receives the
-  successful uploads and the error reasons; a round in which no node succeeded stops the run with
-  ``AllClientsFailed`` naming the reasons, instead of carrying on with an unchanged model.
+- Every round's replies are counted: ``on_replies(server_round, uploads, errors, rejected)`` receives the
+  accepted uploads, the error reasons and the rejections; a round in which no node succeeded stops the
+  run with ``AllClientsFailed`` naming the reasons, instead of carrying on with an unchanged model; a
+  round whose every upload was rejected leaves the model as it was.
 - The aggregate keeps the global model's dtypes (Flower's averaging turns integer buffers into floats).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedguard.records import Upload, array_record, read_upload
+from fedguard.records import CONFIG, PARTITION_KEY, Upload, array_record, read_upload
+from strategies.upload_checks import Layout, Rejection, UploadRules, upload_problem
 from strategies.wrapper import StrategyWrapper
+
+log = logging.getLogger(__name__)
 
 
 class AllClientsFailed(RuntimeError):
     """No node returned an upload in a round."""
 
 
+def assign_clients(node_ids: Iterable[int]) -> dict[int, int]:
+    """Node id -> client id: 0, 1, ... in increasing node id."""
+    return {node: client for client, node in enumerate(sorted(node_ids))}
+
+
 class RoundGuard(StrategyWrapper):
-    """Configure, account for and check each round around ``strategy``.
+    """Configure, check, account for and aggregate each round around ``strategy``.
 
     Parameters
     ----------
     strategy : Strategy
-        The wrapped (capturing, aggregating) strategy.
-    train_config : Callable[[int], dict[str, Any]]
-        Round -> extra entries of that round's train ``ConfigRecord``.
-    on_replies : Callable[[int, list[Upload], list[str]], None]
-        Called with each round's successful uploads and error reasons, before aggregation.
+        The wrapped (decoding, capturing, aggregating) strategy.
+    on_replies : Callable[[int, list[Upload], list[str], list[Rejection]], None]
+        Called with each round's accepted uploads, error reasons and rejections, before aggregation.
+    rules : UploadRules
+        What the run lets a client declare.
     """
 
-    def __init__(self, strategy: Strategy, train_config: Callable[[int], dict[str, Any]],
-                 on_replies: Callable[[int, list[Upload], list[str]], None]) -> None:
+    def __init__(self, strategy: Strategy, on_replies: Callable[[int, list[Upload], list[str], list[Rejection]], None],
+                 rules: UploadRules) -> None:
         super().__init__(strategy)
-        self.train_config = train_config
         self.on_replies = on_replies
-        self._dtypes: list[np.dtype] = []
+        self.rules = rules
+        self.clients: dict[int, int] = {}
+        """Node id -> the client assigned to it at the first round."""
+        self._layout = Layout((), (), ())
+        self._instructions: dict[int, ConfigRecord] = {}
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        self._dtypes = [a.dtype for a in arrays.to_numpy_ndarrays()]
-        round_config = ConfigRecord({**config, **self.train_config(server_round)})
-        return self.strategy.configure_train(server_round, arrays, round_config, grid)
+        """Configure as ``strategy`` does and tell each node its client."""
+        if not self.clients:
+            self.clients = assign_clients(grid.get_node_ids())
+        self._layout = Layout.of(list(arrays.keys()), arrays.to_numpy_ndarrays())
+        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        strangers = [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in self.clients]
+        if strangers:
+            log.warning("round %d: nodes %s joined after the clients were assigned; they are sent nothing",
+                        server_round, strangers)
+        messages = [self.addressed(m) for m in messages if m.metadata.dst_node_id in self.clients]
+        self._instructions = {m.metadata.dst_node_id: m.content[CONFIG] for m in messages}
+        return messages
+
+    def addressed(self, message: Message) -> Message:
+        """``message`` with its own train config naming the client assigned to its node."""
+        client = self.clients[message.metadata.dst_node_id]
+        config = ConfigRecord({**message.content[CONFIG], PARTITION_KEY: client})
+        message.content = RecordDict({**message.content, CONFIG: config})
+        return message
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Count the replies, stop when all failed, aggregate as ``strategy`` does, keep the dtypes."""
+        """Check and count the replies, stop when all failed, aggregate the accepted uploads as ``strategy``
+        does, keep the dtypes."""
         replies = list(replies)
-        errors = [f"node {m.metadata.src_node_id}: {m.error.reason}" for m in replies if m.has_error()]
-        uploads = [read_upload(m) for m in replies if not m.has_error()]
-        self.on_replies(server_round, uploads, errors)
-        if not uploads:
+        failed = [m for m in replies if m.has_error()]
+        errors = [f"node {m.metadata.src_node_id}: {m.error.reason}" for m in failed]
+        accepted, rejected = self.screen([m for m in replies if not m.has_error()])
+        self.on_replies(server_round, [read_upload(m) for m in accepted], errors, rejected)
+        if not accepted and not rejected:
             reasons = "; ".join(errors[:3]) + (f"; ... ({len(errors) - 3} more)" if len(errors) > 3 else "")
             raise AllClientsFailed(f"round {server_round}: every one of {len(errors)} clients failed "
                                    f"({reasons or 'no node replied'})")
-        aggregated, metrics = self.strategy.aggregate_train(server_round, replies)
+        aggregated, metrics = self.strategy.aggregate_train(server_round, failed + accepted)
         if aggregated is None:
             return None, metrics
         arrays = [np.rint(a).astype(d) if np.issubdtype(d, np.integer) and a.dtype != d else a.astype(d, copy=False)
-                  for a, d in zip(aggregated.to_numpy_ndarrays(), self._dtypes)]
+                  for a, d in zip(aggregated.to_numpy_ndarrays(), self._layout.dtypes)]
         return array_record(list(aggregated.keys()), arrays), metrics
+
+    def screen(self, replies: list[Message]) -> tuple[list[Message], list[Rejection]]:
+        """The successful replies split into accepted ones and rejections: one per instructed node, each
+        passing ``upload_problem``."""
+        accepted: list[Message] = []
+        rejected: list[Rejection] = []
+        instructions = dict(self._instructions)
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            instruction = instructions.pop(node, None)
+            if instruction is None:
+                rejected.append(Rejection(self.clients.get(node),
+                                          f"node {node} sent an upload it was not asked for this round"))
+                continue
+            problem = upload_problem(reply, self.clients[node], self._layout, self.rules, instruction)
+            if problem is None:
+                accepted.append(reply)
+            else:
+                rejected.append(Rejection(self.clients[node], problem))
+        return accepted, rejected
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:

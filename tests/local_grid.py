@@ -20,11 +20,22 @@ class LocalGrid(Nodes):
         super().__init__(num_nodes)
         self.client_app = client_app
         self.fail = set(fail)
+        self.pending: dict[str, Message] = {}
         self.contexts = {
             node: Context(run_id=1, node_id=node, state=RecordDict(), run_config={},
                           node_config={"partition-id": i, "num-partitions": num_nodes})
             for i, node in enumerate(self.get_node_ids())
         }
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Run each message's ClientApp now; its reply waits for ``pull_messages``."""
+        self.pending = {reply.metadata.reply_to_message_id: reply for reply in self.send_and_receive(messages)}
+        return list(self.pending)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """The replies to ``message_ids``, in push order."""
+        wanted = set(message_ids)
+        return [reply for message_id, reply in self.pending.items() if message_id in wanted]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         replies = []

@@ -135,15 +135,20 @@ class Deployment:
         assert result.returncode == 0, result.stdout + result.stderr
         return {str(n["node-id"]): n["status"] for n in json.loads(result.stdout)["nodes"]}
 
-    def start_supernode(self, name: str, private_key: Path, partition_id: int, num_partitions: int) -> None:
+    def start_supernode(self, name: str, private_key: Path, partition_id: int, num_partitions: int,
+                        vault: Path | None = None) -> None:
+        """A SuperNode; with ``vault``, its node config opts in to keeping ground truth there."""
         home = self.tmp / f"{name}-home"
         home.mkdir()
+        node_config = f"partition-id={partition_id} num-partitions={num_partitions}"
+        if vault is not None:
+            node_config += f' vault-dir="{vault}"'
         self.spawn(name, [
             str(BIN / "flower-supernode"),
             "--superlink", f"127.0.0.1:{self.port}",
             "--root-certificates", str(self.certs / "ca.crt"),
             "--auth-supernode-private-key", str(private_key),
-            "--node-config", f"partition-id={partition_id} num-partitions={num_partitions}",
+            "--node-config", node_config,
             "--host", "127.0.0.1", "--port", str(free_port()),
             "--max-retries", "3",
         ], env={**self.env, "FLWR_HOME": str(home)})
@@ -229,8 +234,10 @@ def test_two_authenticated_supernodes_over_tls_run_the_app(deployment: Deploymen
     dep = deployment
     dep.start_superlink()
     ids = {dep.register(keys / f"supernode-{i}.pub") for i in (1, 2)}
-    for i in (1, 2):
-        dep.start_supernode(f"supernode-{i}", keys / f"supernode-{i}", partition_id=i - 1, num_partitions=2)
+    vaults = [tmp_path / f"vault-{i}" for i in (1, 2)]
+    for i, vault in zip((1, 2), vaults):
+        dep.start_supernode(f"supernode-{i}", keys / f"supernode-{i}", partition_id=i - 1, num_partitions=2,
+                            vault=vault)
     dep.wait_online(ids)
 
     out = tmp_path / "run"
@@ -247,6 +254,13 @@ def test_two_authenticated_supernodes_over_tls_run_the_app(deployment: Deploymen
     # The ClientApps ran on the SuperNodes, not in a simulation.
     for i in (1, 2):
         assert "Start `flwr-clientapp` process" in dep.log(f"supernode-{i}").read_text()
+    # Ground truth stays with the SuperNodes that opted in, under their own folder, one per Flower run;
+    # nothing is written to the run folder, whatever the server's instructions name.
+    kept = [p.relative_to(v) for v in vaults for p in v.rglob("*.npz")]
+    assert sorted(p.name for p in kept) == ["round-0001_client-0000.npz", "round-0002_client-0000.npz"]
+    assert all(len(p.parts) == 2 and p.parts[0].startswith("run-") for p in kept), kept
+    assert not (out / "vault").exists()
+    assert all(a["psnr"] is None and "no ground truth" in a["error"] for a in attacks), attacks
 
 
 def test_a_supernode_with_an_unregistered_key_is_refused(deployment: Deployment, keys: Path) -> None:

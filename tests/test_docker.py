@@ -1,7 +1,8 @@
 """The deployment files in docker/: Compose files valid against the Compose Specification schema,
 Dockerfiles clean under hadolint, and every path, command, flag and variable they name present.
 The SuperLink is Flower's official image of the pinned Flower version; the serverapp and
-SuperNode images are built here, with CPU-only torch unless a CUDA build is asked for.
+SuperNode images are built here, with CPU-only torch unless a CUDA build is asked for. Only the
+Fleet proxy may be published beyond the host's loopback, and it forwards the Fleet API alone.
 
 Offline and fast. The schema comes from the `docker-compose` 1.29.2 wheel
 (compose/config/compose_spec.json), installed without its dependencies; the linter from the
@@ -38,6 +39,12 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # Flower's official images used as they are, and their entrypoints (Flower's
 # framework/docker/superlink/Dockerfile: ENTRYPOINT ["flower-superlink"]).
 FLOWER_IMAGES = {"flwr/superlink": "flower-superlink"}
+# The Fleet proxy: NGINX's official unprivileged image, its configuration, and the SuperLink API it
+# forwards (the Fleet API's path prefix, as Flower's SuperNode calls it).
+PROXY_IMAGE = "nginxinc/nginx-unprivileged"
+PROXY_CONF = DOCKER / "fleet-proxy.conf"
+FLEET_PREFIX = "/v1/fleet/"
+LOOPBACK = "127.0.0.1"
 # The uid:gid the fedguard images run as (USER in the Dockerfiles); owner of the mounted files.
 APP_USER = "10001:10001"
 
@@ -183,6 +190,28 @@ def supernode_services() -> dict[str, dict]:
     return {k: v for k, v in compose(DOCKER / "compose.yaml")["services"].items() if k.startswith("supernode-")}
 
 
+def published(port: str | dict) -> tuple[str, str]:
+    """(host interface, container port) of one ``ports`` entry, short or long syntax, uninterpolated; a
+    short entry without an interface is published on every interface ("")."""
+    if isinstance(port, dict):
+        return str(port.get("host_ip", "")), str(port["target"])
+    parts = VAR.sub(lambda m: f"${m.group(1)}", str(port)).split(":")  # ${NAME:-default} -> $NAME
+    return (parts[0] if len(parts) == 3 else ""), parts[-1].split("/")[0]
+
+
+def proxy_locations() -> dict[str, list[str]]:
+    """The Fleet proxy's ``location`` blocks: path -> their directives."""
+    text = re.sub(r"#[^\n]*", "", PROXY_CONF.read_text())
+    return {path: [d.strip() for d in body.split(";") if d.strip()]
+            for path, body in re.findall(r"location\s+(\S+)\s*\{([^}]*)\}", text)}
+
+
+def proxy_server_directives() -> list[str]:
+    """The Fleet proxy's ``server`` directives outside its locations."""
+    text = re.sub(r"location\s+\S+\s*\{[^}]*\}", "", re.sub(r"#[^\n]*", "", PROXY_CONF.read_text()))
+    return [d.strip() for d in text.replace("server {", "").replace("}", "").split(";") if d.strip()]
+
+
 # --- schema and linter -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
@@ -230,10 +259,13 @@ def test_two_images_are_built_here_and_the_superlink_is_flowers() -> None:
     assert {p.name for p in DOCKERFILES} == {"supernode.Dockerfile", "serverapp.Dockerfile"}
     assert sorted(p.name for p in DOCKER.glob("*.dockerignore")) == sorted(f"{p.name}.dockerignore" for p in DOCKERFILES)
     services = compose(DOCKER / "compose.yaml")["services"]
-    assert set(services) == {"superlink", "serverapp", *supernode_services()}
+    assert set(services) == {"superlink", "fleet", "serverapp", *supernode_services()}
     for name, service in services.items():
         if name == "superlink":
             assert "build" not in service, "the SuperLink is Flower's image, not built from this repository"
+        elif name == "fleet":
+            repository, _, tag = service["image"].rpartition(":")
+            assert "build" not in service and repository == PROXY_IMAGE and tag[:1].isdigit(), service["image"]
         else:
             assert "build" in service and service["image"].startswith(f"fedguard-{name.split('-')[0]}:"), name
     for path in COMPOSE_FILES[1:]:
@@ -262,7 +294,8 @@ def test_copy_sources_exist_and_reach_the_build_context(dockerfile: Path) -> Non
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_no_data_keys_or_runs_can_enter_an_image(dockerfile: Path) -> None:
-    for path in ("runs/x/vault/round-0001_client-0000.npz", "data", "docker/certs/server.key",
+    for path in ("runs/x/vault/round-0001_client-0000.npz", "docker/vault/run-1/round-0001_client-0000.npz",
+                 "data", "docker/certs/server.key",
                  "docker/keys/supernode-1", "docker/secrets/superexec.secret", "generators/mnist-5k.npz",
                  "evalnets/photos.npz", "mjolnir/photos-lenet.npz", ".venv", "docker/.env"):
         assert ignored(dockerfile, path), f"{dockerfile.name}'s .dockerignore lets {path} in"
@@ -297,7 +330,10 @@ def test_entrypoints_are_console_scripts_with_the_flags_they_are_given(dockerfil
 
 def test_compose_commands_use_flags_the_entrypoints_have() -> None:
     services = compose(DOCKER / "compose.yaml")["services"]
+    assert "command" not in services["fleet"], "the Fleet proxy runs its image's own command"
     for name, service in services.items():
+        if name == "fleet":
+            continue
         script = image_entrypoint(service)
         assert (BIN / script).is_file(), f"{name}: {script} is not installed by pyproject.toml's dependencies"
         for flag in (a for a in service.get("command", []) if a.startswith("--")):
@@ -350,6 +386,7 @@ def test_defaults_in_compose_match_env_example() -> None:
 
 
 def test_bind_mounts_come_from_documented_host_folders() -> None:
+    """Host folders named by documented variables, named volumes, or files of docker/ itself, read-only."""
     defined = env_example()
     for path in COMPOSE_FILES:
         for name, service in compose(path)["services"].items():
@@ -357,6 +394,9 @@ def test_bind_mounts_come_from_documented_host_folders() -> None:
                 if volume.startswith("${"):
                     variable = VAR.match(volume).group(1)
                     assert variable.endswith(("_DIR", "_SECRET")) and variable in defined, f"{name}: {volume}"
+                elif volume.startswith("./"):
+                    source, *_, mode = volume.split(":")
+                    assert (DOCKER / source).is_file() and mode == "ro", f"{name}: {volume}"
                 else:
                     source = volume.split(":")[0]
                     assert source in compose(DOCKER / "compose.yaml").get("volumes", {}), f"{name}: {volume}"
@@ -377,6 +417,8 @@ def test_tls_and_supernode_authentication_are_on_by_default() -> None:
 
 
 def test_supernodes_cover_every_partition_once_with_their_own_key() -> None:
+    """Service supernode-I mounts key pair supernode-I (docker/keys/generate.sh) and no other; the server assigns
+    partitions in node-id order, and the node configs' partition-ids, used where it assigns none, are 0..N-1."""
     nodes = supernode_services()
     count = int(env_example()["FEDGUARD_NUM_PARTITIONS"])
     assert len(nodes) == count
@@ -385,12 +427,63 @@ def test_supernodes_cover_every_partition_once_with_their_own_key() -> None:
         command = [interpolate(a) for a in service["command"]]
         node_config = dict(kv.split("=") for kv in command[command.index("--node-config") + 1].split())
         assert int(node_config["num-partitions"]) == count
-        index = int(node_config["partition-id"])
-        # service supernode-I, key pair supernode-I from docker/keys/generate.sh, partition I-1
-        assert name == f"supernode-{index + 1}"
-        assert any(interpolate(v).split(":")[0].endswith(f"/keys/supernode-{index + 1}") for v in service["volumes"]), name
-        seen.append(index)
+        keys = [interpolate(v).split(":")[0] for v in service["volumes"] if ":/keys/" in interpolate(v)]
+        assert [Path(k).name for k in keys] == [name], f"{name} mounts the keys {keys}"
+        seen.append(int(node_config["partition-id"]))
     assert sorted(seen) == list(range(count))
+
+
+def test_supernodes_keep_no_ground_truth_and_share_no_run_folder_by_default() -> None:
+    """Ground truth is the SuperNode's own opt-in (node config vault-dir), never a folder the server names: no
+    SuperNode opts in by default, and none mounts the serverapp's run folders."""
+    mounts = [interpolate(v).split(":") for v in compose(DOCKER / "compose.yaml")["services"]["serverapp"]["volumes"]]
+    run_folders = {source for source, target, *_ in mounts if target == "/runs"}
+    assert run_folders
+    for name, service in supernode_services().items():
+        command = service["command"]
+        assert "vault-dir" not in command[command.index("--node-config") + 1], name
+        for source, target, *_ in (interpolate(v).split(":") for v in service["volumes"]):
+            assert source not in run_folders and target != "/runs", f"{name} mounts {source} at {target}"
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_only_the_fleet_proxy_is_published_beyond_loopback(path: Path) -> None:
+    """Every published port binds 127.0.0.1, written out (no variable can widen it), except the Fleet proxy's;
+    the SuperLink's own port, which serves the Control and Runtime APIs too, is on loopback only."""
+    for name, service in compose(path)["services"].items():
+        for port in service.get("ports", []):
+            interface, target = published(port)
+            if name == "fleet":
+                assert f"listen {target} ssl" in proxy_server_directives(), f"{path.name}: {port} is not the proxy's"
+            else:
+                assert interface == LOOPBACK, f"{path.name}: {name} publishes {port} beyond loopback"
+        assert "expose" not in service and service.get("network_mode") != "host", f"{path.name}: {name}"
+    services = compose(DOCKER / "compose.yaml")["services"]
+    assert [published(p)[0] for p in services["superlink"]["ports"]] == [LOOPBACK]
+    assert all(not services[name].get("ports") for name in ("serverapp", *supernode_services()))
+    assert services["fleet"]["ports"], "remote SuperNodes need the Fleet proxy published"
+
+
+def test_the_fleet_proxy_forwards_the_fleet_api_alone() -> None:
+    """/v1/fleet/ goes to the SuperLink's port over TLS checked against the CA; every other path is refused;
+    the proxy serves TLS with the SuperLink's certificate, and has every file it names, read-only."""
+    locations = proxy_locations()
+    assert set(locations) == {FLEET_PREFIX, "/"}
+    assert locations["/"] == ["return 404"]
+    command = [interpolate(str(a)) for a in superlink()["command"]]
+    fleet = dict(d.split(None, 1) for d in locations[FLEET_PREFIX])
+    assert fleet["proxy_pass"] == f"https://superlink:{command[command.index('--port') + 1]}{FLEET_PREFIX}"
+    assert fleet["proxy_ssl_verify"] == "on" and "proxy_ssl_trusted_certificate" in fleet
+    server = dict(d.split(None, 1) for d in proxy_server_directives())
+    volumes = compose(DOCKER / "compose.yaml")["services"]["fleet"]["volumes"]
+    assert all(v.endswith(":ro") for v in volumes), volumes
+    mounts = {interpolate(v).split(":")[1]: interpolate(v).split(":")[0] for v in volumes}
+    superlink_mounts = {interpolate(v).split(":")[1]: interpolate(v).split(":")[0] for v in superlink()["volumes"]}
+    for file, flag in ((server["ssl_certificate"], "--ssl-certfile"), (server["ssl_certificate_key"], "--ssl-keyfile"),
+                       (fleet["proxy_ssl_trusted_certificate"], "--ssl-ca-certfile")):
+        assert mounts[file] == superlink_mounts[command[command.index(flag) + 1]], f"{file} is not the SuperLink's"
+    assert mounts["/etc/nginx/conf.d/default.conf"] == f"./{PROXY_CONF.name}"
+    assert compose(DOCKER / "compose.yaml")["services"]["fleet"]["user"] == APP_USER
 
 
 def test_superlink_gets_what_its_command_names() -> None:

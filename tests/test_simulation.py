@@ -76,7 +76,7 @@ def test_simulation_survives_attacks_that_run_out_of_time(tmp_path: Path) -> Non
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
     attacks = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
     assert len(attacks) == 2 and all(a["status"] == "timeout" and "within" in a["error"] for a in attacks), attacks
-    assert "0 ok, 0 failed, 2 timed out" in result.stdout
+    assert "attacks: 0 ok, 2 timeout;" in result.stdout
     assert (out / "report.html").is_file()
 
 

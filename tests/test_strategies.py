@@ -19,10 +19,12 @@ from fedguard.report.run_status import read_status
 from fedguard.server_app import FederationMismatch, run_server, wait_for_nodes
 from strategies import AllClientsFailed, GradientStep, RoundGuard, StrategyContext, build_strategy
 from strategies.registry import STRATEGIES, protocol_problem
+from strategies.upload_checks import UploadRules
 from tests.helpers import Nodes, config, reply, train_round
 from tests.local_grid import LocalGrid
 
 CONTEXT = StrategyContext(clients_per_round=3, num_clients=3, lr=0.5, trainable=(True, False))
+RULES = UploadRules("fedsgd", lr=0.5, batch_size=8, local_epochs=1, num_classes=10, partition_sizes=(8, 8))
 
 
 def test_every_registered_strategy_builds_for_the_protocols_it_declares() -> None:
@@ -53,9 +55,8 @@ def test_a_model_strategy_runs_fedsgd_through_gradient_step(inner, expected) -> 
 
 def test_the_round_guard_stops_a_round_in_which_every_client_failed() -> None:
     seen = []
-    guard = RoundGuard(FedAvg(min_train_nodes=2), lambda r: {"vault": f"/v/{r}"}, lambda *a: seen.append(a))
+    guard = RoundGuard(FedAvg(min_train_nodes=2), lambda *a: seen.append(a), RULES)
     sent = list(guard.configure_train(1, array_record(["w"], [np.zeros(2, np.int64)]), ConfigRecord(), Nodes(2)))
-    assert all(m.content["config"]["vault"] == "/v/1" for m in sent)
     from flwr.app import Error, Message
     errors = []
     for m in sent:
@@ -67,8 +68,9 @@ def test_the_round_guard_stops_a_round_in_which_every_client_failed() -> None:
 
 
 def test_the_round_guard_keeps_integer_buffers_integers() -> None:
-    guard = RoundGuard(FedAvg(min_train_nodes=2), lambda r: {}, lambda *a: None)
-    sent = list(guard.configure_train(1, array_record(["n"], [np.array(3, np.int64)]), ConfigRecord(), Nodes(2)))
+    guard = RoundGuard(FedAvg(min_train_nodes=2), lambda *a: None, RULES)
+    sent = sorted(guard.configure_train(1, array_record(["n"], [np.array(3, np.int64)]), ConfigRecord(), Nodes(2)),
+                  key=lambda m: m.metadata.dst_node_id)  # clients 0, 1
     new, _ = guard.aggregate_train(1, [reply(m, [np.array(c + 4, np.int64)], 8, {"client": c})
                                         for c, m in enumerate(sent)])
     [counter] = new.to_numpy_ndarrays()

@@ -19,6 +19,7 @@ from fedguard.data import load_dataset
 from fedguard.data.local import DEBIAN_FASHION_MNIST
 from fedguard.data.registry import SourceOptions, dataset_spec
 from fedguard.defenses.dp_update import UpdateDPParams
+from fedguard.generators import Decoder, TrainedGenerator, save_generator
 from fedguard.registry import Registry
 
 FILES = {"generator": "g.npz", "denoiser": "d.npz"}  # never opened: the loaders are replaced by stubs
@@ -97,8 +98,8 @@ def test_the_model_check_needs_no_data() -> None:
 
 
 def test_the_server_reports_each_missing_file_with_its_key(tmp_path: Path) -> None:
-    present = tmp_path / "present.npz"
-    present.write_bytes(b"")
+    present = save_generator(TrainedGenerator(Decoder(load_dataset("digits").spec, 4, 4), "digits", "test", (1.0,)),
+                             tmp_path / "present.npz")
     ggl = Component("ggl", with_files("ggl", generator=str(tmp_path / "g.npz")))
     stacked = Component("mjolnir+ggl", with_files("mjolnir+ggl", denoiser=str(tmp_path / "d.npz"),
                                                   generator=str(present)))

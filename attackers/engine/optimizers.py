@@ -4,11 +4,14 @@
 - ``adam``: Adam on the gradient (GradInversion, GGL);
   both with a ``step`` schedule (learning rate / 10 at 3/8, 5/8 and 7/8 of the iterations), ``cosine`` decay
   to 0, or ``none``, and the space's box after each step;
-- ``lbfgs``: L-BFGS with per-job history (two-loop recursion with per-job inner products) and a line search
-  over fixed fractions of the step, the best kept per job. A job none of whose trial steps lowers its loss
-  forgets its curvature and shrinks its own step tenfold, so a first step that overshoots never freezes a
-  restart; a job that takes the full step doubles it back towards ``lr``. A job whose point turns non-finite
-  (checked every ``NAN_CHECK`` iterations, the one host sync) restarts from a fresh random point.
+- ``lbfgs``: L-BFGS with per-job history (two-loop recursion with per-job inner products); ``line_search``:
+  ``none`` (torch's default, the DLG paper's optimizer): a fixed step ``lr`` (the first scaled by
+  ``min(1, 1 / |g|_1)``), a job standing still once torch's tolerances say it converged;
+  ``fractions``: trial steps at fixed fractions, the best kept per job. A job none of whose trial steps lowers
+  its loss forgets its curvature and shrinks its own step tenfold, so a first step that overshoots never
+  freezes a restart; a job that takes the full step doubles it back towards ``lr``.
+  A job whose point turns non-finite (checked every ``NAN_CHECK`` iterations, the one host sync) restarts from
+  a fresh random point.
 """
 
 from __future__ import annotations
@@ -17,26 +20,29 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.func import grad
+from torch.func import grad, grad_and_value, vmap
 
 Losses = Callable[[torch.Tensor, float], torch.Tensor]
 """``(z (J, ...), progress in [0, 1]) -> (J,)`` losses of every job."""
 
 SCHEDULES = ("step", "cosine", "none")
 OPTIMIZERS = ("signed-adam", "adam", "lbfgs")
-STEP_SCALES = (1.0, 0.3, 0.1, 0.03, 0.0)
+LINE_SEARCHES = ("none", "fractions")
+STEP_SCALES = (1.0, 0.3, 0.1, 0.03)
 NAN_CHECK = 25
+TOLERANCE_GRAD, TOLERANCE_CHANGE = 1e-7, 1e-9  # torch.optim.LBFGS's defaults
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """``kind`` (one of ``OPTIMIZERS``), step ``lr``, ``schedule`` (Adam kinds), L-BFGS ``history``, and
-    whether each step is followed by the space's ``box``."""
+    """``kind`` (one of ``OPTIMIZERS``), step ``lr``, ``schedule`` (Adam kinds), L-BFGS ``history`` and
+    ``line_search`` (one of ``LINE_SEARCHES``), and whether each step is followed by the space's ``box``."""
 
     kind: str = "signed-adam"
     lr: float = 0.1
     schedule: str = "step"
     history: int = 10
+    line_search: str = "fractions"
     box: bool = True
 
     def __post_init__(self) -> None:
@@ -48,6 +54,8 @@ class OptimizerSpec:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.history < 1:
             raise ValueError(f"history must be >= 1, got {self.history}")
+        if self.line_search not in LINE_SEARCHES:
+            raise ValueError(f"line_search {self.line_search!r}: choose one of {', '.join(LINE_SEARCHES)}")
 
 
 def _scheduler(optimizer: torch.optim.Optimizer, schedule: str, iterations: int) -> torch.optim.lr_scheduler.LRScheduler:
@@ -131,34 +139,70 @@ class BatchedLBFGS:
 
 def lbfgs(z: torch.Tensor, losses: Losses, iterations: int, spec: OptimizerSpec,
           project: Callable[[torch.Tensor], None], fresh: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``iterations`` L-BFGS steps with the batched line search; ``fresh(jobs)`` gives new starting points for
-    the jobs (J,) bool that turned non-finite. Returns the end point and each job's count of such restarts."""
-    jobs = z.shape[0]
-    device = z.device
-    gradient_of = grad(lambda point: losses(point, 1.0).sum())
+    """``iterations`` L-BFGS iterations with ``spec.line_search``; ``fresh(jobs)`` gives
+    new starting points for the jobs (J,) bool that turned non-finite. Returns the end point and each job's count
+    of such restarts."""
+    step = _fixed_step if spec.line_search == "none" else _fraction_search
+    jobs, device = z.shape[0], z.device
     optimizer = BatchedLBFGS(spec.history)
-    scales = torch.tensor(STEP_SCALES, device=device).reshape(-1, 1, *([1] * (z.dim() - 1)))
-    step_size = torch.full((jobs,), spec.lr, device=device)
-    resets = torch.zeros(jobs, dtype=torch.long, device=device)
-    rows = torch.arange(jobs, device=device)
+    state = {"resets": torch.zeros(jobs, dtype=torch.long, device=device),
+             "first": torch.ones(jobs, dtype=torch.bool, device=device),
+             "step_size": torch.full((jobs,), spec.lr, device=device),
+             "previous_loss": torch.full((jobs,), torch.inf, device=device)}
     for iteration in range(iterations):
-        direction = optimizer.direction(z, gradient_of(z)) * _expand(step_size, z)
-        trials = z.unsqueeze(0) - scales * direction.unsqueeze(0)
-        trial_losses = torch.stack([losses(trial, 1.0) for trial in trials])
-        trial_losses = torch.where(torch.isfinite(trial_losses), trial_losses, torch.inf)
-        best = trial_losses.argmin(0)
-        stuck = trial_losses[best, rows] >= trial_losses[-1]  # no trial below the point itself (scale 0)
-        z = trials[best, rows]
+        z = step(z, losses, optimizer, spec, state)
         if spec.box:
             project(z)
-        optimizer.forget(stuck)
-        step_size = torch.where(stuck, step_size * 0.1, torch.where(best == 0, (step_size * 2).clamp_max(spec.lr),
-                                                                    step_size))
         if (iteration + 1) % NAN_CHECK == 0:
             bad = ~torch.isfinite(z.flatten(1)).all(1) | ~torch.isfinite(losses(z, 1.0))
             if bool(bad.any()):
-                resets += bad.long()
+                state["resets"] += bad.long()
                 z = torch.where(_expand(bad, z), fresh(bad).to(device), z)
                 optimizer.forget(bad)
-                step_size = torch.where(bad, spec.lr, step_size)
-    return z, resets
+                state["step_size"] = torch.where(bad, spec.lr, state["step_size"])
+                state["first"] = state["first"] | bad
+                state["previous_loss"] = torch.where(bad, torch.inf, state["previous_loss"])
+    return z, state["resets"]
+
+
+def _total_and_each(losses: Losses) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``z -> (sum of the jobs' losses, (J,) losses detached)``, for ``grad_and_value`` with ``has_aux``."""
+    def total(point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        each = losses(point, 1.0)
+        return each.sum(), each.detach()
+    return total
+
+
+def _fixed_step(z: torch.Tensor, losses: Losses, optimizer: BatchedLBFGS, spec: OptimizerSpec,
+                state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One iteration of ``torch.optim.LBFGS`` without line search, per job: step ``lr`` along the quasi-Newton
+    direction (the first one scaled by ``min(1, 1 / |g|_1)``); a job whose gradient, descent or last change of
+    loss is below torch's tolerances stands still."""
+    g, (_, loss) = grad_and_value(_total_and_each(losses), has_aux=True)(z)
+    direction = optimizer.direction(z, g)
+    lr = torch.where(state["first"], (1.0 / g.flatten(1).abs().sum(1)).clamp_max(1.0) * spec.lr, spec.lr)
+    converged = ((g.flatten(1).abs().amax(1) <= TOLERANCE_GRAD) | (_dot(g, direction) < TOLERANCE_CHANGE)
+                 | ((loss - state["previous_loss"]).abs() < TOLERANCE_CHANGE))
+    state["first"] = state["first"] & converged
+    state["previous_loss"] = loss
+    return z - _expand(torch.where(converged, 0.0, lr), z) * direction
+
+
+def _fraction_search(z: torch.Tensor, losses: Losses, optimizer: BatchedLBFGS, spec: OptimizerSpec,
+                     state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One iteration with the line search over ``STEP_SCALES`` of the step (all trials in one vmapped
+    evaluation), the best kept per job; a job with no trial below its loss forgets its curvature and shrinks its
+    step tenfold, one taking the full step doubles it back towards ``lr``."""
+    rows = torch.arange(z.shape[0], device=z.device)
+    scales = torch.tensor(STEP_SCALES, device=z.device).reshape(-1, 1, *([1] * (z.dim() - 1)))
+    gradient, (_, here) = grad_and_value(_total_and_each(losses), has_aux=True)(z)
+    direction = optimizer.direction(z, gradient) * _expand(state["step_size"], z)
+    trials = z.unsqueeze(0) - scales * direction.unsqueeze(0)
+    trial_losses = torch.cat([vmap(lambda trial: losses(trial, 1.0))(trials), here.unsqueeze(0)])
+    trial_losses = torch.where(torch.isfinite(trial_losses), trial_losses, torch.inf)
+    best = trial_losses.argmin(0)
+    stuck = best == len(STEP_SCALES)  # no trial below the point itself
+    optimizer.forget(stuck)
+    size = state["step_size"]
+    state["step_size"] = torch.where(stuck, size * 0.1, torch.where(best == 0, (size * 2).clamp_max(spec.lr), size))
+    return torch.cat([trials, z.unsqueeze(0)])[best, rows]

@@ -11,8 +11,10 @@
 #   flwr supernode register OUT_DIR/supernode-1.pub [CONNECTION]
 #
 # and start that SuperNode with `--auth-supernode-private-key OUT_DIR/supernode-1`. A SuperNode
-# whose public key was not registered is refused. Existing key files are overwritten. Private keys
-# are readable by you only: a container that runs as another user needs them handed over (chown).
+# whose public key was not registered is refused. For a SuperNode on another machine, run this on
+# that machine and send the server only the .pub file: the private key never leaves it. Existing key
+# files are overwritten. Private keys are readable by you only: a container that runs as another
+# user needs them handed over (chown).
 # Uses ssh-keygen when present, otherwise Python's `cryptography` package (a dependency of flwr).
 set -euo pipefail
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from fedguard.registry import NoParams, Registry, RequiredFile
+from fedguard.trained_files import refuse
 
 REPORT_PREFIX = "defense."  # fit-metric prefix of what a ReportingDefense reports
 UPLOAD_PREFIX = "upload."  # report-name prefix of a number about this upload alone (not cumulative)
@@ -170,3 +171,13 @@ def defense_traits(name: str, params: Any = None) -> DefenseTraits:
 def build_defense(name: str, params: Any = None) -> Defense:
     """The registered defense ``name`` configured with ``params``."""
     return DEFENSES.build(name, params=params)
+
+
+def check_defense_files(name: str, params: Any) -> None:
+    """Raise ``TrainedFileError`` naming every file the defense ``name`` with ``params`` loads that is there on
+    this machine but cannot be used (corrupt, non-finite, another kind of file); the server calls it before round
+    1. A missing file is left to the clients, which load it on their own machines."""
+    unusable = [f"defense.{name}.{file.param.replace('_', '-')} = {file.path!r}: {problem}"
+                for file in defense_traits(name, params).files
+                if file.path and (problem := file.unusable()) is not None]
+    refuse([], unusable, f"defense {name!r}")

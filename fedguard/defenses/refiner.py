@@ -75,6 +75,7 @@ from fedguard.defenses.base import DefenseTraits, LocalStep, register_defense
 from fedguard.evalnet import TrainedEvalNet, load_evalnet
 from fedguard.evalnet.store import COMMAND
 from fedguard.registry import RequiredFile
+from fedguard.trained_files import MissingTrainedFile, TrainedFileError
 
 CACHE_KEY = "x_star"
 RADII = ("relative", "absolute")
@@ -288,13 +289,30 @@ class Refiner:
 
 def missing_evalnet(evalnet: str) -> str:
     """Why no evaluation network loads from ``evalnet``, and how to make one."""
-    return (f"defense 'refiner': no evaluation network at {Path(evalnet).expanduser().absolute()} "
+    return (f"defense 'refiner': no evaluation network at {evalnet_path(evalnet)} "
             f"(defense.refiner.evalnet = {evalnet!r}); create it with `{COMMAND} --out {evalnet}`")
+
+
+def evalnet_path(evalnet: str) -> Path:
+    """The file ``defense.refiner.evalnet`` names, relative to the current directory."""
+    return Path(evalnet).expanduser().absolute()
+
+
+def read_evalnet(evalnet: str) -> TrainedEvalNet:
+    """The evaluation network ``defense.refiner.evalnet`` names; ``TrainedFileError`` (``MissingTrainedFile`` for
+    a missing file) saying what is wrong with it and how to make a good one."""
+    path = evalnet_path(evalnet)
+    if not path.exists():
+        raise MissingTrainedFile(missing_evalnet(evalnet))
+    try:
+        return load_evalnet(path)
+    except TrainedFileError as error:
+        raise TrainedFileError(f"defense 'refiner': {error}") from None
 
 
 def refiner_traits(params: RefinerParams) -> DefenseTraits:
     """The class's traits and the evaluation network its clients load."""
-    evalnet = RequiredFile("evalnet", params.evalnet, NO_EVALNET, missing_evalnet(params.evalnet))
+    evalnet = RequiredFile("evalnet", params.evalnet, NO_EVALNET, missing_evalnet(params.evalnet), read_evalnet)
     return DefenseTraits.of(Refiner, files=(evalnet,))
 
 
@@ -303,11 +321,4 @@ def build_refiner(params: RefinerParams) -> Refiner:
     """Refiner (Fan et al.): upload the gradient of robust data rated as noise, projected near the true one."""
     if not params.evalnet:
         raise ValueError(NO_EVALNET)
-    path = Path(params.evalnet).expanduser().absolute()
-    if not path.is_file():
-        raise ValueError(missing_evalnet(params.evalnet))
-    try:
-        evalnet = load_evalnet(path)
-    except ValueError as error:
-        raise ValueError(f"defense 'refiner': {error}") from None
-    return Refiner(params, evalnet, path)
+    return Refiner(params, read_evalnet(params.evalnet), evalnet_path(params.evalnet))

@@ -8,7 +8,6 @@ of the predicted noise ratio in each.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 from fedguard.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.data.spec import DataSpec
 from fedguard.evalnet.model import EvalNet
+from fedguard.trained_files import FileKind, TrainedFileError, described, read_archive
 
 FORMAT = "fedguard-evalnet/1"
 COMMAND = "fedguard train-evalnet --data <dataset>"
@@ -46,9 +46,9 @@ class TrainedEvalNet:
         }
 
     def check_shape(self, shape: tuple[int, ...], path: Path | str) -> None:
-        """Raises ``ValueError`` unless the network (read from ``path``) takes images of ``shape`` (C, H, W)."""
+        """Raises ``TrainedFileError`` unless the network (read from ``path``) takes images of ``shape`` (C, H, W)."""
         if tuple(shape) != self.net.spec.shape:
-            raise ValueError(
+            raise TrainedFileError(
                 f"the evaluation network {path} was trained on images of shape {self.net.spec.shape} "
                 f"({self.dataset}), but these images have shape {tuple(shape)}; train one on similar data with "
                 f"`{COMMAND}`"
@@ -65,25 +65,26 @@ def save_evalnet(trained: TrainedEvalNet, path: Path | str) -> Path:
     return save_archive(path, trained.meta(), module_arrays(trained.net, "net"))
 
 
+def evalnet_command(path: Path) -> str:
+    """The command that writes an evaluation network at ``path``."""
+    return f"`{COMMAND} --out {path}`"
+
+
+EVALNET_FILE = FileKind("evaluation network", "an evaluation-network file", FORMAT, ("meta",), evalnet_command)
+
+
 def load_evalnet(path: Path | str) -> TrainedEvalNet:
     """Read a network written by ``save_evalnet``; it is in eval mode, frozen, on the CPU.
 
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for another format or mismatched arrays."""
+    Raises ``TrainedFileError`` (``MissingTrainedFile`` for a missing file) for a file that is not an evaluation
+    network, holds arrays its meta does not describe, or non-finite weights."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no evaluation network at {path}; create it with `{COMMAND} --out {path}`")
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{path} is not an evaluation-network file: {error}") from None
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path} is not an evaluation-network file: it holds one array, not an .npz archive")
-    with archive:
-        if "meta" not in archive.files:
-            raise ValueError(f"{path} is not an evaluation-network file: it has no 'meta' entry")
-        meta = json.loads(str(archive["meta"]))
-        arrays = {name.removeprefix("net/"): archive[name] for name in archive.files if name.startswith("net/")}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: evaluation-network format {meta.get('format')!r}, expected {FORMAT!r}; retrain it")
-    net = load_module_arrays(EvalNet(DataSpec(*meta["spec"]), meta["width"]), arrays, path, "network")
+    meta, arrays = read_archive(path, EVALNET_FILE)
+    return described(lambda: evalnet_of(meta, arrays, path), path, EVALNET_FILE)
+
+
+def evalnet_of(meta: dict, arrays: dict[str, np.ndarray], path: Path) -> TrainedEvalNet:
+    """The network ``meta`` describes, with the weights ``arrays`` (checked) of the file at ``path``."""
+    net = load_module_arrays(EvalNet(DataSpec(*meta["spec"]), meta["width"]), arrays, "net", path, EVALNET_FILE,
+                             "network")
     return TrainedEvalNet(net.eval().requires_grad_(False), meta["dataset"], meta["split"], tuple(meta["losses"]))

@@ -8,7 +8,6 @@ the mean loss of each (nats per image).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 from fedguard.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.data.spec import DataSpec
 from fedguard.generators.model import Decoder
+from fedguard.trained_files import FileKind, described, read_archive
 
 FORMAT = "fedguard-generator/1"
 
@@ -56,25 +56,31 @@ def save_generator(trained: TrainedGenerator, path: Path) -> Path:
     return save_archive(path, trained.meta(), module_arrays(trained.decoder, "decoder"))
 
 
+def generator_command(path: Path) -> str:
+    """The command that writes a generator at ``path``."""
+    return f"`fedguard train-generator --data <dataset> --out {path}`"
+
+
+GENERATOR_FILE = FileKind("generator", "a generator file", FORMAT, ("meta",), generator_command)
+
+
 def missing_generator(path: Path | str) -> str:
     """Why no generator loads from ``path``, and how to make one."""
-    return f"no generator at {path}; create it with `fedguard train-generator --data <dataset> --out {path}`"
+    return str(GENERATOR_FILE.missing(Path(path)))
 
 
 def load_generator(path: Path | str) -> TrainedGenerator:
     """Read a generator written by ``save_generator``; the decoder is in eval mode, frozen, on the CPU.
 
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for another format or mismatched arrays."""
+    Raises ``TrainedFileError`` (``MissingTrainedFile`` for a missing file) for a file that is not a generator,
+    holds arrays its meta does not describe, or non-finite weights."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(missing_generator(path))
-    with np.load(path, allow_pickle=False) as archive:
-        if "meta" not in archive.files:
-            raise ValueError(f"{path} is not a generator file: it has no 'meta' entry")
-        meta = json.loads(str(archive["meta"]))
-        arrays = {name.removeprefix("decoder/"): archive[name] for name in archive.files if name.startswith("decoder/")}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: generator format {meta.get('format')!r}, expected {FORMAT!r}; retrain it")
-    decoder = load_module_arrays(Decoder(DataSpec(*meta["spec"]), meta["latent_dim"], meta["width"]), arrays, path,
-                                 "decoder")
+    meta, arrays = read_archive(path, GENERATOR_FILE)
+    return described(lambda: generator_of(meta, arrays, path), path, GENERATOR_FILE)
+
+
+def generator_of(meta: dict, arrays: dict[str, np.ndarray], path: Path) -> TrainedGenerator:
+    """The generator ``meta`` describes, with the decoder weights ``arrays`` (checked) of the file at ``path``."""
+    decoder = Decoder(DataSpec(*meta["spec"]), meta["latent_dim"], meta["width"])
+    load_module_arrays(decoder, arrays, "decoder", path, GENERATOR_FILE, "decoder")
     return TrainedGenerator(decoder.eval().requires_grad_(False), meta["dataset"], meta["split"], tuple(meta["losses"]))

@@ -15,14 +15,16 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
 
-from fedguard.archive import save_archive
+from fedguard.archive import module_layout, save_archive
 from fedguard.mjolnir.ddpm import DDPMTrainOptions, Schedule, TrainState
-from fedguard.mjolnir.unet import UNetConfig
+from fedguard.mjolnir.store import beside_model_command
+from fedguard.mjolnir.unet import UNet, UNetConfig
+from fedguard.trained_files import FileKind, check_arrays, described, read_archive
 
 FORMAT = "fedguard-mjolnir-checkpoint/1"
 
@@ -86,21 +88,31 @@ def save_checkpoint(checkpoint: Checkpoint, path: Path | str) -> Path:
     return save_archive(path, checkpoint.meta(), _state_arrays(checkpoint.state))
 
 
+def checkpoint_command(path: Path) -> str:
+    """The command that writes a training checkpoint at ``path``."""
+    return beside_model_command(path, ".checkpoint.npz")
+
+
+CHECKPOINT_FILE = FileKind("Mjölnir training checkpoint", "a Mjölnir training checkpoint", FORMAT, ("meta", "rng"),
+                           checkpoint_command)
+
+
 def load_checkpoint(path: Path | str) -> Checkpoint:
     """Read a checkpoint written by ``save_checkpoint``, its tensors on the CPU.
 
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for another format."""
+    Raises ``TrainedFileError`` (``MissingTrainedFile`` for a missing file) for a file that is not a checkpoint,
+    holds arrays its meta does not describe, or non-finite values."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no Mjölnir training checkpoint at {path}; `fedguard train-mjolnir` writes "
-                                f"<out>.checkpoint.npz beside its model")
-    with np.load(path, allow_pickle=False) as archive:
-        if "meta" not in archive.files or "rng" not in archive.files:
-            raise ValueError(f"{path} is not a Mjölnir training checkpoint: it has no 'meta' or 'rng' entry")
-        meta = json.loads(str(archive["meta"]))
-        tensors = {name: torch.from_numpy(archive[name]) for name in archive.files if name != "meta"}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    meta, arrays = read_archive(path, CHECKPOINT_FILE)
+    return described(lambda: checkpoint_of(meta, arrays, path), path, CHECKPOINT_FILE)
+
+
+def checkpoint_of(meta: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> Checkpoint:
+    """The checkpoint ``meta`` describes, with the training state ``arrays`` (checked) of the file at ``path``."""
+    config, options = UNetConfig(**meta["unet"]), options_from_dict(meta["options"])
+    model = UNet(config, meta["side"], options.noise_range is not None)
+    check_arrays(arrays, state_layout(model, arrays), path, CHECKPOINT_FILE, "training state")
+    tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
     optimizer: dict[int, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         if name.startswith("adam/"):
@@ -114,8 +126,26 @@ def load_checkpoint(path: Path | str) -> Checkpoint:
         tensors["rng"],
         tuple(meta["losses"]),
     )
-    return Checkpoint(state, UNetConfig(**meta["unet"]), meta["side"], options_from_dict(meta["options"]),
-                      meta["record"], meta["digest"])
+    return Checkpoint(state, config, meta["side"], options, meta["record"], meta["digest"])
+
+
+def state_layout(model: UNet, names: Iterable[str]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """What a checkpoint of ``model`` holds: its weights now and at the best epoch, Adam's state of each parameter
+    whose index ``names`` use (the step and two moments of the parameter's shape) and the generator state (uint8,
+    any length)."""
+    layout = {**module_layout(model, "weights"), **module_layout(model, "best"), "rng": ((-1,), np.dtype(np.uint8))}
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    for index in adam_indices(names, len(shapes)):
+        layout[f"adam/{index}/step"] = ((), np.dtype(np.float32))
+        for key in ("exp_avg", "exp_avg_sq"):
+            layout[f"adam/{index}/{key}"] = (shapes[index], np.dtype(np.float32))
+    return layout
+
+
+def adam_indices(names: Iterable[str], count: int) -> set[int]:
+    """The parameter indices below ``count`` that array names ``adam/<index>/<key>`` hold Adam state for."""
+    parts = [name.split("/") for name in names if name.startswith("adam/")]
+    return {int(p[1]) for p in parts if len(p) == 3 and p[1].isdigit() and int(p[1]) < count}
 
 
 def check_resumable(

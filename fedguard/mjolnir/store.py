@@ -12,7 +12,6 @@ unconditional model.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +20,9 @@ import numpy as np
 from fedguard.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.mjolnir.condition import check_noise_range
 from fedguard.mjolnir.ddpm import Schedule
+from fedguard.mjolnir.packing import spec_from_dict
 from fedguard.mjolnir.unet import UNet, UNetConfig
+from fedguard.trained_files import FileKind, TrainedFileError, described, read_archive
 
 FORMAT = "fedguard-mjolnir-ddpm/1"
 
@@ -79,27 +80,50 @@ def missing_ddpm(path: Path | str) -> str:
     return f"no Mjölnir diffusion model at {path}; create it with `fedguard train-mjolnir`"
 
 
+def ddpm_command(path: Path) -> str:
+    """The command that writes a Mjölnir diffusion model at ``path``."""
+    return (f"`fedguard train-mjolnir` on the preset of the run it attacks: "
+            f"`fedguard train-mjolnir <preset> --out {path}`")
+
+
+def beside_model_command(path: Path, suffix: str) -> str:
+    """The command that writes a model ``<name>.npz`` and, beside it, the file ``<name><suffix>`` at ``path``."""
+    name = path.name.removesuffix(suffix) if path.name.endswith(suffix) else "<name>"
+    return (f"`fedguard train-mjolnir <preset> --out {path.with_name(name + '.npz')}`, which writes "
+            f"{path.with_name(name + suffix)} beside the model")
+
+
+DDPM_FILE = FileKind("Mjölnir diffusion model", "a Mjölnir diffusion model file", FORMAT, ("meta",), ddpm_command)
+
+
 def load_ddpm(path: Path | str, conditional: bool | None = None) -> TrainedDDPM:
     """Read a model written by ``save_ddpm``; the denoiser is in eval mode, frozen, on the CPU. ``conditional``:
     the kind expected (None: whichever the file holds).
 
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for another format, mismatched arrays or
+    Raises ``TrainedFileError`` (``MissingTrainedFile`` for a missing file) for a file that is not a diffusion
+    model, holds arrays its meta does not describe, non-finite weights, a packing for another grid side, or
     another kind than expected."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(missing_ddpm(path))
-    with np.load(path, allow_pickle=False) as archive:
-        if "meta" not in archive.files:
-            raise ValueError(f"{path} is not a Mjölnir diffusion model file: it has no 'meta' entry")
-        meta = json.loads(str(archive["meta"]))
-        arrays = {name.removeprefix("unet/"): archive[name] for name in archive.files if name.startswith("unet/")}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; retrain it")
-    held = bool(meta.get("conditional", False))
+    meta, arrays = read_archive(path, DDPM_FILE)
+    held = meta.get("conditional", False)
+    if not isinstance(held, bool):
+        raise DDPM_FILE.error(path, f"its meta's 'conditional' is {held!r}, expected true or false")
     if conditional is not None and conditional != held:
-        raise ValueError(f"{path}: its Mjölnir denoiser is {kind(held)}, expected {kind(conditional)}; train one "
-                         f"with `fedguard train-mjolnir{' --conditional' if conditional else ''}`")
-    model = load_module_arrays(UNet(UNetConfig(**meta["unet"]), meta["side"], held), arrays, path, "UNet")
+        raise TrainedFileError(f"{path}: its Mjölnir denoiser is {kind(held)}, expected {kind(conditional)}; train "
+                               f"one with `fedguard train-mjolnir{' --conditional' if conditional else ''}`")
+    return described(lambda: ddpm_of(meta, arrays, path, held), path, DDPM_FILE)
+
+
+def ddpm_of(meta: dict, arrays: dict[str, np.ndarray], path: Path, conditional: bool) -> TrainedDDPM:
+    """The model ``meta`` describes, with the weights ``arrays`` (checked) of the file at ``path``."""
+    model = UNet(UNetConfig(**meta["unet"]), meta["side"], conditional)
+    load_module_arrays(model, arrays, "unet", path, DDPM_FILE, "UNet")
+    normalization = meta["normalization"]
+    packing = normalization.get("packing")
+    packed_side = None if packing is None else spec_from_dict(packing).side
+    if packed_side not in (None, model.side):
+        raise DDPM_FILE.error(path, f"its gradient packing makes grids of side {packed_side}, its UNet takes side "
+                                    f"{model.side}")
     noise_range = meta.get("noise_range")
-    return TrainedDDPM(model.eval().requires_grad_(False), Schedule(**meta["schedule"]), meta["normalization"],
+    return TrainedDDPM(model.eval().requires_grad_(False), Schedule(**meta["schedule"]), normalization,
                        tuple(meta["losses"]), None if noise_range is None else tuple(noise_range))

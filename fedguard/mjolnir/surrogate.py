@@ -30,7 +30,6 @@ spec and how the surrogate's weights started.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -44,7 +43,9 @@ import torch.nn as nn
 from fedguard.archive import save_archive
 from fedguard.data import DataSpec, SourceOptions, Split, load_dataset
 from fedguard.mjolnir.packing import PackingSpec, fit_scale, pack, packing_spec, spec_from_dict, spec_to_dict, unpack
+from fedguard.mjolnir.store import beside_model_command
 from fedguard.models import MODELS, build_model
+from fedguard.trained_files import FileKind, check_arrays, described, read_archive
 from fedguard.training import compute_gradients, minibatches, parameters, set_arrays
 
 SPLITS = ("test", "train")
@@ -313,35 +314,43 @@ def save_gradient_set(gradient_set: GradientSet, path: Path | str) -> Path:
     return save_archive(path, gradient_set.meta(), arrays, compressed=True)
 
 
+def gradients_command(path: Path) -> str:
+    """The command that writes a gradient set at ``path``."""
+    return beside_model_command(path, ".gradients.npz")
+
+
+GRADIENTS_FILE = FileKind("Mjölnir gradient set", "a Mjölnir gradient set", FORMAT,
+                          ("meta", "images", "steps", "batches", "losses"), gradients_command)
+
+
 def load_gradient_set(path: Path | str) -> GradientSet:
     """Read a set written by ``save_gradient_set``.
 
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for another format or mismatched arrays."""
+    Raises ``TrainedFileError`` (``MissingTrainedFile`` for a missing file) for a file that is not a gradient
+    set, holds arrays its meta does not describe, or non-finite values."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no Mjölnir gradient set at {path}; collect one with fedguard.mjolnir.surrogate.collect_gradients "
-            "and write it with save_gradient_set"
-        )
-    with np.load(path, allow_pickle=False) as archive:
-        missing = [name for name in ("meta", "images", "steps", "batches", "losses") if name not in archive.files]
-        if missing:
-            raise ValueError(f"{path} is not a Mjölnir gradient set: it lacks {', '.join(missing)}")
-        meta = json.loads(str(archive["meta"]))
-        arrays = {name: torch.from_numpy(archive[name]) for name in ("images", "steps", "batches", "losses")}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; collect it again")
-    try:
-        return GradientSet(
-            spec=spec_from_dict(meta["packing"]),
-            model=meta["model"],
-            model_params=meta["model_params"],
-            dataset=meta["dataset"],
-            split=meta["split"],
-            data_spec=DataSpec(*meta["data_spec"]),
-            options=SurrogateOptions(**meta["options"]),
-            start=meta["start"],
-            **arrays,
-        )
-    except ValueError as error:
-        raise ValueError(f"{path}: {error}") from None
+    meta, arrays = read_archive(path, GRADIENTS_FILE)
+    return described(lambda: gradient_set_of(meta, arrays, path), path, GRADIENTS_FILE)
+
+
+def gradient_set_of(meta: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> GradientSet:
+    """The set ``meta`` describes, with the ``arrays`` (checked) of the file at ``path``."""
+    spec, options, count = spec_from_dict(meta["packing"]), SurrogateOptions(**meta["options"]), meta["count"]
+    layout = {
+        "images": ((count, 1, spec.side, spec.side), np.dtype(np.float32)),
+        "steps": ((count,), np.dtype(np.int64)),
+        "batches": ((count, options.batch_size), np.dtype(np.int64)),
+        "losses": ((count,), np.dtype(np.float64)),
+    }
+    check_arrays(arrays, layout, path, GRADIENTS_FILE, "gradient")
+    return GradientSet(
+        spec=spec,
+        model=meta["model"],
+        model_params=meta["model_params"],
+        dataset=meta["dataset"],
+        split=meta["split"],
+        data_spec=DataSpec(*meta["data_spec"]),
+        options=options,
+        start=meta["start"],
+        **{name: torch.from_numpy(array) for name, array in arrays.items()},
+    )

@@ -3,36 +3,47 @@
 Bands are stacked top to bottom in the order attacks first appear in
 ``attacks.jsonl``; each shows the attack's name and scores, the true grid and
 the reconstructed grid of the attack's first scored upload (the grids the
-evaluator saved), so the figure can be rebuilt from a run folder alone.
+evaluator saved), so the figure can be rebuilt from a run folder alone. A grid
+path that leads out of the run folder is refused: that upload is left out and
+the note says why.
 """
 
 from __future__ import annotations
 
-import json
 from io import BytesIO
 from pathlib import Path
 from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-from fedguard.report.images import write_atomic
+from fedguard.run_folder import (ATTACKS_FILE, COMPARISON_FILE, GRID_KINDS, Note, RunFileError, grid_name, inside,
+                                 read_jsonl, warn, write_atomic)
 
-COMPARISON_FILE = "comparison.png"
 LABEL_WIDTH = 230  # pixels of the text column on the left of each band
 GAP = 12  # pixels between and around the grids
 TEXT = (17, 24, 39)
 MUTED = (107, 114, 128)
+Scored = tuple[dict[str, Any], tuple[Path, Path]]  # a row and its (truth, recon) grids
 
 
-def _first_scored(rows: list[dict[str, Any]], run_dir: Path) -> dict[str, dict[str, Any]]:
-    """Attack name -> its first row with saved grids, in order of first appearance."""
-    chosen: dict[str, dict[str, Any]] = {}
+def _grids(run_dir: Path, row: dict[str, Any], note: Note) -> tuple[Path, Path] | None:
+    """The (truth, recon) grids of a scored row inside ``run_dir``; None when missing or refused (noted)."""
+    try:
+        truth, recon = (inside(run_dir, grid_name(str(row["images"]), kind)) for kind in GRID_KINDS)
+    except RunFileError as error:
+        note(str(error))
+        return None
+    return (truth, recon) if truth.is_file() and recon.is_file() else None
+
+
+def _first_scored(rows: list[dict[str, Any]], run_dir: Path, note: Note) -> dict[str, Scored]:
+    """Attack name -> its first row with saved grids and their paths, in order of first appearance."""
+    chosen: dict[str, Scored] = {}
     for row in rows:
-        prefix = row.get("images")
-        if row.get("status") != "ok" or not prefix or row.get("attack") in chosen:
+        if row.get("status") != "ok" or not row.get("images") or str(row.get("attack")) in chosen:
             continue
-        if (run_dir / f"{prefix}_truth.png").is_file() and (run_dir / f"{prefix}_recon.png").is_file():
-            chosen[str(row["attack"])] = row
+        if (grids := _grids(run_dir, row, note)) is not None:
+            chosen[str(row["attack"])] = (row, grids)
     return chosen
 
 
@@ -54,17 +65,13 @@ def _caption(row: dict[str, Any]) -> list[tuple[str, tuple[int, int, int]]]:
     return lines
 
 
-def render_comparison(run_dir: Path) -> bytes | None:
-    """The comparison figure of ``run_dir`` as PNG bytes; None when no attack saved grids."""
-    path = Path(run_dir) / "attacks.jsonl"
-    if not path.is_file():
-        return None
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    chosen = _first_scored(rows, Path(run_dir))
+def render_comparison(run_dir: Path, note: Note = warn) -> bytes | None:
+    """The comparison figure of ``run_dir`` as PNG bytes; None when no attack saved grids. ``note`` hears of
+    a torn last line of ``attacks.jsonl`` and of refused grid paths."""
+    chosen = _first_scored(read_jsonl(Path(run_dir) / ATTACKS_FILE, note), Path(run_dir), note)
     if not chosen:
         return None
-    pairs = [(Image.open(Path(run_dir) / f"{row['images']}_truth.png").convert("RGB"),
-              Image.open(Path(run_dir) / f"{row['images']}_recon.png").convert("RGB")) for row in chosen.values()]
+    pairs = [(Image.open(truth).convert("RGB"), Image.open(recon).convert("RGB")) for _, (truth, recon) in chosen.values()]
     font = ImageFont.load_default()
     heights = [max(truth.height, recon.height, 16 * 7) for truth, recon in pairs]
     header = 24
@@ -75,7 +82,7 @@ def render_comparison(run_dir: Path) -> bytes | None:
     draw.text((LABEL_WIDTH + GAP, 6), "client's batch (ground truth)", fill=MUTED, font=font)
     draw.text((LABEL_WIDTH + 2 * GAP + first_truth, 6), "reconstruction", fill=MUTED, font=font)
     top = header + GAP
-    for (row, (truth, recon)), height in zip(zip(chosen.values(), pairs), heights):
+    for ((row, _), (truth, recon)), height in zip(zip(chosen.values(), pairs), heights):
         for index, (line, colour) in enumerate(_caption(row)):
             draw.text((GAP, top + 16 * index), line, fill=colour, font=font)
         canvas.paste(truth, (LABEL_WIDTH + GAP, top))
@@ -86,7 +93,7 @@ def render_comparison(run_dir: Path) -> bytes | None:
     return out.getvalue()
 
 
-def write_comparison(run_dir: Path) -> Path | None:
+def write_comparison(run_dir: Path, note: Note = warn) -> Path | None:
     """Write ``run_dir/comparison.png``; returns its path, or None when no attack saved grids."""
-    data = render_comparison(run_dir)
+    data = render_comparison(run_dir, note)
     return None if data is None else write_atomic(Path(run_dir) / COMPARISON_FILE, data)

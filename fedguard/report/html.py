@@ -3,16 +3,17 @@
 The page needs nothing but itself: the figure and the image grids are
 embedded as base64 ``data:`` URIs, the CSS and the one small script are
 inline, and a Content-Security-Policy forbids loading anything else, so the
-file can be mailed, archived or opened offline and looks the same.
+file can be mailed, archived or opened offline and looks the same. Only grids
+inside the run folder are embedded; the page lists what it left out (a torn
+last line of a log, a grid path that leads out of the folder).
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from html import escape
 from io import BytesIO
 from pathlib import Path
@@ -23,11 +24,10 @@ from PIL import Image
 from fedguard.config import Config, ConfigError, load_config
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.report.comparison import write_comparison
-from fedguard.report.images import write_atomic
-from fedguard.report.run_dir import CONFIG_FILE, ROUNDS_FILE
+from fedguard.report.run_status import read_status
+from fedguard.run_folder import (ATTACKS_FILE, CONFIG_FILE, GRID_KINDS, REPORT_FILE, ROUNDS_FILE, RunFileError,
+                                 grid_name, inside, read_jsonl, warn, write_atomic)
 
-REPORT_FILE = "report.html"
-ATTACKS_FILE = "attacks.jsonl"
 DASH = "\u2014"
 
 
@@ -35,25 +35,28 @@ DASH = "\u2014"
 # Reading the run folder
 # ----------------------------------------------------------------------------------------------
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON object rows of ``path``; a missing file is empty, blank and torn lines are skipped.
+class _Notes:
+    """What the page left out, each said once: on the page and as a warning."""
 
-    A run that is stopped mid-write can leave a partial last line; the report
-    shows every complete row instead of failing.
-    """
-    if not path.is_file():
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, message: str) -> None:
+        if message not in self.lines:
+            self.lines.append(message)
+            warn(message)
+
+
+def _ending(run_dir: Path) -> list[str]:
+    """A line on how the run ended (``status.json``) when it did not complete; none while it goes on."""
+    try:
+        status = read_status(run_dir)
+    except RunFileError as error:
+        return [str(error)]
+    if status is None or status.get("status") == "completed":
         return []
-    rows: list[dict[str, Any]] = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    why = f" ({status['error']})" if status.get("error") else ""
+    return [f"Run status: {status.get('status')} after {status.get('rounds')} rounds{why}."]
 
 
 def _load_config(run_dir: Path) -> tuple[Config | None, str | None]:
@@ -202,7 +205,7 @@ def _params_text(params: Any) -> str:
     return ", ".join(f"{key.replace('_', '-')}={value}" for key, value in values.items())
 
 
-def _header(run_dir: Path, config: Config | None, config_problem: str | None, rounds: list[dict[str, Any]]) -> str:
+def _header(run_dir: Path, config: Config | None, problems: list[str], rounds: list[dict[str, Any]]) -> str:
     name = config.run.name if config else run_dir.name
     done = max((int(n) for row in rounds if (n := _number(row.get("round"))) is not None), default=0)
     chips: list[tuple[str, str]] = []
@@ -230,8 +233,7 @@ def _header(run_dir: Path, config: Config | None, config_problem: str | None, ro
         f"<h1>{escape(name)}</h1>",
         f'<div class="folder">{escape(str(run_dir))}</div>',
     ]
-    if config_problem:
-        parts.append(f'<p class="warn">{escape(config_problem)}</p>')
+    parts += [f'<p class="warn">{escape(problem)}</p>' for problem in problems]
     if chips:
         parts.append('<dl class="chips">')
         for label, value in chips:
@@ -256,7 +258,7 @@ def _stats(rounds: list[dict[str, Any]], attacks: list[dict[str, Any]]) -> str:
     if attacks:
         failed = sum(not _is_ok(row) for row in attacks)
         leaked = sum(_leaked(row) for row in attacks)
-        cards.append(("uploads attacked", str(len(attacks)), f"{failed} failed" if failed else "all finished",
+        cards.append(("uploads attacked", str(len(attacks)), _not_ok(attacks) or "all finished",
                       "bad" if failed else ""))
         cards.append((f"leaked (SSIM > {LEAK_SSIM:g})", str(leaked), f"of {len(attacks) - failed} reconstructed",
                       "bad" if leaked else "good"))
@@ -301,10 +303,22 @@ def _training(rounds: list[dict[str, Any]], images: _Images) -> str:
     return "\n".join(parts)
 
 
+# Badge colour of each row status: green for scored, amber for cut short (time limit, stopped run), red else.
+STATUS_CSS = {"ok": "ok", "timeout": "timeout", "interrupted": "timeout"}
+
+
 def _status_badge(row: dict[str, Any]) -> str:
     status = str(row.get("status") or "unknown")
-    css = {"ok": "ok", "timeout": "timeout"}.get(status, "error")
-    return f'<span class="badge {css}">{escape(status)}</span>'
+    return f'<span class="badge {STATUS_CSS.get(status, "error")}">{escape(status)}</span>'
+
+
+def _not_ok(rows: list[dict[str, Any]]) -> str:
+    """How many rows did not end 'ok', by status: '2 not ok (1 error, 1 interrupted)', or '' when all did."""
+    counts = Counter(str(row.get("status") or "unknown") for row in rows if not _is_ok(row))
+    if not counts:
+        return ""
+    parts = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return f"{sum(counts.values())} not ok ({parts})"
 
 
 def _ssim_cell(value: Any) -> str:
@@ -329,7 +343,8 @@ def _summary_table(attacks: list[dict[str, Any]]) -> str:
         leaked = sum(_leaked(row) for row in ok)
         body.append(
             f"<tr><td>{escape(attack)}</td><td>{escape(defense)}</td>"
-            f'<td class="num">{len(ok)}</td><td class="num{" bad" if len(rows) - len(ok) else ""}">{len(rows) - len(ok)}</td>'
+            f'<td class="num">{len(ok)}</td><td class="num{" bad" if len(rows) - len(ok) else ""}" '
+            f'title="{escape(_not_ok(rows))}">{len(rows) - len(ok)}</td>'
             f'<td class="num">{_fmt(_mean(r.get("psnr") for r in ok), 2)}</td>'
             f'{_ssim_cell(_mean(r.get("ssim") for r in ok))}'
             f'<td class="num">{_fmt(_mean(r.get("lpips") for r in ok), 3)}</td>'
@@ -340,7 +355,7 @@ def _summary_table(attacks: list[dict[str, Any]]) -> str:
         )
     return (
         '<table class="data"><thead><tr><th>attack</th><th>defense</th><th class="num">ok</th>'
-        '<th class="num">failed</th><th class="num">mean PSNR (dB)</th><th class="num">mean SSIM</th>'
+        '<th class="num">not ok</th><th class="num">mean PSNR (dB)</th><th class="num">mean SSIM</th>'
         '<th class="num">mean LPIPS</th><th class="num">mean label acc.</th>'
         f'<th class="num">SSIM &gt; {LEAK_SSIM:g}</th>'
         '<th class="num" title="flat images of each true image\'s mean colour">floor PSNR / SSIM</th></tr></thead>'
@@ -375,27 +390,28 @@ def _uploads_table(attacks: list[dict[str, Any]], anchors: dict[int, str]) -> st
     )
 
 
-def _grid_file(run_dir: Path, prefix: str, kind: str) -> Path | None:
-    """``run_dir/<prefix>_<kind>.png`` when it exists inside the run folder."""
-    path = (run_dir / f"{prefix}_{kind}.png").resolve()
-    if not path.is_relative_to(run_dir.resolve()) or not path.is_file():
-        return None
-    return path
+def _grid_cell(run_dir: Path, prefix: str, kind: str, alt: str, images: _Images, notes: _Notes) -> str:
+    """The grid ``<prefix>_<kind>.png`` embedded, or why it is not: missing, or outside the run folder."""
+    name = grid_name(prefix, kind)
+    try:
+        path = inside(run_dir, name)
+    except RunFileError as error:
+        notes(str(error))
+        return f'<div class="missing">{escape(name)} is outside the run folder; not embedded</div>'
+    if not path.is_file():
+        return f'<div class="missing">{escape(name)} is missing</div>'
+    return images.tag(path.read_bytes(), alt, "grid", enlarge_to=400)
 
 
-def _gallery_item(run_dir: Path, row: dict[str, Any], anchor: str, images: _Images) -> str:
+def _gallery_item(run_dir: Path, row: dict[str, Any], anchor: str, images: _Images, notes: _Notes) -> str:
     prefix = str(row["images"])
     title = (
         f"Round {row.get('round', '?')} \u00b7 client {row.get('client', '?')} \u00b7 {row.get('attack', '?')}"
         f" \u00b7 defense {row.get('defense', '?')}"
     )
     cells = []
-    for kind, label in (("truth", "client's data"), ("recon", "reconstruction")):
-        path = _grid_file(run_dir, prefix, kind)
-        if path is None:
-            inner = f'<div class="missing">{escape(f"{prefix}_{kind}.png")} is missing</div>'
-        else:
-            inner = images.tag(path.read_bytes(), f"{label}, {title}", "grid", enlarge_to=400)
+    for kind, label in zip(GRID_KINDS, ("client's data", "reconstruction")):
+        inner = _grid_cell(run_dir, prefix, kind, f"{label}, {title}", images, notes)
         cells.append(f"<figure>{inner}<figcaption>{escape(label)}</figcaption></figure>")
     scores = [
         ("PSNR", _fmt(row.get("psnr"), 2, " dB")),
@@ -413,19 +429,19 @@ def _gallery_item(run_dir: Path, row: dict[str, Any], anchor: str, images: _Imag
     )
 
 
-def _attacks(run_dir: Path, attacks: list[dict[str, Any]], images: _Images) -> str:
+def _attacks(run_dir: Path, attacks: list[dict[str, Any]], images: _Images, notes: _Notes) -> str:
     if not attacks:
         return (
             '<section class="panel"><h2>Attacks</h2>'
             '<p class="empty">No upload was attacked in this run.</p></section>'
         )
     anchors = {i: f"upload-{i + 1}" for i, row in enumerate(attacks) if _is_ok(row) and row.get("images")}
-    gallery = "\n".join(_gallery_item(run_dir, attacks[i], anchor, images) for i, anchor in anchors.items())
-    failed = sum(not _is_ok(row) for row in attacks)
+    gallery = "\n".join(_gallery_item(run_dir, attacks[i], anchor, images, notes) for i, anchor in anchors.items())
+    not_ok = _not_ok(attacks)
     return "\n".join([
         '<section class="panel"><h2>Attacks</h2>',
         f'<p class="lead">{len(attacks)} attacked upload{"s" if len(attacks) != 1 else ""}'
-        f'{f", {failed} failed" if failed else ""}. Higher PSNR and SSIM and lower LPIPS mean a closer '
+        f'{f", {not_ok}" if not_ok else ""}. Higher PSNR and SSIM and lower LPIPS mean a closer '
         f"reconstruction of the client's data; SSIM above {LEAK_SSIM:g} is marked as leaked.</p>",
         "<h3>By attack and defense</h3>",
         _summary_table(attacks),
@@ -522,24 +538,28 @@ CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 
 
 def render_report(run_dir: Path) -> str:
     """The HTML text of the report on ``run_dir`` (see ``build_report``)."""
-    run_dir = Path(run_dir)
+    return _page(Path(run_dir), _Notes())
+
+
+def _page(run_dir: Path, notes: _Notes) -> str:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run folder {run_dir} not found")
     if not (run_dir / ROUNDS_FILE).is_file():
         raise FileNotFoundError(f"{run_dir} holds no {ROUNDS_FILE}; is it a run folder (see `fedguard run --out`)?")
     config, config_problem = _load_config(run_dir)
     rounds = sorted(
-        (row for row in read_jsonl(run_dir / ROUNDS_FILE) if (n := _number(row.get("round"))) is not None and math.isfinite(n)),
+        (row for row in read_jsonl(run_dir / ROUNDS_FILE, notes)
+         if (n := _number(row.get("round"))) is not None and math.isfinite(n)),
         key=lambda row: row["round"],
     )
-    attacks = sorted(read_jsonl(run_dir / ATTACKS_FILE), key=_sort_key)
+    attacks = sorted(read_jsonl(run_dir / ATTACKS_FILE, notes), key=_sort_key)
     images = _Images()
     title = config.run.name if config else run_dir.name
+    sections = [_stats(rounds, attacks), _training(rounds, images), _attacks(run_dir, attacks, images, notes)]
+    problems = ([config_problem] if config_problem else []) + _ending(run_dir)
     body = "\n".join([
-        _header(run_dir, config, config_problem, rounds),
-        _stats(rounds, attacks),
-        _training(rounds, images),
-        _attacks(run_dir, attacks, images),
+        _header(run_dir, config, problems + notes.lines, rounds),
+        *sections,
         f'<footer>Written by <code>fedguard report</code>; {images.count} embedded image'
         f'{"s" if images.count != 1 else ""}, no external resources.</footer>',
     ])
@@ -563,12 +583,14 @@ def build_report(run_dir: Path) -> Path:
     one per attacked upload (with the error text of failed attacks), and the
     client's data beside its reconstruction for every attack that produced
     images. Also writes ``comparison.png`` (``fedguard.report.comparison``). Raises ``FileNotFoundError`` when ``run_dir`` or its
-    ``rounds.jsonl`` is missing; a missing ``attacks.jsonl`` means no attack ran.
+    ``rounds.jsonl`` is missing, ``RunFileError`` naming the file and line of a damaged row; a missing
+    ``attacks.jsonl`` means no attack ran. What is left out is listed on the page and warned once.
     """
     run_dir = Path(run_dir)
-    text = render_report(run_dir)
-    write_comparison(run_dir)
-    return write_atomic(run_dir / REPORT_FILE, text.encode("utf-8"))
+    notes = _Notes()
+    text = _page(run_dir, notes)
+    write_comparison(run_dir, notes)
+    return write_atomic(run_dir / REPORT_FILE, text)
 
 
-__all__ = ["ATTACKS_FILE", "REPORT_FILE", "build_report", "read_jsonl", "render_report"]
+__all__ = ["build_report", "render_report"]

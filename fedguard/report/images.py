@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from io import BytesIO
 from pathlib import Path
 
@@ -12,27 +10,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fedguard.run_folder import write_atomic
+
 MIN_CELL = 64  # pixels: the automatic scale makes every cell at least this large
 SEPARATOR = 255  # white lines between cells
-
-
-def write_atomic(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``.
-
-    A reader never sees a half-written file, and an interrupted write leaves
-    the previous version (or nothing) in place.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def auto_scale(height: int, width: int) -> int:

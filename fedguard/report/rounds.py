@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from fedguard.run_folder import JsonlAppender
 
 
 class RoundRecorder:
     """Appends ``{"round", "accuracy", "loss", "seconds"}`` rows and prints progress.
 
     Round 0 is the initial model. ``seconds`` is the wall time since the
-    previous row (training plus evaluation of that round). Each row is flushed
-    as it is written, so a run that stops keeps every finished round.
+    previous row (training plus evaluation of that round). Each row reaches the
+    file as it is written, so a run that stops keeps every finished round; a
+    non-finite loss or accuracy is written as strict JSON (``fedguard.run_folder``).
     """
 
     def __init__(self, path: Path, total_rounds: int, clients_per_round: int, out: TextIO | None = None) -> None:
@@ -24,7 +26,7 @@ class RoundRecorder:
         self.out = out or sys.stdout
         self.rows: list[dict[str, Any]] = []
         self._start = self._last = time.perf_counter()
-        self._handle = open(self.path, "a", encoding="utf-8")
+        self._file = JsonlAppender(self.path)
 
     def record(self, round_: int, loss: float, accuracy: float, **extra: Any) -> dict[str, Any]:
         """Write one row and print a progress line; returns the row."""
@@ -32,8 +34,7 @@ class RoundRecorder:
         row = {"round": round_, "accuracy": accuracy, "loss": loss, "seconds": round(now - self._last, 4), **extra}
         self._last = now
         self.rows.append(row)
-        self._handle.write(json.dumps(row) + "\n")
-        self._handle.flush()
+        self._file.append(row)
         self.out.write(self._progress(row) + "\n")
         self.out.flush()
         return row
@@ -66,4 +67,4 @@ class RoundRecorder:
 
     def close(self) -> None:
         """Close the file."""
-        self._handle.close()
+        self._file.close()

@@ -1,4 +1,4 @@
-"""The run folder: resolved configuration, round log, captured observations."""
+"""Where a run's folder goes and its ``config.toml`` (file names and writers: ``fedguard.run_folder``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 import tomli_w
 
 from fedguard.config import Config
+from fedguard.run_folder import CONFIG_FILE, OBSERVATIONS_DIR, ROUNDS_FILE, write_atomic
 
-CONFIG_FILE = "config.toml"
-ROUNDS_FILE = "rounds.jsonl"
-OBSERVATIONS_DIR = "observations"
+__all__ = ["CONFIG_FILE", "OBSERVATIONS_DIR", "ROUNDS_FILE", "free_run_dir", "prepare_run_dir", "resolve_run_dir",
+           "unflatten"]
 
 
 def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
@@ -55,5 +55,5 @@ def prepare_run_dir(config: Config) -> Path:
     """
     folder = config.run_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / CONFIG_FILE).write_text(tomli_w.dumps(unflatten(config.to_flat())))
+    write_atomic(folder / CONFIG_FILE, tomli_w.dumps(unflatten(config.to_flat())))
     return folder

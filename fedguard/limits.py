@@ -1,0 +1,111 @@
+"""Where configured values stop working, and the checks that find it without loading or allocating anything.
+
+The limits, and why:
+
+- Integers: ``INT64_MIN``..``INT64_MAX``. ``flwr run`` carries every run-config integer as a 64-bit signed
+  integer and refuses to start a run with a larger one. The seed is used by ``torch.manual_seed`` (which takes
+  up to 2**64 - 1) and numpy's ``SeedSequence`` (any size), so ``0 <= seed <= INT64_MAX``.
+- Floats: finite. No key means anything by NaN or infinity (an infinite learning rate trains a NaN model).
+- ``MAX_ROUNDS`` federated rounds (each round is seconds at the least: 100,000 of them are days of running)
+  and ``MAX_CLIENTS`` clients (one simulated SuperNode each); ``MAX_LOCAL_EPOCHS`` local epochs per round;
+  ``MAX_IMAGE_SIZE`` pixels a side (a 1024 x 1024 RGB image is 12 MiB as float32, per sample of a batch);
+  ``MAX_PROCESSES`` attack worker processes, torch threads per worker, or uploads attacked in one batch (beyond
+  the cores and memory of one machine).
+- ``MAX_LISTED`` integers listed by a selection such as ``capture.rounds = '1-3,2-9'`` (repeats counted): the
+  run expands a selection into a set of integers (tens of MB at this limit). The configuration itself counts
+  selections on intervals and expands nothing; it also refuses rounds beyond ``train.rounds`` and client ids
+  beyond ``partition.num-clients``.
+- ``MAX_NESTING`` levels of tables in a preset, well beyond any key's: keys have three parts
+  (``defense.dp.epsilon``), a few more where a registered name holds dots.
+- Paths: no NUL character, no name longer than the file system's ``PC_NAME_MAX``, no path longer than its
+  ``PC_PATH_MAX`` (``os.pathconf``); a run folder keeps ``RUN_FILES_RESERVE`` bytes of that for the files the
+  run writes inside it (``observations/round-RRRR_client-CCCC.npz``, ...).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import reprlib
+from typing import Any, Mapping
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_ROUNDS = 100_000
+MAX_CLIENTS = 100_000
+MAX_LOCAL_EPOCHS = 10_000
+MAX_IMAGE_SIZE = 1024
+MAX_PROCESSES = 1024
+MAX_LISTED = 1_000_000
+MAX_NESTING = 8
+RUN_FILES_RESERVE = 64
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel = 80, 80, 60, 3
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, shortened for a message: long strings and numbers elided in the middle, deep or long
+    containers cut."""
+    return _REPR.repr(value)
+
+
+def finite_problem(key: str, value: float) -> str | None:
+    """Why ``value`` of float key ``key`` is refused (NaN or infinite), or None."""
+    if math.isfinite(value):
+        return None
+    return f"{key} = {shown(value)}: must be a finite number"
+
+
+def nesting_problem(table: Mapping[str, Any], limit: int = MAX_NESTING) -> str | None:
+    """The first table of ``table`` nested more than ``limit`` deep, described, or None (iterative: any depth)."""
+    stack: list[tuple[Mapping[str, Any], tuple[str, ...]]] = [(table, ())]
+    while stack:
+        current, path = stack.pop()
+        for name, value in current.items():
+            if not isinstance(value, Mapping):
+                continue
+            if len(path) + 1 > limit:
+                dotted = ".".join((*path, str(name)))
+                return (f"table {shown(dotted)} is nested more than {limit} deep, deeper than any key (keys "
+                        f"have three parts, e.g. defense.dp.epsilon)")
+            stack.append((value, (*path, str(name))))
+    return None
+
+
+def path_problem(key: str, path: str, reserve: int = 0, under: str = "") -> str | None:
+    """Why ``path`` (in folder ``under``, relative to the working directory) cannot name a file here, with
+    ``reserve`` bytes of the path length kept for names beneath it, or None."""
+    if "\x00" in path:
+        return f"{key} = {shown(path)}: a path cannot hold a NUL character"
+    try:
+        absolute = os.fsencode(os.path.abspath(os.path.join(under, os.path.expanduser(path))))
+    except UnicodeError:
+        return f"{key} = {shown(path)}: cannot be written as a file name on this system"
+    path_max = _pathconf(os.getcwd(), "PC_PATH_MAX")
+    if path_max is not None and len(absolute) + reserve >= path_max:
+        return (f"{key} = {shown(path)}: its absolute path has {len(absolute)} bytes; this file system takes "
+                f"fewer than {path_max - reserve} (PC_PATH_MAX {path_max}"
+                f"{f', less {reserve} for the files inside' if reserve else ''})")
+    name_max = _pathconf(_nearest_folder(absolute), "PC_NAME_MAX")
+    longest = max(absolute.split(b"/"), key=len)
+    if name_max is not None and len(longest) > name_max:
+        return (f"{key} = {shown(path)}: the name {shown(os.fsdecode(longest))} has {len(longest)} bytes; this "
+                f"file system takes at most {name_max} (PC_NAME_MAX)")
+    return None
+
+
+def _nearest_folder(absolute: bytes) -> bytes:
+    """The deepest existing folder on the way to ``absolute``."""
+    folder = absolute
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    return folder
+
+
+def _pathconf(folder: str | bytes, name: str) -> int | None:
+    """``os.pathconf(folder, name)``, or None where the system sets no limit or cannot tell."""
+    try:
+        value = os.pathconf(folder, name)
+    except (OSError, ValueError):
+        return None
+    return value if value > 0 else None

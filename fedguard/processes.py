@@ -1,0 +1,106 @@
+"""The processes a run starts, found through ``/proc``, so that ``fedguard run`` leaves none behind.
+
+A process is known by its pid and its start time, so a pid the system hands to another process later is never
+taken for it. Where there is no ``/proc`` nothing is found, and only the process groups ``fedguard run``
+started itself are stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process: its pid and its start time (clock ticks after boot)."""
+
+    pid: int
+    started: int
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time) of ``pid`` from ``/proc/<pid>/stat``, or None when it is gone."""
+    try:
+        text = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # after "pid (name)", which may hold spaces and parentheses
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> set[Process]:
+    """Every process below ``root`` in the process tree now."""
+    children: dict[int, list[Process]] = defaultdict(list)
+    for entry in PROC.glob("[0-9]*"):
+        stat = _stat(int(entry.name))
+        if stat is not None:
+            children[stat[1]].append(Process(int(entry.name), stat[2]))
+    found: set[Process] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.add(child)
+            stack.append(child.pid)
+    return found
+
+
+def is_running(process: Process) -> bool:
+    """Whether ``process`` (that very one, not a later holder of its pid) still runs; a zombie does not."""
+    stat = _stat(process.pid)
+    return stat is not None and stat[2] == process.started and stat[0] != "Z"
+
+
+def _signal(processes: set[Process], signum: int) -> None:
+    for process in processes:
+        try:
+            os.kill(process.pid, signum)
+        except OSError:  # gone meanwhile, or not ours to signal
+            pass
+
+
+def _wait(processes: set[Process], seconds: float) -> set[Process]:
+    """Those of ``processes`` still running after up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    running = {p for p in processes if is_running(p)}
+    while running and time.monotonic() < deadline:
+        time.sleep(0.1)
+        running = {p for p in running if is_running(p)}
+    return running
+
+
+@dataclass
+class ProcessTracker:
+    """The processes ``watch`` was given and every process seen below them (``update`` while the run goes:
+    one that loses its parent is still known), and how to stop those still running at the end."""
+
+    roots: set[Process] = field(default_factory=set)
+    seen: set[Process] = field(default_factory=set)
+
+    def watch(self, pid: int) -> None:
+        """Track process ``pid`` and what it starts."""
+        stat = _stat(pid)
+        if stat is not None:
+            self.roots.add(Process(pid, stat[2]))
+            self.seen.add(Process(pid, stat[2]))
+
+    def update(self) -> None:
+        """Add the processes below the tracked ones now (below those still running: a pid given to another
+        process since is not followed)."""
+        for root in [r for r in self.roots if is_running(r)]:
+            self.seen |= descendants(root.pid)
+
+    def stop(self, patience: float, grace: float = 5.0) -> set[Process]:
+        """Give the processes seen up to ``patience`` seconds to end on their own, then SIGTERM, ``grace``
+        seconds later SIGKILL; returns those still running after that."""
+        running = _wait(self.seen, patience)
+        _signal(running, signal.SIGTERM)
+        running = _wait(running, grace)
+        _signal(running, signal.SIGKILL)
+        return _wait(running, grace)

@@ -1,0 +1,325 @@
+"""The configuration refuses what cannot work: non-finite floats, integers beyond their use, sizes that would
+exhaust memory, overflowing parameters, overlong paths, deep nesting, captures of nothing and partitions that
+leave a client no data; all problems together, each naming its key and value."""
+
+from __future__ import annotations
+
+import math
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flwr.common import serde
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedguard.config import Config, ConfigError, flatten, load_config, schema
+from fedguard.data.dataset import stratified_split
+from fedguard.data.federated import partitions
+from fedguard.data.partition import PartitionOptions
+from fedguard.data.registry import SourceOptions, load_dataset
+from fedguard.data.sizes import CLASS_COUNTS, split_sizes
+from fedguard.limits import INT64_MAX, INT64_MIN, MAX_LISTED, MAX_NESTING, MAX_ROUNDS
+from fedguard.selection import Selection
+from fedguard.spans import Spans
+
+KEYS = schema()
+FLOAT_KEYS = sorted(key for key, (kind, _, _) in KEYS.items() if kind is float)
+INT_KEYS = sorted(key for key, (kind, _, _) in KEYS.items() if kind is int)
+FOUR_CLIENTS = ["partition.num-clients=4", "train.clients-per-round=4"]
+
+
+def problems_of(overrides: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, overrides)
+    return caught.value.problems
+
+
+# 1. non-finite floats
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400"])
+def test_every_float_key_refuses_non_finite_values(value: str) -> None:
+    assert len(FLOAT_KEYS) > 60  # core sections and every registered component's parameters
+    for key in FLOAT_KEYS:
+        problems = problems_of([f"{key}={value}"])
+        assert any(p.startswith(f"{key} = ") and "finite" in p for p in problems), (key, problems)
+
+
+def test_an_infinite_learning_rate_is_refused_by_key_and_value() -> None:
+    [problem] = problems_of(["train.lr=inf"])
+    assert problem == "train.lr = inf: must be a finite number"
+    [problem] = problems_of(["defense.name=dp", "defense.dp.clip=nan"])
+    assert problem == "defense.dp.clip = nan: must be a finite number"
+
+
+def test_non_finite_and_overflowing_values_are_refused_from_flat_keys_too() -> None:
+    with pytest.raises(ConfigError, match=r"sim.client-gpus = nan: must be a finite number"):
+        Config.from_flat({"sim.client-gpus": float("nan")})
+    with pytest.raises(ConfigError, match=r"train.lr = 1000.*0: must be a finite number"):
+        Config.from_flat({"train.lr": 10**400})  # an integer beyond every float, from a TOML preset
+
+
+# 2. integers beyond their use
+
+
+def test_the_seed_is_refused_beyond_what_the_run_can_carry() -> None:
+    [problem] = problems_of([f"seed={2**64}"])
+    assert problem == (f"seed = {2**64}: must be >= 0 and <= {INT64_MAX} (flwr run carries integers in 64 bits)")
+    [problem] = problems_of(["seed=-1"])
+    assert problem == f"seed = -1: must be >= 0 and <= {INT64_MAX}"
+    assert load_config(None, [f"seed={INT64_MAX}"]).run.seed == INT64_MAX
+
+
+def test_the_largest_seed_is_usable_by_everything_the_run_seeds_with_it() -> None:
+    """Flower's run config (sint64) is the narrowest: torch takes up to 2**64 - 1, numpy any size."""
+    serde.user_config_to_proto({"seed": INT64_MAX})
+    with pytest.raises(ValueError, match="out of range"):
+        serde.user_config_to_proto({"seed": INT64_MAX + 1})
+    torch.manual_seed(INT64_MAX)
+    np.random.default_rng(np.random.SeedSequence([INT64_MAX, 3, 7]))
+
+
+def test_every_int_key_refuses_integers_beyond_64_bits_naming_the_range() -> None:
+    assert len(INT_KEYS) > 40
+    for key in INT_KEYS:
+        for value in (2**64, -(2**64)):
+            problems = problems_of([f"{key}={value}"])
+            assert any(p.startswith(f"{key} = {value}: must be >= ") and " and <= " in p for p in problems), \
+                (key, problems)
+    [problem] = problems_of([f"attack.dlg.iterations={2**64}"])
+    assert problem == (f"attack.dlg.iterations = {2**64}: must be >= {INT64_MIN} and <= {INT64_MAX} "
+                       f"(flwr run carries integers in 64 bits)")
+
+
+@pytest.mark.parametrize(("key", "limit"), [("train.rounds", MAX_ROUNDS), ("partition.num-clients", 100_000),
+                                            ("train.local-epochs", 10_000), ("data.image-size", 1024),
+                                            ("pool.workers", 1024), ("pool.threads", 1024), ("pool.group", 1024)])
+def test_counts_have_upper_bounds(key: str, limit: int) -> None:
+    problems = problems_of([f"{key}={limit + 1}"])
+    assert any(p.startswith(f"{key} = {limit + 1}: must be >= ") and p.endswith(f"<= {limit}") for p in problems)
+
+
+# 3. sizes counted, never expanded
+
+
+def test_a_huge_capture_range_is_refused_without_expanding_it() -> None:
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        [rounds] = problems_of(["capture.rounds=1-1000000000"])
+        [clients] = problems_of(["capture.clients=0-999999999999"])
+        [listed] = problems_of(["train.rounds=20", "capture.rounds=" + ",".join(["1-20"] * (MAX_LISTED // 20 + 1))])
+        [huge] = problems_of([f"train.rounds={10**12}"])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 10 and peak < 200 * 2**20
+    assert rounds == ("capture.rounds = '1-1000000000': 21-1000000000 not in this run; this run's rounds are 1-20 "
+                      "(train.rounds = 20)")
+    assert clients.startswith("capture.clients = '0-999999999999': 10-999999999999 not in this run; client ids are 0-9")
+    assert listed.startswith("capture.rounds = '1-20,1-20,") and f"; at most {MAX_LISTED}" in listed
+    assert huge == f"train.rounds = {10**12}: must be >= 1 and <= {MAX_ROUNDS}"
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(st.lists(st.one_of(st.integers(0, 30).map(str),
+                          st.tuples(st.integers(0, 30), st.integers(0, 30)).map(lambda p: f"{min(p)}-{max(p)}")),
+                min_size=1, max_size=6).map(",".join))
+def test_spans_choose_exactly_what_the_run_expands(spec: str) -> None:
+    spans, selection = Spans.parse(spec, "capture.rounds"), Selection.parse(spec, "capture.rounds")
+    assert [n for n in range(-2, 40) if n in spans] == [n for n in range(-2, 40) if n in selection]
+    assert spans.count(3, 17) == sum(1 for n in range(3, 18) if n in selection)
+    assert [n for a, b in spans.outside(3, 17) for n in range(a, b + 1)] == \
+           [n for n in range(0, 40) if n in selection and not 3 <= n <= 17]
+
+
+@pytest.mark.parametrize("spec", ["a", "3-1", "1,,x", "-2", "1-2-3", "9" * 5000])
+def test_spans_refuse_what_the_run_cannot_read(spec: str) -> None:
+    with pytest.raises(ValueError, match="capture.rounds"):
+        Selection.parse(spec, "capture.rounds")
+    with pytest.raises(ValueError, match="capture.rounds"):
+        Spans.parse(spec, "capture.rounds")
+
+
+# 4. overflowing parameters, overlong paths, deep nesting
+
+
+def test_an_epsilon_whose_noise_overflows_is_refused_by_key_and_value() -> None:
+    [problem] = problems_of(["defense.name=dp", "defense.dp.epsilon=1e23"])
+    assert problem.startswith("defense.dp: its ") and "defense.dp.epsilon = 1e+23" in problem
+    assert "OverflowError" in problem
+    assert load_config(None, ["defense.name=dp", "defense.dp.epsilon=1e6"]).defense.params.epsilon == 1e6
+
+
+def test_overlong_and_impossible_paths_are_refused(tmp_path: Path) -> None:
+    [problem] = problems_of([f"out-dir={tmp_path / ('a' * 300)}"])
+    assert problem.startswith("out-dir = ") and "has 300 bytes" in problem and "PC_NAME_MAX" in problem
+    [problem] = problems_of([f"out-dir={tmp_path}/" + "/".join(["b" * 200] * 25)])
+    assert problem.startswith("out-dir = ") and "PC_PATH_MAX" in problem
+    [problem] = problems_of(["name=" + "n" * 300])
+    assert problem.startswith("name = 'nnn") and "PC_NAME_MAX" in problem
+    [problem] = problems_of(["data.root=/data\x00"])
+    assert problem == "data.root = '/data\\x00': a path cannot hold a NUL character"
+    problems = problems_of(["attack.name=ggl", "attack.ggl.generator=" + "g" * 300 + ".npz"])
+    assert any(p.startswith("attack.ggl.generator = 'ggg") and "PC_NAME_MAX" in p for p in problems), problems
+    assert load_config(None, [f"out-dir={tmp_path / ('a' * 200)}"]).run.out_dir.endswith("a" * 200)
+
+
+@pytest.mark.parametrize("text", [
+    "[" + ".".join(["a"] * 1000) + "]\nx = 1\n",
+    ".".join(["a"] * 1000) + " = 1\n",
+    "a = " + "{a = " * 1000 + "1" + "}" * 1000 + "\n",
+    "a = " + "[" * 1000 + "1" + "]" * 1000 + "\n",
+])
+def test_deeply_nested_presets_are_refused(tmp_path: Path, text: str) -> None:
+    preset = tmp_path / "deep.toml"
+    preset.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(preset)
+    [problem] = caught.value.problems
+    assert problem.startswith(f"preset '{preset}': ")
+    assert f"more than {MAX_NESTING} deep" in problem or "nested too deeply to read" in problem
+
+
+def test_nested_values_and_unreadable_presets_are_refused(tmp_path: Path) -> None:
+    deep: Any = 1
+    for _ in range(5000):
+        deep = {"a": deep}
+    assert flatten(deep) == {".".join(["a"] * 5000): 1}
+    with pytest.raises(ConfigError, match=r"^invalid configuration:\n  train.rounds = \{'a': \{'a': \{'a': \{\.\.\.\}"):
+        Config.from_flat({"train.rounds": deep})
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="cannot be read as text"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / ("x" * 5000))
+
+
+# 5. captures of nothing
+
+
+def test_capturing_a_client_that_does_not_exist_is_refused() -> None:
+    [problem] = problems_of([*FOUR_CLIENTS, "capture.clients=99"])
+    assert problem == ("capture.clients = '99': 99 not in this run; client ids are 0-3 "
+                       "(partition.num-clients = 4)")
+    [problem] = problems_of([*FOUR_CLIENTS, "capture.clients=none"])
+    assert problem.startswith("capture.clients = 'none' selects no client") and "0-3" in problem
+    assert load_config(None, [*FOUR_CLIENTS, "capture.clients=none", "capture.rounds=none"]).capture.clients == "none"
+    assert load_config(None, [*FOUR_CLIENTS, "capture.clients=1-3"]).capture.clients == "1-3"
+
+
+def test_capturing_rounds_beyond_the_run_is_refused() -> None:
+    [problem] = problems_of(["train.rounds=3", "capture.rounds=0,2-5"])
+    assert problem == "capture.rounds = '0,2-5': 0, 4-5 not in this run; this run's rounds are 1-3 (train.rounds = 3)"
+    assert load_config(None, ["train.rounds=3", "capture.rounds=1-3"]).capture.rounds == "1-3"
+
+
+def test_a_bad_train_rounds_is_not_blamed_on_the_capture() -> None:
+    [problem] = problems_of(["train.rounds=0", "capture.rounds=1-5"])
+    assert problem.startswith("train.rounds = 0: ")
+
+
+# 6. partitions that leave a client no data
+
+
+def test_a_test_fraction_that_leaves_clients_no_training_data_is_refused() -> None:
+    [problem] = problems_of(["data.test-fraction=0.9999"])
+    assert problem.startswith("data.name = 'mnist-5k', data.test-fraction = 0.9999 leaves 0 training samples for "
+                              "partition.num-clients = 10")
+    assert problem.endswith("choose a smaller data.test-fraction")
+    [problem] = problems_of(["data.name=digits", "data.test-fraction=0.99", "partition.num-clients=21",
+                             "train.clients-per-round=5"])
+    assert "leaves 20 training samples" in problem and "at most 20 clients or a smaller data.test-fraction" in problem
+    [problem] = problems_of(["data.test-fraction=0.0001"])
+    assert problem.startswith("data.name = 'mnist-5k', data.test-fraction = 0.0001: leaves the test split empty")
+
+
+def test_the_largest_accepted_partition_gives_every_client_data() -> None:
+    """The arithmetic limit is the real one: at 20 training samples, 20 clients each hold one, and 21 are refused."""
+    config = load_config(None, ["data.name=digits", "data.test-fraction=0.99", "partition.num-clients=20",
+                                "train.clients-per-round=5"])
+    parts = partitions("digits", config.data.source_options(), "iid", PartitionOptions(), 20, 0)
+    assert sorted(len(p) for p in parts) == [1] * 20
+
+
+def test_the_dirichlet_partition_needs_two_samples_per_client() -> None:
+    base = ["data.name=lfw-faces", "partition.name=dirichlet", "train.clients-per-round=2"]
+    [problem] = problems_of([*base, "partition.num-clients=81"])
+    assert "leaves 160 training samples" in problem and "'dirichlet' needs 2 per client" in problem
+    assert load_config(None, [*base, "partition.num-clients=80"]).partition.num_clients == 80
+
+
+def test_photos_larger_than_their_tiles_and_too_many_classes_are_refused() -> None:
+    [problem] = problems_of(["data.name=photos", "data.image-size=300"])
+    assert problem == ("data.name = 'photos', data.test-fraction = 0.2, data.image-size = 300: the data set holds "
+                       "no samples at these settings")
+    [problem] = problems_of(["partition.name=classes", "partition.classes-per-client=11"])
+    assert problem == "partition.classes-per-client = 11: data.name = 'mnist-5k' has 10 classes; choose 1 to 10"
+
+
+@pytest.mark.parametrize("name", sorted(CLASS_COUNTS))
+def test_sizes_known_without_loading_match_the_loaded_data(name: str) -> None:
+    data = load_dataset(name, SourceOptions())
+    labels = np.concatenate([data.train.labels.numpy(), data.test.labels.numpy()])
+    assert tuple(np.bincount(labels).tolist()) == CLASS_COUNTS[name]
+    for fraction in (0.001, 0.2, 0.5, 0.995):
+        train, test = stratified_split(labels, fraction)
+        sizes = split_sizes(name, SourceOptions(test_fraction=fraction))
+        assert (sizes.train, sizes.test) == (len(train), len(test))
+
+
+@pytest.mark.parametrize("size", [32, 100, 256])
+def test_photo_sizes_known_without_loading_match_the_loaded_tiles(size: int) -> None:
+    data = load_dataset("photos", SourceOptions(image_size=size))
+    sizes = split_sizes("photos", SourceOptions(image_size=size))
+    assert (sizes.train, sizes.test) == (len(data.train), len(data.test))
+
+
+# 7. every problem at once
+
+
+def test_every_problem_is_reported_together_naming_key_and_value(tmp_path: Path) -> None:
+    problems = problems_of(["train.rounds=x", "bogus=1", "train.lr=nan", f"seed={2**64}", *FOUR_CLIENTS,
+                            "capture.clients=7", "data.test-fraction=0.9999", "defense.dp.epsilon=1e23",
+                            "server.plugin-params='"])
+    assert len(problems) == 8, problems
+    for fragment in ("train.rounds = 'x'", "'bogus'", "train.lr = nan", f"seed = {2**64}", "capture.clients = '7'",
+                     "data.test-fraction = 0.9999", "defense.dp.epsilon = 1e+23", "server.plugin-params = \"'\""):
+        assert sum(fragment in p for p in problems) == 1, (fragment, problems)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("name = \n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(broken, ["train.rounds=x"])
+    assert len(caught.value.problems) == 2 and "not valid TOML" in caught.value.problems[0]
+
+
+# 8. every key, any value: a configuration or a ConfigError naming the key
+
+
+def _text_of(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+VALUES = st.recursive(
+    st.one_of(st.integers(), st.integers(min_value=2**62, max_value=2**80), st.integers(max_value=-(2**62)),
+              st.floats(), st.sampled_from([math.nan, math.inf, -math.inf, 1e308, 5e-324]), st.booleans(),
+              st.text(max_size=30), st.text(max_size=3000), st.just(""), st.sampled_from(["1-1000000000", "all"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=1500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.sampled_from(sorted(KEYS)), value=VALUES)
+def test_any_value_of_any_key_gives_a_configuration_or_a_config_error_naming_the_key(key: str, value: Any) -> None:
+    for attempt in (lambda: load_config(None, [f"{key}={_text_of(value)}"]), lambda: Config.from_flat({key: value})):
+        try:
+            attempt()
+        except ConfigError as error:
+            assert key in str(error), (key, value, error.problems)
