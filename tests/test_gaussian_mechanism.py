@@ -23,6 +23,14 @@ def test_the_profile_is_the_hockey_stick_divergence_of_two_gaussians(mu: float, 
     assert privacy_profile(mu, epsilon) == pytest.approx(hockey_stick(mu, epsilon), rel=1e-6, abs=1e-12)
 
 
+@pytest.mark.parametrize("epsilon", [1e15, 1e18, 1e21, 1e23])
+def test_the_profile_stays_a_probability_at_huge_epsilons(epsilon: float) -> None:
+    """At the worst mu (sqrt(2 epsilon)) the second term's exponent, a difference of numbers near epsilon,
+    once overflowed exp() (epsilon 1e21); the profile is computed in log space."""
+    for factor in (0.5, 1.0, 2.0):
+        assert 0.0 <= privacy_profile(factor * math.sqrt(2 * epsilon), epsilon) <= 1.0
+
+
 @pytest.mark.parametrize(("epsilon", "delta", "sensitivity"), [(0.5, 1e-5, 1.0), (1.0, 1e-5, 2.0), (8.0, 1e-6, 3.0),
                                                                (200.0, 1e-5, 2.0)])
 def test_the_calibrated_sigma_is_the_smallest_that_meets_delta(epsilon: float, delta: float, sensitivity: float) -> None:

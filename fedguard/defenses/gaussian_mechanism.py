@@ -25,9 +25,11 @@ def privacy_profile(mu: float, epsilon: float) -> float:
     (``epsilon``, delta)-DP."""
     if mu == 0:
         return 0.0
-    first = math.exp(float(log_ndtr(mu / 2 - epsilon / mu)))
-    second = math.exp(epsilon + float(log_ndtr(-mu / 2 - epsilon / mu)))
-    return max(first - second, 0.0)
+    log_first = float(log_ndtr(mu / 2 - epsilon / mu))
+    log_second = epsilon + float(log_ndtr(-mu / 2 - epsilon / mu))  # may exceed what exp() can hold
+    if not log_second < log_first:
+        return 0.0
+    return math.exp(log_first) * -math.expm1(log_second - log_first)  # first - second, in log space
 
 
 def _check(epsilon: float | None, delta: float) -> None:
