@@ -17,6 +17,7 @@ from clients import DefendedClient
 from fedguard.config import Config, load_config
 from fedguard.data.local import DEBIAN_FASHION_MNIST
 from fedguard.client_app import upload_reply
+from fedguard.observation import Observation
 from fedguard.records import ROUND_KEY, array_record
 
 FASHION_MNIST = (DEBIAN_FASHION_MNIST / "t10k-images-idx3-ubyte.gz").is_file()
@@ -96,3 +97,16 @@ def client_fit(cfg: Config, client: int, arrays: list[np.ndarray], round_: int, 
     """(upload, num_examples, declared) of one client's fit."""
     return DefendedClient(cfg, client, state if state is not None else RecordDict()).fit(
         arrays, {ROUND_KEY: round_, **instructions})
+
+
+class ListSink:
+    """Collects the observations it is given."""
+
+    def __init__(self) -> None:
+        self.items: list[Observation] = []
+
+    def submit(self, obs: Observation) -> None:
+        self.items.append(obs)
+
+    def close(self, timeout: float | None = None) -> None:
+        pass

@@ -15,22 +15,9 @@ from fedguard.observation import ModelCard, Observation, load_observations, save
 from fedguard.selection import Selection
 from fedguard.records import Upload
 from strategies import FedSGD, HonestButCurious
-from tests.helpers import train_round
+from tests.helpers import ListSink, train_round
 
 CARD = ModelCard("mlp", {"hidden": 2, "depth": 0}, DataSpec(1, 2, 2, 2), ("w", "b", "n"), (True, True, False))
-
-
-class ListSink:
-    """Collects what it is given."""
-
-    def __init__(self) -> None:
-        self.items: list[Observation] = []
-
-    def submit(self, obs: Observation) -> None:
-        self.items.append(obs)
-
-    def close(self, timeout: float | None = None) -> None:
-        pass
 
 
 NAMES = list(CARD.names)

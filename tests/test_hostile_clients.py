@@ -22,7 +22,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 
 from fedguard.client_app import make_client_app
 from fedguard.data import DataSpec
-from fedguard.observation import ModelCard, Observation
+from fedguard.observation import ModelCard
 from fedguard.records import ARRAYS, array_record
 from fedguard.report.run_status import read_status
 from fedguard.selection import Selection
@@ -34,7 +34,7 @@ from strategies.upload_checks import (
     Layout, NonFiniteModel, UploadRefused, UploadRules, check_declared, check_header, check_positions, check_sparse,
     nonfinite_problem,
 )
-from tests.helpers import Nodes, config, reply
+from tests.helpers import ListSink, Nodes, config, reply
 from tests.local_grid import LocalGrid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,19 +52,6 @@ def upload(client: Any, value: float = 1.0, **declared: Any) -> tuple[list[np.nd
     """An honest-looking upload: every gradient entry ``value``, one batch of 8."""
     arrays = [np.full((2, 4), value, np.float32), np.full(2, value, np.float32), np.array(1, np.int64)]
     return arrays, 8, {"client": client, "batch-size": 8, "lr": 0.1, **declared}
-
-
-class ListSink:
-    """Collects the observations it is given."""
-
-    def __init__(self) -> None:
-        self.items: list[Observation] = []
-
-    def submit(self, obs: Observation) -> None:
-        self.items.append(obs)
-
-    def close(self, timeout: float | None = None) -> None:
-        pass
 
 
 def play(uploads: list[tuple[list[np.ndarray], int, dict[str, Any]]],
