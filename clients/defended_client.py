@@ -12,7 +12,7 @@ import torch.nn as nn
 from flwr.app import RecordDict
 from flwr.client import NumPyClient
 
-from clients.state import load_defense_state, store_defense_state
+from clients.state import ClientState, RecordState
 from fedguard.config import Config, DataSection, PartitionSection
 from fedguard.data import Split, load_dataset
 from fedguard.data.federated import client_split
@@ -62,19 +62,21 @@ class DefendedClient(NumPyClient):
         The run configuration.
     client_id : int
         The partition this client holds (0 <= client_id < partition.num-clients).
-    state : RecordDict
-        The client's ``Context.state``; defense state is kept there across rounds.
+    state : ClientState | RecordDict
+        Where the defense's state is kept across rounds (``clients.state``); a ``RecordDict`` is a node's
+        ``Context.state``.
     vault : Path | None
         Where the true batches of targeted uploads are written for scoring, as the client's own configuration
         names it (``fedguard.client_app.truth_vault``); None: nowhere.
     """
 
-    def __init__(self, config: Config, client_id: int, state: RecordDict, vault: Path | None = None) -> None:
+    def __init__(self, config: Config, client_id: int, state: ClientState | RecordDict,
+                 vault: Path | None = None) -> None:
         if not 0 <= client_id < config.partition.num_clients:
             raise ValueError(f"client_id {client_id} outside [0, {config.partition.num_clients})")
         self.config = config
         self.client_id = client_id
-        self.state = state
+        self.state: ClientState = RecordState(state) if isinstance(state, RecordDict) else state
         self.vault = vault
 
     def _targeted(self, round_: int) -> bool:
@@ -130,12 +132,12 @@ class DefendedClient(NumPyClient):
         if self.vault is not None and self._targeted(round_):
             write_truth(self.vault, round_, self.client_id, x, y)
 
-        defense_state = load_defense_state(self.state)
+        defense_state = self.state.load(round_)
         step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id, len(local))
         defense = _defense(cfg.defense.name, cfg.defense.params)
         sent = defense(step, defense_state)
         declared.update(defense_report(defense, defense_state))
-        store_defense_state(self.state, defense_state)
+        self.state.store(round_, defense_state)
 
         if cfg.train.protocol == "fedsgd":
             param_arrays = [g.detach().cpu().numpy() for g in sent]

@@ -101,9 +101,38 @@ def _add_mjolnir_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _resolve(args: argparse.Namespace) -> Config:
     config = load_config(args.preset, args.overrides)
+    if config.run.resume and getattr(args, "resume", None) is None:
+        raise ValueError("resume = true: resume a run with `fedguard run --resume RUN_DIR`")
     if getattr(args, "out", None):
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(args.out)))
     return config
+
+
+RESUME_KEYS = ("train.rounds", "sim.", "pool.")
+"""What ``--set`` may change when a run resumes: how many rounds in all, and resources; nothing that changes
+what the rounds compute."""
+
+
+def _resumed(args: argparse.Namespace) -> Config:
+    """The configuration of the run in ``args.resume`` (its ``config.toml`` with the allowed ``--set``), set to
+    go on from its checkpoint; ``ValueError`` saying why it cannot."""
+    from fedguard.resume import resume_point
+    from fedguard.run_folder import CONFIG_FILE
+
+    folder: Path = args.resume.resolve()
+    if args.preset is not None or args.out is not None:
+        raise ValueError(f"--resume {args.resume}: the run's own {CONFIG_FILE} and folder are used; drop the "
+                         f"preset and --out")
+    refused = [text for text in args.overrides
+               if not text.partition("=")[0].strip().startswith(RESUME_KEYS)]
+    if refused:
+        raise ValueError(f"--resume: {', '.join(refused)} would change what the rounds compute; a resumed run may "
+                         f"only set {', '.join(k + '*' if k.endswith('.') else k for k in RESUME_KEYS)}")
+    if not (folder / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"--resume {args.resume}: no {CONFIG_FILE} there; give the folder of a run")
+    config = load_config(folder / CONFIG_FILE, args.overrides)
+    resume_point(folder, config.train.rounds)
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder), resume=True))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -112,9 +141,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedguard.report.run_dir import ROUNDS_FILE, resolve_run_dir
     from fedguard.simulation import Interrupted, LaunchError, simulate
 
-    config = _resolve(args)
+    config = _resumed(args) if args.resume is not None else _resolve(args)
     data = load_dataset(config.data.name, config.data.source_options())
-    folder = resolve_run_dir(config)
+    folder = Path(config.run.out_dir) if config.run.resume else resolve_run_dir(config)
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder)))
     print(
         f"fedguard: {config.partition.num_clients} clients ({config.partition.name}) on {data.name} "
@@ -278,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(run)
     run.add_argument("--out", type=Path, help="output folder (default runs/<name>, or runs/<name>-N if taken)")
     run.add_argument("--verbose", action="store_true", help="show Flower's and Ray's own logs")
+    run.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                     help="go on with a stopped run from its last completed round (its own config.toml; --set "
+                          "only train.rounds, sim.* or pool.*): the rounds equal one uninterrupted run's")
     run.set_defaults(handler=cmd_run)
 
     config = commands.add_parser("config", help=cmd_config.__doc__, description=cmd_config.__doc__)

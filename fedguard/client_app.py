@@ -10,6 +10,9 @@ Ground truth (the true batch of a targeted upload, kept for scoring) goes only w
 configuration says, never where a message from the server says (``truth_vault``): on Flower's simulation
 engine, which runs the server and every client for one party, into the vault of the run's folder
 (``fedguard.run_folder.flwr_run_dir``: ``out-dir``, or one named after the Flower run id); on a SuperNode, only when its operator opts in with the node config's ``vault-dir``.
+
+A client's defense state (``clients.state``) lives in files under the simulated run's folder, on a SuperNode in
+its ``Context.state``.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients import DefendedClient
+from clients.state import ClientState, FileState, RecordState
 from fedguard.config import Config
 from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.records import ARRAYS, CONFIG, NUM_EXAMPLES, PARTITION_KEY, array_record, reply_content
-from fedguard.run_folder import VAULT_DIR, flwr_run_dir
+from fedguard.run_folder import CLIENT_STATE_DIR, VAULT_DIR, flwr_run_dir
 from fedguard.sparse import ENCODING_KEY, SPARSE
 
 VAULT_DIR_KEY = "vault-dir"  # node config: the folder under which a SuperNode keeps its ground truth
@@ -83,6 +87,15 @@ def truth_vault(context: Context, config: Config) -> Path | None:
     return simulated_vault(config, context.run_id) if in_simulation() else node_vault(context)
 
 
+def client_state(context: Context, config: Config, client: int) -> ClientState:
+    """Where ``client`` keeps its defense state: in simulation, files under the run folder (memory does not grow
+    with the number of clients, and ``fedguard run --resume`` finds them); on a SuperNode, its ``Context.state``."""
+    if in_simulation():
+        run_dir = flwr_run_dir(config.run.out_dir, config.run.name, context.run_id)
+        return FileState(run_dir / CLIENT_STATE_DIR, client)
+    return RecordState(context.state)
+
+
 def upload_reply(msg: Message, upload: list[np.ndarray], num_examples: int, metrics: dict[str, Any]) -> Message:
     """The reply carrying a ``DefendedClient.fit`` result as typed records."""
     reports = {k: v for k, v in metrics.items() if k.startswith(REPORT_PREFIX)}
@@ -102,8 +115,8 @@ def make_client_app(config: Config | None = None) -> ClientApp:
 
     def client(context: Context, instruction: ConfigRecord) -> DefendedClient:
         cfg = config if config is not None else Config.from_flat(context.run_config)
-        return DefendedClient(cfg, partition_of(context, cfg, instruction.get(PARTITION_KEY)), context.state,
-                              truth_vault(context, cfg))
+        partition = partition_of(context, cfg, instruction.get(PARTITION_KEY))
+        return DefendedClient(cfg, partition, client_state(context, cfg, partition), truth_vault(context, cfg))
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:

@@ -77,6 +77,7 @@ class RunSection:
     seed: int = option(0, "seed of partitioning, client sampling of batches and model initialization", ge=0,
                        le=INT64_MAX)
     out_dir: str = option("", "output folder (empty: runs/<name>)")
+    resume: bool = option(False, "continue the run in out-dir from its last completed round (fedguard run --resume)")
 
 
 @dataclass(frozen=True)

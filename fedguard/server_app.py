@@ -5,6 +5,9 @@ Outermost first: ``RoundGuard`` (round instructions, reply accounting) > ``Spars
 ``HonestButCurious`` / ``Malicious`` (capture, when a round and a client are targeted) > ``GradientStep``
 (FedSGD through a strategy that aggregates models) > the ``server.strategy``.
 
+After every round the global model and the strategy's state are checkpointed in the run folder
+(``fedguard.checkpoint``); with ``resume`` (``fedguard run --resume``) a run goes on from its last checkpoint.
+
 ``app`` reads its configuration from Flower's run config (``flwr run``);
 ``make_server_app(config)`` binds a validated ``Config`` (``fedguard run``).
 """
@@ -28,6 +31,7 @@ from attackers.base import AttackOutcome, attack_traits, build_attack, check_att
 from attackers.manipulation import build_manipulation
 from attackers.pool import AttackPool, AttackSpec
 from attackers.sinks import DiskSink, FanOut
+from fedguard.checkpoint import RoundCheckpoint, write_checkpoint
 from fedguard.config import Config
 from fedguard.data import load_dataset
 from fedguard.data.federated import partitions
@@ -41,11 +45,13 @@ from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_status import write_status
 from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
 from fedguard.records import Upload, array_record
+from fedguard.resume import resume_point, rewind
 from fedguard.run_folder import ATTACKS_FILE, flwr_run_dir, read_jsonl
 from fedguard.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_on_flower_exit
 from fedguard.training import evaluate, get_arrays, set_arrays, trainable_mask
 from strategies import GradientStep, HonestButCurious, Malicious, RoundGuard, SparseUploads, StrategyContext
 from strategies.registry import GRADIENT_NATIVE, build_strategy, resolve
+from strategies.state import restore_strategy_state, strategy_state
 from strategies.upload_checks import NonFiniteModel, Rejection, UploadRules, nonfinite_problem
 
 log = logging.getLogger(__name__)
@@ -69,15 +75,21 @@ def model_card(config: Config, model: torch.nn.Module) -> ModelCard:
     )
 
 
-def central_evaluation(config: Config, card: ModelCard, recorder: RoundRecorder,
-                       latest: dict[str, Any]) -> Callable[[int, ArrayRecord], MetricRecord]:
+def central_evaluation(config: Config, card: ModelCard, recorder: RoundRecorder, latest: dict[str, Any],
+                       checkpoint: Callable[[int, ArrayRecord], None], rounds_done: int = 0,
+                       ) -> Callable[[int, ArrayRecord], MetricRecord | None]:
     """``evaluate_fn`` of ``Strategy.start``: scores the global model on the held-out split after every
-    round and writes the round's row (with what ``latest`` holds of its uploads). A global model holding a
-    NaN or an infinity stops the run with ``NonFiniteModel``, its row saying why (``stopped``)."""
+    round, writes the round's row (with what ``latest`` holds of its uploads), then ``checkpoint``s the round.
+    A global model holding a NaN or an infinity stops the run with ``NonFiniteModel``, its row saying why
+    (``stopped``). Flower's round r is round ``rounds_done`` + r; a resumed run's round 0 (the checkpoint
+    it starts from, already recorded) is skipped."""
     x_test, y_test = load_dataset(config.data.name, config.data.source_options()).test.batch()
     evaluator = build_model(config.model.name, card.spec, config.model.params)
 
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    def evaluate_fn(flower_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if rounds_done and flower_round == 0:
+            return None
+        server_round = flower_round + rounds_done
         values = arrays.to_numpy_ndarrays()
         set_arrays(evaluator, values)
         loss, accuracy = evaluate(evaluator, x_test, y_test)
@@ -87,9 +99,47 @@ def central_evaluation(config: Config, card: ModelCard, recorder: RoundRecorder,
         if problem is not None:
             raise NonFiniteModel(f"round {server_round}: after aggregation the global model's {problem}; "
                                  "the run stops")
+        checkpoint(server_round, arrays)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     return evaluate_fn
+
+
+def round_checkpoints(folder: Path, strategy: Strategy) -> Callable[[int, ArrayRecord], None]:
+    """Writes ``checkpoint.npz`` of ``folder``: the round, the global model and the state of ``strategy``."""
+
+    def checkpoint(server_round: int, arrays: ArrayRecord) -> None:
+        write_checkpoint(folder, RoundCheckpoint(server_round, tuple(arrays.keys()), arrays.to_numpy_ndarrays(),
+                                                 strategy_state(strategy)))
+
+    return checkpoint
+
+
+def starting_point(config: Config) -> tuple[Path, RoundCheckpoint | None]:
+    """The run folder and, when the run resumes, the checkpoint it goes on from (the folder rewound to it);
+    a new run gets a folder of its own and its ``config.toml``."""
+    if not config.run.resume:
+        folder = resolve_run_dir(config)
+        prepare_run_dir(dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder))))
+        return folder, None
+    folder = Path(config.run.out_dir).resolve()
+    point = resume_point(folder, config.train.rounds)
+    removed = {k: v for k, v in rewind(folder, point.round).items() if v}
+    prepare_run_dir(dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder),
+                                                                        resume=False)))
+    gone = f"; removed what the unfinished round left: {removed}" if removed else ""
+    print(f"fedguard: resuming after round {point.round} of {config.train.rounds}{gone}", flush=True)
+    return folder, point
+
+
+def resumed_arrays(card: ModelCard, point: RoundCheckpoint, model: torch.nn.Module) -> list[Any]:
+    """The checkpoint's global model, checked against the run's model."""
+    expected = get_arrays(model)
+    if point.names != card.names or any(a.shape != e.shape for a, e in zip(point.arrays, expected)):
+        raise ValueError(f"the checkpoint of round {point.round} holds another model than {card.model} "
+                         f"({len(point.names)} arrays, the run's has {len(card.names)}); resume with the run's "
+                         "own config.toml")
+    return point.arrays
 
 
 def build_attack_pool(config: Config, folder: Path, stop: StopRequest) -> AttackPool:
@@ -262,10 +312,10 @@ def run_server(grid: Grid, config: Config) -> Path:
     request (``fedguard.stopping``) ends the run as 'interrupted', every result kept."""
     check_attack_files(config.attacks)
     check_defense_files(config.defense.name, config.defense.params)
-    folder = resolve_run_dir(config)
+    folder, point = starting_point(config)
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder)))
-    prepare_run_dir(config)
     print(f"fedguard: run folder {folder}", flush=True)
+    done = 0 if point is None else point.round
     stop = StopRequest.from_environment()
     stop_on_flower_exit(stop)
     grid = StoppableGrid(grid, stop)
@@ -273,7 +323,8 @@ def run_server(grid: Grid, config: Config) -> Path:
     model = initial_model(config)
     card = model_card(config, model)
     strategy = aggregating_strategy(config, card)
-    recorder = RoundRecorder(folder / ROUNDS_FILE, config.train.rounds, config.train.clients_per_round)
+    recorder = RoundRecorder(folder / ROUNDS_FILE, config.train.rounds, config.train.clients_per_round,
+                             previous=read_jsonl(folder / ROUNDS_FILE) if point is not None else ())
     latest: dict[str, Any] = {}
     rounds, clients = config.capture.round_selection(), config.capture.client_selection()
     sink: FanOut | None = None
@@ -289,12 +340,16 @@ def run_server(grid: Grid, config: Config) -> Path:
             sink = FanOut(sinks)
             strategy = capture_strategy(config, strategy, sink, card)
         strategy = RoundGuard(SparseUploads(strategy), round_accounting(latest),
-                              upload_rules(config, card))
+                              upload_rules(config, card), seed=config.run.seed, rounds_done=done)
+        arrays = get_arrays(model) if point is None else resumed_arrays(card, point, model)
+        if point is not None:
+            restore_strategy_state(strategy, point.strategy)
         strategy.start(
             grid,
-            initial_arrays=array_record(card.names, get_arrays(model)),
-            num_rounds=config.train.rounds,
-            evaluate_fn=central_evaluation(config, card, recorder, latest),
+            initial_arrays=array_record(card.names, arrays),
+            num_rounds=config.train.rounds - done,
+            evaluate_fn=central_evaluation(config, card, recorder, latest,
+                                           round_checkpoints(folder, strategy), done),
         )
         outcome = ("completed", "")
     except RunInterrupted as interruption:

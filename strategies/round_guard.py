@@ -14,12 +14,19 @@ every upload, reply accounting, dtypes.
   run with ``AllClientsFailed`` naming the reasons, instead of carrying on with an unchanged model; a
   round whose every upload was rejected leaves the model as it was.
 - The aggregate keeps the global model's dtypes (Flower's averaging turns integer buffers into floats).
+- Rounds repeat exactly: the nodes a strategy samples (Flower's ``sample_nodes``) are drawn in node-id order
+  from a generator seeded by the run seed and the round, and the accepted uploads reach aggregation in client
+  order, so that the same seed gives the same clients and the same sums in every run.
+- A resumed run (``rounds_done`` > 0) goes on from there: Flower's rounds 1, 2, ... are rounds
+  ``rounds_done`` + 1, ... for every strategy inside.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -53,13 +60,19 @@ class RoundGuard(StrategyWrapper):
         Called with each round's accepted uploads, error reasons and rejections, before aggregation.
     rules : UploadRules
         What the run lets a client declare.
+    seed : int
+        The run seed, from which each round's sampling generator is drawn.
+    rounds_done : int
+        Rounds completed before this strategy starts (a resumed run); Flower's round r is round rounds_done + r.
     """
 
     def __init__(self, strategy: Strategy, on_replies: Callable[[int, list[Upload], list[str], list[Rejection]], None],
-                 rules: UploadRules) -> None:
+                 rules: UploadRules, seed: int = 0, rounds_done: int = 0) -> None:
         super().__init__(strategy)
         self.on_replies = on_replies
         self.rules = rules
+        self.seed = seed
+        self.rounds_done = rounds_done
         self.clients: dict[int, int] = {}
         """Node id -> the client assigned to it at the first round."""
         self._layout = Layout((), (), ())
@@ -67,11 +80,17 @@ class RoundGuard(StrategyWrapper):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Configure as ``strategy`` does and tell each node its client."""
+        """Configure as ``strategy`` does (sampling seeded by the round) and tell each node its client."""
+        server_round += self.rounds_done
         if not self.clients:
             self.clients = assign_clients(grid.get_node_ids())
         self._layout = Layout.of(list(arrays.keys()), arrays.to_numpy_ndarrays())
-        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        outside = random.getstate()
+        random.seed(f"fedguard-sampling-{self.seed}-{server_round}")
+        try:
+            messages = list(self.strategy.configure_train(server_round, arrays, config, NodesInOrder(grid)))
+        finally:
+            random.setstate(outside)
         strangers = [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in self.clients]
         if strangers:
             log.warning("round %d: nodes %s joined after the clients were assigned; they are sent nothing",
@@ -91,10 +110,12 @@ class RoundGuard(StrategyWrapper):
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Check and count the replies, stop when all failed, aggregate the accepted uploads as ``strategy``
         does, keep the dtypes."""
+        server_round += self.rounds_done
         replies = list(replies)
         failed = [m for m in replies if m.has_error()]
         errors = [f"node {m.metadata.src_node_id}: {m.error.reason}" for m in failed]
         accepted, rejected = self.screen([m for m in replies if not m.has_error()])
+        accepted.sort(key=lambda m: self.clients[m.metadata.src_node_id])
         self.on_replies(server_round, [read_upload(m) for m in accepted], errors, rejected)
         if not accepted and not rejected:
             reasons = "; ".join(errors[:3]) + (f"; ... ({len(errors) - 3} more)" if len(errors) > 3 else "")
@@ -131,3 +152,20 @@ class RoundGuard(StrategyWrapper):
                            grid: Grid) -> Iterable[Message]:
         """No node evaluates: the server scores the global model on the held-out split."""
         return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return self.strategy.aggregate_evaluate(server_round + self.rounds_done, replies)
+
+
+class NodesInOrder:
+    """``grid`` whose ``get_node_ids`` lists the nodes in increasing id, so that a seeded sample picks the same
+    clients whatever ids the nodes got."""
+
+    def __init__(self, grid: Grid) -> None:
+        self._grid = grid
+
+    def get_node_ids(self) -> list[int]:
+        return sorted(self._grid.get_node_ids())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 from fedguard.run_folder import JsonlAppender
@@ -16,15 +17,17 @@ class RoundRecorder:
     Round 0 is the initial model. ``seconds`` is the wall time since the
     previous row (training plus evaluation of that round). Each row reaches the
     file as it is written, so a run that stops keeps every finished round; a
-    non-finite loss or accuracy is written as strict JSON (``fedguard.run_folder``).
+    non-finite loss or accuracy is written as strict JSON (``fedguard.run_folder``). A resumed run passes the
+    rows already in the file as ``previous``; new rows are appended after them.
     """
 
-    def __init__(self, path: Path, total_rounds: int, clients_per_round: int, out: TextIO | None = None) -> None:
+    def __init__(self, path: Path, total_rounds: int, clients_per_round: int, out: TextIO | None = None,
+                 previous: Iterable[dict[str, Any]] = ()) -> None:
         self.path = Path(path)
         self.total_rounds = total_rounds
         self.clients_per_round = clients_per_round
         self.out = out or sys.stdout
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[dict[str, Any]] = list(previous)
         self._start = self._last = time.perf_counter()
         self._file = JsonlAppender(self.path)
 
