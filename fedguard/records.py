@@ -69,8 +69,9 @@ class Upload:
     reports: dict[str, Any]
 
 
-def read_upload(reply: Message) -> Upload:
-    """The upload carried by a successful reply; raises ``ValueError`` naming what is missing."""
+def read_upload(reply: Message, arrays: bool = True) -> Upload:
+    """The upload carried by a successful reply (its ``arrays`` left empty unless ``arrays``: reading them
+    copies every array); raises ``ValueError`` naming what is missing."""
     content = reply.content
     for key, kind in ((ARRAYS, ArrayRecord), (METRICS, MetricRecord)):
         if key not in content or not isinstance(content[key], kind):
@@ -81,7 +82,7 @@ def read_upload(reply: Message) -> Upload:
     return Upload(
         node=reply.metadata.src_node_id,
         client=int(client) if isinstance(client, int) and not isinstance(client, bool) else None,
-        arrays=content[ARRAYS].to_numpy_ndarrays(),
+        arrays=content[ARRAYS].to_numpy_ndarrays() if arrays else [],
         num_examples=int(content[METRICS][NUM_EXAMPLES]),
         declared=declared,
         reports=reports,

@@ -74,7 +74,14 @@ def decode_arrays(encoded: Sequence[np.ndarray]) -> list[np.ndarray]:
     return [decode(*encoded[i : i + PARTS]) for i in range(0, len(encoded), PARTS)]
 
 
+def nonzero_count(array: np.ndarray) -> int:
+    """Entries of ``array`` with any bit set (those ``encode`` keeps)."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return int(np.count_nonzero(flat.view(f"u{flat.dtype.itemsize}")))
+
+
 def byte_counts(arrays: Sequence[np.ndarray]) -> ByteCounts:
-    """Bytes of ``arrays`` encoded by ``encode_arrays`` and dense."""
-    encoded = sum(part.nbytes for part in encode_arrays(arrays))
-    return ByteCounts(encoded, sum(np.asarray(a).nbytes for a in arrays))
+    """Bytes of ``arrays`` encoded by ``encode_arrays`` and dense, counted without encoding."""
+    arrays = [np.asarray(a) for a in arrays]
+    encoded = sum(nonzero_count(a) * (INDEX.itemsize + a.dtype.itemsize) + a.ndim * SHAPE.itemsize for a in arrays)
+    return ByteCounts(encoded, sum(a.nbytes for a in arrays))

@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedguard.records import array_record, read_upload
+from fedguard.records import Upload, array_record, read_upload
 
 
 class FedSGD(FedAvg):
@@ -62,23 +62,31 @@ class FedSGD(FedAvg):
         current = self._current.pop(server_round, None)
         if current is None:
             raise RuntimeError(f"aggregate_train of round {server_round} without configure_train")
-        uploads = sorted((read_upload(m) for m in valid), key=lambda u: (u.client is None, u.client, u.node))
         names, arrays = list(current.keys()), current.to_numpy_ndarrays()
-        for upload in uploads:
+        order = sorted(valid, key=lambda m: client_order(read_upload(m, arrays=False)))
+        sums: list[np.ndarray] = []
+        for reply in order:  # one upload's arrays at a time: memory does not grow with the clients
+            upload = read_upload(reply)
             if len(upload.arrays) != len(self.trainable):
                 raise ValueError(f"node {upload.node} uploaded {len(upload.arrays)} arrays, "
                                  f"the model has {len(self.trainable)}")
-        updated = [
-            fedsgd_update(now, [u.arrays[i] for u in uploads], self.lr, is_param)
-            for i, (now, is_param) in enumerate(zip(arrays, self.trainable))
-        ]
+            if not sums:  # float16 adds in float32, as numpy's mean does
+                sums = [a.astype(np.float32) if a.dtype == np.float16 else a.copy() for a in upload.arrays]
+            else:
+                sums = [np.add(s, a, out=s) for s, a in zip(sums, upload.arrays)]
+        updated = [fedsgd_step(now, total / len(order), self.lr, is_param)
+                   for now, total, is_param in zip(arrays, sums, self.trainable)]
         metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
         return array_record(names, updated), metrics
 
 
-def fedsgd_update(current: np.ndarray, uploads: list[np.ndarray], lr: float, is_param: bool) -> np.ndarray:
-    """``current - lr * mean(uploads)`` for a parameter; ``mean(uploads)`` for a buffer."""
-    mean = np.mean(np.stack(uploads), axis=0)
+def client_order(upload: Upload) -> tuple[bool, int, int]:
+    """Sort key of uploads: by client, then node."""
+    return (upload.client is None, upload.client or 0, upload.node)
+
+
+def fedsgd_step(current: np.ndarray, mean: np.ndarray, lr: float, is_param: bool) -> np.ndarray:
+    """``current - lr * mean`` for a parameter; ``mean`` for a buffer."""
     if is_param:
         return (current - lr * mean).astype(current.dtype)
     if np.issubdtype(current.dtype, np.integer):

@@ -57,7 +57,8 @@ class RoundGuard(StrategyWrapper):
     strategy : Strategy
         The wrapped (decoding, capturing, aggregating) strategy.
     on_replies : Callable[[int, list[Upload], list[str], list[Rejection]], None]
-        Called with each round's accepted uploads, error reasons and rejections, before aggregation.
+        Called with each round's accepted uploads (their declarations and reports; not their arrays), error
+        reasons and rejections, before aggregation.
     rules : UploadRules
         What the run lets a client declare.
     seed : int
@@ -116,7 +117,7 @@ class RoundGuard(StrategyWrapper):
         errors = [f"node {m.metadata.src_node_id}: {m.error.reason}" for m in failed]
         accepted, rejected = self.screen([m for m in replies if not m.has_error()])
         accepted.sort(key=lambda m: self.clients[m.metadata.src_node_id])
-        self.on_replies(server_round, [read_upload(m) for m in accepted], errors, rejected)
+        self.on_replies(server_round, [read_upload(m, arrays=False) for m in accepted], errors, rejected)
         if not accepted and not rejected:
             reasons = "; ".join(errors[:3]) + (f"; ... ({len(errors) - 3} more)" if len(errors) > 3 else "")
             raise AllClientsFailed(f"round {server_round}: every one of {len(errors)} clients failed "

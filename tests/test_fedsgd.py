@@ -12,7 +12,7 @@ from fedguard.models import build_model
 from fedguard.seeding import client_generators
 from fedguard.training import get_arrays, loss_fn, trainable_mask
 from strategies import FedSGD, SparseUploads
-from strategies.fedsgd import fedsgd_update
+from strategies.fedsgd import fedsgd_step
 from tests.helpers import client_fit, config, train_round
 
 
@@ -45,10 +45,23 @@ def test_one_round_equals_centralized_sgd_on_the_same_batches() -> None:
 
 def test_buffers_are_averaged_and_integers_rounded() -> None:
     current = np.array([1.0, 1.0], dtype=np.float32)
-    assert np.allclose(fedsgd_update(current, [np.array([2.0, 4.0]), np.array([4.0, 0.0])], 0.5, True), [-0.5, 0.0])
-    assert np.allclose(fedsgd_update(current, [np.array([2.0, 4.0]), np.array([4.0, 0.0])], 0.5, False), [3.0, 2.0])
-    counter = fedsgd_update(np.array(3, dtype=np.int64), [np.array(4), np.array(5)], 0.1, False)
+    assert np.allclose(fedsgd_step(current, np.array([3.0, 2.0]), 0.5, True), [-0.5, 0.0])
+    assert np.allclose(fedsgd_step(current, np.array([3.0, 2.0]), 0.5, False), [3.0, 2.0])
+    counter = fedsgd_step(np.array(3, dtype=np.int64), np.array(4.5), 0.1, False)
     assert counter.dtype == np.int64 and counter == 4
+
+
+def test_the_streamed_mean_equals_numpy_s_mean_bit_for_bit() -> None:
+    """The server adds one upload at a time (memory flat in the clients): the same float32 sums as
+    ``np.mean(np.stack(uploads), axis=0)``."""
+    rng = np.random.default_rng(0)
+    uploads = [rng.standard_normal((64, 33)).astype(np.float32) * 10.0 ** rng.integers(-3, 3) for _ in range(300)]
+    names = ["w"]
+    strategy = FedSGD(lr=0.1, trainable=[True])
+    current = np.zeros((64, 33), dtype=np.float32)
+    new, _, _ = train_round(strategy, 1, names, [current], [([u], 1, {"client": i}) for i, u in enumerate(uploads)])
+    want = (current - 0.1 * np.mean(np.stack(uploads), axis=0)).astype(np.float32)
+    assert np.array_equal(new.to_numpy_ndarrays()[0], want)
 
 
 def test_invalid_arguments() -> None:
