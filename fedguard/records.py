@@ -6,7 +6,8 @@ server assigned to the node, which trains on that partition; and where Flower's 
 e.g. FedProx's ``proximal-mu``). A reply carries, as typed records:
 
 - "arrays" (``ArrayRecord``): the upload, same keys as the model (coordinate-encoded uploads use
-  ``encoded-<i>`` keys until ``strategies.SparseUploads`` decodes them);
+  ``encoded-<i>`` keys; ``read_upload`` decodes them, and ``strategies.SparseUploads`` for strategies that
+  read the records themselves);
 - "metrics" (``MetricRecord``): ``num-examples`` and ``loss``, the same keys from every client, as
   Flower's built-in strategies require;
 - "declared" (``ConfigRecord``): what the client declares with its upload: ``client`` (its partition, which
@@ -23,6 +24,8 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedguard.sparse import ENCODING_KEY, SPARSE, decode_arrays
 
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -70,19 +73,23 @@ class Upload:
 
 
 def read_upload(reply: Message, arrays: bool = True) -> Upload:
-    """The upload carried by a successful reply (its ``arrays`` left empty unless ``arrays``: reading them
-    copies every array); raises ``ValueError`` naming what is missing."""
+    """The upload carried by a successful reply, dense (a coordinate-encoded one decoded, its ``encoding``
+    dropped from what it declares); its ``arrays`` left empty unless ``arrays`` (reading them copies every
+    array). Raises ``ValueError`` naming what is missing."""
     content = reply.content
     for key, kind in ((ARRAYS, ArrayRecord), (METRICS, MetricRecord)):
         if key not in content or not isinstance(content[key], kind):
             raise ValueError(f"reply from node {reply.metadata.src_node_id} lacks the {kind.__name__} {key!r}")
     declared = dict(content[DECLARED]) if DECLARED in content else {}
+    encoded = declared.get(ENCODING_KEY) == SPARSE
+    if encoded:
+        del declared[ENCODING_KEY]
     reports = dict(content[DEFENSE]) if DEFENSE in content else {}
     client = declared.get(CLIENT_KEY)
     return Upload(
         node=reply.metadata.src_node_id,
         client=int(client) if isinstance(client, int) and not isinstance(client, bool) else None,
-        arrays=content[ARRAYS].to_numpy_ndarrays() if arrays else [],
+        arrays=(decode_arrays if encoded else list)(content[ARRAYS].to_numpy_ndarrays()) if arrays else [],
         num_examples=int(content[METRICS][NUM_EXAMPLES]),
         declared=declared,
         reports=reports,

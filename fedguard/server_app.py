@@ -1,9 +1,10 @@
 """The Flower ServerApp, fedguard's composition root: it builds every server component once and runs the
 configured strategy on Flower's message API (``Strategy.start``).
 
-Outermost first: ``RoundGuard`` (round instructions, reply accounting) > ``SparseUploads`` (decoding) >
-``HonestButCurious`` / ``Malicious`` (capture, when a round and a client are targeted) > ``GradientStep``
-(FedSGD through a strategy that aggregates models) > the ``server.strategy``.
+Outermost first: ``RoundGuard`` (round instructions, checks, reply accounting) > ``HonestButCurious`` /
+``Malicious`` (capture, when a round and a client are targeted) > ``SparseUploads`` (decoding, for a strategy
+that reads the records itself; FedSGD decodes one upload at a time as it adds them) > ``GradientStep`` (FedSGD
+through a strategy that aggregates models) > the ``server.strategy``.
 
 After every round the global model and the strategy's state are checkpointed in the run folder
 (``fedguard.checkpoint``); with ``resume`` (``fedguard run --resume``) a run goes on from its last checkpoint.
@@ -49,7 +50,7 @@ from fedguard.resume import resume_point, rewind
 from fedguard.run_folder import ATTACKS_FILE, flwr_run_dir, read_jsonl
 from fedguard.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_on_flower_exit
 from fedguard.training import evaluate, get_arrays, set_arrays, trainable_mask
-from strategies import GradientStep, HonestButCurious, Malicious, RoundGuard, SparseUploads, StrategyContext
+from strategies import FedSGD, GradientStep, HonestButCurious, Malicious, RoundGuard, SparseUploads, StrategyContext
 from strategies.registry import GRADIENT_NATIVE, build_strategy, resolve
 from strategies.state import restore_strategy_state, strategy_state
 from strategies.upload_checks import NonFiniteModel, Rejection, UploadRules, nonfinite_problem
@@ -186,14 +187,14 @@ def capture_strategy(config: Config, inner: Strategy, sink: Any, card: ModelCard
 
 def aggregating_strategy(config: Config, card: ModelCard) -> Strategy:
     """The configured ``server.strategy`` for the run's protocol; a strategy that aggregates models runs
-    FedSGD through ``GradientStep``."""
+    FedSGD through ``GradientStep``; any but FedSGD behind ``SparseUploads``."""
     context = StrategyContext(config.train.clients_per_round, config.partition.num_clients, config.train.lr,
                               card.trainable)
     name, protocol = config.server.strategy, config.train.protocol
     strategy = build_strategy(name, protocol, context, config.strategy.params)
     if protocol == "fedsgd" and resolve(name, protocol) not in GRADIENT_NATIVE:
         strategy = GradientStep(strategy, config.train.lr, card.trainable)
-    return strategy
+    return strategy if isinstance(strategy, FedSGD) else SparseUploads(strategy)
 
 
 class FederationMismatch(RuntimeError):
@@ -339,7 +340,7 @@ def run_server(grid: Grid, config: Config) -> Path:
                 sinks.append(pool)
             sink = FanOut(sinks)
             strategy = capture_strategy(config, strategy, sink, card)
-        strategy = RoundGuard(SparseUploads(strategy), round_accounting(latest),
+        strategy = RoundGuard(strategy, round_accounting(latest),
                               upload_rules(config, card), seed=config.run.seed, rounds_done=done)
         arrays = get_arrays(model) if point is None else resumed_arrays(card, point, model)
         if point is not None:

@@ -56,7 +56,9 @@ class FedSGD(FedAvg):
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """One SGD step on the uniform mean of the uploaded gradients (in client order, so that a run
         repeats bit for bit)."""
-        valid, _ = self._check_and_log_replies(list(replies), is_train=True)
+        # Flower's check wants the same array keys in every reply; a pruned upload travels coordinate-encoded
+        # (read_upload decodes it), so each upload's arrays are checked as it is read instead.
+        valid, _ = self._check_and_log_replies(list(replies), is_train=True, validate=False)
         if not valid:
             return None, None
         current = self._current.pop(server_round, None)
