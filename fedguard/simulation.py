@@ -21,6 +21,7 @@ written, and ``simulate`` raises ``Interrupted``; a second signal, or a run that
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import shlex
 import shutil
@@ -97,6 +98,20 @@ LOOPBACK_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 def joins_cluster(config: Config) -> str | None:
     """The Ray cluster the simulation joins (``sim.address``, else ``RAY_ADDRESS``), or None for a new one."""
     return config.sim.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def on_this_machine(address: str) -> bool:
+    """Whether a Ray cluster address names this machine's own Ray: ``auto`` (the cluster running here) or a
+    loopback host (``127.0.0.1:6379``, ``localhost:6379``, ``[::1]:6379``, ``ray://`` too)."""
+    if address == "auto":
+        return True
+    host = address.removeprefix("ray://").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def federation_config(config: Config) -> str:
@@ -186,9 +201,14 @@ def _environment(home: Path, config: Config) -> dict[str, str]:
     address = joins_cluster(config)
     if address:
         env["RAY_ADDRESS"] = address
+    if address and not on_this_machine(address):
         for name in LOOPBACK_RAY:  # a cluster's nodes reach each other on its own addresses
             env.pop(name, None)
     else:
+        # A new cluster listens on loopback only. A cluster joined at a loopback address (or `auto`) has its
+        # head here: without the switch Ray takes 127.0.0.1 for this machine's network address, where a head
+        # started with the switch (as the venv's `activate` sets it) does not listen, and the run would wait
+        # forever; with it, Ray uses the address as given, which reaches a head started either way.
         env.update(LOOPBACK_RAY)
     return env
 

@@ -191,6 +191,19 @@ def test_joining_a_cluster_leaves_rays_addresses_to_the_cluster(tmp_path: Path, 
     assert alone["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and "RAY_ADDRESS" not in alone
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1:6379", "localhost:6379", "[::1]:6379", "auto"])
+def test_joining_a_cluster_on_this_machine_keeps_the_loopback_switch(tmp_path: Path, monkeypatch,
+                                                                     address: str) -> None:
+    """Without the switch Ray would take 127.0.0.1 for the machine's network address, where a head started
+    with it does not listen; with it, a head started either way is reached (tests/test_ray_cluster.py)."""
+    from fedguard.simulation import LOOPBACK_RAY, _environment
+
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    env = _environment(tmp_path, load_config(ROOT / "experiments" / "quickstart.toml", [f"sim.address={address}"]))
+    assert env["RAY_ADDRESS"] == address
+    assert {name: env.get(name) for name in LOOPBACK_RAY} == LOOPBACK_RAY
+
+
 COUNTING_PLUGIN = '''
 """An attack that logs each build with its process id, and a log of every validation after this import."""
 import os

@@ -1,0 +1,1 @@
+"""A bare Flower app: FedSGD as one local SGD step per client, averaged by Flower's FedAvg."""
