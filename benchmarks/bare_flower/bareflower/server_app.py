@@ -12,7 +12,8 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from bareflower.task import build_model, dataset, evaluate
+from bareflower.task import build_model, dataset
+from fedguard.training import evaluate  # the central evaluation fedguard's server runs
 
 app = ServerApp()
 

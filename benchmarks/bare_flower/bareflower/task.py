@@ -142,16 +142,3 @@ def sgd_step(model: nn.Module, grads: list[torch.Tensor], lr: float) -> None:
     """``p -= lr * g`` for every trainable parameter, in place."""
     for p, g in zip([p for p in model.parameters() if p.requires_grad], grads):
         p.sub_(lr * g)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512) -> tuple[float, float]:
-    """Mean loss and accuracy of ``model`` on (x, y), as fedguard's central evaluation computes them."""
-    model.eval()
-    total, correct = 0.0, 0
-    for start in range(0, len(y), batch_size):
-        logits = model(x[start:start + batch_size])
-        labels = y[start:start + batch_size]
-        total += float(F.cross_entropy(logits, labels, reduction="sum"))
-        correct += int((logits.argmax(1) == labels).sum())
-    return total / len(y), correct / len(y)
