@@ -77,7 +77,7 @@ def model_card(config: Config, model: torch.nn.Module) -> ModelCard:
 
 
 def central_evaluation(config: Config, card: ModelCard, recorder: RoundRecorder, latest: dict[str, Any],
-                       checkpoint: Callable[[int, ArrayRecord], None], rounds_done: int = 0,
+                       checkpoint: Callable[[int, list[str], list[Any]], None], rounds_done: int = 0,
                        ) -> Callable[[int, ArrayRecord], MetricRecord | None]:
     """``evaluate_fn`` of ``Strategy.start``: scores the global model on the held-out split after every
     round, writes the round's row (with what ``latest`` holds of its uploads), then ``checkpoint``s the round.
@@ -100,18 +100,18 @@ def central_evaluation(config: Config, card: ModelCard, recorder: RoundRecorder,
         if problem is not None:
             raise NonFiniteModel(f"round {server_round}: after aggregation the global model's {problem}; "
                                  "the run stops")
-        checkpoint(server_round, arrays)
+        checkpoint(server_round, list(arrays.keys()), values)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     return evaluate_fn
 
 
-def round_checkpoints(folder: Path, strategy: Strategy) -> Callable[[int, ArrayRecord], None]:
-    """Writes ``checkpoint.npz`` of ``folder``: the round, the global model and the state of ``strategy``."""
+def round_checkpoints(folder: Path, strategy: Strategy) -> Callable[[int, list[str], list[Any]], None]:
+    """Writes ``checkpoint.npz`` of ``folder``: the round, the global model (names, arrays) and the state of
+    ``strategy``."""
 
-    def checkpoint(server_round: int, arrays: ArrayRecord) -> None:
-        write_checkpoint(folder, RoundCheckpoint(server_round, tuple(arrays.keys()), arrays.to_numpy_ndarrays(),
-                                                 strategy_state(strategy)))
+    def checkpoint(server_round: int, names: list[str], values: list[Any]) -> None:
+        write_checkpoint(folder, RoundCheckpoint(server_round, tuple(names), values, strategy_state(strategy)))
 
     return checkpoint
 
@@ -119,17 +119,17 @@ def round_checkpoints(folder: Path, strategy: Strategy) -> Callable[[int, ArrayR
 def starting_point(config: Config) -> tuple[Path, RoundCheckpoint | None]:
     """The run folder and, when the run resumes, the checkpoint it goes on from (the folder rewound to it);
     a new run gets a folder of its own and its ``config.toml``."""
-    if not config.run.resume:
+    point = None
+    if config.run.resume:
+        folder = Path(config.run.out_dir).resolve()
+        point = resume_point(folder, config.train.rounds)
+        removed = {k: v for k, v in rewind(folder, point.round).items() if v}
+        gone = f"; removed what the unfinished round left: {removed}" if removed else ""
+        print(f"fedguard: resuming after round {point.round} of {config.train.rounds}{gone}", flush=True)
+    else:
         folder = resolve_run_dir(config)
-        prepare_run_dir(dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder))))
-        return folder, None
-    folder = Path(config.run.out_dir).resolve()
-    point = resume_point(folder, config.train.rounds)
-    removed = {k: v for k, v in rewind(folder, point.round).items() if v}
     prepare_run_dir(dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder),
                                                                         resume=False)))
-    gone = f"; removed what the unfinished round left: {removed}" if removed else ""
-    print(f"fedguard: resuming after round {point.round} of {config.train.rounds}{gone}", flush=True)
     return folder, point
 
 
