@@ -148,9 +148,11 @@ def images_per_upload(obs: Observation) -> int:
 
 
 DEVICES = ("auto", "cpu", "cuda")
+COMPILE_MODES = ("auto", "on", "off")
+"""Whether a search's per-iteration functions are compiled (``attackers.engine.compiled``)."""
 
 
-def check_search_params(iterations: int, restarts: int, lr: float, device: str) -> None:
+def check_search_params(iterations: int, restarts: int, lr: float, device: str, compile_mode: str = "auto") -> None:
     """The checks every optimization attack's parameters share; raises ``ValueError`` naming the bad value."""
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
@@ -160,6 +162,8 @@ def check_search_params(iterations: int, restarts: int, lr: float, device: str) 
         raise ValueError(f"lr must be > 0, got {lr}")
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: choose one of {', '.join(DEVICES)}")
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile {compile_mode!r}: choose one of {', '.join(COMPILE_MODES)}")
 
 
 LOCAL_SCHEDULE = ("lr", "local-epochs", "batch-size", "local-steps", "proximal-mu")

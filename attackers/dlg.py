@@ -27,7 +27,8 @@ from attackers.engine.optimizers import LINE_SEARCHES
 class DLGParams:
     """L-BFGS ``iterations``, restarts, step ``lr``, ``history`` length, ``line_search`` ('none': a fixed step,
     as ``torch.optim.LBFGS`` by default; 'fractions': the best of fixed fractions of the step), device ('auto',
-    'cpu', 'cuda')."""
+    'cpu', 'cuda');
+    ``compile``: 'auto' (compile where it pays), 'on' or 'off' (``attackers.engine.compiled``)."""
 
     iterations: int = 2000
     restarts: int = 1
@@ -35,9 +36,10 @@ class DLGParams:
     history: int = 10
     line_search: str = "fractions"
     device: str = "auto"
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
-        check_search_params(self.iterations, self.restarts, self.lr, self.device)
+        check_search_params(self.iterations, self.restarts, self.lr, self.device, self.compile)
         if self.history < 1:
             raise ValueError(f"history must be >= 1, got {self.history}")
         if self.line_search not in LINE_SEARCHES:
@@ -53,7 +55,7 @@ class DeepLeakage(OptimizationAttack):
 
     def spec_of(self, params: DLGParams) -> SearchSpec:
         return SearchSpec(
-            params.iterations, params.restarts, params.device, distance="l2",
+            params.iterations, params.restarts, params.device, compile=params.compile, distance="l2",
             labels="infer" if self.infer else "joint",
             optimizer=OptimizerSpec("lbfgs", params.lr, history=params.history, line_search=params.line_search,
                                     box=False),

@@ -38,7 +38,8 @@ NO_GENERATOR = ("attack 'ggl' needs a generator: set attack.ggl.generator to a f
 class GenerativeParams:
     """``generator``: a ``.npz`` from ``fedguard train-generator`` (required); iterations, restarts, Adam step on
     the latents, device ('auto', 'cpu', 'cuda'); ``distance``: 'cosine' (1 - cosine similarity) or 'l2' (squared
-    Euclidean) between gradients; ``kl``: weight of the latent prior."""
+    Euclidean) between gradients; ``kl``: weight of the latent prior;
+    ``compile``: 'auto' (compile where it pays), 'on' or 'off' (``attackers.engine.compiled``)."""
 
     generator: str = ""
     iterations: int = 500
@@ -47,9 +48,10 @@ class GenerativeParams:
     device: str = "auto"
     distance: str = "cosine"
     kl: float = 0.01
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
-        check_search_params(self.iterations, self.restarts, self.lr, self.device)
+        check_search_params(self.iterations, self.restarts, self.lr, self.device, self.compile)
         if self.distance not in DISTANCES:
             raise ValueError(f"distance {self.distance!r}: choose one of {', '.join(DISTANCES)}")
         if self.kl < 0:
@@ -72,7 +74,7 @@ class GenerativeAttack(OptimizationAttack):
 
     def spec_of(self, params: GenerativeParams) -> SearchSpec:
         return SearchSpec(
-            params.iterations, params.restarts, params.device, distance=params.distance,
+            params.iterations, params.restarts, params.device, compile=params.compile, distance=params.distance,
             terms=(Term("kl", params.kl),), labels="infer",
             optimizer=OptimizerSpec("adam", params.lr, schedule="step", box=False),
         )

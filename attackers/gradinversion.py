@@ -56,7 +56,8 @@ class GradInversionParams:
     """Iterations, restarts (a group per upload), Adam step on [0, 1] pixels (cosine decay), device ('auto',
     'cpu', 'cuda'); loss weights: ``gradient`` (squared L2 gradient distance over the upload's squared norm),
     ``tv``, ``l2`` (pixels' squared distance to 0.5), ``bn`` (BatchNorm statistics distance), ``group`` (distance to the restarts' mean), on from
-    ``group_start`` (fraction of the iterations, in [0, 1])."""
+    ``group_start`` (fraction of the iterations, in [0, 1]);
+    ``compile``: 'auto' (compile where it pays), 'on' or 'off' (``attackers.engine.compiled``)."""
 
     iterations: int = 2000
     restarts: int = 4
@@ -68,9 +69,10 @@ class GradInversionParams:
     bn: float = 1.0
     group: float = 0.01
     group_start: float = 0.5
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
-        check_search_params(self.iterations, self.restarts, self.lr, self.device)
+        check_search_params(self.iterations, self.restarts, self.lr, self.device, self.compile)
         for name in ("gradient", "tv", "l2", "bn", "group"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -85,7 +87,7 @@ class GradInversion(OptimizationAttack):
 
     def spec_of(self, params: GradInversionParams) -> SearchSpec:
         return SearchSpec(
-            params.iterations, params.restarts, params.device, distance="relative-l2",
+            params.iterations, params.restarts, params.device, compile=params.compile, distance="relative-l2",
             distance_weight=params.gradient,
             terms=(Term("tv", params.tv), Term("l2", params.l2), Term("bn", params.bn),
                    Term("group", params.group, start=params.group_start, selects=False)),

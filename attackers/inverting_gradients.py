@@ -32,7 +32,8 @@ from attackers.engine import OptimizationAttack, OptimizerSpec, SearchSpec, Term
 class InvertingGradientsParams:
     """Iterations, restarts, Adam step on [0, 1] pixels, total-variation weight, device ('auto', 'cpu', 'cuda'),
     ``skip``: comma-separated parameter-name prefixes left out of the distance (the layers a defense alters),
-    ``eot``: draws of the known defense averaged per iteration (0: off; needs threat.defense)."""
+    ``eot``: draws of the known defense averaged per iteration (0: off; needs threat.defense);
+    ``compile``: 'auto' (compile where it pays), 'on' or 'off' (``attackers.engine.compiled``)."""
 
     iterations: int = 2000
     restarts: int = 1
@@ -41,9 +42,10 @@ class InvertingGradientsParams:
     device: str = "auto"
     skip: str = ""
     eot: int = 0
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
-        check_search_params(self.iterations, self.restarts, self.lr, self.device)
+        check_search_params(self.iterations, self.restarts, self.lr, self.device, self.compile)
         if self.tv < 0:
             raise ValueError(f"tv must be >= 0, got {self.tv}")
         if self.eot < 0:
@@ -62,7 +64,7 @@ class InvertingGradients(OptimizationAttack):
 
     def spec_of(self, params: InvertingGradientsParams) -> SearchSpec:
         return SearchSpec(
-            params.iterations, params.restarts, params.device, distance="cosine", skip=params.skip,
+            params.iterations, params.restarts, params.device, compile=params.compile, distance="cosine", skip=params.skip,
             terms=(Term("tv", params.tv),), labels="infer",
             optimizer=OptimizerSpec("signed-adam", params.lr, schedule="step"), uploads=self.uploads, eot=params.eot,
         )

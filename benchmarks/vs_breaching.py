@@ -12,8 +12,13 @@ its own default attack configuration; only the iteration count and the device
 them (ig) or optimizes soft labels (dlg), breaching runs its config's label
 strategy. Both see BatchNorm on batch statistics, as the client's training
 step did (breaching: no buffers shared). Only the reconstruction calls are
-timed, after one short untimed warm-up per tool. Reconstructions are scored
-against the true images with fedguard.metrics (PSNR, SSIM).
+timed, after one short untimed warm-up per tool. fedguard's warm-up runs the
+batched and the one-upload program for a few iterations with the timed runs'
+``compile`` decision, so a compiled program is built there (its seconds are
+printed as the warm-up: on a cold Inductor cache, the whole compile) and the
+timed calls pay only tracing and the cache lookup (about 2 s per call).
+``--compile off`` times fedguard eager. Reconstructions are scored against the
+true images with fedguard.metrics (PSNR, SSIM).
 
 Cases (rows per tool; breaching config in brackets):
     ig-lenet    Inverting Gradients [invertinggradients], 2,000 iterations, DLG LeNet
@@ -23,7 +28,7 @@ Cases (rows per tool; breaching config in brackets):
 
     make bench-breaching
     .venv/bin/python benchmarks/vs_breaching.py [--cases ig-lenet,ig-convnet,dlg-lenet] [--uploads 8]
-        [--iterations-scale 1.0] [--threads N] [--seed 0] [--peer-dir DIR] [--out PATH]
+        [--iterations-scale 1.0] [--threads N] [--seed 0] [--compile auto|on|off] [--peer-dir DIR] [--out PATH]
 
 On first run breaching==0.1.2 and those of its dependencies missing from
 this environment are installed with pip (pinned, --no-deps) into --peer-dir
@@ -60,7 +65,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from attackers.base import ATTACKS, build_attack
+from attackers.base import ATTACKS, COMPILE_MODES, build_attack
+from attackers.engine.compiled import compiles
 from fedguard.data import DataSpec, load_dataset
 from fedguard.metrics.image import clip_psnr, psnr, ssim
 from fedguard.metrics.scoring import LEAK_SSIM
@@ -181,9 +187,10 @@ def timed(fn: Callable[[], list[torch.Tensor]]) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - start, torch.cat(images).detach()
 
 
-def fedguard_params(case: Case, iterations: int) -> Any:
-    """The attack's default parameters with ``iterations`` on the CPU."""
-    return dataclasses.replace(ATTACKS.get(case.fedguard).params(), iterations=iterations, device="cpu")
+def fedguard_params(case: Case, iterations: int, compile_mode: str) -> Any:
+    """The attack's default parameters with ``iterations`` on the CPU, ``compile`` as given."""
+    return dataclasses.replace(ATTACKS.get(case.fedguard).params(), iterations=iterations, device="cpu",
+                               compile=compile_mode)
 
 
 def run_fedguard(name: str, params: Any, observations: list[Observation], batched: bool,
@@ -244,8 +251,19 @@ def score(tool: str, case: Case, attack: str, iterations: int, seconds: float, r
             "seconds": seconds, "recon_per_s": len(truth) / seconds}
 
 
-def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float,
-             seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def warm_up_fedguard(case: Case, params: Any, observations: list[Observation], seed: int) -> float:
+    """Seconds of a few iterations of the batched and the one-upload search, compiled when the timed runs
+    compile (the programs they run are built here)."""
+    mode = "on" if compiles(params.compile, torch.device("cpu"), params.iterations) else "off"
+    warm = fedguard_params(case, WARM_UP_ITERATIONS, mode)
+    start = time.perf_counter()
+    run_fedguard(case.fedguard, warm, observations, True, seed)
+    run_fedguard(case.fedguard, warm, observations[:1], True, seed)
+    return time.perf_counter() - start
+
+
+def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, seed: int,
+             compile_mode: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The case's rows (fedguard batched, fedguard one at a time, breaching) and each tool's configuration."""
     from omegaconf import OmegaConf
 
@@ -253,15 +271,17 @@ def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float,
     breaching_iterations = max(1, round((case.breaching_iterations or case.iterations) * scale))
     inputs = capture(case, uploads, seed)
     check_layout(inputs.model, inputs.observations[0])
-    params = fedguard_params(case, iterations)
+    params = fedguard_params(case, iterations, compile_mode)
     cfg, attacker = breaching_attacker(breaching, case, breaching_iterations, inputs.model)
-    first = inputs.observations[:1]
-    run_fedguard(case.fedguard, fedguard_params(case, WARM_UP_ITERATIONS), first, True, seed)
-    run_breaching(breaching_attacker(breaching, case, WARM_UP_ITERATIONS, inputs.model)[1], first, seed)
+    warm_up = warm_up_fedguard(case, params, inputs.observations, seed)
+    run_breaching(breaching_attacker(breaching, case, WARM_UP_ITERATIONS, inputs.model)[1],
+                  inputs.observations[:1], seed)
+    compiled = compiles(params.compile, torch.device("cpu"), params.iterations)
     rows = []
     for tool, batched in (("fedguard batched", True), ("fedguard one at a time", False)):
         seconds, recon = run_fedguard(case.fedguard, params, inputs.observations, batched, seed)
         rows.append(score(tool, case, case.fedguard, iterations, seconds, recon, inputs.truth))
+        rows[-1].update(compiled=compiled, warm_up_s=warm_up)
     seconds, recon = run_breaching(attacker, inputs.observations, seed)
     rows.append(score("breaching", case, f"{case.breaching}.yaml", breaching_iterations, seconds, recon,
                       inputs.truth))
@@ -291,11 +311,13 @@ def cpu_model() -> str:
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The rows as plain aligned text."""
     print(f"{'tool':23} {'model':11} {'attack':24} {'iters':>6} {'uploads':>7} {'PSNR dB':>8} {'SSIM':>6} "
-          f"{'>0.9':>4} {'seconds':>9} {'recon/s':>8} {'vs breaching':>12}")
+          f"{'>0.9':>4} {'seconds':>9} {'recon/s':>8} {'vs breaching':>12} {'compiled':>8} {'warm-up s':>9}")
     for r in rows:
+        compiled = {True: "yes", False: "no"}.get(r.get("compiled"), "-")
+        warm_up = f"{r['warm_up_s']:.1f}" if "warm_up_s" in r else "-"
         print(f"{r['tool']:23} {r['model']:11} {r['attack']:24} {r['iterations']:>6} {r['uploads']:>7} "
               f"{r['psnr_db']:>8.2f} {r['ssim']:>6.3f} {r['ssim_over_0.9']:>4} {r['seconds']:>9.2f} "
-              f"{r['recon_per_s']:>8.3f} {r['vs_breaching']:>11.2f}x")
+              f"{r['recon_per_s']:>8.3f} {r['vs_breaching']:>11.2f}x {compiled:>8} {warm_up:>9}")
 
 
 def main() -> None:
@@ -305,6 +327,7 @@ def main() -> None:
     parser.add_argument("--iterations-scale", type=float, default=1.0, help="multiplier of every case's iterations")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     parser.add_argument("--seed", type=int, default=0, help="model weights and attack starting points")
+    parser.add_argument("--compile", default="auto", choices=COMPILE_MODES, help="fedguard's compile parameter")
     parser.add_argument("--peer-dir", type=Path, default=HERE / ".peers" / f"breaching-{BREACHING}")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "vs_breaching.json")
     args = parser.parse_args()
@@ -322,12 +345,13 @@ def main() -> None:
     configs: dict[str, Any] = {}
     for name in names:
         case_rows, configs[name] = run_case(breaching, name, CASES[name], args.uploads, args.iterations_scale,
-                                            args.seed)
+                                            args.seed, args.compile)
         rows += case_rows
         print(f"{name}: done", flush=True)
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"torch": torch.__version__, "breaching": BREACHING, "threads": args.threads, "cpu": cpu_model(),
+              "compile": args.compile,
               "uploads": args.uploads, "iterations_scale": args.iterations_scale, "seed": args.seed,
               "data": DATA, "cases": configs, "rows": rows}
     args.out.write_text(json.dumps(report, indent=2) + "\n")

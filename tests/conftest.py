@@ -10,6 +10,9 @@ from flwr.supercore.task_identity import TaskIdentity
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+# Attacks run eager here: compiling costs seconds per program, and tests/test_compiled.py checks that the
+# compiled programs equal the eager ones.
+os.environ.setdefault("FEDGUARD_COMPILE", "off")
 torch.set_num_threads(1)
 # Messages built in this process (strategies driven without a SuperLink) take their run and task from here,
 # as a ServerApp's process has them from Flower.

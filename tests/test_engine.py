@@ -70,12 +70,12 @@ def test_lbfgs_never_freezes_a_job_whose_first_step_overshoots() -> None:
     curvature = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
     b = torch.ones(2, 3)
 
-    def losses(z: torch.Tensor, progress: float) -> torch.Tensor:
+    def losses(z: torch.Tensor) -> torch.Tensor:
         scale = torch.tensor([1e6, 1.0]).reshape(2, 1)  # job 0's gradient, hence its first step, 10^6 times longer
         return (scale * (0.5 * curvature * z**2 - b * z)).sum(1)
 
     spec = OptimizerSpec("lbfgs", lr=1.0, box=False)
-    z, resets = lbfgs(torch.zeros(2, 3), losses, 60, spec, lambda z: None, lambda jobs: torch.zeros(2, 3))
+    z, resets = lbfgs(torch.zeros(2, 3), lambda progress: losses, 60, spec, lambda z: None, lambda jobs: torch.zeros(2, 3))
     assert torch.allclose(z, b / curvature, atol=1e-4), z
     assert resets.tolist() == [0, 0]
 

@@ -18,7 +18,7 @@ from torch.func import functional_call, grad, vmap
 
 from attackers.engine.problem import Problem
 from attackers.engine.spec import SearchSpec
-from attackers.engine.terms import DISTANCES, PRIORS, Statistics, TermInputs
+from attackers.engine.terms import DISTANCES, PRIORS, Statistics, Term, TermInputs
 from fedguard.observation import Observation
 
 Gradients = dict[str, torch.Tensor]
@@ -72,7 +72,7 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class Objective:
-    """``losses(z, progress)`` (J,) to minimize and ``selection(z)`` to choose restarts by."""
+    """``losses_at(progress)(z)`` (J,) to minimize and ``selection(z)`` to choose restarts by."""
 
     def __init__(self, spec: SearchSpec, problem: Problem, defense: Any, seed: int) -> None:
         self.spec, self.problem = spec, problem
@@ -94,6 +94,7 @@ class Objective:
         self.params = jobs.params
         self.compared = [n for n in names if not spec.skipped(n)]
         self.distance = self._eot(DISTANCES[spec.distance], defense, seed)
+        self._losses: dict[tuple[Term, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def _eot(self, distance: Callable[..., torch.Tensor], defense: Any, seed: int) -> Callable[[Gradients], torch.Tensor]:
         """``g -> (J,)``: the distance of ``g`` itself, or its mean over ``eot`` draws of the simulated defense."""
@@ -123,9 +124,15 @@ class Objective:
         inputs = TermInputs(images, z, statistics, problem.bn_target, self.spec.restarts)
         return self.distance(g), {name: PRIORS[name](inputs) for name in priors}
 
-    def losses(self, z: torch.Tensor, progress: float) -> torch.Tensor:
-        """(J,) weighted losses at ``z``, a prior counted once ``progress`` (fraction of iterations) reaches its start."""
-        active = [t for t in self.spec.terms if t.weight > 0 and progress >= t.start]
+    def losses_at(self, progress: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``z -> (J,)`` weighted losses, a prior counted once ``progress`` (fraction of iterations) reaches its
+        start; one function object per set of counted priors."""
+        active = tuple(t for t in self.spec.terms if t.weight > 0 and progress >= t.start)
+        if active not in self._losses:
+            self._losses[active] = lambda z: self._weighted(z, active)
+        return self._losses[active]
+
+    def _weighted(self, z: torch.Tensor, active: tuple[Term, ...]) -> torch.Tensor:
         distance, priors = self.parts(z, [t.name for t in active])
         return self.spec.distance_weight * distance + sum(t.weight * priors[t.name] for t in active)
 

@@ -12,6 +12,10 @@
   freezes a restart; a job that takes the full step doubles it back towards ``lr``.
   A job whose point turns non-finite (checked every ``NAN_CHECK`` iterations, the one host sync) restarts from
   a fresh random point.
+
+Each optimizer takes ``losses_at(progress)``, the jobs' loss function at a fraction of the iterations (the same
+function object while the active terms stay the same), and a ``Compiler`` (``attackers.engine.compiled``) that
+compiles the gradient and trial evaluations built from it, once per distinct function.
 """
 
 from __future__ import annotations
@@ -22,8 +26,16 @@ from typing import Callable
 import torch
 from torch.func import grad, grad_and_value, vmap
 
-Losses = Callable[[torch.Tensor, float], torch.Tensor]
-"""``(z (J, ...), progress in [0, 1]) -> (J,)`` losses of every job."""
+Losses = Callable[[torch.Tensor], torch.Tensor]
+"""``z (J, ...) -> (J,)`` losses of every job."""
+LossesAt = Callable[[float], Losses]
+"""``progress in [0, 1] -> Losses``: the objective at a fraction of the iterations."""
+Wrap = Callable[[Callable[..., object]], Callable[..., object]]
+"""Compiles a function (``attackers.engine.compiled.Compiler``) or returns it as it is."""
+
+
+def _eager(fn: Callable[..., object]) -> Callable[..., object]:
+    return fn
 
 SCHEDULES = ("step", "cosine", "none")
 OPTIMIZERS = ("signed-adam", "adam", "lbfgs")
@@ -67,17 +79,24 @@ def _scheduler(optimizer: torch.optim.Optimizer, schedule: str, iterations: int)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
 
-def adam(z: torch.Tensor, losses: Losses, iterations: int, spec: OptimizerSpec,
-         project: Callable[[torch.Tensor], None]) -> torch.Tensor:
+def adam(z: torch.Tensor, losses_at: LossesAt, iterations: int, spec: OptimizerSpec,
+         project: Callable[[torch.Tensor], None], compiler: Wrap = _eager) -> torch.Tensor:
     """``iterations`` Adam steps on every job's ``z`` (signed gradient for 'signed-adam'); returns the end point."""
     z = z.detach().clone().requires_grad_()
     optimizer = torch.optim.Adam([z], lr=spec.lr)
     scheduler = _scheduler(optimizer, spec.schedule, iterations)
-    step = grad(lambda point, progress: losses(point, progress).sum())
     signed = spec.kind == "signed-adam"
+    steps: dict[Losses, Callable[..., object]] = {}
+
+    def step_of(losses: Losses) -> Callable[..., object]:
+        direction = grad(lambda point: losses(point).sum())
+        return compiler((lambda point: direction(point).sign()) if signed else direction)
+
     for iteration in range(iterations):
-        dz = step(z.detach(), iteration / iterations)
-        z.grad = dz.sign() if signed else dz
+        losses = losses_at(iteration / iterations)
+        if losses not in steps:
+            steps[losses] = step_of(losses)
+        z.grad = steps[losses](z.detach())
         optimizer.step()
         scheduler.step()
         if spec.box:
@@ -137,11 +156,15 @@ class BatchedLBFGS:
         return q
 
 
-def lbfgs(z: torch.Tensor, losses: Losses, iterations: int, spec: OptimizerSpec,
-          project: Callable[[torch.Tensor], None], fresh: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``iterations`` L-BFGS iterations with ``spec.line_search``; ``fresh(jobs)`` gives
+def lbfgs(z: torch.Tensor, losses_at: LossesAt, iterations: int, spec: OptimizerSpec,
+          project: Callable[[torch.Tensor], None], fresh: Callable[[torch.Tensor], torch.Tensor],
+          compiler: Wrap = _eager) -> tuple[torch.Tensor, torch.Tensor]:
+    """``iterations`` L-BFGS iterations with ``spec.line_search`` on ``losses_at(1.0)``; ``fresh(jobs)`` gives
     new starting points for the jobs (J,) bool that turned non-finite. Returns the end point and each job's count
     of such restarts."""
+    losses = losses_at(1.0)
+    evaluate = Evaluations(compiler(grad_and_value(_total_and_each(losses), has_aux=True)),
+                           compiler(vmap(losses)), losses)
     step = _fixed_step if spec.line_search == "none" else _fraction_search
     jobs, device = z.shape[0], z.device
     optimizer = BatchedLBFGS(spec.history)
@@ -150,11 +173,11 @@ def lbfgs(z: torch.Tensor, losses: Losses, iterations: int, spec: OptimizerSpec,
              "step_size": torch.full((jobs,), spec.lr, device=device),
              "previous_loss": torch.full((jobs,), torch.inf, device=device)}
     for iteration in range(iterations):
-        z = step(z, losses, optimizer, spec, state)
+        z = step(z, evaluate, optimizer, spec, state)
         if spec.box:
             project(z)
         if (iteration + 1) % NAN_CHECK == 0:
-            bad = ~torch.isfinite(z.flatten(1)).all(1) | ~torch.isfinite(losses(z, 1.0))
+            bad = ~torch.isfinite(z.flatten(1)).all(1) | ~torch.isfinite(losses(z))
             if bool(bad.any()):
                 state["resets"] += bad.long()
                 z = torch.where(_expand(bad, z), fresh(bad).to(device), z)
@@ -168,17 +191,27 @@ def lbfgs(z: torch.Tensor, losses: Losses, iterations: int, spec: OptimizerSpec,
 def _total_and_each(losses: Losses) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """``z -> (sum of the jobs' losses, (J,) losses detached)``, for ``grad_and_value`` with ``has_aux``."""
     def total(point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        each = losses(point, 1.0)
+        each = losses(point)
         return each.sum(), each.detach()
     return total
 
 
-def _fixed_step(z: torch.Tensor, losses: Losses, optimizer: BatchedLBFGS, spec: OptimizerSpec,
+@dataclass(frozen=True)
+class Evaluations:
+    """What an L-BFGS iteration evaluates: ``gradient(z) -> (dz, (total, (J,) losses))`` and
+    ``trials(points (T, J, ...)) -> (T, J)`` losses, each possibly compiled, and the plain ``losses``."""
+
+    gradient: Callable[..., object]
+    trials: Callable[..., object]
+    losses: Losses
+
+
+def _fixed_step(z: torch.Tensor, evaluate: Evaluations, optimizer: BatchedLBFGS, spec: OptimizerSpec,
                 state: dict[str, torch.Tensor]) -> torch.Tensor:
     """One iteration of ``torch.optim.LBFGS`` without line search, per job: step ``lr`` along the quasi-Newton
     direction (the first one scaled by ``min(1, 1 / |g|_1)``); a job whose gradient, descent or last change of
     loss is below torch's tolerances stands still."""
-    g, (_, loss) = grad_and_value(_total_and_each(losses), has_aux=True)(z)
+    g, (_, loss) = evaluate.gradient(z)
     direction = optimizer.direction(z, g)
     lr = torch.where(state["first"], (1.0 / g.flatten(1).abs().sum(1)).clamp_max(1.0) * spec.lr, spec.lr)
     converged = ((g.flatten(1).abs().amax(1) <= TOLERANCE_GRAD) | (_dot(g, direction) < TOLERANCE_CHANGE)
@@ -188,17 +221,17 @@ def _fixed_step(z: torch.Tensor, losses: Losses, optimizer: BatchedLBFGS, spec: 
     return z - _expand(torch.where(converged, 0.0, lr), z) * direction
 
 
-def _fraction_search(z: torch.Tensor, losses: Losses, optimizer: BatchedLBFGS, spec: OptimizerSpec,
+def _fraction_search(z: torch.Tensor, evaluate: Evaluations, optimizer: BatchedLBFGS, spec: OptimizerSpec,
                      state: dict[str, torch.Tensor]) -> torch.Tensor:
     """One iteration with the line search over ``STEP_SCALES`` of the step (all trials in one vmapped
     evaluation), the best kept per job; a job with no trial below its loss forgets its curvature and shrinks its
     step tenfold, one taking the full step doubles it back towards ``lr``."""
     rows = torch.arange(z.shape[0], device=z.device)
     scales = torch.tensor(STEP_SCALES, device=z.device).reshape(-1, 1, *([1] * (z.dim() - 1)))
-    gradient, (_, here) = grad_and_value(_total_and_each(losses), has_aux=True)(z)
+    gradient, (_, here) = evaluate.gradient(z)
     direction = optimizer.direction(z, gradient) * _expand(state["step_size"], z)
     trials = z.unsqueeze(0) - scales * direction.unsqueeze(0)
-    trial_losses = torch.cat([vmap(lambda trial: losses(trial, 1.0))(trials), here.unsqueeze(0)])
+    trial_losses = torch.cat([evaluate.trials(trials), here.unsqueeze(0)])
     trial_losses = torch.where(torch.isfinite(trial_losses), trial_losses, torch.inf)
     best = trial_losses.argmin(0)
     stuck = best == len(STEP_SCALES)  # no trial below the point itself

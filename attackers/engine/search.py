@@ -16,12 +16,14 @@ is the one with the lowest final loss over the terms that ``select``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import torch
 
 from attackers.base import Reconstruction
+from attackers.engine.compiled import Compiler
 from attackers.engine.objective import Objective
 from attackers.engine.optimizers import adam, lbfgs
 from attackers.engine.problem import Problem
@@ -41,13 +43,14 @@ def search(spec: SearchSpec, observations: list[Observation], seed: int, *,
     device = resolve_device(spec.device)
     problem = Problem.of(spec, observations, device, decoder)
     objective = Objective(spec, problem, defense, seed)
+    compiler = Compiler(spec.compile, device, spec.iterations, dataclasses.replace(spec, iterations=1))
     z = torch.stack([problem.space.start(problem.generator(seed, j)) for j in range(problem.jobs)]).to(device)
     resets = torch.zeros(problem.jobs, dtype=torch.long)
     if spec.optimizer.kind == "lbfgs":
-        z, resets = lbfgs(z, objective.losses, spec.iterations, spec.optimizer, problem.space.project_,
-                          problem.fresh_starts(seed))
+        z, resets = lbfgs(z, objective.losses_at, spec.iterations, spec.optimizer, problem.space.project_,
+                          problem.fresh_starts(seed), compiler)
     else:
-        z = adam(z, objective.losses, spec.iterations, spec.optimizer, problem.space.project_)
+        z = adam(z, objective.losses_at, spec.iterations, spec.optimizer, problem.space.project_, compiler)
     with torch.no_grad():
         final, parts = objective.selection(z)
         images = problem.space.final_images(z)

@@ -19,7 +19,8 @@ class SearchSpec:
     (a key of ``DISTANCES``) with its weight, ``skip``: comma-separated parameter-name prefixes left out of it;
     prior ``terms``; ``labels``: 'infer' (declared by the client, else inferred from the last layer) or
     'joint' (declared, else searched as soft labels with the images); the ``optimizer``; ``uploads``: the upload
-    kinds it attacks; ``eot``: draws of the clients' simulated defense averaged per evaluation (0: off)."""
+    kinds it attacks; ``eot``: draws of the clients' simulated defense averaged per evaluation (0: off);
+    ``compile``: 'auto', 'on' or 'off' (``attackers.engine.compiled``)."""
 
     iterations: int
     restarts: int
@@ -32,9 +33,10 @@ class SearchSpec:
     optimizer: OptimizerSpec = OptimizerSpec()
     uploads: frozenset[str] = frozenset({"gradient"})
     eot: int = 0
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
-        check_search_params(self.iterations, self.restarts, self.optimizer.lr, self.device)
+        check_search_params(self.iterations, self.restarts, self.optimizer.lr, self.device, self.compile)
         if self.distance not in DISTANCES:
             raise ValueError(f"distance {self.distance!r}: choose one of {', '.join(DISTANCES)}")
         if self.labels not in LABELS:
