@@ -84,7 +84,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import platform
 import shutil
@@ -244,7 +243,7 @@ def role(comm: str, cmdline: str) -> str:
         return "SuperExec"
     if "flwr" in names and "run" in words:
         return "flwr run"
-    if "fedguard" in names:
+    if "fedguard" in names or "fedguard.launcher" in words:
         return "fedguard CLI"
     if comm.startswith("ray::") or "ray" in cmdline or comm in ("raylet", "gcs_server"):
         return "Ray services"

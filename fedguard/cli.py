@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -136,32 +137,26 @@ def _resumed(args: argparse.Namespace) -> Config:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run a Flower simulation of the configured federation."""
+    """Run a Flower simulation of the configured federation: check and prepare it here, then wait for it in a
+    light process (``fedguard.launcher``) that takes this one's place."""
     from fedguard.data import load_dataset
-    from fedguard.report.run_dir import ROUNDS_FILE, resolve_run_dir
-    from fedguard.simulation import Interrupted, LaunchError, simulate
+    from fedguard.report.run_dir import resolve_run_dir
+    from fedguard.simulation import prepare
 
     config = _resumed(args) if args.resume is not None else _resolve(args)
     data = load_dataset(config.data.name, config.data.source_options())
     folder = Path(config.run.out_dir) if config.run.resume else resolve_run_dir(config)
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder)))
+    plan = prepare(config, verbose=args.verbose)
     print(
         f"fedguard: {config.partition.num_clients} clients ({config.partition.name}) on {data.name} "
         f"({len(data.train)} train / {len(data.test)} test), model {config.model.name}, "
         f"{config.train.protocol} for {config.train.rounds} rounds, defense {config.defense.name}",
         flush=True,
     )
-    start = time.perf_counter()
-    try:
-        simulate(config, verbose=args.verbose)
-    except LaunchError as error:
-        print(f"fedguard: {error}", file=sys.stderr, flush=True)
-        return 1
-    except Interrupted as stopped:
-        print(f"fedguard: {stopped}", file=sys.stderr, flush=True)
-        return stopped.exit_code
-    print(f"fedguard: done in {time.perf_counter() - start:.1f} s; rounds in {folder / ROUNDS_FILE}", flush=True)
-    return 0
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "fedguard.launcher", str(plan.save())])
+    return 1  # not reached: execv replaces this process
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -1,74 +1,38 @@
 """``fedguard run``: the app on Flower's simulation runtime, launched the way Flower supports, ``flwr run``.
 
-A private SuperLink is started for the run, on loopback, in simulation mode, with runtime dependency
-installation off and its state and Flower home in a temporary folder; the app (this repository's
-``pyproject.toml``) is started on it with ``flwr run``, the run's logs are streamed here, and the SuperLink
-is stopped at the end. The simulation engine starts Ray with ``sim.*`` (Flower's federation settings
-``num-supernodes``, ``client-resources-num-cpus/gpus``, ``init-args-num-cpus``); with ``sim.address`` or
-``RAY_ADDRESS`` it joins that Ray cluster instead.
-
-The ServerApp writes ``status.json`` in the run folder (``fedguard.report.run_status``); the run's exit code
-comes from it, since ``flwr run --stream`` ends the same way whether a run completed or failed.
+``prepare`` checks a configuration's ``sim.*`` and turns it into a ``fedguard.launcher.Launch``: the run
+config ``flwr run`` passes (this repository's ``pyproject.toml`` is the app), the environment, and Flower's
+federation settings (``num-supernodes``, ``client-resources-num-cpus/gpus``, ``init-args-num-cpus``) with which
+the simulation engine starts Ray; with ``sim.address`` or ``RAY_ADDRESS`` it joins that Ray cluster instead.
+``fedguard.launcher`` starts the processes, streams the logs and handles signals.
 
 ``sim.*`` that would leave the simulation waiting forever (clients reserving more CPUs or GPUs than there are,
-a cluster address where nothing answers) are refused before anything starts. The first SIGINT or SIGTERM asks
-the run to stop (``fedguard.stopping``): the attacks still running are recorded as interrupted, the report is
-written, and ``simulate`` raises ``Interrupted``; a second signal, or a run that has not ended
-``STOP_GRACE`` seconds later, is stopped at once. Either way every process the run started is stopped
-(``fedguard.processes``).
+a cluster address where nothing answers) are refused before anything starts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
 import shlex
-import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tomllib
 from pathlib import Path
-from types import FrameType
-from typing import IO, Any
+from typing import Any
 
 import tomli_w
 
 from fedguard.config import Config, ConfigError, flatten
-from fedguard.processes import ProcessTracker
+from fedguard.launcher import CONNECTION, STOP_FILE_ENV, Interrupted, Launch, LaunchError, launch
 from fedguard.report.run_dir import unflatten
-from fedguard.report.run_status import read_status
-from fedguard.stopping import STOP_FILE_ENV
 
 APP_DIR = Path(__file__).resolve().parents[1]
-CONNECTION = "fedguard-local"
-
-
-STOP_GRACE = 60.0  # seconds a stopped run gets to record its attacks and write its report
-SETTLE_SECONDS = 10.0  # seconds the run's processes get to end on their own once it is over
 PROBE_SECONDS = 5.0  # how long a Ray cluster's address may take to answer
 
-
-class LaunchError(RuntimeError):
-    """The private SuperLink or ``flwr run`` could not start, or the run did not complete."""
-
-
-class Interrupted(RuntimeError):
-    """``fedguard run`` was stopped by a signal; ``exit_code`` is 128 + its number, as a shell reports it."""
-
-    def __init__(self, signum: int, folder: Path, status: dict[str, Any] | None) -> None:
-        self.exit_code = 128 + signum
-        name = signal.Signals(signum).name
-        if status is None:
-            super().__init__(f"stopped by {name} before the run started")
-        else:
-            super().__init__(f"stopped by {name} after {status['rounds']} rounds; the results so far and the report "
-                             f"are in {folder}")
+__all__ = ["CONNECTION", "Interrupted", "LaunchError", "prepare", "simulate"]
 
 
 def app_config_keys(app_dir: Path = APP_DIR) -> dict[str, Any]:
@@ -169,27 +133,6 @@ def resource_problems(config: Config) -> list[str]:
     return problems
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for_port(port: int, process: subprocess.Popen, timeout: float, log_file: Path, stop: SignalStop) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and stop.signum is None:
-        if process.poll() is not None:
-            raise LaunchError(f"the private SuperLink exited with code {process.returncode}:\n"
-                              f"{log_file.read_text()[-2000:]}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    if stop.signum is None:
-        raise LaunchError(f"the private SuperLink did not listen on 127.0.0.1:{port} within {timeout:.0f} s; "
-                          f"its log: {log_file}")
-
-
 def _environment(home: Path, config: Config) -> dict[str, str]:
     env = {**os.environ, "FLWR_HOME": str(home), "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
            STOP_FILE_ENV: str(home / "stop-request"),
@@ -213,161 +156,21 @@ def _environment(home: Path, config: Config) -> dict[str, str]:
     return env
 
 
-class SignalStop:
-    """SIGINT and SIGTERM while a run goes: the first asks the run to stop (writes the signal's name into
-    ``stop_file``, which the ServerApp watches); a second one, or ``STOP_GRACE`` seconds after the first,
-    makes ``hurried`` true: stop it at once."""
-
-    def __init__(self, stop_file: Path) -> None:
-        self.stop_file = stop_file
-        self.signals: list[int] = []
-        self._first_at = 0.0
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> SignalStop:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    @property
-    def signum(self) -> int | None:
-        """The first signal received, or None."""
-        return self.signals[0] if self.signals else None
-
-    def hurried(self) -> bool:
-        """Whether to stop at once: a second signal came, or the first ``STOP_GRACE`` seconds ago."""
-        return len(self.signals) > 1 or (bool(self.signals) and time.monotonic() - self._first_at > STOP_GRACE)
-
-    def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        self.signals.append(signum)
-        name = signal.Signals(signum).name
-        if len(self.signals) == 1:
-            self._first_at = time.monotonic()
-            with contextlib.suppress(OSError):  # a failed write must not raise inside whatever was interrupted
-                self.stop_file.write_text(name)
-            _say(f"{name}: stopping the run: the attacks still running are recorded as interrupted and the "
-                 "report is written (send the signal again to stop at once)")
-        elif len(self.signals) == 2:
-            _say(f"{name} again: stopping at once")
-
-
-def _say(message: str) -> None:
-    """Write a line to stderr without Python's buffers (safe from a signal handler)."""
-    os.write(sys.stderr.fileno(), f"\nfedguard: {message}\n".encode())
-
-
-def simulate(config: Config, verbose: bool = False) -> Path:
-    """Run all rounds of ``config`` (whose ``out-dir`` is set) with ``partition.num-clients`` simulated
-    SuperNodes; returns the run folder. Raises ``ConfigError`` for ``sim.*`` no simulation could run with,
-    ``Interrupted`` when a signal stopped it, ``LaunchError`` when the run did not complete."""
+def prepare(config: Config, verbose: bool = False) -> Launch:
+    """The launch of ``config`` (whose ``out-dir`` is set) with ``partition.num-clients`` simulated SuperNodes:
+    a temporary Flower home holding the run config, the environment and the federation settings. Raises
+    ``ConfigError`` for ``sim.*`` no simulation could run with."""
     problems = resource_problems(config)
     if problems:
         raise ConfigError(problems)
-    folder = Path(config.run.out_dir)
-    declared = app_config_keys()
-    overrides = run_config(config, declared)
+    overrides = run_config(config, app_config_keys())
     home = Path(tempfile.mkdtemp(prefix="fedguard-flwr-"))
-    port = _free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-        f'address = "127.0.0.1:{port}"\ninsecure = true\n')
     (home / "run-config.toml").write_text(tomli_w.dumps(unflatten(overrides)))
-    env = _environment(home, config)
-    log_file = home / "superlink.log"
-    command = ["flower-superlink", "--insecure", "--simulation", "--disable-runtime-dependency-installation",
-               "--host", "127.0.0.1", "--port", str(port), "--database", str(home / "state.db")]
-    tracker = ProcessTracker()
-    try:
-        with SignalStop(Path(env[STOP_FILE_ENV])) as stop:
-            with open(log_file, "w") as log:
-                superlink = subprocess.Popen(command, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True)
-            tracker.watch(superlink.pid)
-            try:
-                _wait_for_port(port, superlink, 60, log_file, stop)
-                if stop.signum is None:
-                    run = ["flwr", "run", str(APP_DIR), CONNECTION, "--federation-config",
-                           federation_config(config), "--run-config", str(home / "run-config.toml"), "--stream"]
-                    _stream(run, env, home, verbose, stop, tracker)
-            finally:
-                _shut_down(superlink, tracker, stop)
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
-    return _ending(folder, stop.signum)
+    return Launch(str(APP_DIR), str(config.run.out_dir), str(home), _environment(home, config),
+                  federation_config(config), verbose, time.time())
 
 
-def _ending(folder: Path, signum: int | None) -> Path:
-    """``folder`` when its run completed; ``Interrupted`` when ``signum`` stopped it; else ``LaunchError``."""
-    status = read_status(folder)
-    if signum is not None:
-        raise Interrupted(signum, folder, status)
-    if status is None:
-        raise LaunchError(f"the run stopped before its ServerApp started or wrote {folder}/status.json")
-    if status["status"] != "completed":
-        raise LaunchError(f"the run ended as {status['status']!r}: {status.get('error', '')}")
-    return folder
-
-
-def _stream(command: list[str], env: dict[str, str], cwd: Path, verbose: bool, stop: SignalStop,
-            tracker: ProcessTracker) -> None:
-    """Run ``command`` (in its own session: signals reach it through the stop request only), printing its
-    output (Flower's own INFO lines only when ``verbose``) and noting the processes the run starts, until it
-    ends or ``stop`` is hurried."""
-    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, bufsize=1, start_new_session=True)
-    tracker.watch(process.pid)
-    assert process.stdout is not None
-    printer = threading.Thread(target=_print_output, args=(process.stdout, verbose), daemon=True)
-    printer.start()
-    try:
-        while not stop.hurried():
-            tracker.update()
-            try:
-                process.wait(0.5)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        _stop(process, grace=5.0)
-        printer.join(5)
-    if process.returncode != 0 and stop.signum is None:
-        raise LaunchError(f"`{' '.join(command[:3])} ...` exited with code {process.returncode}")
-
-
-def _print_output(stream: IO[str], verbose: bool) -> None:
-    """Print the lines of ``stream`` as they come, but Flower's own INFO lines unless ``verbose``."""
-    for line in stream:
-        if verbose or not _is_flower_chatter(line):
-            print(line, end="", flush=True)
-
-
-def _is_flower_chatter(line: str) -> bool:
-    """Flower's INFO log lines (round banners, sampling), shown with ``--verbose`` only."""
-    return line.lstrip().startswith(("INFO :", "\x1b[92mINFO", "DEBUG :")) or not line.strip()
-
-
-def _shut_down(superlink: subprocess.Popen, tracker: ProcessTracker, stop: SignalStop) -> None:
-    """Stop the SuperLink, then every process the run started that is still running: given ``SETTLE_SECONDS``
-    to end on their own (none when ``stop`` is hurried), then terminated."""
-    tracker.update()
-    _stop(superlink, grace=5.0 if stop.hurried() else 20.0)
-    left = tracker.stop(patience=0.0 if stop.hurried() else SETTLE_SECONDS)
-    if left:
-        _say(f"processes of the run still running after SIGKILL: {sorted(p.pid for p in left)}")
-
-
-def _stop(process: subprocess.Popen, grace: float = 20.0) -> None:
-    """Stop ``process`` and everything in its process group (it leads its own session): SIGTERM, then SIGKILL
-    after ``grace`` seconds."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
+def simulate(config: Config, verbose: bool = False) -> Path:
+    """Run all rounds of ``config`` in this process (``prepare`` then ``fedguard.launcher.launch``); returns
+    the run folder. Raises ``ConfigError``, ``Interrupted`` or ``LaunchError`` as those do."""
+    return launch(prepare(config, verbose))
