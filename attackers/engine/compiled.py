@@ -22,8 +22,6 @@ from typing import Callable, TypeVar
 
 import torch
 
-from attackers.base import COMPILE_MODES
-
 AUTO_MIN_ITERATIONS = 500
 ENV = "FEDGUARD_COMPILE"
 F = TypeVar("F", bound=Callable[..., object])
@@ -49,14 +47,13 @@ def compiles(mode: str, device: torch.device, iterations: int, key: object = Non
 
 
 class Compiler:
-    """Wraps the functions of one search: compiled (``enabled``) or as they are.
+    """Wraps the functions of one search: compiled (``enabled``) or as they are; ``mode`` is one of
+    ``attackers.base.COMPILE_MODES``, checked with the search's other parameters.
 
     ``key`` names the kind of search (a ``SearchSpec`` without its iteration count) for the memo of programs
     that failed to compile under ``auto``."""
 
     def __init__(self, mode: str, device: torch.device, iterations: int, key: object) -> None:
-        if mode not in COMPILE_MODES:
-            raise ValueError(f"compile {mode!r}: choose one of {', '.join(COMPILE_MODES)}")
         self.strict, self.key = mode == "on", key
         self.enabled = compiles(mode, device, iterations, key)
         if self.enabled:

@@ -164,7 +164,7 @@ def lbfgs(z: torch.Tensor, losses_at: LossesAt, iterations: int, spec: Optimizer
     of such restarts."""
     losses = losses_at(1.0)
     evaluate = Evaluations(compiler(grad_and_value(_total_and_each(losses), has_aux=True)),
-                           compiler(vmap(losses)), losses)
+                           compiler(vmap(losses)))
     step = _fixed_step if spec.line_search == "none" else _fraction_search
     jobs, device = z.shape[0], z.device
     optimizer = BatchedLBFGS(spec.history)
@@ -199,11 +199,10 @@ def _total_and_each(losses: Losses) -> Callable[[torch.Tensor], tuple[torch.Tens
 @dataclass(frozen=True)
 class Evaluations:
     """What an L-BFGS iteration evaluates: ``gradient(z) -> (dz, (total, (J,) losses))`` and
-    ``trials(points (T, J, ...)) -> (T, J)`` losses, each possibly compiled, and the plain ``losses``."""
+    ``trials(points (T, J, ...)) -> (T, J)`` losses, each possibly compiled."""
 
     gradient: Callable[..., object]
     trials: Callable[..., object]
-    losses: Losses
 
 
 def _fixed_step(z: torch.Tensor, evaluate: Evaluations, optimizer: BatchedLBFGS, spec: OptimizerSpec,
