@@ -95,7 +95,7 @@ class DefendedClient(NumPyClient):
         ``config['server-round']`` is the server round; in a targeted round the true batch is written to
         ``vault`` for scoring (never uploaded, and never to a folder the server names);
         ``config['proximal-mu']`` (Flower's FedProx) adds the proximal term to FedAvg's local training.
-        Returns the upload (coordinate-encoded when that is smaller, marked by ``encoding``), the number of
+        Returns the upload (coordinate-encoded when that halves it at least, marked by ``encoding``), the number of
         examples, and what the client declares: hyper-parameters, ``labels`` (a list, where the threat model
         grants them), sizes and the defense's ``defense.*`` reports.
         """
@@ -145,10 +145,11 @@ class DefendedClient(NumPyClient):
             param_arrays = [(p.detach() - g).cpu().numpy() for p, g in zip(parameters(model), sent)]
         upload = merge_by_mask(param_arrays, buffers, mask)
         size = byte_counts(upload)
-        declared.update({"upload-bytes": min(size), "dense-bytes": size.dense})
-        if size.encoded < size.dense:  # a pruned upload travels coordinate-encoded (strategies.SparseUploads)
-            declared[ENCODING_KEY] = SPARSE
+        declared["dense-bytes"] = size.dense
+        if 2 * size.encoded <= size.dense:  # a pruned upload travels coordinate-encoded (strategies.SparseUploads)
+            declared.update({ENCODING_KEY: SPARSE, "upload-bytes": size.encoded})
             return encode_arrays(upload), len(y), declared
+        declared["upload-bytes"] = size.dense
         return upload, len(y), declared
 
     def evaluate(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:

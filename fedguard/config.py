@@ -199,6 +199,9 @@ class ServerSection:
                            choices=lambda: strategy_names())
     connect_timeout: float = option(10.0, "seconds the server waits for one SuperNode per client before it stops "
                                           "and says how to fix the federation", gt=0.0)
+    message_index: bool = option(True, "simulation: hand each client its messages through a per-node index of "
+                                       "Flower's in-memory message store (fedguard.message_index) instead of "
+                                       "Flower's scan of every stored message for every node, 10 times a second")
     plugins: str = option("", "modules imported before the configuration is checked, comma-separated: they "
                               "register strategies, defenses or attacks of your own")
     plugin_params: str = option("", "parameters of plugins as space-separated key=value pairs, e.g. "

@@ -39,6 +39,7 @@ from fedguard.data.federated import partitions
 from fedguard.defenses import aggregate_reports
 from fedguard.defenses.base import check_defense_files
 from fedguard.models import build_model
+from fedguard.message_index import index_message_delivery, remove_message_index
 from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
 from fedguard.observation import ModelCard
 from fedguard.report.html import build_report
@@ -320,6 +321,10 @@ def run_server(grid: Grid, config: Config) -> Path:
     stop = StopRequest.from_environment()
     stop_on_flower_exit(stop)
     grid = StoppableGrid(grid, stop)
+    if config.server.message_index:
+        index_message_delivery()
+    else:
+        remove_message_index()
 
     model = initial_model(config)
     card = model_card(config, model)

@@ -8,7 +8,8 @@ A reply is refused (``UploadRefused``, whose message is the reason) when
 - the client it declares is not the one the server assigned to the node that sent it;
 - an array differs from the global model's in number, name, shape or dtype, or holds a NaN or an infinity; a
   coordinate-encoded upload (``fedguard.sparse``) breaks that format's invariants (int32 positions, strictly
-  increasing, inside the array; as many values as positions; the model's shape, as int64);
+  increasing, inside the array, or a uint8 bit mask of the array's length with zero padding; as many values as
+  entries named; the model's shape, as int64);
 - a declared size contradicts the upload or the run (``UploadRules``): more examples than the client's
   partition holds, a batch larger than the run's ``train.batch-size`` or than the examples, another learning
   rate, local schedule or protocol than the run's, labels that are not one class per example, byte counts
@@ -36,7 +37,7 @@ from numpy.lib import format as npy
 from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.limits import shown
 from fedguard.records import ARRAYS, CLIENT_KEY, DECLARED, DEFENSE, LOSS_KEY, METRICS, NUM_EXAMPLES, PROXIMAL_MU_KEY
-from fedguard.sparse import ENCODING_KEY, INDEX, PARTS, SHAPE, SPARSE
+from fedguard.sparse import ENCODING_KEY, INDEX, MASK, PARTS, SHAPE, SPARSE, mask_bytes, position_bytes
 
 NPY_HEADERS = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}
 
@@ -230,35 +231,42 @@ def check_dense(layout: Layout, record: ArrayRecord) -> int:
 
 
 def check_sparse(layout: Layout, record: ArrayRecord) -> int:
-    """A coordinate-encoded upload (``fedguard.sparse``): per model array, positions (int32, strictly
-    increasing, inside the array), as many finite values of the model's dtype, and the model's shape (int64).
-    Returns the bytes sent."""
+    """A coordinate-encoded upload (``fedguard.sparse``): per model array, where its sent entries are (int32
+    positions strictly increasing inside the array, or a uint8 bit mask of the array's length with zero
+    padding), as many finite values of the model's dtype, and the model's shape (int64). Returns the bytes
+    sent."""
     parts = list(record.values())
     if len(parts) != PARTS * len(layout.names):
         raise UploadRefused(f"uploads {len(parts)} encoded arrays, expected {PARTS} per model array: "
                             f"{PARTS * len(layout.names)}")
     sent = 0
     for i, (name, shape, dtype) in enumerate(zip(layout.names, layout.shapes, layout.dtypes)):
-        indices, values, encoded_shape = parts[PARTS * i : PARTS * (i + 1)]
+        where, values, encoded_shape = parts[PARTS * i : PARTS * (i + 1)]
         check_header(f"{name} (shape)", encoded_shape, (len(shape),), SHAPE)
         encoded = tuple(load(name, encoded_shape).tolist())
         if encoded != shape:
             raise UploadRefused(f"array {name!r} is encoded with the shape {encoded}, expected {shape}")
-        count = encoded_count(name, indices, math.prod(shape))
+        size = math.prod(shape)
+        count = encoded_count(name, where, size)
         check_header(f"{name} (values)", values, (count,), dtype)
-        check_positions(name, load(name, indices), math.prod(shape))
         check_finite(name, load(name, values))
-        sent += count * (INDEX.itemsize + dtype.itemsize) + len(shape) * SHAPE.itemsize
+        sent += position_bytes(size, count) + count * dtype.itemsize + len(shape) * SHAPE.itemsize
     return sent
 
 
-def encoded_count(name: str, indices: Array, size: int) -> int:
-    """The number of positions of an encoded array of ``size`` entries, from its header: int32, at most
-    ``size``."""
-    shape, dtype = header(name, indices)
+def encoded_count(name: str, where: Array, size: int) -> int:
+    """The number of entries sent of an encoded array of ``size`` entries: int32 positions (k,), k <= ``size``,
+    strictly increasing inside the array, or a uint8 mask (ceil(size/8),) with zero padding bits."""
+    shape, dtype = header(name, where)
+    if dtype == MASK and shape == (mask_bytes(size),):
+        bits = np.unpackbits(load(name, where))
+        if bits[size:].any():
+            raise UploadRefused(f"array {name!r} is encoded with a mask whose padding bits past entry {size} are set")
+        return int(np.count_nonzero(bits[:size]))
     if dtype != INDEX or len(shape) != 1 or shape[0] > size:
         raise UploadRefused(f"array {name!r} is encoded with positions {dtype} {shape}, expected {INDEX} "
-                            f"(k,) with k <= {size}")
+                            f"(k,) with k <= {size} or a {MASK} mask ({mask_bytes(size)},)")
+    check_positions(name, load(name, where), size)
     return int(shape[0])
 
 

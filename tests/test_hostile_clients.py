@@ -172,8 +172,16 @@ def test_a_sparse_upload_is_checked_against_the_formats_invariants() -> None:
     parts = encode_arrays(arrays)
     wrong_shape = [*parts[:2], np.array([4, 2], np.int64), *parts[3:]]
     beyond = [np.array([0, 8], np.int32), np.ones(2, np.float32), *parts[2:]]
+    assert parts[3].dtype == np.uint8 and parts[3].tolist() == [0b1100_0000]  # b: 2 of 2 entries, a 1-byte mask
+    padded = [*parts[:3], np.array([0b1110_0000], np.uint8), np.ones(3, np.float32), *parts[5:]]
+    overcounted = [*parts[:3], parts[3], np.ones(3, np.float32), *parts[5:]]
+    long_mask = [*parts[:3], np.array([0b1100_0000, 0], np.uint8), *parts[4:]]
     for bad, reason in [(wrong_shape, "array 'w' is encoded with the shape (4, 2), expected (2, 4)"),
                         (beyond, "array 'w' is encoded with positions that are not strictly increasing in [0, 8)"),
+                        (padded, "array 'b' is encoded with a mask whose padding bits past entry 2 are set"),
+                        (overcounted, "array 'b (values)' has shape (3,), expected (2,)"),
+                        (long_mask, "array 'b' is encoded with positions uint8 (2,), expected int32 (k,) with k <= 2 "
+                                    "or a uint8 mask (1,)"),
                         (parts[:-1], "uploads 8 encoded arrays, expected 3 per model array: 9")]:
         _, row, _ = play([upload(0), (bad, n, {**declared, ENCODING_KEY: SPARSE})])
         assert row["rejected"] == [{"client": 1, "reason": reason}]

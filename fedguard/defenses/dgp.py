@@ -39,7 +39,7 @@ Decisions where the paper is silent (following the notes' suggestions, censor-dg
   the sent entries only.
 
 The upload keeps the dense shapes with zeros at the removed entries; ``fedguard.sparse`` encodes it as
-(indices, values, shape) for transport.
+(bit mask, values, shape) for transport.
 """
 
 from __future__ import annotations
