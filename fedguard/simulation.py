@@ -140,9 +140,6 @@ def _environment(home: Path, config: Config) -> dict[str, str]:
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
            # Ray starts one idle worker per CPU for the first driver; the clients' actors never use them (0.1 GB).
            "RAY_prestart_worker_first_driver": "0",
-           # Ray's task events (for its dashboard, which the simulation does not start) grow its GCS process by
-           # 3 MB per 1,000 client steps.
-           "RAY_enable_task_events": "0",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     # A plugin module in the working directory (server.plugins) imports in the simulation's processes too.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
