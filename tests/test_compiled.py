@@ -67,6 +67,24 @@ def test_a_compiled_attack_reconstructs_as_well_as_the_eager_one() -> None:
     assert (results["on"] - results["off"]).abs().mean() < 0.02
 
 
+@needs_compiler
+def test_consecutive_searches_of_one_kind_reuse_the_compiled_programs_on_their_own_data() -> None:
+    from torch._dynamo.utils import counters
+
+    observations, _, _ = uploads()
+    params = InvertingGradientsParams(iterations=20, device="cpu")
+    compiled_attack = InvertingGradients(dataclasses.replace(params, compile="on"))
+    eager_attack = InvertingGradients(dataclasses.replace(params, compile="off"))
+    compiled_attack.reconstruct_many(observations[:1], 0)
+    graphs = counters["stats"]["unique_graphs"]
+    for upload in (observations[1:2], observations[2:3]):  # other targets, the same shapes
+        got = compiled_attack.reconstruct_many(upload, 0)[0].images
+        assert (got - eager_attack.reconstruct_many(upload, 0)[0].images).abs().mean() < 0.02
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing traced again
+    compiled_attack.reconstruct_many(observations[:2], 0)  # another kind (two jobs): traced anew
+    assert counters["stats"]["unique_graphs"] > graphs
+
+
 def test_auto_compiles_only_long_searches_with_a_compiler_and_not_when_switched_off(monkeypatch) -> None:
     monkeypatch.setenv(compiled.ENV, "auto")
     monkeypatch.setattr(compiled, "compiler_available", lambda device: True)

@@ -26,6 +26,7 @@ AUTO_MIN_ITERATIONS = 500
 ENV = "FEDGUARD_COMPILE"
 F = TypeVar("F", bound=Callable[..., object])
 _failed: set[object] = set()
+_cached: list[object] = []  # the kind of search whose programs dynamo's in-memory cache holds
 
 
 def compiler_available(device: torch.device) -> bool:
@@ -50,14 +51,18 @@ class Compiler:
     """Wraps the functions of one search: compiled (``enabled``) or as they are; ``mode`` is one of
     ``attackers.base.COMPILE_MODES``, checked with the search's other parameters.
 
-    ``key`` names the kind of search (a ``SearchSpec`` without its iteration count) for the memo of programs
-    that failed to compile under ``auto``."""
+    ``key`` names the kind of search (a ``SearchSpec`` without its iteration count, and the shape of its
+    variable) for the memo of programs that failed to compile under ``auto``. Consecutive searches of one kind
+    reuse the compiled programs (their closures' tensors are the programs' inputs, guarded by shape); a search
+    of another kind empties dynamo's cache first, so that it never fills up (past its limit dynamo would run
+    the rest of the process eager)."""
 
     def __init__(self, mode: str, device: torch.device, iterations: int, key: object) -> None:
         self.strict, self.key = mode == "on", key
         self.enabled = compiles(mode, device, iterations, key)
-        if self.enabled:
-            torch._dynamo.reset()  # a search's closures are new objects: start from an empty in-memory cache
+        if self.enabled and _cached != [key]:
+            torch._dynamo.reset()
+            _cached[:] = [key]
 
     def __call__(self, fn: F) -> F:
         if not self.enabled:
