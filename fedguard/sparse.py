@@ -20,7 +20,7 @@ import numpy as np
 INDEX = np.dtype(np.int32)
 MASK = np.dtype(np.uint8)
 SHAPE = np.dtype(np.int64)
-PARTS = 3  # arrays per encoded array: indices, values, shape
+PARTS = 3  # arrays per encoded array: where (positions or mask), values, shape
 ENCODING_KEY = "encoding"  # fit metric that marks an upload sent as ``encode_arrays``
 SPARSE = "sparse"  # its value for such an upload
 
@@ -76,25 +76,27 @@ def decode(where: np.ndarray, values: np.ndarray, shape: np.ndarray) -> np.ndarr
     size = int(np.prod(shape, dtype=np.int64))
     dense = np.zeros(size, dtype=values.dtype)
     if where.dtype == MASK:
-        dense[mask_flags(where, size, len(values))] = values
+        flags = mask_flags(where, size)
+        marked = int(np.count_nonzero(flags))
+        if marked != len(values):
+            raise ValueError(f"expected as many values as marked entries, got {len(values)} values for {marked} "
+                             f"entries")
+        dense[flags] = values
     else:
         check_positions(where, size, len(values))
         dense[where] = values
     return dense.reshape(tuple(int(n) for n in shape))
 
 
-def mask_flags(mask: np.ndarray, size: int, count: int) -> np.ndarray:
-    """The (size,) booleans of a packed ``mask`` that must mark ``count`` entries; ``ValueError`` otherwise."""
+def mask_flags(mask: np.ndarray, size: int) -> np.ndarray:
+    """The (size,) booleans of a packed ``mask`` of an array of ``size`` entries; ``ValueError`` for a mask of
+    another length or with padding bits set."""
     if len(mask) != mask_bytes(size):
         raise ValueError(f"a mask of {size} entries takes {mask_bytes(size)} bytes, got {len(mask)}")
     bits = np.unpackbits(mask)
     if bits[size:].any():
         raise ValueError(f"the mask's padding bits past entry {size} must be zero")
-    flags = bits[:size].astype(bool)
-    marked = int(np.count_nonzero(flags))
-    if marked != count:
-        raise ValueError(f"expected as many values as marked entries, got {count} values for {marked} entries")
-    return flags
+    return bits[:size].astype(bool)
 
 
 def check_positions(indices: np.ndarray, size: int, count: int) -> None:

@@ -37,7 +37,7 @@ from numpy.lib import format as npy
 from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.limits import shown
 from fedguard.records import ARRAYS, CLIENT_KEY, DECLARED, DEFENSE, LOSS_KEY, METRICS, NUM_EXAMPLES, PROXIMAL_MU_KEY
-from fedguard.sparse import ENCODING_KEY, INDEX, MASK, PARTS, SHAPE, SPARSE, mask_bytes, position_bytes
+from fedguard.sparse import ENCODING_KEY, INDEX, MASK, PARTS, SHAPE, SPARSE, mask_bytes, mask_flags, position_bytes
 
 NPY_HEADERS = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}
 
@@ -259,10 +259,10 @@ def encoded_count(name: str, where: Array, size: int) -> int:
     strictly increasing inside the array, or a uint8 mask (ceil(size/8),) with zero padding bits."""
     shape, dtype = header(name, where)
     if dtype == MASK and shape == (mask_bytes(size),):
-        bits = np.unpackbits(load(name, where))
-        if bits[size:].any():
-            raise UploadRefused(f"array {name!r} is encoded with a mask whose padding bits past entry {size} are set")
-        return int(np.count_nonzero(bits[:size]))
+        try:
+            return int(np.count_nonzero(mask_flags(load(name, where), size)))
+        except ValueError as error:
+            raise UploadRefused(f"array {name!r} is encoded with a bad mask: {error}") from None
     if dtype != INDEX or len(shape) != 1 or shape[0] > size:
         raise UploadRefused(f"array {name!r} is encoded with positions {dtype} {shape}, expected {INDEX} "
                             f"(k,) with k <= {size} or a {MASK} mask ({mask_bytes(size)},)")

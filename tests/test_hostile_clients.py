@@ -178,7 +178,7 @@ def test_a_sparse_upload_is_checked_against_the_formats_invariants() -> None:
     long_mask = [*parts[:3], np.array([0b1100_0000, 0], np.uint8), *parts[4:]]
     for bad, reason in [(wrong_shape, "array 'w' is encoded with the shape (4, 2), expected (2, 4)"),
                         (beyond, "array 'w' is encoded with positions that are not strictly increasing in [0, 8)"),
-                        (padded, "array 'b' is encoded with a mask whose padding bits past entry 2 are set"),
+                        (padded, "array 'b' is encoded with a bad mask: the mask's padding bits past entry 2 must be zero"),
                         (overcounted, "array 'b (values)' has shape (3,), expected (2,)"),
                         (long_mask, "array 'b' is encoded with positions uint8 (2,), expected int32 (k,) with k <= 2 "
                                     "or a uint8 mask (1,)"),
