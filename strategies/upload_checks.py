@@ -38,6 +38,7 @@ from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.limits import shown
 from fedguard.records import ARRAYS, CLIENT_KEY, DECLARED, DEFENSE, LOSS_KEY, METRICS, NUM_EXAMPLES, PROXIMAL_MU_KEY
 from fedguard.sparse import ENCODING_KEY, INDEX, MASK, PARTS, SHAPE, SPARSE, mask_bytes, mask_flags, position_bytes
+from fedguard.sparse import check_positions as positions_in_range
 
 NPY_HEADERS = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}
 
@@ -271,10 +272,12 @@ def encoded_count(name: str, where: Array, size: int) -> int:
 
 
 def check_positions(name: str, indices: np.ndarray, size: int) -> None:
-    """Flat positions strictly increasing in [0, size)."""
-    if len(indices) and (indices[0] < 0 or indices[-1] >= size or (np.diff(indices) <= 0).any()):
+    """Flat positions strictly increasing in [0, size) (``fedguard.sparse.check_positions``)."""
+    try:
+        positions_in_range(indices, size, len(indices))
+    except ValueError:
         raise UploadRefused(f"array {name!r} is encoded with positions that are not strictly increasing "
-                            f"in [0, {size})")
+                            f"in [0, {size})") from None
 
 
 def check_header(name: str, array: Array, shape: tuple[int, ...], dtype: np.dtype) -> None:
