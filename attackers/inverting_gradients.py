@@ -26,6 +26,7 @@ from typing import Any
 
 from attackers.base import AttackTraits, check_search_params, register_attack
 from attackers.engine import OptimizationAttack, OptimizerSpec, SearchSpec, Term
+from attackers.engine.spec import check_precision
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class InvertingGradientsParams:
     """Iterations, restarts, Adam step on [0, 1] pixels, total-variation weight, device ('auto', 'cpu', 'cuda'),
     ``skip``: comma-separated parameter-name prefixes left out of the distance (the layers a defense alters),
     ``eot``: draws of the known defense averaged per iteration (0: off; needs threat.defense);
-    ``compile``: 'auto' (compile where it pays), 'on' or 'off' (``attackers.engine.compiled``)."""
+    ``compile``: 'auto' (compile where it pays), 'on' or 'off' (``attackers.engine.compiled``);
+    ``precision``: 'float32' or 'bfloat16', the arithmetic of the dummy gradient (``SearchSpec``)."""
 
     iterations: int = 2000
     restarts: int = 1
@@ -43,9 +45,11 @@ class InvertingGradientsParams:
     skip: str = ""
     eot: int = 0
     compile: str = "auto"
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
         check_search_params(self.iterations, self.restarts, self.lr, self.device, self.compile)
+        check_precision(self.precision)
         if self.tv < 0:
             raise ValueError(f"tv must be >= 0, got {self.tv}")
         if self.eot < 0:
@@ -67,6 +71,7 @@ class InvertingGradients(OptimizationAttack):
             params.iterations, params.restarts, params.device, compile=params.compile, distance="cosine", skip=params.skip,
             terms=(Term("tv", params.tv),), labels="infer",
             optimizer=OptimizerSpec("signed-adam", params.lr, schedule="step"), uploads=self.uploads, eot=params.eot,
+            precision=params.precision,
         )
 
     def know_defense(self, defense: Any) -> None:

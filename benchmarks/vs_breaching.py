@@ -6,9 +6,13 @@ The very same weights and gradients go to both tools, which run one after
 the other in this process with the same thread count: fedguard with all U
 uploads in one ``reconstruct_many`` call (batched) and one upload per call
 (one at a time), breaching one upload per call, as it works. Each tool uses
-its own default attack configuration; only the iteration count and the device
-(CPU) are set, and for breaching the data shape and normalization (images in
-[0, 1]: mean 0, std 1). Neither tool is given the labels: fedguard infers
+its own default attack configuration, except where a case names fedguard
+settings (ig-convnet: the winner of ``attack_defaults.py --case ig-convnet``,
+where the default, chosen on the LeNet, reconstructs worse than breaching);
+only the iteration count and the device (CPU) are set, and for breaching the
+data shape and normalization (images in [0, 1]: mean 0, std 1).
+``--precision bfloat16`` runs fedguard's dummy gradients in bfloat16 (attacks
+with a ``precision`` parameter; eager on the CPU). Neither tool is given the labels: fedguard infers
 them (ig) or optimizes soft labels (dlg), breaching runs its config's label
 strategy. Both see BatchNorm on batch statistics, as the client's training
 step did (breaching: no buffers shared). Only the reconstruction calls are
@@ -22,13 +26,15 @@ true images with fedguard.metrics (PSNR, SSIM).
 
 Cases (rows per tool; breaching config in brackets):
     ig-lenet    Inverting Gradients [invertinggradients], 2,000 iterations, DLG LeNet
-    ig-convnet  Inverting Gradients [invertinggradients], 500 iterations, ConvNet width 64
+    ig-convnet  Inverting Gradients [invertinggradients], 500 iterations, ConvNet width 64;
+                fedguard with lr 0.1 and TV weight 0.5
     dlg-lenet   DLG [deepleakage], DLG LeNet: fedguard's default 2,000 L-BFGS iterations; breaching's 300
                 L-BFGS steps (torch.optim.LBFGS.step, up to 20 iterations each: the DLG code's setting)
 
     make bench-breaching
     .venv/bin/python benchmarks/vs_breaching.py [--cases ig-lenet,ig-convnet,dlg-lenet] [--uploads 8]
-        [--iterations-scale 1.0] [--threads N] [--seed 0] [--compile auto|on|off] [--peer-dir DIR] [--out PATH]
+        [--iterations-scale 1.0] [--threads N] [--seed 0] [--compile auto|on|off]
+        [--precision float32|bfloat16] [--peer-dir DIR] [--out PATH]
 
 On first run breaching==0.1.2 and those of its dependencies missing from
 this environment are installed with pip (pinned, --no-deps) into --peer-dir
@@ -67,6 +73,7 @@ import torch.nn as nn
 
 from attackers.base import ATTACKS, COMPILE_MODES, build_attack
 from attackers.engine.compiled import compiles
+from attackers.engine.spec import PRECISIONS
 from fedguard.data import DataSpec, load_dataset
 from fedguard.metrics.image import clip_psnr, psnr, ssim
 from fedguard.metrics.scoring import LEAK_SSIM
@@ -86,7 +93,8 @@ PEER_PINS = {"hydra-core": "1.3.2", "omegaconf": "2.3.0", "antlr4-python3-runtim
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One comparison: fedguard attack ``fedguard`` vs breaching attack config ``breaching`` on ``model``, each
-    for its own count of ``iterations`` (``breaching_iterations`` when they differ in unit)."""
+    for its own count of ``iterations`` (``breaching_iterations`` when they differ in unit); ``fedguard_settings``:
+    parameters of fedguard's attack set instead of its defaults."""
 
     fedguard: str
     breaching: str
@@ -94,6 +102,7 @@ class Case:
     model_params: Any
     iterations: int
     breaching_iterations: int | None = None
+    fedguard_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def model_label(self) -> str:
@@ -103,7 +112,8 @@ class Case:
 
 CASES = {
     "ig-lenet": Case("ig", "invertinggradients", "lenet", None, 2000),
-    "ig-convnet": Case("ig", "invertinggradients", "convnet", ConvNetParams(width=64), 500),
+    "ig-convnet": Case("ig", "invertinggradients", "convnet", ConvNetParams(width=64), 500,
+                       fedguard_settings={"lr": 0.1, "tv": 0.5}),
     "dlg-lenet": Case("dlg", "deepleakage", "lenet", None, 2000, breaching_iterations=300),
 }
 
@@ -187,10 +197,18 @@ def timed(fn: Callable[[], list[torch.Tensor]]) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - start, torch.cat(images).detach()
 
 
-def fedguard_params(case: Case, iterations: int, compile_mode: str) -> Any:
-    """The attack's default parameters with ``iterations`` on the CPU, ``compile`` as given."""
-    return dataclasses.replace(ATTACKS.get(case.fedguard).params(), iterations=iterations, device="cpu",
-                               compile=compile_mode)
+def fedguard_params(case: Case, iterations: int, compile_mode: str, precision: str) -> Any:
+    """The attack's default parameters with the case's settings and ``iterations`` on the CPU, ``compile`` and
+    (where the attack has it) ``precision`` as given."""
+    params = dataclasses.replace(ATTACKS.get(case.fedguard).params(), iterations=iterations, device="cpu",
+                                 compile=compile_mode, **case.fedguard_settings)
+    return dataclasses.replace(params, precision=precision) if hasattr(params, "precision") else params
+
+
+def compiled(params: Any) -> bool:
+    """Whether fedguard's search with ``params`` compiles on the CPU."""
+    return compiles(params.compile, torch.device("cpu"), params.iterations,
+                    precision=getattr(params, "precision", "float32"))
 
 
 def run_fedguard(name: str, params: Any, observations: list[Observation], batched: bool,
@@ -254,8 +272,7 @@ def score(tool: str, case: Case, attack: str, iterations: int, seconds: float, r
 def warm_up_fedguard(case: Case, params: Any, observations: list[Observation], seed: int) -> float:
     """Seconds of a few iterations of the batched and the one-upload search, compiled when the timed runs
     compile (the programs they run are built here)."""
-    mode = "on" if compiles(params.compile, torch.device("cpu"), params.iterations) else "off"
-    warm = fedguard_params(case, WARM_UP_ITERATIONS, mode)
+    warm = dataclasses.replace(params, iterations=WARM_UP_ITERATIONS, compile="on" if compiled(params) else "off")
     start = time.perf_counter()
     run_fedguard(case.fedguard, warm, observations, True, seed)
     run_fedguard(case.fedguard, warm, observations[:1], True, seed)
@@ -263,7 +280,7 @@ def warm_up_fedguard(case: Case, params: Any, observations: list[Observation], s
 
 
 def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, seed: int,
-             compile_mode: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+             compile_mode: str, precision: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The case's rows (fedguard batched, fedguard one at a time, breaching) and each tool's configuration."""
     from omegaconf import OmegaConf
 
@@ -271,17 +288,17 @@ def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, 
     breaching_iterations = max(1, round((case.breaching_iterations or case.iterations) * scale))
     inputs = capture(case, uploads, seed)
     check_layout(inputs.model, inputs.observations[0])
-    params = fedguard_params(case, iterations, compile_mode)
+    params = fedguard_params(case, iterations, compile_mode, precision)
     cfg, attacker = breaching_attacker(breaching, case, breaching_iterations, inputs.model)
     warm_up = warm_up_fedguard(case, params, inputs.observations, seed)
     run_breaching(breaching_attacker(breaching, case, WARM_UP_ITERATIONS, inputs.model)[1],
                   inputs.observations[:1], seed)
-    compiled = compiles(params.compile, torch.device("cpu"), params.iterations)
     rows = []
     for tool, batched in (("fedguard batched", True), ("fedguard one at a time", False)):
         seconds, recon = run_fedguard(case.fedguard, params, inputs.observations, batched, seed)
         rows.append(score(tool, case, case.fedguard, iterations, seconds, recon, inputs.truth))
-        rows[-1].update(compiled=compiled, warm_up_s=warm_up)
+        rows[-1].update(compiled=compiled(params), warm_up_s=warm_up,
+                        precision=getattr(params, "precision", "float32"))
     seconds, recon = run_breaching(attacker, inputs.observations, seed)
     rows.append(score("breaching", case, f"{case.breaching}.yaml", breaching_iterations, seconds, recon,
                       inputs.truth))
@@ -311,13 +328,14 @@ def cpu_model() -> str:
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The rows as plain aligned text."""
     print(f"{'tool':23} {'model':11} {'attack':24} {'iters':>6} {'uploads':>7} {'PSNR dB':>8} {'SSIM':>6} "
-          f"{'>0.9':>4} {'seconds':>9} {'recon/s':>8} {'vs breaching':>12} {'compiled':>8} {'warm-up s':>9}")
+          f"{'>0.9':>4} {'seconds':>9} {'recon/s':>8} {'vs breaching':>12} {'compiled':>8} {'precision':>9} "
+          f"{'warm-up s':>9}")
     for r in rows:
-        compiled = {True: "yes", False: "no"}.get(r.get("compiled"), "-")
+        compiled_text = {True: "yes", False: "no"}.get(r.get("compiled"), "-")
         warm_up = f"{r['warm_up_s']:.1f}" if "warm_up_s" in r else "-"
         print(f"{r['tool']:23} {r['model']:11} {r['attack']:24} {r['iterations']:>6} {r['uploads']:>7} "
               f"{r['psnr_db']:>8.2f} {r['ssim']:>6.3f} {r['ssim_over_0.9']:>4} {r['seconds']:>9.2f} "
-              f"{r['recon_per_s']:>8.3f} {r['vs_breaching']:>11.2f}x {compiled:>8} {warm_up:>9}")
+              f"{r['recon_per_s']:>8.3f} {r['vs_breaching']:>11.2f}x {compiled_text:>8} {r.get('precision', '-'):>9} {warm_up:>9}")
 
 
 def main() -> None:
@@ -328,6 +346,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     parser.add_argument("--seed", type=int, default=0, help="model weights and attack starting points")
     parser.add_argument("--compile", default="auto", choices=COMPILE_MODES, help="fedguard's compile parameter")
+    parser.add_argument("--precision", default="float32", choices=list(PRECISIONS),
+                        help="fedguard's precision parameter (attacks that have one)")
     parser.add_argument("--peer-dir", type=Path, default=HERE / ".peers" / f"breaching-{BREACHING}")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "vs_breaching.json")
     args = parser.parse_args()
@@ -345,13 +365,13 @@ def main() -> None:
     configs: dict[str, Any] = {}
     for name in names:
         case_rows, configs[name] = run_case(breaching, name, CASES[name], args.uploads, args.iterations_scale,
-                                            args.seed, args.compile)
+                                            args.seed, args.compile, args.precision)
         rows += case_rows
         print(f"{name}: done", flush=True)
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"torch": torch.__version__, "breaching": BREACHING, "threads": args.threads, "cpu": cpu_model(),
-              "compile": args.compile,
+              "compile": args.compile, "precision": args.precision,
               "uploads": args.uploads, "iterations_scale": args.iterations_scale, "seed": args.seed,
               "data": DATA, "cases": configs, "rows": rows}
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -91,6 +91,8 @@ def test_auto_compiles_only_long_searches_with_a_compiler_and_not_when_switched_
     assert Compiler("auto", CPU, AUTO_MIN_ITERATIONS, "k").enabled
     assert not Compiler("auto", CPU, AUTO_MIN_ITERATIONS - 1, "k").enabled
     assert Compiler("on", CPU, 1, "k").enabled and not Compiler("off", CPU, 10**6, "k").enabled
+    assert not Compiler("auto", CPU, AUTO_MIN_ITERATIONS, "k", "bfloat16").enabled  # Inductor fails on it
+    assert Compiler("auto", torch.device("cuda"), AUTO_MIN_ITERATIONS, "k", "bfloat16").enabled
     monkeypatch.setenv(compiled.ENV, "off")
     assert not Compiler("auto", CPU, AUTO_MIN_ITERATIONS, "k").enabled
     monkeypatch.setenv(compiled.ENV, "auto")

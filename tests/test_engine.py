@@ -9,7 +9,9 @@ import torch
 from attackers.base import shape_key
 from attackers.dlg import DeepLeakage, DLGParams
 from attackers.engine import OptimizerSpec, SearchSpec, Term
+from attackers.engine.objective import Objective
 from attackers.engine.optimizers import lbfgs
+from attackers.engine.problem import Problem
 from attackers.engine.terms import cosine_distance, group_prior, l2_distance, relative_l2_distance, TermInputs
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from fedguard.data import load_dataset
@@ -101,6 +103,31 @@ def test_distances_and_the_group_prior() -> None:
     assert torch.allclose(group_prior(inputs), torch.full((4,), 0.25))
 
 
+def objective_at_start(precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """IG's weighted loss (J,) and its gradient w.r.t. the dummy images at the seeded starting points, for two
+    batch-1 MLP uploads x 2 restarts, with the dummy gradients in ``precision``."""
+    observations, _, _ = uploads()
+    spec = SearchSpec(1, 2, "cpu", terms=(Term("tv", 0.01),), precision=precision)
+    problem = Problem.of(spec, observations[:2], torch.device("cpu"), None)
+    objective = Objective(spec, problem, None, 0)
+    z = torch.stack([problem.space.start(problem.generator(0, j)) for j in range(problem.jobs)])
+    losses = objective.losses_at(1.0)
+    step, value = torch.func.grad_and_value(lambda z: losses(z).sum())(z)
+    return losses(z), step
+
+
+def test_bfloat16_dummy_gradients_agree_with_float32_to_about_two_digits() -> None:
+    exact, exact_step = objective_at_start("float32")
+    rounded, rounded_step = objective_at_start("bfloat16")
+    assert rounded.dtype == torch.float32 and rounded_step.dtype == torch.float32
+    assert not torch.equal(exact, rounded), "bfloat16 must change the arithmetic"
+    assert torch.allclose(exact, rounded, atol=0.03), (exact, rounded)  # loss in [0, 2]
+    direction = torch.nn.functional.cosine_similarity(exact_step.flatten(1), rounded_step.flatten(1))
+    print("bfloat16 loss", exact, rounded, "direction", direction)
+    assert (direction > 0.98).all(), direction
+    assert (exact_step.sign() == rounded_step.sign()).float().mean() > 0.9
+
+
 def test_specs_refuse_unknown_pieces_with_the_choices() -> None:
     with pytest.raises(ValueError, match="distance 'l1': choose one of cosine, l2, relative-l2"):
         SearchSpec(10, 1, "cpu", distance="l1")
@@ -110,6 +137,10 @@ def test_specs_refuse_unknown_pieces_with_the_choices() -> None:
         OptimizerSpec("sgd")
     with pytest.raises(ValueError, match="labels 'given': choose one of infer, joint"):
         SearchSpec(10, 1, "cpu", labels="given")
+    with pytest.raises(ValueError, match="precision 'float16': choose one of float32, bfloat16"):
+        SearchSpec(10, 1, "cpu", precision="float16")
+    with pytest.raises(ValueError, match="precision 'half': choose one of float32, bfloat16"):
+        InvertingGradientsParams(precision="half")
 
 
 def test_the_readmes_own_attack_is_this_module_and_it_reconstructs(tmp_path) -> None:

@@ -8,6 +8,8 @@ attack on DP-protected uploads must fall back to it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -80,6 +82,16 @@ def test_dp_noise_brings_the_attack_down_to_the_floor(undefended) -> None:
     assert noisy_psnr.mean() < clean_psnr.mean() - 10
     assert noisy_ssim.mean() < clean_ssim.mean() - 0.4
     assert noisy_psnr.mean() < floor_psnr.mean() + 3
+
+
+def test_bfloat16_dummy_gradients_still_reconstruct_undefended_uploads() -> None:
+    observations, x, _ = uploads()
+    params = dataclasses.replace(PARAMS, precision="bfloat16")
+    got_psnr, got_ssim = scores(InvertingGradients(params).reconstruct_many(observations, 0), x)
+    floor_psnr, _ = floor(x)
+    print("IG bfloat16 psnr", got_psnr, "ssim", got_ssim)
+    assert (got_psnr > floor_psnr + 8).all(), (got_psnr, floor_psnr)
+    assert (got_ssim > 0.8).all(), got_ssim
 
 
 def test_batched_restarts_equal_restarts_one_by_one() -> None:

@@ -8,7 +8,8 @@ building kernels: 10-30 s on 2 cores; Inductor's on-disk cache makes a later
 process's compile of the same program about 2 s), so ``auto`` compiles only
 searches of at least ``AUTO_MIN_ITERATIONS`` iterations on a device with a
 compiler (CPU: a C++ compiler on PATH; CUDA: triton and a C compiler) and never when
-``FEDGUARD_COMPILE=off``. ``on`` always compiles, ``off`` never. A program
+``FEDGUARD_COMPILE=off``, nor ``bfloat16`` searches on the CPU (Inductor's C++ kernels for the
+gradient-matching gradient in bfloat16 fail to build on torch 2.14.1: conflicting declarations). ``on`` always compiles, ``off`` never. A program
 ``auto`` cannot compile runs eager, with one warning per search kind.
 """
 
@@ -38,11 +39,13 @@ def compiler_available(device: torch.device) -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
 
 
-def compiles(mode: str, device: torch.device, iterations: int, key: object = None) -> bool:
-    """Whether a search of ``iterations`` on ``device`` in ``mode`` compiles (``key``: its kind, for the memo
-    of failures)."""
+def compiles(mode: str, device: torch.device, iterations: int, key: object = None,
+             precision: str = "float32") -> bool:
+    """Whether a search of ``iterations`` in ``precision`` on ``device`` in ``mode`` compiles (``key``: its
+    kind, for the memo of failures)."""
     if mode == "auto":
         return (os.environ.get(ENV, "auto") != "off" and iterations >= AUTO_MIN_ITERATIONS
+                and not (precision == "bfloat16" and device.type == "cpu")
                 and key not in _failed and compiler_available(device))
     return mode == "on"
 
@@ -57,9 +60,10 @@ class Compiler:
     of another kind empties dynamo's cache first, so that it never fills up (past its limit dynamo would run
     the rest of the process eager)."""
 
-    def __init__(self, mode: str, device: torch.device, iterations: int, key: object) -> None:
+    def __init__(self, mode: str, device: torch.device, iterations: int, key: object,
+                 precision: str = "float32") -> None:
         self.strict, self.key = mode == "on", key
-        self.enabled = compiles(mode, device, iterations, key)
+        self.enabled = compiles(mode, device, iterations, key, precision)
         if self.enabled and _cached != [key]:
             torch._dynamo.reset()
             _cached[:] = [key]

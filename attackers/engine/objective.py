@@ -4,7 +4,9 @@ The dummy update of every job comes from one vmapped call: the parameter
 gradient of its dummy batch (FedSGD) or the client's declared local SGD
 replayed on it (FedAvg: ``global - after``, minibatches in order as Geiping
 et al. do, the client's shuffling being unknown). BatchNorm input statistics
-are recorded in the same forward pass when a ``bn`` term asks for them.
+are recorded in the same forward pass when a ``bn`` term asks for them. The
+dummy update runs in the spec's ``precision`` (weights and images cast once per
+evaluation); it comes back in float32 for the distance and the priors.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
 from attackers.engine.problem import Problem
-from attackers.engine.spec import SearchSpec
+from attackers.engine.spec import PRECISIONS, SearchSpec
 from attackers.engine.terms import DISTANCES, PRIORS, Statistics, Term, TermInputs
 from fedguard.observation import Observation
 
@@ -91,7 +93,8 @@ class Objective:
             update = local_update_fn(param_grad, LocalSchedule.of(problem.observations[0]),
                                      problem.space.batch)
         self.update = vmap(update, in_dims=(None if jobs.shared else 0, 0, 0))
-        self.params = jobs.params
+        self.dtype = PRECISIONS[spec.precision]
+        self.params = {name: p.to(self.dtype) for name, p in jobs.params.items()}
         self.compared = [n for n in names if not spec.skipped(n)]
         self.distance = self._eot(DISTANCES[spec.distance], defense, seed)
         self._losses: dict[tuple[Term, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -119,8 +122,11 @@ class Objective:
         """Each job's gradient distance (J,) and the value (J,) of each of ``priors`` at ``z``."""
         space, problem = self.problem.space, self.problem
         images = space.images(z)
-        labels = problem.y if problem.y is not None else space.soft_labels(z)
-        g, statistics = self.update(self.params, images, labels)
+        labels = problem.y if problem.y is not None else space.soft_labels(z).to(self.dtype)
+        g, statistics = self.update(self.params, images.to(self.dtype), labels)
+        if self.dtype != torch.float32:
+            g = {name: v.float() for name, v in g.items()}
+            statistics = [(mean.float(), var.float()) for mean, var in statistics]
         inputs = TermInputs(images, z, statistics, problem.bn_target, self.spec.restarts)
         return self.distance(g), {name: PRIORS[name](inputs) for name in priors}
 

@@ -44,7 +44,8 @@ def search(spec: SearchSpec, observations: list[Observation], seed: int, *,
     problem = Problem.of(spec, observations, device, decoder)
     objective = Objective(spec, problem, defense, seed)
     z = torch.stack([problem.space.start(problem.generator(seed, j)) for j in range(problem.jobs)]).to(device)
-    compiler = Compiler(spec.compile, device, spec.iterations, (dataclasses.replace(spec, iterations=1), z.shape))
+    compiler = Compiler(spec.compile, device, spec.iterations, (dataclasses.replace(spec, iterations=1), z.shape),
+                        spec.precision)
     resets = torch.zeros(problem.jobs, dtype=torch.long)
     if spec.optimizer.kind == "lbfgs":
         z, resets = lbfgs(z, objective.losses_at, spec.iterations, spec.optimizer, problem.space.project_,
