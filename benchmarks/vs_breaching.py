@@ -335,7 +335,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         warm_up = f"{r['warm_up_s']:.1f}" if "warm_up_s" in r else "-"
         print(f"{r['tool']:23} {r['model']:11} {r['attack']:24} {r['iterations']:>6} {r['uploads']:>7} "
               f"{r['psnr_db']:>8.2f} {r['ssim']:>6.3f} {r['ssim_over_0.9']:>4} {r['seconds']:>9.2f} "
-              f"{r['recon_per_s']:>8.3f} {r['vs_breaching']:>11.2f}x {compiled_text:>8} {r.get('precision', '-'):>9} {warm_up:>9}")
+              f"{r['recon_per_s']:>8.3f} {r['vs_breaching']:>11.2f}x {compiled_text:>8} "
+              f"{r.get('precision', '-'):>9} {warm_up:>9}")
 
 
 def main() -> None:

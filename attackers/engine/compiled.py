@@ -8,9 +8,10 @@ building kernels: 10-30 s on 2 cores; Inductor's on-disk cache makes a later
 process's compile of the same program about 2 s), so ``auto`` compiles only
 searches of at least ``AUTO_MIN_ITERATIONS`` iterations on a device with a
 compiler (CPU: a C++ compiler on PATH; CUDA: triton and a C compiler) and never when
-``FEDGUARD_COMPILE=off``, nor ``bfloat16`` searches on the CPU (Inductor's C++ kernels for the
-gradient-matching gradient in bfloat16 fail to build on torch 2.14.1: conflicting declarations). ``on`` always compiles, ``off`` never. A program
-``auto`` cannot compile runs eager, with one warning per search kind.
+``FEDGUARD_COMPILE=off``, nor ``bfloat16`` searches on the CPU (Inductor's C++
+kernels for the gradient-matching gradient in bfloat16 fail to build on torch
+2.14.1: conflicting declarations). ``on`` always compiles, ``off`` never. A
+program ``auto`` cannot compile runs eager, with one warning per search kind.
 """
 
 from __future__ import annotations
