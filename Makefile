@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench-breaching clean
+.PHONY: install demo test test-fast bench-breaching bench-bare-loop clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ test-fast: $(STAMP)  ## the suite without the Ray simulations
 
 bench-breaching: $(STAMP)  ## fedguard's optimization attacks vs breaching 0.1.2 on the same inputs (installs it under benchmarks/.peers/)
 	$(BIN)/python benchmarks/vs_breaching.py
+
+bench-bare-loop: $(STAMP)  ## IG on ResNet-18: the attack engine vs a bare PyTorch loop of the same maths (GPU where there is one)
+	$(BIN)/python benchmarks/ig_vs_bare_loop.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

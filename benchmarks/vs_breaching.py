@@ -76,6 +76,7 @@ from attackers.engine.compiled import compiles
 from attackers.engine.spec import PRECISIONS
 from fedguard.data import DataSpec, load_dataset
 from fedguard.metrics.image import clip_psnr, psnr, ssim
+from fedguard.metrics.matching import match
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.models import MODELS, build_model
 from fedguard.models.convnet import ConvNetParams
@@ -92,17 +93,20 @@ PEER_PINS = {"hydra-core": "1.3.2", "omegaconf": "2.3.0", "antlr4-python3-runtim
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One comparison: fedguard attack ``fedguard`` vs breaching attack config ``breaching`` on ``model``, each
-    for its own count of ``iterations`` (``breaching_iterations`` when they differ in unit); ``fedguard_settings``:
-    parameters of fedguard's attack set instead of its defaults."""
+    """One comparison: fedguard attack ``fedguard`` vs breaching attack config ``breaching`` (None: fedguard
+    only, ``attack_defaults.py``) on ``model``, each for its own count of ``iterations``
+    (``breaching_iterations`` when they differ in unit); ``fedguard_settings``: parameters of fedguard's attack
+    set instead of its defaults; uploads of ``batch`` distinct test images of dataset ``data``."""
 
     fedguard: str
-    breaching: str
+    breaching: str | None
     model: str
     model_params: Any
     iterations: int
     breaching_iterations: int | None = None
     fedguard_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    data: str = DATA
+    batch: int = 1
 
     @property
     def model_label(self) -> str:
@@ -125,7 +129,8 @@ class Inputs:
     model: nn.Module
     spec: DataSpec
     observations: list[Observation]
-    truth: torch.Tensor  # (U, C, H, W) in [0, 1]
+    truth: torch.Tensor  # (U * batch, C, H, W) in [0, 1], upload by upload
+    labels: torch.Tensor  # (U * batch,) int64, in the same order
 
 
 @contextlib.contextmanager
@@ -167,9 +172,9 @@ def import_breaching(folder: Path) -> Any:
 
 
 def capture(case: Case, uploads: int, seed: int) -> Inputs:
-    """The case's model (built once with ``seed``) and ``uploads`` batch-1 gradient observations of distinct
-    test photos, client buffers included."""
-    data = load_dataset(DATA)
+    """The case's model (built once with ``seed``) and ``uploads`` gradient observations of ``case.batch``
+    distinct test images each (every 7th of the test split), client buffers included."""
+    data = load_dataset(case.data)
     params = case.model_params if case.model_params is not None else MODELS.get(case.model).params()
     torch.manual_seed(seed)
     model = build_model(case.model, data.spec, params)
@@ -177,17 +182,19 @@ def capture(case: Case, uploads: int, seed: int) -> Inputs:
     card = ModelCard(case.model, dataclasses.asdict(params), data.spec, tuple(model.state_dict()),
                      tuple(trainable_mask(model)))
     state = {n: torch.tensor(a) for n, a in zip(card.names, arrays)}
-    truth, labels = data.test.batch([index * 7 for index in range(uploads)])
+    batch = case.batch
+    truth, labels = data.test.batch([index * 7 for index in range(uploads * batch)])
     observations = []
     for index in range(uploads):
         model.load_state_dict(state)
-        grads, _ = compute_gradients(model, truth[index : index + 1], labels[index : index + 1])
+        images = slice(index * batch, (index + 1) * batch)
+        grads, _ = compute_gradients(model, truth[images], labels[images])
         after = iter(grads)
         upload = [next(after).numpy() if t else a.detach().numpy().copy()
                   for t, a in zip(card.trainable, model.state_dict().values())]
-        observations.append(card.observe(1, index, "gradient", arrays, upload, 1, {"batch-size": 1}))
+        observations.append(card.observe(1, index, "gradient", arrays, upload, batch, {"batch-size": batch}))
     model.load_state_dict(state)
-    return Inputs(model.train(), data.spec, observations, truth)
+    return Inputs(model.train(), data.spec, observations, truth, labels)
 
 
 def timed(fn: Callable[[], list[torch.Tensor]]) -> tuple[float, torch.Tensor]:
@@ -260,13 +267,17 @@ def check_layout(model: nn.Module, obs: Observation) -> None:
 
 def score(tool: str, case: Case, attack: str, iterations: int, seconds: float, recon: torch.Tensor,
           truth: torch.Tensor) -> dict[str, Any]:
-    """One table row: mean PSNR (dB, capped), mean SSIM, leaked count and speed of ``recon`` vs ``truth``."""
+    """One table row: mean PSNR (dB, capped), mean SSIM, leaked count and speed of ``recon`` vs ``truth``
+    (both (U * batch, C, H, W), upload by upload; each upload's images matched to its true ones by MSE)."""
     recon = torch.nan_to_num(recon.float(), nan=0.5).clamp(0, 1)
+    order = [start + int(i) for start in range(0, len(truth), case.batch)
+             for i in match(recon[start : start + case.batch], truth[start : start + case.batch])]
+    recon = recon[order]
     structure = ssim(recon, truth)
     return {"tool": tool, "model": case.model_label, "attack": attack, "iterations": iterations,
-            "uploads": len(truth), "psnr_db": float(clip_psnr(psnr(recon, truth)).mean()),
+            "uploads": len(truth) // case.batch, "psnr_db": float(clip_psnr(psnr(recon, truth)).mean()),
             "ssim": float(structure.mean()), "ssim_over_0.9": int((structure > LEAK_SSIM).sum()),
-            "seconds": seconds, "recon_per_s": len(truth) / seconds}
+            "seconds": seconds, "recon_per_s": len(truth) // case.batch / seconds}
 
 
 def warm_up_fedguard(case: Case, params: Any, observations: list[Observation], seed: int) -> float:

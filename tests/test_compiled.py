@@ -43,6 +43,22 @@ def test_the_compiled_signed_adam_step_equals_the_eager_one() -> None:
 
 
 @needs_compiler
+def test_the_compiled_gradinversion_step_with_batch_norm_statistics_equals_the_eager_one() -> None:
+    from attackers.gradinversion import GradInversion, GradInversionParams
+    from tests.test_gradinversion import digits_upload
+
+    obs, _, _, _ = digits_upload()
+    attack = GradInversion(GradInversionParams(restarts=2, device="cpu", group_start=0.0))
+    objective, z = objective_of(attack, [obs])
+    losses = objective.losses_at(1.0)  # every term, the BatchNorm statistics' and the group's included
+    eager = grad(lambda point: losses(point).sum())
+    step = Compiler("on", CPU, 1, "test-bn")(eager)
+    for _ in range(2):
+        assert torch.allclose(step(z), eager(z), rtol=1e-4, atol=1e-7)
+        z = (z - 0.01 * eager(z)).clamp(0, 1)
+
+
+@needs_compiler
 def test_the_compiled_lbfgs_evaluations_equal_the_eager_ones() -> None:
     observations, _, _ = uploads()
     objective, z = objective_of(DeepLeakage(DLGParams(device="cpu"), infer=False), observations[:2])

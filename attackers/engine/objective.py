@@ -61,9 +61,16 @@ class BatchNormInputs:
             self.seen[name] = (h.mean(dims), h.var(dims, correction=0))
         return record
 
+    def start(self) -> None:
+        """Record into a new dict: the hooks then mutate no object that outlives the pass."""
+        self.seen = {}
+
     def statistics(self) -> Statistics:
-        """(mean, variance) per module, (channels,) each, in ``names`` order."""
-        return [self.seen[name] for name in self.names]
+        """(mean, variance) per module, (channels,) each, in ``names`` order, recorded since ``start``; the
+        record is dropped, so that no tensor of a ``torch.func`` transform outlives it (``torch.compile`` cannot
+        compile a program that keeps one)."""
+        seen, self.seen = self.seen, {}
+        return [seen[name] for name in self.names]
 
 
 def batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -84,6 +91,8 @@ class Objective:
 
         def param_grad(p: Gradients, x: torch.Tensor, labels: torch.Tensor) -> tuple[Gradients, Statistics]:
             def loss_of(q: Gradients) -> tuple[torch.Tensor, Statistics]:
+                if recorder:
+                    recorder.start()
                 loss = batch_loss(functional_call(model, q, (x,)), labels)
                 return loss, recorder.statistics() if recorder else []
             return grad(loss_of, has_aux=True)(p)
