@@ -8,6 +8,7 @@ from attackers.dlg import DeepLeakage, DLGParams
 from attackers.engine.optimizers import BatchedLBFGS
 from fedguard.config import load_config
 from fedguard.metrics import psnr, ssim
+from tests.devices import ATTACK_DEVICE
 from tests.test_inverting_gradients import floor, uploads
 
 
@@ -36,7 +37,8 @@ def test_batched_lbfgs_jobs_do_not_interact() -> None:
 def test_idlg_recovers_batch_1_uploads_exactly() -> None:
     observations, x, y = uploads()
     # seed 1: at seed 0 one photo is still at 31 dB after 100 iterations (seeds 1 and 2 recover all four)
-    recons = DeepLeakage(DLGParams(iterations=100, restarts=2, device="cpu"), infer=True).reconstruct_many(observations, 1)
+    params = DLGParams(iterations=100, restarts=2, device=ATTACK_DEVICE)
+    recons = DeepLeakage(params, infer=True).reconstruct_many(observations, 1)
     images = torch.cat([r.images for r in recons])
     got_psnr, got_ssim = psnr(images, x), ssim(images, x)
     print("iDLG psnr", got_psnr, "ssim", got_ssim)
@@ -46,7 +48,8 @@ def test_idlg_recovers_batch_1_uploads_exactly() -> None:
 
 def test_dlg_with_joint_soft_labels_recovers_most_images() -> None:
     observations, x, _ = uploads()
-    recons = DeepLeakage(DLGParams(iterations=100, restarts=2, device="cpu"), infer=False).reconstruct_many(observations, 1)
+    params = DLGParams(iterations=100, restarts=2, device=ATTACK_DEVICE)
+    recons = DeepLeakage(params, infer=False).reconstruct_many(observations, 1)
     got_ssim = ssim(torch.cat([r.images for r in recons]), x)
     floor_psnr, floor_ssim = floor(x)
     print("DLG ssim", got_ssim, "floor", floor_ssim)
@@ -63,6 +66,7 @@ def test_restarts_that_turn_non_finite_start_again_and_the_output_stays_finite()
     observations, _, _ = uploads()
     obs = observations[0]
     poisoned = obs.__class__(**{**obs.__dict__, "upload": [a * 1e38 for a in obs.upload]})  # overflows float32
-    [rec] = DeepLeakage(DLGParams(iterations=50, restarts=2, device="cpu"), infer=True).reconstruct_many([poisoned], 0)
+    params = DLGParams(iterations=50, restarts=2, device=ATTACK_DEVICE)
+    [rec] = DeepLeakage(params, infer=True).reconstruct_many([poisoned], 0)
     assert rec.stats["nan_restarts"] > 0
     assert torch.isfinite(rec.images).all() and float(rec.images.min()) >= 0 and float(rec.images.max()) <= 1

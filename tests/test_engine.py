@@ -18,12 +18,13 @@ from fedguard.data import load_dataset
 from fedguard.models import build_model
 from fedguard.observation import ModelCard
 from fedguard.training import get_arrays, local_sgd, set_arrays, trainable_mask
+from tests.devices import ATTACK_DEVICE
 from tests.test_inverting_gradients import uploads
 
 
 def test_the_same_seed_repeats_exactly_and_another_seed_starts_elsewhere() -> None:
     observations, _, _ = uploads()
-    attack = InvertingGradients(InvertingGradientsParams(iterations=3, restarts=2, device="cpu"))
+    attack = InvertingGradients(InvertingGradientsParams(iterations=3, restarts=2, device=ATTACK_DEVICE))
     first, again, other = (attack.reconstruct_many(observations[:2], seed) for seed in (7, 7, 8))
     for a, b, c in zip(first, again, other):
         assert torch.equal(a.images, b.images) and a.stats["restart_losses"] == b.stats["restart_losses"]
@@ -32,7 +33,7 @@ def test_the_same_seed_repeats_exactly_and_another_seed_starts_elsewhere() -> No
 
 def test_uploads_of_one_global_model_share_its_weights_and_match_running_alone() -> None:
     observations, _, _ = uploads()
-    attack = InvertingGradients(InvertingGradientsParams(iterations=4, restarts=2, device="cpu"))
+    attack = InvertingGradients(InvertingGradientsParams(iterations=4, restarts=2, device=ATTACK_DEVICE))
     together = attack.reconstruct_many(observations[:3], 0)
     alone = [attack.reconstruct_many([obs], 0)[0] for obs in observations[:3]]
     assert all(r.stats["shared_weights"] and r.stats["batched_jobs"] == 6 for r in together)
@@ -61,8 +62,8 @@ def test_fedavg_uploads_of_one_round_batch_together() -> None:
     observations = fedavg_uploads()
     assert observations[0].declared["loss"] != observations[1].declared["loss"]
     assert shape_key(observations[0]) == shape_key(observations[1])
-    recons = InvertingGradients(InvertingGradientsParams(iterations=2, restarts=2, device="cpu")).reconstruct_many(
-        observations, 0)
+    params = InvertingGradientsParams(iterations=2, restarts=2, device=ATTACK_DEVICE)
+    recons = InvertingGradients(params).reconstruct_many(observations, 0)
     assert [r.stats["batched_jobs"] for r in recons] == [4, 4] and all(r.stats["shared_weights"] for r in recons)
 
 
@@ -84,10 +85,10 @@ def test_lbfgs_never_freezes_a_job_whose_first_step_overshoots() -> None:
 
 def test_dlg_with_an_overshooting_step_still_lowers_every_restarts_loss() -> None:
     observations, _, _ = uploads()
-    start = DeepLeakage(DLGParams(iterations=1, restarts=4, lr=1e4, device="cpu"), infer=True).reconstruct_many(
-        observations[:1], 0)[0]
-    later = DeepLeakage(DLGParams(iterations=40, restarts=4, lr=1e4, device="cpu"), infer=True).reconstruct_many(
-        observations[:1], 0)[0]
+    params = DLGParams(iterations=1, restarts=4, lr=1e4, device=ATTACK_DEVICE)
+    start = DeepLeakage(params, infer=True).reconstruct_many(observations[:1], 0)[0]
+    params = DLGParams(iterations=40, restarts=4, lr=1e4, device=ATTACK_DEVICE)
+    later = DeepLeakage(params, infer=True).reconstruct_many(observations[:1], 0)[0]
     assert all(b < 0.5 * a for a, b in zip(start.stats["restart_losses"], later.stats["restart_losses"])), (
         start.stats["restart_losses"], later.stats["restart_losses"])
 

@@ -11,6 +11,7 @@ from fedguard.config import Config, ConfigError
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_update import UpdateDPParams
 from fedguard.training import loss_fn
+from tests.devices import ATTACK_DEVICE
 from tests.test_inverting_gradients import uploads
 
 
@@ -56,10 +57,10 @@ class CountingDefense:
 
 def test_eot_applies_the_defense_draws_times_per_iteration_to_every_job() -> None:
     observations, _, _ = uploads()
-    attack = InvertingGradients(InvertingGradientsParams(iterations=5, restarts=2, device="cpu", eot=3))
+    attack = InvertingGradients(InvertingGradientsParams(iterations=5, restarts=2, device=ATTACK_DEVICE, eot=3))
     defense = CountingDefense()
     attack.know_defense(defense)
-    plain = InvertingGradients(InvertingGradientsParams(iterations=5, restarts=2, device="cpu"))
+    plain = InvertingGradients(InvertingGradientsParams(iterations=5, restarts=2, device=ATTACK_DEVICE))
     got = attack.reconstruct_many(observations[:2], 0)
     want = plain.reconstruct_many(observations[:2], 0)
     assert len(defense.calls) == 3 * (5 + 1)  # each iteration and the final scoring

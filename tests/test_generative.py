@@ -34,6 +34,7 @@ from fedguard.metrics.matching import match
 from fedguard.models import build_model
 from fedguard.observation import ModelCard, Observation
 from fedguard.training import compute_gradients, get_arrays, trainable_mask
+from tests.devices import ATTACK_DEVICE
 
 DIGITS = [0, 7, 100, 2000, 3000, 3999]  # train-split digits: the clients' data
 SMALL = TrainOptions(epochs=3, batch_size=32, latent_dim=8, width=8)
@@ -81,7 +82,7 @@ def generator_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def attack(generator: Path, **params) -> GenerativeAttack:
-    return GenerativeAttack(GenerativeParams(generator=str(generator), device="cpu", **params))
+    return GenerativeAttack(GenerativeParams(generator=str(generator), device=ATTACK_DEVICE, **params))
 
 
 def test_training_lowers_the_loss_and_is_deterministic() -> None:

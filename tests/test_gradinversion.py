@@ -24,12 +24,13 @@ from fedguard.models.convnet import ConvNetParams
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard, Observation
 from fedguard.training import compute_gradients, get_arrays, merge_by_mask, split_by_mask, trainable_mask
+from tests.devices import ATTACK_DEVICE
 
 DIGITS = [3, 40, 101, 150]  # test-split digits of four different classes
 BN_MLP = {"hidden": 256, "depth": 2, "batch_norm": True}
 # bn 1 (the default before the study of README "How the defaults were chosen"): on these 8x8 digits at 300
 # iterations it beats the default 0.1 (PSNR 14.1-16.9 dB, 6-8 dB above the floor, with 0.1)
-ATTACK = GradInversionParams(iterations=300, restarts=2, lr=0.1, bn=1.0, device="cpu")
+ATTACK = GradInversionParams(iterations=300, restarts=2, lr=0.1, bn=1.0, device=ATTACK_DEVICE)
 
 
 def observe(model: nn.Module, name: str, params: dict, data, x: torch.Tensor, y: torch.Tensor, client: int = 0):
@@ -153,7 +154,7 @@ def test_the_batch_norm_prior_is_what_makes_it_work(reconstructions) -> None:
 def test_batched_uploads_equal_uploads_one_by_one() -> None:
     """Restarts of one upload interact through the group term, uploads never do."""
     uploads = [digits_upload(images=DIGITS, client=0)[0], digits_upload(images=[1, 2, 3, 4], client=1)[0]]
-    params = GradInversionParams(iterations=20, restarts=2, group=0.1, group_start=0.0, device="cpu")
+    params = GradInversionParams(iterations=20, restarts=2, group=0.1, group_start=0.0, device=ATTACK_DEVICE)
     together = GradInversion(params).reconstruct_many(uploads, 0)
     alone = [GradInversion(params).reconstruct_many([obs], 0)[0] for obs in uploads]
     for a, b in zip(together, alone):
@@ -164,14 +165,15 @@ def test_batched_uploads_equal_uploads_one_by_one() -> None:
 def test_declared_labels_are_used() -> None:
     obs, _, _, y = digits_upload()
     declared = Observation(**{**obs.__dict__, "declared": {"batch-size": 4, "labels": [1, 1, 2, 2]}})
-    [rec] = GradInversion(GradInversionParams(iterations=2, restarts=1, device="cpu")).reconstruct_many([declared], 0)
+    params = GradInversionParams(iterations=2, restarts=1, device=ATTACK_DEVICE)
+    [rec] = GradInversion(params).reconstruct_many([declared], 0)
     assert rec.labels.tolist() == [1, 1, 2, 2] and rec.stats["labels_inferred"] is False
 
 
 def test_an_upload_without_batch_norm_is_refused() -> None:
     plain, _, _, _ = digits_upload({"hidden": 16, "depth": 2})
     with pytest.raises(ValueError, match="no BatchNorm"):
-        GradInversion(GradInversionParams(iterations=1, device="cpu")).reconstruct_many([plain], 0)[0]
+        GradInversion(GradInversionParams(iterations=1, device=ATTACK_DEVICE)).reconstruct_many([plain], 0)[0]
 
 
 def test_params_name_the_bad_value() -> None:

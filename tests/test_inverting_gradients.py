@@ -23,9 +23,10 @@ from fedguard.metrics import psnr, ssim
 from fedguard.models import build_model
 from fedguard.observation import ModelCard, Observation
 from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
+from tests.devices import ATTACK_DEVICE
 
 IMAGES = [3, 40, 101, 150]  # test-split tiles from different photos
-PARAMS = InvertingGradientsParams(iterations=250, restarts=2, lr=0.025, tv=1e-4, device="cpu")
+PARAMS = InvertingGradientsParams(iterations=250, restarts=2, lr=0.025, tv=1e-4, device=ATTACK_DEVICE)
 
 
 def uploads(defense: str = "none", params=None) -> tuple[list[Observation], torch.Tensor, torch.Tensor]:
@@ -96,7 +97,7 @@ def test_bfloat16_dummy_gradients_still_reconstruct_undefended_uploads() -> None
 
 def test_batched_restarts_equal_restarts_one_by_one() -> None:
     observations, _, _ = uploads()
-    params = InvertingGradientsParams(iterations=20, restarts=1, device="cpu")
+    params = InvertingGradientsParams(iterations=20, restarts=1, device=ATTACK_DEVICE)
     together = InvertingGradients(params).reconstruct_many(observations[:2], 0)
     alone = [InvertingGradients(params).reconstruct_many([obs], 0)[0] for obs in observations[:2]]
     for a, b in zip(together, alone):
@@ -105,9 +106,8 @@ def test_batched_restarts_equal_restarts_one_by_one() -> None:
 
 def test_best_restart_is_kept() -> None:
     observations, _, _ = uploads()
-    [rec] = InvertingGradients(InvertingGradientsParams(iterations=10, restarts=3, device="cpu")).reconstruct_many(
-        observations[:1]
-    , 0)
+    params = InvertingGradientsParams(iterations=10, restarts=3, device=ATTACK_DEVICE)
+    [rec] = InvertingGradients(params).reconstruct_many(observations[:1], 0)
     assert rec.stats["loss"] == min(rec.stats["restart_losses"]) and len(rec.stats["restart_losses"]) == 3
 
 
@@ -124,7 +124,8 @@ def test_rejects_weight_uploads_without_hyperparameters_and_bad_params() -> None
     obs = observations[0]
     weights = Observation(**{**obs.__dict__, "kind": "weights", "declared": {"lr": 0.1}})
     with pytest.raises(ValueError, match="local-epochs"):
-        InvertingGradients(InvertingGradientsParams(iterations=1, device="cpu")).reconstruct_many([weights], 0)[0]
+        InvertingGradients(InvertingGradientsParams(iterations=1, device=ATTACK_DEVICE)).reconstruct_many(
+            [weights], 0)[0]
     with pytest.raises(ValueError, match="restarts"):
         InvertingGradientsParams(restarts=0)
     with pytest.raises(ValueError, match="auto, cpu, cuda"):
@@ -152,7 +153,8 @@ def test_fedavg_weight_updates_leak_through_replayed_local_steps() -> None:
     obs = card.observe(1, 0, "weights", arrays, upload, 2, {"lr": 0.1, "local-epochs": 1, "batch-size": 1})
     # seed 1: this pair reaches 25.2 dB at seed 0 and 25.5 at seed 1 (threshold 25.4); three pairs x two seeds
     # span 23.4-33.9 dB, mean 27.1 (27.5 with a copy of the weights per job)
-    [rec] = InvertingGradients(InvertingGradientsParams(iterations=250, restarts=2, device="cpu")).reconstruct_many([obs], 1)
+    params = InvertingGradientsParams(iterations=250, restarts=2, device=ATTACK_DEVICE)
+    [rec] = InvertingGradients(params).reconstruct_many([obs], 1)
     from fedguard.metrics import score_batch
 
     scores = score_batch(rec.images, x)
@@ -181,15 +183,15 @@ def test_skipping_the_layers_a_defense_altered_restores_the_attack() -> None:
     print("plain", plain_psnr, "adaptive", adaptive_psnr, adaptive_ssim)
     assert adaptive_psnr.mean() > plain_psnr.mean() + 5
     with pytest.raises(ValueError, match="leaves no parameter"):
-        InvertingGradients(InvertingGradientsParams(iterations=1, skip="", device="cpu").__class__(
-            iterations=1, device="cpu", skip="0,1,2,3,4,5")).reconstruct_many([observations[0]], 0)[0]
+        InvertingGradients(InvertingGradientsParams(iterations=1, skip="", device=ATTACK_DEVICE).__class__(
+            iterations=1, device=ATTACK_DEVICE, skip="0,1,2,3,4,5")).reconstruct_many([observations[0]], 0)[0]
 
 
 def test_declared_labels_are_used_instead_of_inferred_ones() -> None:
     observations, _, y = uploads()
     wrong = (int(y[0]) + 1) % 10
     obs = Observation(**{**observations[0].__dict__, "declared": {"batch-size": 1, "labels": [int(wrong)]}})
-    params = InvertingGradientsParams(iterations=2, restarts=1, device="cpu")
+    params = InvertingGradientsParams(iterations=2, restarts=1, device=ATTACK_DEVICE)
     [given] = InvertingGradients(params).reconstruct_many([obs], 0)
     [inferred] = InvertingGradients(params).reconstruct_many(observations[:1], 0)
     assert int(given.labels[0]) == wrong and given.stats["labels_inferred"] is False
