@@ -44,20 +44,14 @@ from torch.func import functional_call, grad, replace_all_batch_norm_modules_, v
 
 from attackers.base import COMPILE_MODES, build_attack
 from attackers.engine.compiled import compiles
+from attackers.engine.terms import total_variation
 from attackers.inverting_gradients import InvertingGradientsParams
 from attackers.jobs import job_seed, resolve_device
-from vs_breaching import Case, Inputs, capture, cpu_model, score
+from vs_breaching import Case, Inputs, capture, check_layout, cpu_model, score
 
 HERE = Path(__file__).resolve().parent
 WARM_UP_ITERATIONS = 2
 MODELS = ("resnet18", "convnet", "lenet")
-
-
-def total_variation(x: torch.Tensor) -> torch.Tensor:
-    """Mean absolute difference of neighbouring pixels of (J, B, C, H, W) images, averaged over B -> (J,)."""
-    dx = (x[..., :, :, 1:] - x[..., :, :, :-1]).abs().mean((-3, -2, -1))
-    dy = (x[..., :, 1:, :] - x[..., :, :-1, :]).abs().mean((-3, -2, -1))
-    return (dx + dy).mean(1)
 
 
 def bare_step(model: nn.Module, params: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
@@ -75,7 +69,7 @@ def bare_step(model: nn.Module, params: dict[str, torch.Tensor], targets: dict[s
         g = per_job(params, z, labels)
         dot = sum((g[n] * targets[n]).flatten(1).sum(1) for n in targets)
         norm = torch.sqrt(sum((g[n] ** 2).flatten(1).sum(1) for n in targets))
-        return (1 - dot / (norm * target_norm + 1e-12) + tv * total_variation(z)).sum()
+        return (1 - dot / (norm * target_norm + 1e-12) + tv * total_variation(z).mean(1)).sum()
 
     direction = grad(objective)
     return lambda z: direction(z).sign()
@@ -104,13 +98,10 @@ def bare_inputs(inputs: Inputs, device: torch.device) -> tuple[nn.Module, dict[s
     model = copy.deepcopy(inputs.model)
     replace_all_batch_norm_modules_(model)
     model = model.train().to(device)
-    first = inputs.observations[0]
-    names = [n for n, t in zip(first.names, first.trainable) if t]
+    check_layout(model, inputs.observations[0])
     params = {n: p.detach().to(device) for n, p in model.named_parameters()}
-    if list(params) != names:
-        raise ValueError(f"{first.model}: parameter order differs from the state_dict's trainable entries")
     uploads = [[torch.tensor(a) for a, t in zip(o.upload, o.trainable) if t] for o in inputs.observations]
-    targets = {n: torch.stack([u[i] for u in uploads]).to(device) for i, n in enumerate(names)}
+    targets = {n: torch.stack([u[i] for u in uploads]).to(device) for i, n in enumerate(params)}
     return model, params, targets, inputs.labels.reshape(len(inputs.observations), -1).to(device)
 
 

@@ -259,7 +259,8 @@ def run_breaching(attacker: Any, observations: list[Observation], seed: int) -> 
 
 
 def check_layout(model: nn.Module, obs: Observation) -> None:
-    """breaching pairs gradients with ``model.parameters()``; they must be the observation's trainable entries."""
+    """breaching (and ``ig_vs_bare_loop.py``'s bare loop) pair gradients with ``model.parameters()``; they must be
+    the observation's trainable entries."""
     expected = [n for n, t in zip(obs.names, obs.trainable) if t]
     if [n for n, _ in model.named_parameters()] != expected:
         raise ValueError(f"{obs.model}: parameter order differs from the state_dict's trainable entries")
@@ -272,12 +273,12 @@ def score(tool: str, case: Case, attack: str, iterations: int, seconds: float, r
     recon = torch.nan_to_num(recon.float(), nan=0.5).clamp(0, 1)
     order = [start + int(i) for start in range(0, len(truth), case.batch)
              for i in match(recon[start : start + case.batch], truth[start : start + case.batch])]
-    recon = recon[order]
+    recon, uploads = recon[order], len(truth) // case.batch
     structure = ssim(recon, truth)
     return {"tool": tool, "model": case.model_label, "attack": attack, "iterations": iterations,
-            "uploads": len(truth) // case.batch, "psnr_db": float(clip_psnr(psnr(recon, truth)).mean()),
+            "uploads": uploads, "psnr_db": float(clip_psnr(psnr(recon, truth)).mean()),
             "ssim": float(structure.mean()), "ssim_over_0.9": int((structure > LEAK_SSIM).sum()),
-            "seconds": seconds, "recon_per_s": len(truth) // case.batch / seconds}
+            "seconds": seconds, "recon_per_s": uploads / seconds}
 
 
 def warm_up_fedguard(case: Case, params: Any, observations: list[Observation], seed: int) -> float:
