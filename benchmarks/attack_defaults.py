@@ -154,12 +154,12 @@ def main() -> None:
     rows = []
     for setting in grid:
         params = dataclasses.replace(default, device="cpu", **setting)
-        seconds, recon = run_fedguard(attack, params, inputs.observations, True, args.seed)
-        row = score("fedguard", case, attack, params.iterations, seconds, recon, inputs.truth)
+        run = run_fedguard(attack, params, inputs.observations, True, args.seed)
+        row = score("fedguard", case, attack, params.iterations, run.seconds, run.result, inputs.truth)
         is_default = all(getattr(default, k) == v for k, v in setting.items() if k != "iterations")
         rows.append((setting, row, is_default))
         print(f"  {setting}: PSNR {row['psnr_db']:.2f} dB, SSIM {row['ssim']:.3f}, "
-              f"{row['ssim_over_0.9']} > 0.9, {seconds:.1f} s", flush=True)
+              f"{row['ssim_over_0.9']} > 0.9, {run.seconds:.1f} s", flush=True)
     print("\nsorted by mean SSIM (* current default):")
     for setting, row, is_default in sorted(rows, key=lambda r: -r[1]["ssim"]):
         text = ", ".join(f"{k}={v}" for k, v in setting.items())

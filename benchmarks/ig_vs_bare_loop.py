@@ -34,7 +34,6 @@ import copy
 import dataclasses
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,12 +41,12 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, replace_all_batch_norm_modules_, vmap
 
-from attackers.base import COMPILE_MODES, build_attack
+from attackers.base import COMPILE_MODES, DEVICES, build_attack
 from attackers.engine.compiled import compiles
 from attackers.engine.terms import total_variation
 from attackers.inverting_gradients import InvertingGradientsParams
 from attackers.jobs import job_seed, resolve_device
-from vs_breaching import Case, Inputs, capture, check_layout, cpu_model, score
+from vs_breaching import Case, Inputs, capture, check_layout, device_name, measured, score
 
 HERE = Path(__file__).resolve().parent
 WARM_UP_ITERATIONS = 2
@@ -105,17 +104,6 @@ def bare_inputs(inputs: Inputs, device: torch.device) -> tuple[nn.Module, dict[s
     return model, params, targets, inputs.labels.reshape(len(inputs.observations), -1).to(device)
 
 
-def synchronized(device: torch.device, fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
-    """(seconds, result on the host) of ``fn``, the device's queue drained before the clock stops."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = fn().cpu()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, result
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Both sides' rows and the settings."""
     device = resolve_device(args.device)
@@ -135,10 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         found[:] = attack.reconstruct_many(inputs.observations, seed=args.seed)
         return torch.cat([r.images for r in found])
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    fedguard_s, fedguard_images = synchronized(device, fedguard)
-    fedguard_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    fedguard_run = measured(device, fedguard)
     labels_exact = all(torch.equal(r.labels.cpu(), inputs.labels[i : i + 1]) for i, r in enumerate(found))
 
     model, shared, targets, labels = bare_inputs(inputs, device)
@@ -147,22 +132,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     step = bare_step(model, shared, targets, labels, params.tv)
     step = torch.compile(step, dynamic=False) if compiled else step
     bare_loop(step, starts, WARM_UP_ITERATIONS, params.lr)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    bare_s, bare_images = synchronized(device, lambda: bare_loop(step, starts, params.iterations, params.lr))
-    bare_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    bare_run = measured(device, lambda: bare_loop(step, starts, params.iterations, params.lr).flatten(0, 1))
 
     rows = []
-    for tool, seconds, images, memory in (("fedguard", fedguard_s, fedguard_images, fedguard_memory),
-                                          ("bare loop", bare_s, bare_images.flatten(0, 1), bare_memory)):
-        row = score(tool, case, "ig", params.iterations, seconds, images, inputs.truth)
-        row.update(job_iterations_per_s=args.uploads * params.iterations / seconds,
-                   peak_memory_gib=None if memory is None else memory / 2**30)
+    for tool, timing in (("fedguard", fedguard_run), ("bare loop", bare_run)):
+        row = score(tool, case, "ig", params.iterations, timing.seconds, timing.result, inputs.truth,
+                    timing.peak_memory_gib)
+        row.update(job_iterations_per_s=args.uploads * params.iterations / timing.seconds)
         rows.append(row)
     rows[0]["vs_bare"] = rows[0]["job_iterations_per_s"] / rows[1]["job_iterations_per_s"]
     rows[0]["labels_exact"] = labels_exact
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
-    return {"torch": torch.__version__, "device": device_name, "model": args.model, "threads": args.threads,
+    return {"torch": torch.__version__, "device": device_name(device), "model": args.model, "threads": args.threads,
             "compiled": compiled,
             "uploads": args.uploads, "iterations": params.iterations, "lr": params.lr, "tv": params.tv,
             "seed": args.seed, "rows": rows}
@@ -184,7 +164,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--device", default="auto", choices=DEVICES)
     parser.add_argument("--model", default="resnet18", choices=MODELS)
     parser.add_argument("--uploads", type=int, default=32, help="batch-1 uploads, one job each")
     parser.add_argument("--iterations", type=int, default=500, help="500 or more: compiled under 'auto'")

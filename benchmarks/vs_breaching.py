@@ -9,8 +9,8 @@ uploads in one ``reconstruct_many`` call (batched) and one upload per call
 its own default attack configuration, except where a case names fedguard
 settings (ig-convnet: the winner of ``attack_defaults.py --case ig-convnet``,
 where the default, chosen on the LeNet, reconstructs worse than breaching);
-only the iteration count and the device (CPU) are set, and for breaching the
-data shape and normalization (images in [0, 1]: mean 0, std 1).
+only the iteration count and the device (``--device``, both tools on the same one) are set, and for
+breaching the data shape and normalization (images in [0, 1]: mean 0, std 1).
 ``--precision bfloat16`` runs fedguard's dummy gradients in bfloat16 (attacks
 with a ``precision`` parameter; eager on the CPU). Neither tool is given the labels: fedguard infers
 them (ig) or optimizes soft labels (dlg), breaching runs its config's label
@@ -21,8 +21,9 @@ batched and the one-upload program for a few iterations with the timed runs'
 ``compile`` decision, so a compiled program is built there (its seconds are
 printed as the warm-up: on a cold Inductor cache, the whole compile) and the
 timed calls pay only tracing and the cache lookup (about 2 s per call).
-``--compile off`` times fedguard eager. Reconstructions are scored against the
-true images with fedguard.metrics (PSNR, SSIM).
+``--compile off`` times fedguard eager. On CUDA the clock stops after the
+device's queue is drained and each row reports its peak GPU memory.
+Reconstructions are scored against the true images with fedguard.metrics (PSNR, SSIM).
 
 Cases (rows per tool; breaching config in brackets):
     ig-lenet    Inverting Gradients [invertinggradients], 2,000 iterations, DLG LeNet
@@ -33,8 +34,8 @@ Cases (rows per tool; breaching config in brackets):
 
     make bench-breaching
     .venv/bin/python benchmarks/vs_breaching.py [--cases ig-lenet,ig-convnet,dlg-lenet] [--uploads 8]
-        [--iterations-scale 1.0] [--threads N] [--seed 0] [--compile auto|on|off]
-        [--precision float32|bfloat16] [--peer-dir DIR] [--out PATH]
+        [--iterations-scale 1.0] [--fedguard-iterations N] [--threads N] [--seed 0] [--device auto|cpu|cuda]
+        [--compile auto|on|off] [--precision float32|bfloat16] [--peer-dir DIR] [--out PATH]
 
 On first run breaching==0.1.2 and those of its dependencies missing from
 this environment are installed with pip (pinned, --no-deps) into --peer-dir
@@ -42,8 +43,11 @@ this environment are installed with pip (pinned, --no-deps) into --peer-dir
 goes last on sys.path, so this environment's torch is the one used. Prints a
 table (mean PSNR in dB, mean SSIM, uploads with SSIM > 0.9, seconds,
 reconstructions per second and their ratio to breaching's) and writes it as
-JSON to --out with the torch version, threads, CPU and each tool's exact
+JSON to --out with the torch version, threads, device and each tool's exact
 configuration. ``--iterations-scale 0.01 --uploads 2`` is a quick smoke run.
+``--fedguard-iterations N`` runs fedguard for N iterations in every case while
+breaching keeps the case's count: the speed of each tool at the quality it
+reaches, where fedguard reaches breaching's quality in fewer iterations.
 
 Targets of the project, on 2 cores with 8 uploads: fedguard batched at 5x
 breaching's reconstructions per second on the LeNet and 3x on the ConvNet,
@@ -71,9 +75,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from attackers.base import ATTACKS, COMPILE_MODES, build_attack
+from attackers.base import ATTACKS, COMPILE_MODES, DEVICES, build_attack
 from attackers.engine.compiled import compiles
 from attackers.engine.spec import PRECISIONS
+from attackers.jobs import resolve_device
 from fedguard.data import DataSpec, load_dataset
 from fedguard.metrics.image import clip_psnr, psnr, ssim
 from fedguard.metrics.matching import match
@@ -197,40 +202,70 @@ def capture(case: Case, uploads: int, seed: int) -> Inputs:
     return Inputs(model.train(), data.spec, observations, truth, labels)
 
 
-def timed(fn: Callable[[], list[torch.Tensor]]) -> tuple[float, torch.Tensor]:
-    """(seconds, images (U, C, H, W)) of ``fn``, which returns one (1, C, H, W) batch per upload."""
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """What one timed call gave: ``seconds``, its ``result`` on the host, the peak GPU memory in GiB over the
+    call (``None`` off CUDA)."""
+
+    seconds: float
+    result: torch.Tensor
+    peak_memory_gib: float | None
+
+
+def measured(device: torch.device, fn: Callable[[], torch.Tensor]) -> Timing:
+    """``fn`` timed on ``device``: on CUDA the queue is drained before the clock starts and stops, and the peak
+    memory counter starts from the memory in use."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    images = fn()
-    return time.perf_counter() - start, torch.cat(images).detach()
+    result = fn().cpu()
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    return Timing(seconds, result, torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None)
 
 
-def fedguard_params(case: Case, iterations: int, compile_mode: str, precision: str) -> Any:
-    """The attack's default parameters with the case's settings and ``iterations`` on the CPU, ``compile`` and
+def timed(device: torch.device, fn: Callable[[], list[torch.Tensor]]) -> Timing:
+    """``fn``, which returns one (1, C, H, W) batch per upload, timed on ``device``; the result (U, C, H, W)."""
+    return measured(device, lambda: torch.cat(fn()).detach())
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name on CUDA, else the CPU's model."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+
+
+def fedguard_params(case: Case, iterations: int, compile_mode: str, precision: str,
+                    device: torch.device) -> Any:
+    """The attack's default parameters with the case's settings, ``iterations`` and ``device``, ``compile`` and
     (where the attack has it) ``precision`` as given."""
-    params = dataclasses.replace(ATTACKS.get(case.fedguard).params(), iterations=iterations, device="cpu",
+    params = dataclasses.replace(ATTACKS.get(case.fedguard).params(), iterations=iterations, device=device.type,
                                  compile=compile_mode, **case.fedguard_settings)
     return dataclasses.replace(params, precision=precision) if hasattr(params, "precision") else params
 
 
 def compiled(params: Any) -> bool:
-    """Whether fedguard's search with ``params`` compiles on the CPU."""
-    return compiles(params.compile, torch.device("cpu"), params.iterations,
+    """Whether fedguard's search with ``params`` compiles on its device."""
+    return compiles(params.compile, torch.device(params.device), params.iterations,
                     precision=getattr(params, "precision", "float32"))
 
 
-def run_fedguard(name: str, params: Any, observations: list[Observation], batched: bool,
-                 seed: int) -> tuple[float, torch.Tensor]:
-    """All uploads in one ``reconstruct_many`` call, or one per call: (seconds, images (U, C, H, W))."""
+def run_fedguard(name: str, params: Any, observations: list[Observation], batched: bool, seed: int) -> Timing:
+    """All uploads in one ``reconstruct_many`` call, or one per call; the images (U, C, H, W)."""
     attack = build_attack(name, params)
     groups = [observations] if batched else [[o] for o in observations]
-    return timed(lambda: [r.images for group in groups for r in attack.reconstruct_many(group, seed=seed)])
+    return timed(torch.device(params.device),
+                 lambda: [r.images for group in groups for r in attack.reconstruct_many(group, seed=seed)])
 
 
-def breaching_attacker(breaching: Any, case: Case, iterations: int, model: nn.Module) -> tuple[Any, Any]:
-    """(config, attacker): breaching's default config ``case.breaching`` with ``iterations``, on the CPU."""
+def breaching_attacker(breaching: Any, case: Case, iterations: int, model: nn.Module,
+                       device: torch.device) -> tuple[Any, Any]:
+    """(config, attacker): breaching's default config ``case.breaching`` with ``iterations``, on ``device``."""
     with quiet():
         cfg = breaching.get_attack_config(case.breaching, overrides=[f"optim.max_iterations={iterations}"])
-    setup = dict(dtype=torch.float, device=torch.device("cpu"))
+    setup = dict(dtype=torch.float, device=device)
     return cfg, breaching.attacks.prepare_attack(copy.deepcopy(model), nn.CrossEntropyLoss(), cfg, setup)
 
 
@@ -249,13 +284,14 @@ def breaching_payload(obs: Observation) -> tuple[dict[str, Any], dict[str, Any]]
     return dict(parameters=parameters, buffers=None, metadata=data), shared
 
 
-def run_breaching(attacker: Any, observations: list[Observation], seed: int) -> tuple[float, torch.Tensor]:
-    """One ``reconstruct`` call per upload: (seconds, images (U, C, H, W) in breaching's normalized space,
-    which is pixel space here)."""
+def run_breaching(attacker: Any, observations: list[Observation], seed: int) -> Timing:
+    """One ``reconstruct`` call per upload; the images (U, C, H, W) in breaching's normalized space, which is
+    pixel space here."""
     payloads = [breaching_payload(o) for o in observations]
     torch.manual_seed(seed)
     with quiet():
-        return timed(lambda: [attacker.reconstruct([p], [s], {}, dryrun=False)[0]["data"] for p, s in payloads])
+        return timed(attacker.setup["device"],
+                     lambda: [attacker.reconstruct([p], [s], {}, dryrun=False)[0]["data"] for p, s in payloads])
 
 
 def check_layout(model: nn.Module, obs: Observation) -> None:
@@ -267,7 +303,7 @@ def check_layout(model: nn.Module, obs: Observation) -> None:
 
 
 def score(tool: str, case: Case, attack: str, iterations: int, seconds: float, recon: torch.Tensor,
-          truth: torch.Tensor) -> dict[str, Any]:
+          truth: torch.Tensor, peak_memory_gib: float | None = None) -> dict[str, Any]:
     """One table row: mean PSNR (dB, capped), mean SSIM, leaked count and speed of ``recon`` vs ``truth``
     (both (U * batch, C, H, W), upload by upload; each upload's images matched to its true ones by MSE)."""
     recon = torch.nan_to_num(recon.float(), nan=0.5).clamp(0, 1)
@@ -278,7 +314,7 @@ def score(tool: str, case: Case, attack: str, iterations: int, seconds: float, r
     return {"tool": tool, "model": case.model_label, "attack": attack, "iterations": iterations,
             "uploads": uploads, "psnr_db": float(clip_psnr(psnr(recon, truth)).mean()),
             "ssim": float(structure.mean()), "ssim_over_0.9": int((structure > LEAK_SSIM).sum()),
-            "seconds": seconds, "recon_per_s": uploads / seconds}
+            "seconds": seconds, "recon_per_s": uploads / seconds, "peak_memory_gib": peak_memory_gib}
 
 
 def warm_up_fedguard(case: Case, params: Any, observations: list[Observation], seed: int) -> float:
@@ -292,28 +328,31 @@ def warm_up_fedguard(case: Case, params: Any, observations: list[Observation], s
 
 
 def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, seed: int,
-             compile_mode: str, precision: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The case's rows (fedguard batched, fedguard one at a time, breaching) and each tool's configuration."""
+             compile_mode: str, precision: str, device: torch.device,
+             fedguard_iterations: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The case's rows (fedguard batched, fedguard one at a time, breaching) and each tool's configuration;
+    ``fedguard_iterations``: fedguard's count instead of the case's (breaching keeps its own)."""
     from omegaconf import OmegaConf
 
-    iterations = max(1, round(case.iterations * scale))
+    iterations = max(1, round((fedguard_iterations or case.iterations) * scale))
     breaching_iterations = max(1, round((case.breaching_iterations or case.iterations) * scale))
     inputs = capture(case, uploads, seed)
     check_layout(inputs.model, inputs.observations[0])
-    params = fedguard_params(case, iterations, compile_mode, precision)
-    cfg, attacker = breaching_attacker(breaching, case, breaching_iterations, inputs.model)
+    params = fedguard_params(case, iterations, compile_mode, precision, device)
+    cfg, attacker = breaching_attacker(breaching, case, breaching_iterations, inputs.model, device)
     warm_up = warm_up_fedguard(case, params, inputs.observations, seed)
-    run_breaching(breaching_attacker(breaching, case, WARM_UP_ITERATIONS, inputs.model)[1],
+    run_breaching(breaching_attacker(breaching, case, WARM_UP_ITERATIONS, inputs.model, device)[1],
                   inputs.observations[:1], seed)
     rows = []
     for tool, batched in (("fedguard batched", True), ("fedguard one at a time", False)):
-        seconds, recon = run_fedguard(case.fedguard, params, inputs.observations, batched, seed)
-        rows.append(score(tool, case, case.fedguard, iterations, seconds, recon, inputs.truth))
+        run = run_fedguard(case.fedguard, params, inputs.observations, batched, seed)
+        rows.append(score(tool, case, case.fedguard, iterations, run.seconds, run.result, inputs.truth,
+                          run.peak_memory_gib))
         rows[-1].update(compiled=compiled(params), warm_up_s=warm_up,
                         precision=getattr(params, "precision", "float32"))
-    seconds, recon = run_breaching(attacker, inputs.observations, seed)
-    rows.append(score("breaching", case, f"{case.breaching}.yaml", breaching_iterations, seconds, recon,
-                      inputs.truth))
+    run = run_breaching(attacker, inputs.observations, seed)
+    rows.append(score("breaching", case, f"{case.breaching}.yaml", breaching_iterations, run.seconds, run.result,
+                      inputs.truth, run.peak_memory_gib))
     for row in rows:
         row["case"], row["vs_breaching"] = name, row["recon_per_s"] / rows[-1]["recon_per_s"]
     config = {
@@ -321,7 +360,7 @@ def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, 
         "fedguard": {"attack": case.fedguard, "params": dataclasses.asdict(params)},
         "breaching": {"config": f"breaching/config/attack/{case.breaching}.yaml",
                       "attack": OmegaConf.to_container(cfg, resolve=True),
-                      "setup": {"device": "cpu", "dtype": "float32", "loss": "torch.nn.CrossEntropyLoss()",
+                      "setup": {"device": device.type, "dtype": "float32", "loss": "torch.nn.CrossEntropyLoss()",
                                 "data": {"shape": list(inputs.spec.shape), "mean": 0.0, "std": 1.0},
                                 "labels": None, "buffers": None, "num_data_points": 1}},
     }
@@ -341,14 +380,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """The rows as plain aligned text."""
     print(f"{'tool':23} {'model':11} {'attack':24} {'iters':>6} {'uploads':>7} {'PSNR dB':>8} {'SSIM':>6} "
           f"{'>0.9':>4} {'seconds':>9} {'recon/s':>8} {'vs breaching':>12} {'compiled':>8} {'precision':>9} "
-          f"{'warm-up s':>9}")
+          f"{'warm-up s':>9} {'peak GiB':>8}")
     for r in rows:
         compiled_text = {True: "yes", False: "no"}.get(r.get("compiled"), "-")
         warm_up = f"{r['warm_up_s']:.1f}" if "warm_up_s" in r else "-"
+        memory = "-" if r.get("peak_memory_gib") is None else f"{r['peak_memory_gib']:.2f}"
         print(f"{r['tool']:23} {r['model']:11} {r['attack']:24} {r['iterations']:>6} {r['uploads']:>7} "
               f"{r['psnr_db']:>8.2f} {r['ssim']:>6.3f} {r['ssim_over_0.9']:>4} {r['seconds']:>9.2f} "
               f"{r['recon_per_s']:>8.3f} {r['vs_breaching']:>11.2f}x {compiled_text:>8} "
-              f"{r.get('precision', '-'):>9} {warm_up:>9}")
+              f"{r.get('precision', '-'):>9} {warm_up:>9} {memory:>8}")
 
 
 def main() -> None:
@@ -356,8 +396,12 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     parser.add_argument("--uploads", type=int, default=8, help="batch-1 uploads attacked per case")
     parser.add_argument("--iterations-scale", type=float, default=1.0, help="multiplier of every case's iterations")
+    parser.add_argument("--fedguard-iterations", type=int,
+                        help="fedguard's iterations in every case instead of the case's; breaching keeps its own "
+                             "(the iterations fedguard needs for breaching's quality)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     parser.add_argument("--seed", type=int, default=0, help="model weights and attack starting points")
+    parser.add_argument("--device", default="auto", choices=DEVICES, help="both tools' device (auto: CUDA if any)")
     parser.add_argument("--compile", default="auto", choices=COMPILE_MODES, help="fedguard's compile parameter")
     parser.add_argument("--precision", default="float32", choices=list(PRECISIONS),
                         help="fedguard's precision parameter (attacks that have one)")
@@ -368,24 +412,31 @@ def main() -> None:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    if args.uploads < 1 or args.iterations_scale <= 0 or args.threads < 1:
-        parser.error("--uploads and --threads must be >= 1 and --iterations-scale > 0")
+    if args.uploads < 1 or args.iterations_scale <= 0 or args.threads < 1 or (args.fedguard_iterations or 1) < 1:
+        parser.error("--uploads, --threads and --fedguard-iterations must be >= 1 and --iterations-scale > 0")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as error:
+        parser.error(str(error))
     breaching = import_breaching(args.peer_dir.resolve())
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, breaching {BREACHING}, {args.threads} thread(s), {cpu_model()}, "
+    print(f"torch {torch.__version__}, breaching {BREACHING}, {args.threads} thread(s), {device_name(device)}, "
           f"{args.uploads} uploads per case", flush=True)
     rows: list[dict[str, Any]] = []
     configs: dict[str, Any] = {}
     for name in names:
         case_rows, configs[name] = run_case(breaching, name, CASES[name], args.uploads, args.iterations_scale,
-                                            args.seed, args.compile, args.precision)
+                                            args.seed, args.compile, args.precision, device,
+                                            args.fedguard_iterations)
         rows += case_rows
         print(f"{name}: done", flush=True)
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"torch": torch.__version__, "breaching": BREACHING, "threads": args.threads, "cpu": cpu_model(),
+    report = {"torch": torch.__version__, "breaching": BREACHING, "threads": args.threads,
+              "device": device_name(device), "cpu": cpu_model(),
               "compile": args.compile, "precision": args.precision,
-              "uploads": args.uploads, "iterations_scale": args.iterations_scale, "seed": args.seed,
+              "uploads": args.uploads, "iterations_scale": args.iterations_scale,
+              "fedguard_iterations": args.fedguard_iterations, "seed": args.seed,
               "data": DATA, "cases": configs, "rows": rows}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -2,8 +2,8 @@
 
 - ``signed-adam``: Adam on the sign of the gradient (Inverting Gradients);
 - ``adam``: Adam on the gradient (GradInversion, GGL);
-  both with a ``step`` schedule (learning rate / 10 at 3/8, 5/8 and 7/8 of the iterations), ``cosine`` decay
-  to 0, or ``none``, and the space's box after each step;
+  both torch's fused Adam where the device has it, with a ``step`` schedule (learning rate / 10 at 3/8, 5/8
+  and 7/8 of the iterations), ``cosine`` decay to 0, or ``none``, and the space's box after each step;
 - ``lbfgs``: L-BFGS with per-job history (two-loop recursion with per-job inner products); ``line_search``:
   ``none`` (torch's default, the DLG paper's optimizer): a fixed step ``lr`` (the first scaled by
   ``min(1, 1 / |g|_1)``), a job standing still once torch's tolerances say it converged;
@@ -42,6 +42,7 @@ OPTIMIZERS = ("signed-adam", "adam", "lbfgs")
 LINE_SEARCHES = ("none", "fractions")
 STEP_SCALES = (1.0, 0.3, 0.1, 0.03)
 NAN_CHECK = 25
+FUSED_ADAM_DEVICES = ("cpu", "cuda")  # one kernel per step instead of ~10 (CPU: 52 -> 29 us for 8 32x32 jobs)
 TOLERANCE_GRAD, TOLERANCE_CHANGE = 1e-7, 1e-9  # torch.optim.LBFGS's defaults
 
 
@@ -83,7 +84,7 @@ def adam(z: torch.Tensor, losses_at: LossesAt, iterations: int, spec: OptimizerS
          project: Callable[[torch.Tensor], None], compiler: Wrap = _eager) -> torch.Tensor:
     """``iterations`` Adam steps on every job's ``z`` (signed gradient for 'signed-adam'); returns the end point."""
     z = z.detach().clone().requires_grad_()
-    optimizer = torch.optim.Adam([z], lr=spec.lr)
+    optimizer = torch.optim.Adam([z], lr=spec.lr, fused=z.device.type in FUSED_ADAM_DEVICES)
     scheduler = _scheduler(optimizer, spec.schedule, iterations)
     signed = spec.kind == "signed-adam"
     steps: dict[Losses, Callable[..., object]] = {}

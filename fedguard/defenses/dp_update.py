@@ -110,14 +110,15 @@ def mjolnir_code_sigma(epsilon: float, delta: float) -> float:
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all entries of ``tensors`` together (a 0-d tensor)."""
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
+    """L2 norm of all entries of ``tensors`` together, accumulated in float64 (a 0-d float64 tensor: squares of
+    float32 entries below 1e-19 would fall into float32's subnormal range and lose digits)."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]))
 
 
 def clip_by_global_norm(tensors: list[torch.Tensor], clip: float) -> list[torch.Tensor]:
-    """``tensors * min(1, clip / ||tensors||)``."""
+    """``tensors * min(1, clip / ||tensors||)``, each in its own dtype."""
     factor = torch.clamp(clip / (global_norm(tensors) + 1e-12), max=1.0)
-    return [t * factor for t in tensors]
+    return [t * factor.to(t.dtype) for t in tensors]
 
 
 class UpdateDP:
