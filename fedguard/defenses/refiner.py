@@ -72,6 +72,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from fedguard.defenses.base import DefenseTraits, LocalStep, register_defense
+from fedguard.defenses.dp_update import global_norm
 from fedguard.evalnet import TrainedEvalNet, load_evalnet
 from fedguard.evalnet.store import COMMAND
 from fedguard.registry import RequiredFile
@@ -139,11 +140,6 @@ class RefinerStats:
     warm: bool
     start: torch.Tensor
     robust: torch.Tensor
-
-
-def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all entries of ``tensors`` together, accumulated in float64 (a 0-d float64 tensor)."""
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]))
 
 
 def distance_of(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
