@@ -74,7 +74,7 @@ def gradinversion_grid(budget: int) -> Iterator[dict[str, Any]]:
     """lr x TV weight x restarts, then the BatchNorm and group weights one at a time at the default's others."""
     for lr, tv, restarts in itertools.product((0.1, 0.025), (1e-4, 1e-2), (4, 1)):
         yield {"lr": lr, "tv": tv, "restarts": restarts, "iterations": budget // restarts}
-    for change in ({"bn": 0.1}, {"bn": 10.0}, {"group": 0.0}, {"group": 0.1}):
+    for change in ({"bn": 1.0}, {"bn": 10.0}, {"group": 0.0}, {"group": 0.1}):
         yield {**change, "restarts": 4, "iterations": budget // 4}
 
 

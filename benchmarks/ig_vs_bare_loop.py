@@ -42,11 +42,10 @@ import torch.nn as nn
 from torch.func import functional_call, grad, replace_all_batch_norm_modules_, vmap
 
 from attackers.base import COMPILE_MODES, DEVICES, build_attack
-from attackers.engine.compiled import compiles
 from attackers.engine.terms import total_variation
 from attackers.inverting_gradients import InvertingGradientsParams
 from attackers.jobs import job_seed, resolve_device
-from vs_breaching import Case, Inputs, capture, check_layout, device_name, measured, score
+from vs_breaching import Case, Inputs, capture, check_layout, compiled, device_name, measured, score
 
 HERE = Path(__file__).resolve().parent
 WARM_UP_ITERATIONS = 2
@@ -112,10 +111,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     params = dataclasses.replace(InvertingGradientsParams(), iterations=args.iterations, restarts=1,
                                  device=device.type, compile=args.compile,
                                  **{k: v for k, v in (("lr", args.lr), ("tv", args.tv)) if v is not None})
-    compiled = compiles(params.compile, device, params.iterations)
+    compiles = compiled(params)
     attack = build_attack("ig", params)
     warm = build_attack("ig", dataclasses.replace(params, iterations=WARM_UP_ITERATIONS,
-                                                  compile="on" if compiled else "off"))
+                                                  compile="on" if compiles else "off"))
     warm.reconstruct_many(inputs.observations, seed=args.seed)
     found: list[Any] = []
 
@@ -130,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     starts = torch.stack([torch.rand((1, *inputs.spec.shape), generator=torch.Generator().manual_seed(
         job_seed(args.seed, o, 0))) for o in inputs.observations]).to(device)
     step = bare_step(model, shared, targets, labels, params.tv)
-    step = torch.compile(step, dynamic=False) if compiled else step
+    step = torch.compile(step, dynamic=False) if compiles else step
     bare_loop(step, starts, WARM_UP_ITERATIONS, params.lr)
     bare_run = measured(device, lambda: bare_loop(step, starts, params.iterations, params.lr).flatten(0, 1))
 
@@ -143,7 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows[0]["vs_bare"] = rows[0]["job_iterations_per_s"] / rows[1]["job_iterations_per_s"]
     rows[0]["labels_exact"] = labels_exact
     return {"torch": torch.__version__, "device": device_name(device), "model": args.model, "threads": args.threads,
-            "compiled": compiled,
+            "compiled": compiles,
             "uploads": args.uploads, "iterations": params.iterations, "lr": params.lr, "tv": params.tv,
             "seed": args.seed, "rows": rows}
 
