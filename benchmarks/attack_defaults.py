@@ -18,9 +18,10 @@ held-out split, as ``fedguard train-generator --data mnist-5k`` does, unless
 
     .venv/bin/python benchmarks/attack_defaults.py [--case ig-lenet|ig-convnet|dlg-lenet|gradinversion-mlp|ggl-mlp]
         [--uploads 8] [--budget N] [--seed 0] [--threads N] [--settings "lr=0.1,tv=0.5;tv=0.01"]
-        [--precision float32|bfloat16] [--generator PATH]
+        [--precision float32|bfloat16] [--compile auto|on|off] [--generator PATH]
 
-Grids: ig varies lr, the TV weight and restarts (iterations = budget / restarts);
+Grids: ig varies lr, the TV weight and restarts (iterations = budget / restarts), then the
+learning-rate schedule;
 dlg (L-BFGS) varies the line search, the history and restarts (6,000 iterations:
 the 300 steps of ``torch.optim.LBFGS``, 20 iterations each, of the DLG code);
 gradinversion varies lr, the TV weight and restarts, then the BatchNorm and group
@@ -28,7 +29,7 @@ weights one at a time; ggl varies lr and the KL weight, then the distance and
 restarts one at a time.
 ``--settings`` runs only the given settings (``;`` between settings, ``,``
 between parameters; restarts default to the attack's) instead of the grid; ``--precision``
-sets the attack's ``precision`` (attacks that have one).
+sets the attack's ``precision`` (attacks that have one), ``--compile`` its ``compile``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any, Iterator
 
 import torch
 
-from attackers.base import ATTACKS
+from attackers.base import ATTACKS, COMPILE_MODES
 from attackers.engine.spec import PRECISIONS
 from fedguard.models.mlp import MLPParams
 from vs_breaching import CASES, Case, capture, run_fedguard, score
@@ -58,9 +59,11 @@ DEFAULT_BUDGET = {"ig": 2000, "dlg": 6000, "gradinversion": 4000, "ggl": 2000}
 
 
 def ig_grid(budget: int) -> Iterator[dict[str, Any]]:
-    """lr x TV weight x restarts, iterations filling the budget."""
+    """lr x TV weight x restarts, iterations filling the budget, then the other schedules at the default's others."""
     for lr, tv, restarts in itertools.product((0.025, 0.1), (1e-4, 1e-2, 0.2, 0.5), (1, 2)):
         yield {"lr": lr, "tv": tv, "restarts": restarts, "iterations": budget // restarts}
+    for schedule in ("cosine", "none"):
+        yield {"schedule": schedule, "iterations": budget}
 
 
 def dlg_grid(budget: int) -> Iterator[dict[str, Any]]:
@@ -133,6 +136,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--settings", help="only these settings, e.g. 'lr=0.1,tv=0.5;tv=0.01' (default: the grid)")
     parser.add_argument("--precision", default="float32", choices=list(PRECISIONS))
+    parser.add_argument("--compile", default="auto", choices=COMPILE_MODES, help="the attack's compile parameter")
     parser.add_argument("--generator", help="ggl's generator (.npz); default: one trained here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -153,7 +157,7 @@ def main() -> None:
           f"{budget} job-iterations per upload, {args.threads} thread(s)", flush=True)
     rows = []
     for setting in grid:
-        params = dataclasses.replace(default, device="cpu", **setting)
+        params = dataclasses.replace(default, device="cpu", compile=args.compile, **setting)
         run = run_fedguard(attack, params, inputs.observations, True, args.seed)
         row = score("fedguard", case, attack, params.iterations, run.seconds, run.result, inputs.truth)
         is_default = all(getattr(default, k) == v for k, v in setting.items() if k != "iterations")

@@ -9,6 +9,8 @@ uploads in one ``reconstruct_many`` call (batched) and one upload per call
 its own default attack configuration, except where a case names fedguard
 settings (ig-convnet: the winner of ``attack_defaults.py --case ig-convnet``,
 where the default, chosen on the LeNet, reconstructs worse than breaching);
+a case with ``quality_iterations`` adds a batched fedguard row at that count,
+the fewest iterations measured to reach breaching's quality;
 only the iteration count and the device (``--device``, both tools on the same one) are set, and for
 breaching the data shape and normalization (images in [0, 1]: mean 0, std 1).
 ``--precision bfloat16`` runs fedguard's dummy gradients in bfloat16 (attacks
@@ -28,7 +30,7 @@ Reconstructions are scored against the true images with fedguard.metrics (PSNR, 
 Cases (rows per tool; breaching config in brackets):
     ig-lenet    Inverting Gradients [invertinggradients], 2,000 iterations, DLG LeNet
     ig-convnet  Inverting Gradients [invertinggradients], 500 iterations, ConvNet width 64;
-                fedguard with lr 0.1 and TV weight 0.5
+                fedguard with lr 0.1, TV weight 2 and the cosine schedule; a batched row at 100 iterations
     dlg-lenet   DLG [deepleakage], DLG LeNet: fedguard's default 2,000 L-BFGS iterations; breaching's 300
                 L-BFGS steps (torch.optim.LBFGS.step, up to 20 iterations each: the DLG code's setting)
 
@@ -51,7 +53,10 @@ reaches, where fedguard reaches breaching's quality in fewer iterations.
 
 Targets of the project, on 2 cores with 8 uploads: fedguard batched at 5x
 breaching's reconstructions per second on the LeNet and 3x on the ConvNet,
-at equal or better mean SSIM.
+at equal or better mean SSIM, and one upload at a time not slower than
+breaching. After the table a line per case says whether the run met them
+(the fastest batched row whose mean SSIM is at least breaching's); the JSON
+has them under ``targets``.
 """
 
 from __future__ import annotations
@@ -101,7 +106,10 @@ class Case:
     """One comparison: fedguard attack ``fedguard`` vs breaching attack config ``breaching`` (None: fedguard
     only, ``attack_defaults.py``) on ``model``, each for its own count of ``iterations``
     (``breaching_iterations`` when they differ in unit); ``fedguard_settings``: parameters of fedguard's attack
-    set instead of its defaults; uploads of ``batch`` distinct test images of dataset ``data``."""
+    set instead of its defaults; ``quality_iterations``: fedguard's count for one more batched row, the fewest
+    iterations measured to reach breaching's mean SSIM (the verdict checks that it did); ``target``: the
+    project's ratio to breaching's reconstructions per second, batched, at equal or better mean SSIM; uploads
+    of ``batch`` distinct test images of dataset ``data``."""
 
     fedguard: str
     breaching: str | None
@@ -110,6 +118,8 @@ class Case:
     iterations: int
     breaching_iterations: int | None = None
     fedguard_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    quality_iterations: int | None = None
+    target: float | None = None
     data: str = DATA
     batch: int = 1
 
@@ -120,11 +130,13 @@ class Case:
 
 
 CASES = {
-    "ig-lenet": Case("ig", "invertinggradients", "lenet", None, 2000),
+    "ig-lenet": Case("ig", "invertinggradients", "lenet", None, 2000, target=5.0),
     "ig-convnet": Case("ig", "invertinggradients", "convnet", ConvNetParams(width=64), 500,
-                       fedguard_settings={"lr": 0.1, "tv": 0.5}),
-    "dlg-lenet": Case("dlg", "deepleakage", "lenet", None, 2000, breaching_iterations=300),
+                       fedguard_settings={"lr": 0.1, "tv": 2.0, "schedule": "cosine"}, quality_iterations=100,
+                       target=3.0),
+    "dlg-lenet": Case("dlg", "deepleakage", "lenet", None, 2000, breaching_iterations=300, target=5.0),
 }
+BATCHED, ONE_AT_A_TIME, FEWER = "fedguard batched", "fedguard one at a time", "fedguard batched, fewer"
 
 
 @dataclasses.dataclass
@@ -330,8 +342,9 @@ def warm_up_fedguard(case: Case, params: Any, observations: list[Observation], s
 def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, seed: int,
              compile_mode: str, precision: str, device: torch.device,
              fedguard_iterations: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The case's rows (fedguard batched, fedguard one at a time, breaching) and each tool's configuration;
-    ``fedguard_iterations``: fedguard's count instead of the case's (breaching keeps its own)."""
+    """The case's rows (fedguard batched, fedguard one at a time, fedguard batched at the case's
+    ``quality_iterations`` where it has them, breaching) and each tool's configuration; ``fedguard_iterations``:
+    fedguard's count instead of the case's in every fedguard row (breaching keeps its own)."""
     from omegaconf import OmegaConf
 
     iterations = max(1, round((fedguard_iterations or case.iterations) * scale))
@@ -343,13 +356,17 @@ def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, 
     warm_up = warm_up_fedguard(case, params, inputs.observations, seed)
     run_breaching(breaching_attacker(breaching, case, WARM_UP_ITERATIONS, inputs.model, device)[1],
                   inputs.observations[:1], seed)
+    runs = [(BATCHED, params, True, warm_up), (ONE_AT_A_TIME, params, False, warm_up)]
+    if case.quality_iterations and not fedguard_iterations:
+        fewer = dataclasses.replace(params, iterations=max(1, round(case.quality_iterations * scale)))
+        runs.append((FEWER, fewer, True, warm_up_fedguard(case, fewer, inputs.observations, seed)))
     rows = []
-    for tool, batched in (("fedguard batched", True), ("fedguard one at a time", False)):
-        run = run_fedguard(case.fedguard, params, inputs.observations, batched, seed)
-        rows.append(score(tool, case, case.fedguard, iterations, run.seconds, run.result, inputs.truth,
+    for tool, tool_params, batched, tool_warm_up in runs:
+        run = run_fedguard(case.fedguard, tool_params, inputs.observations, batched, seed)
+        rows.append(score(tool, case, case.fedguard, tool_params.iterations, run.seconds, run.result, inputs.truth,
                           run.peak_memory_gib))
-        rows[-1].update(compiled=compiled(params), warm_up_s=warm_up,
-                        precision=getattr(params, "precision", "float32"))
+        rows[-1].update(compiled=compiled(tool_params), warm_up_s=tool_warm_up,
+                        precision=getattr(tool_params, "precision", "float32"))
     run = run_breaching(attacker, inputs.observations, seed)
     rows.append(score("breaching", case, f"{case.breaching}.yaml", breaching_iterations, run.seconds, run.result,
                       inputs.truth, run.peak_memory_gib))
@@ -389,6 +406,38 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['psnr_db']:>8.2f} {r['ssim']:>6.3f} {r['ssim_over_0.9']:>4} {r['seconds']:>9.2f} "
               f"{r['recon_per_s']:>8.3f} {r['vs_breaching']:>11.2f}x {compiled_text:>8} "
               f"{r.get('precision', '-'):>9} {warm_up:>9} {memory:>8}")
+
+
+def verdicts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per case with a target: the fastest batched fedguard row at equal or better mean SSIM than breaching's
+    (None where none reached it), whether its ratio meets the target, and whether every one-upload-at-a-time
+    row is at least as fast as breaching (the project's other target)."""
+    results = {}
+    for name, case in CASES.items():
+        case_rows = [r for r in rows if r["case"] == name]
+        if case.target is None or not case_rows:
+            continue
+        peer = next(r for r in case_rows if r["tool"] == "breaching")
+        batched = [r for r in case_rows if r["tool"] in (BATCHED, FEWER) and r["ssim"] >= peer["ssim"]]
+        best = max(batched, key=lambda r: r["vs_breaching"], default=None)
+        alone = [r["vs_breaching"] for r in case_rows if r["tool"] == ONE_AT_A_TIME]
+        results[name] = {"target": case.target, "breaching_ssim": peer["ssim"],
+                         "best": None if best is None else {k: best[k] for k in ("tool", "iterations", "ssim",
+                                                                                  "vs_breaching")},
+                         "met": best is not None and best["vs_breaching"] >= case.target,
+                         "one_at_a_time_not_slower": all(ratio >= 1.0 for ratio in alone)}
+    return results
+
+
+def print_verdicts(results: dict[str, dict[str, Any]]) -> None:
+    """One line per case: the target, the best row at breaching's quality, met or not."""
+    for name, v in results.items():
+        best = v["best"]
+        found = ("no batched row reached it" if best is None else f"{best['vs_breaching']:.2f}x ({best['tool']}, "
+                 f"{best['iterations']} iterations, SSIM {best['ssim']:.3f})")
+        print(f"{name}: target {v['target']:g}x at SSIM >= breaching's {v['breaching_ssim']:.3f}: {found}: "
+              f"{'met' if v['met'] else 'NOT met'}; one upload at a time not slower than breaching: "
+              f"{'yes' if v['one_at_a_time_not_slower'] else 'NO'}")
 
 
 def main() -> None:
@@ -431,13 +480,17 @@ def main() -> None:
         rows += case_rows
         print(f"{name}: done", flush=True)
     print_table(rows)
+    targets = verdicts(rows)
+    if args.uploads != 8 or args.iterations_scale != 1.0 or args.fedguard_iterations:
+        print("(the targets are set for 8 uploads at the cases' own iterations; this run differs)")
+    print_verdicts(targets)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"torch": torch.__version__, "breaching": BREACHING, "threads": args.threads,
               "device": device_name(device), "cpu": cpu_model(),
               "compile": args.compile, "precision": args.precision,
               "uploads": args.uploads, "iterations_scale": args.iterations_scale,
               "fedguard_iterations": args.fedguard_iterations, "seed": args.seed,
-              "data": DATA, "cases": configs, "rows": rows}
+              "data": DATA, "cases": configs, "rows": rows, "targets": targets}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -10,7 +10,7 @@ from attackers.base import shape_key
 from attackers.dlg import DeepLeakage, DLGParams
 from attackers.engine import OptimizerSpec, SearchSpec, Term
 from attackers.engine.objective import Objective
-from attackers.engine.optimizers import lbfgs
+from attackers.engine.optimizers import lbfgs, scheduler_of
 from attackers.engine.problem import Problem
 from attackers.engine.terms import cosine_distance, group_prior, l2_distance, relative_l2_distance, TermInputs
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
@@ -164,3 +164,20 @@ def test_the_readmes_own_attack_is_this_module_and_it_reconstructs(tmp_path) -> 
     got = psnr(images, x[:2])
     print("smooth-inversion psnr", got, "floor", floor(x[:2])[0])
     assert bool((got > torch.tensor(floor(x[:2])[0]) + 6).all())
+
+
+@pytest.mark.parametrize("schedule, expected", [
+    ("step", [0.1, 0.1, 0.1, 0.01, 0.01, 0.001, 0.001, 0.0001]),
+    ("cosine", [0.05 * (1 + np.cos(np.pi * i / 8)) for i in range(8)]),
+    ("none", [0.1] * 8),
+])
+def test_learning_rate_schedules(schedule: str, expected: list[float]) -> None:
+    """The learning rate used at each of 8 steps: step decay at 3/8, 5/8, 7/8; a half cosine towards 0."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    scheduler = scheduler_of(optimizer, schedule, 8)
+    used = []
+    for _ in range(8):
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert np.allclose(used, expected), used

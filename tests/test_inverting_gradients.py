@@ -130,6 +130,15 @@ def test_rejects_weight_uploads_without_hyperparameters_and_bad_params() -> None
         InvertingGradientsParams(restarts=0)
     with pytest.raises(ValueError, match="auto, cpu, cuda"):
         InvertingGradientsParams(device="tpu")
+    with pytest.raises(ValueError, match="'linear': choose one of step, cosine, none"):
+        InvertingGradientsParams(schedule="linear")
+
+
+def test_schedule_reaches_the_optimizer() -> None:
+    """The paper's step decay by default; ``schedule`` replaces it in the search's optimizer."""
+    assert InvertingGradients(PARAMS).spec_of(PARAMS).optimizer.schedule == "step"
+    cosine = dataclasses.replace(PARAMS, schedule="cosine")
+    assert InvertingGradients(cosine).spec_of(cosine).optimizer.schedule == "cosine"
 
 
 def test_fedavg_weight_updates_leak_through_replayed_local_steps() -> None:

@@ -71,7 +71,10 @@ class OptimizerSpec:
             raise ValueError(f"line_search {self.line_search!r}: choose one of {', '.join(LINE_SEARCHES)}")
 
 
-def _scheduler(optimizer: torch.optim.Optimizer, schedule: str, iterations: int) -> torch.optim.lr_scheduler.LRScheduler:
+def scheduler_of(optimizer: torch.optim.Optimizer, schedule: str,
+                 iterations: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning-rate ``schedule`` over ``iterations`` steps: ``step`` divides it by 10 at 3/8, 5/8
+    and 7/8, ``cosine`` decays it along a half cosine to 0, ``none`` keeps it."""
     if schedule == "step":
         milestones = [int(iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)]
         return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.1)
@@ -85,7 +88,7 @@ def adam(z: torch.Tensor, losses_at: LossesAt, iterations: int, spec: OptimizerS
     """``iterations`` Adam steps on every job's ``z`` (signed gradient for 'signed-adam'); returns the end point."""
     z = z.detach().clone().requires_grad_()
     optimizer = torch.optim.Adam([z], lr=spec.lr, fused=z.device.type in FUSED_ADAM_DEVICES)
-    scheduler = _scheduler(optimizer, spec.schedule, iterations)
+    scheduler = scheduler_of(optimizer, spec.schedule, iterations)
     signed = spec.kind == "signed-adam"
     steps: dict[Losses, Callable[..., object]] = {}
 
