@@ -28,7 +28,7 @@ from typing import Any
 
 from attackers.base import AttackTraits, check_search_params, register_attack
 from attackers.engine import OptimizationAttack, OptimizerSpec, SearchSpec, Term
-from attackers.engine.optimizers import SCHEDULES
+from attackers.engine.optimizers import check_schedule
 from attackers.engine.spec import check_precision
 
 
@@ -55,8 +55,7 @@ class InvertingGradientsParams:
     def __post_init__(self) -> None:
         check_search_params(self.iterations, self.restarts, self.lr, self.device, self.compile)
         check_precision(self.precision)
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        check_schedule(self.schedule)
         if self.tv < 0:
             raise ValueError(f"tv must be >= 0, got {self.tv}")
         if self.eot < 0:

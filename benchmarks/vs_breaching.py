@@ -137,6 +137,7 @@ CASES = {
     "dlg-lenet": Case("dlg", "deepleakage", "lenet", None, 2000, breaching_iterations=300, target=5.0),
 }
 BATCHED, ONE_AT_A_TIME, FEWER = "fedguard batched", "fedguard one at a time", "fedguard batched, fewer"
+TARGET_UPLOADS = 8  # the setting the cases' targets are set for (with the cases' own iterations)
 
 
 @dataclasses.dataclass
@@ -339,6 +340,11 @@ def warm_up_fedguard(case: Case, params: Any, observations: list[Observation], s
     return time.perf_counter() - start
 
 
+def scaled(iterations: int, scale: float) -> int:
+    """``iterations`` times ``--iterations-scale``, at least 1."""
+    return max(1, round(iterations * scale))
+
+
 def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, seed: int,
              compile_mode: str, precision: str, device: torch.device,
              fedguard_iterations: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -347,8 +353,8 @@ def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, 
     fedguard's count instead of the case's in every fedguard row (breaching keeps its own)."""
     from omegaconf import OmegaConf
 
-    iterations = max(1, round((fedguard_iterations or case.iterations) * scale))
-    breaching_iterations = max(1, round((case.breaching_iterations or case.iterations) * scale))
+    iterations = scaled(fedguard_iterations or case.iterations, scale)
+    breaching_iterations = scaled(case.breaching_iterations or case.iterations, scale)
     inputs = capture(case, uploads, seed)
     check_layout(inputs.model, inputs.observations[0])
     params = fedguard_params(case, iterations, compile_mode, precision, device)
@@ -358,7 +364,7 @@ def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, 
                   inputs.observations[:1], seed)
     runs = [(BATCHED, params, True, warm_up), (ONE_AT_A_TIME, params, False, warm_up)]
     if case.quality_iterations and not fedguard_iterations:
-        fewer = dataclasses.replace(params, iterations=max(1, round(case.quality_iterations * scale)))
+        fewer = dataclasses.replace(params, iterations=scaled(case.quality_iterations, scale))
         runs.append((FEWER, fewer, True, warm_up_fedguard(case, fewer, inputs.observations, seed)))
     rows = []
     for tool, tool_params, batched, tool_warm_up in runs:
@@ -443,7 +449,7 @@ def print_verdicts(results: dict[str, dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
-    parser.add_argument("--uploads", type=int, default=8, help="batch-1 uploads attacked per case")
+    parser.add_argument("--uploads", type=int, default=TARGET_UPLOADS, help="batch-1 uploads attacked per case")
     parser.add_argument("--iterations-scale", type=float, default=1.0, help="multiplier of every case's iterations")
     parser.add_argument("--fedguard-iterations", type=int,
                         help="fedguard's iterations in every case instead of the case's; breaching keeps its own "
@@ -481,8 +487,8 @@ def main() -> None:
         print(f"{name}: done", flush=True)
     print_table(rows)
     targets = verdicts(rows)
-    if args.uploads != 8 or args.iterations_scale != 1.0 or args.fedguard_iterations:
-        print("(the targets are set for 8 uploads at the cases' own iterations; this run differs)")
+    if args.uploads != TARGET_UPLOADS or args.iterations_scale != 1.0 or args.fedguard_iterations:
+        print(f"(the targets are set for {TARGET_UPLOADS} uploads at the cases' own iterations; this run differs)")
     print_verdicts(targets)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"torch": torch.__version__, "breaching": BREACHING, "threads": args.threads,

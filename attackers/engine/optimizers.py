@@ -61,14 +61,19 @@ class OptimizerSpec:
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.kind!r}: choose one of {', '.join(OPTIMIZERS)}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        check_schedule(self.schedule)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.history < 1:
             raise ValueError(f"history must be >= 1, got {self.history}")
         if self.line_search not in LINE_SEARCHES:
             raise ValueError(f"line_search {self.line_search!r}: choose one of {', '.join(LINE_SEARCHES)}")
+
+
+def check_schedule(schedule: str) -> None:
+    """Raises ``ValueError`` naming ``schedule`` unless it is one of ``SCHEDULES``."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
 
 
 def scheduler_of(optimizer: torch.optim.Optimizer, schedule: str,
