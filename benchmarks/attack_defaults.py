@@ -150,14 +150,14 @@ def main() -> None:
         default = dataclasses.replace(default, precision=args.precision)
     try:
         grid = parse_settings(args.settings, default, budget) if args.settings else list(GRIDS[attack](budget))
+        runs = [dataclasses.replace(default, device="cpu", compile=args.compile, **setting) for setting in grid]
     except ValueError as error:
         parser.error(str(error))
     inputs = capture(case, args.uploads, args.seed)
     print(f"{attack} on {case.model_label}, {case.data}, {args.uploads} uploads of batch {case.batch}, budget "
           f"{budget} job-iterations per upload, {args.threads} thread(s)", flush=True)
     rows = []
-    for setting in grid:
-        params = dataclasses.replace(default, device="cpu", compile=args.compile, **setting)
+    for setting, params in zip(grid, runs):
         run = run_fedguard(attack, params, inputs.observations, True, args.seed)
         row = score("fedguard", case, attack, params.iterations, run.seconds, run.result, inputs.truth)
         is_default = all(getattr(default, k) == v for k, v in setting.items() if k != "iterations")
