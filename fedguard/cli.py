@@ -139,11 +139,15 @@ def _resumed(args: argparse.Namespace) -> Config:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a Flower simulation of the configured federation: check and prepare it here, then wait for it in a
     light process (``fedguard.launcher``) that takes this one's place."""
+    from attackers.base import check_attack_files
     from fedguard.data import load_dataset
+    from fedguard.defenses.base import check_defense_files
     from fedguard.report.run_dir import resolve_run_dir
     from fedguard.simulation import prepare
 
     config = _resumed(args) if args.resume is not None else _resolve(args)
+    check_attack_files(config.attacks)  # the simulated clients read this machine's files: check them all now
+    check_defense_files(config.defense.name, config.defense.params, clients_here=True)
     data = load_dataset(config.data.name, config.data.source_options())
     folder = Path(config.run.out_dir) if config.run.resume else resolve_run_dir(config)
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder)))
@@ -183,7 +187,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every setting x variant of a sweep preset (e.g. every defense), then print the summary table."""
     from fedguard.sweep import SUMMARY_FILE, load_sweep, run_sweep
 
-    sweep = load_sweep(args.preset, args.out)
+    sweep = load_sweep(args.preset, args.out, args.overrides, args.only)
     print(f"fedguard: sweep {sweep.name}: {len(sweep.runs)} runs in {sweep.folder}", flush=True)
     start = time.perf_counter()
     rows = run_sweep(sweep, lambda line: print(line, flush=True))
@@ -315,6 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = commands.add_parser("sweep", help=cmd_sweep.__doc__, description=cmd_sweep.__doc__)
     sweep.add_argument("preset", type=Path, help="a sweep preset: a TOML file with a [sweep] table (see experiments/)")
     sweep.add_argument("--out", type=Path, help="folder of the sweep (default runs/<name>); finished runs are kept")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one key in every run, after the setting's and the variant's (repeatable), "
+                            "e.g. --set train.rounds=2 for a quick pass")
+    sweep.add_argument("--only", action="append", default=[], metavar="[SETTING/]VARIANT",
+                       help="run only this variant (in every setting, or in the one named); repeatable")
     sweep.set_defaults(handler=cmd_sweep)
 
     attack = commands.add_parser("attack", help=cmd_attack.__doc__, description=cmd_attack.__doc__)

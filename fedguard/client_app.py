@@ -22,18 +22,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from clients import DefendedClient
 from clients.state import ClientState, FileState, RecordState
-from fedguard.config import Config
+from fedguard.config import Config, ConfigError
+from fedguard.data import DatasetNotFoundError
 from fedguard.defenses.base import REPORT_PREFIX
-from fedguard.records import ARRAYS, CONFIG, NUM_EXAMPLES, PARTITION_KEY, array_record, reply_content
+from fedguard.records import (ARRAYS, CONFIG, NUM_EXAMPLES, PARTITION_KEY, array_record, cannot_train_reason,
+                              reply_content)
 from fedguard.run_folder import CLIENT_STATE_DIR, VAULT_DIR, flwr_run_dir
 from fedguard.sparse import ENCODING_KEY, SPARSE
+from fedguard.trained_files import TrainedFileError
 
 VAULT_DIR_KEY = "vault-dir"  # node config: the folder under which a SuperNode keeps its ground truth
+PERMANENT_ERRORS = (TrainedFileError, ConfigError, DatasetNotFoundError)
+"""What fails a client in every round: a trained file it loads, its configuration, its data set."""
 
 
 def partition_of(context: Context, config: Config, assigned: Any = None) -> int:
@@ -121,8 +127,11 @@ def make_client_app(config: Config | None = None) -> ClientApp:
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:
         arrays = msg.content[ARRAYS].to_numpy_ndarrays()
-        upload, num_examples, metrics = client(context, msg.content[CONFIG]).fit(arrays, dict(msg.content[CONFIG]))
-        return upload_reply(msg, upload, num_examples, metrics)
+        try:
+            fitted = client(context, msg.content[CONFIG]).fit(arrays, dict(msg.content[CONFIG]))
+        except PERMANENT_ERRORS as error:
+            return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, cannot_train_reason(error)), reply_to=msg)
+        return upload_reply(msg, *fitted)
 
     @client_app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:

@@ -76,14 +76,16 @@ class RunSection:
     name: str = option("fedguard", "run name; output goes to runs/<name> unless out-dir is set")
     seed: int = option(0, "seed of partitioning, client sampling of batches and model initialization", ge=0,
                        le=INT64_MAX)
-    out_dir: str = option("", "output folder (empty: runs/<name>)")
+    out_dir: str = option("", "output folder (empty: runs/<name>); relative to the folder the command runs in",
+                          path=True)
     resume: bool = option(False, "continue the run in out-dir from its last completed round (fedguard run --resume)")
 
 
 @dataclass(frozen=True)
 class DataSection:
     name: str = option("mnist-5k", "dataset", choices=DATASETS.names)
-    root: str = option("", "local folder for datasets that do not ship with the packages")
+    root: str = option("", "local folder for datasets that do not ship with the packages; relative to the folder "
+                           "the command runs in", path=True)
     download: bool = option(False, "let torchvision download a missing dataset (needs the network)")
     test_fraction: float = option(0.2, "held-out share for datasets without an official test split", gt=0.0, lt=1.0)
     image_size: int = option(32, "side in pixels for the photos and imagefolder sources", ge=8, le=MAX_IMAGE_SIZE)
@@ -934,9 +936,72 @@ def read_preset(preset: Path) -> dict[str, Any]:
     return flatten(document)
 
 
-def load_config(preset: Path | str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def _section_paths() -> dict[str, list[str]]:
+    """Section attribute ('run', 'data', ...) -> its fields that name a file or folder (``path=True``)."""
+    paths = {prefix or "run": [f.name for f in dataclasses.fields(section) if f.metadata.get("path")]
+             for prefix, section in SECTIONS.items()}
+    return {section: names for section, names in paths.items() if names}
+
+
+def _file_params(kind: str, component: Component) -> tuple[RequiredFile, ...]:
+    """The files a chosen defense or attack declares it loads (none for invalid parameters)."""
+    if component.params is None:
+        return ()
+    traits = defense_traits if kind == "defense" else attack_traits
+    return traits(component.name, component.params).files
+
+
+def path_values(config: Config) -> dict[str, str]:
+    """Key -> value of every set key that names a file or folder: ``out-dir``, ``data.root`` and each file a
+    chosen defense or attack loads (``defense.refiner.evalnet``, ``attack.ggl.generator``, Mjölnir's
+    ``denoiser``, a plugin's declared files)."""
+    values = {_key("" if section == "run" else section, name): getattr(getattr(config, section), name)
+              for section, names in _section_paths().items() for name in names}
+    for kind in ("defense", "attack"):
+        for component in config.components(kind):
+            for file in _file_params(kind, component):
+                values[_param_key(kind, component.name, file.param)] = file.path
+    return {key: value for key, value in values.items() if value}
+
+
+def resolve_paths(config: Config, base: Path) -> Config:
+    """``config`` with every relative path of ``path_values`` made absolute against the folder ``base`` (``~``
+    expanded): a run's processes start in folders of their own, so every path is resolved once, where it was
+    typed."""
+
+    def absolute(value: str) -> str:
+        return str(Path(base, Path(value).expanduser()).absolute()) if value else value
+
+    sections = {section: dataclasses.replace(getattr(config, section), **{
+        name: absolute(getattr(getattr(config, section), name)) for name in names})
+        for section, names in _section_paths().items()}
+
+    def with_files(kind: str, component: Component) -> Component:
+        files = {file.param: absolute(file.path) for file in _file_params(kind, component)}
+        return dataclasses.replace(component, params=dataclasses.replace(component.params, **files)) if files \
+            else component
+
+    return dataclasses.replace(config, **sections, defense=with_files("defense", config.defense),
+                               attacks=tuple(with_files("attack", a) for a in config.attacks))
+
+
+def relative_path_problems(config: Config) -> list[str]:
+    """The files and data folder of ``config`` given as relative paths (``out-dir`` aside, which has a meaning of
+    its own there): under ``flwr run`` the app's processes start in the SuperLink's folder, not where the command
+    was typed."""
+    return [f"{key} = {value!r} is a relative path: under `flwr run` the ServerApp and ClientApps start in the "
+            f"SuperLink's folder ({os.getcwd()}), not where you typed it; give an absolute path, or start the run "
+            f"with `fedguard run`, which resolves paths against the folder it runs in"
+            for key, value in path_values(config).items() if key != "out-dir" and not Path(value).is_absolute()]
+
+
+def load_config(preset: Path | str | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: Path | None = None) -> Config:
     """Defaults, then the preset TOML file (if any), then ``key=value`` overrides; raises one ``ConfigError``
-    listing the problems of all of them (the keys are checked together once the preset could be read)."""
+    listing the problems of all of them (the keys are checked together once the preset could be read).
+
+    Relative paths (``path_values``) are resolved against ``base``, the current folder by default: paths in a
+    preset and on the command line alike mean what they mean where the command runs."""
     flat: dict[str, Any] = {}
     preset_problems: list[str] = []
     if preset is not None:
@@ -965,5 +1030,5 @@ def load_config(preset: Path | str | None = None, overrides: list[str] | tuple[s
             problems += error.problems
         else:
             if not problems:
-                return config
+                return resolve_paths(config, Path.cwd() if base is None else base)
     raise ConfigError(problems)

@@ -15,6 +15,10 @@ e.g. FedProx's ``proximal-mu``). A reply carries, as typed records:
   ``protocol``, ``lr``, ``batch-size``, local schedule, ``labels`` (a list, when the threat model grants
   them), ``encoding``, ``upload-bytes``, ``dense-bytes``;
 - "defense" (``ConfigRecord``): the defense's reports (``fedguard.defenses.defense_report``).
+
+A client that cannot train in any round (a trained file it needs is missing or unusable, its configuration is
+refused, its data set is absent) replies with an error whose reason starts with ``CANNOT_TRAIN``
+(``cannot_train_reason``), so that the server stops the run with that reason instead of going on without it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ LOSS_KEY = "loss"
 CLIENT_KEY = "client"
 PARTITION_KEY = "partition-id"
 PROXIMAL_MU_KEY = "proximal-mu"  # the key Flower's FedProx puts in the train config
+CANNOT_TRAIN = "cannot train in any round: "
+
+
+def cannot_train_reason(error: Exception) -> str:
+    """The error reason of a client reply that ``error`` will fail in every round."""
+    return f"{CANNOT_TRAIN}{type(error).__name__}: {error}"
+
+
+def cannot_train(reason: str) -> bool:
+    """Whether an error reason says its client cannot train in any round."""
+    return reason.startswith(CANNOT_TRAIN)
 
 
 def array_record(names: list[str] | tuple[str, ...], arrays: list[np.ndarray]) -> ArrayRecord:

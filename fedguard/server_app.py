@@ -33,7 +33,7 @@ from attackers.manipulation import build_manipulation
 from attackers.pool import AttackPool, AttackSpec
 from attackers.sinks import DiskSink, FanOut
 from fedguard.checkpoint import RoundCheckpoint, write_checkpoint
-from fedguard.config import Config
+from fedguard.config import Config, ConfigError, relative_path_problems
 from fedguard.data import load_dataset
 from fedguard.data.federated import partitions
 from fedguard.defenses import aggregate_reports
@@ -376,14 +376,24 @@ def under_runs_home(config: Config, run_id: int) -> Config:
     return dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(out)))
 
 
+def flwr_run_config(context: Context) -> Config:
+    """The configuration Flower's run config holds, with the run folder of its Flower run; ``ConfigError`` for
+    a file or data folder given as a relative path, which the app's processes would look for in the SuperLink's
+    folder (``fedguard run`` and ``fedguard sweep`` send absolute paths)."""
+    config = Config.from_flat(context.run_config)
+    problems = relative_path_problems(config)
+    if problems:
+        raise ConfigError(problems)
+    return under_runs_home(config, context.run_id)
+
+
 def make_server_app(config: Config | None = None) -> ServerApp:
     """A ServerApp bound to ``config``, or reading Flower's run config when None (``flwr run``)."""
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        run_server(grid, config if config is not None
-                   else under_runs_home(Config.from_flat(context.run_config), context.run_id))
+        run_server(grid, config if config is not None else flwr_run_config(context))
 
     return server_app
 

@@ -33,9 +33,10 @@ from typing import Any, Callable
 
 import tomli_w
 
-from fedguard.config import Config, ConfigError, flatten, load_config, read_toml
+from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, read_toml, resolve_paths
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
 from fedguard.report.run_dir import unflatten
+from fedguard.report.run_status import read_status
 from fedguard.run_folder import ATTACKS_FILE, ROUNDS_FILE, SUMMARY_FILE, SWEEP_FILE, read_jsonl, write_atomic, write_jsonl
 
 
@@ -68,8 +69,13 @@ def _table(sweep: dict[str, Any], key: str, path: Path) -> dict[str, dict[str, A
     return {name: flatten(overrides) for name, overrides in table.items()}
 
 
-def load_sweep(preset: Path | str, out: Path | None = None) -> Sweep:
-    """Read and validate every run of the sweep ``preset``; all problems of all runs are reported at once."""
+def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+               only: list[str] | tuple[str, ...] = ()) -> Sweep:
+    """Read and validate every run of the sweep ``preset``; all problems of all runs are reported at once.
+
+    ``overrides`` (``key=value``) apply to every run, after its setting's and variant's keys; ``only`` keeps the
+    runs it names (``setting/variant``, or a variant in every setting). Relative paths, in the preset and in the
+    overrides alike, are resolved against the current folder, as ``fedguard run`` resolves them."""
     path = Path(preset)
     if not path.is_file():
         raise ConfigError([f"sweep preset {str(path)!r} not found (presets live in experiments/)"])
@@ -90,13 +96,17 @@ def load_sweep(preset: Path | str, out: Path | None = None) -> Sweep:
         raise ConfigError([f"{path}: sweep.baseline = {baseline!r} is not one of the variants: {', '.join(variants)}"])
     base = flatten(document)
     name = str(base.get("name", path.stem))
-    folder = Path(out) if out is not None else Path(str(base.get("out-dir") or "runs")) / name
+    folder = (Path(out) if out is not None else Path(str(base.get("out-dir") or "runs")) / name).absolute()
+    given = dict(parse_override(text) for text in overrides)
+    chosen = _chosen_runs(only, list(settings), list(variants), path)
     runs, problems = [], []
     for setting, setting_keys in settings.items():
         for variant, variant_keys in variants.items():
-            flat = {**base, **setting_keys, **variant_keys, "name": f"{name}-{setting}-{variant}"}
+            if (setting, variant) not in chosen:
+                continue
+            flat = {**base, **setting_keys, **variant_keys, **given, "name": f"{name}-{setting}-{variant}"}
             try:
-                config = Config.from_flat(flat)
+                config = resolve_paths(Config.from_flat(flat), Path.cwd())
             except ConfigError as error:
                 problems += [f"{setting}/{variant}: {p}" for p in error.problems]
                 continue
@@ -108,6 +118,24 @@ def load_sweep(preset: Path | str, out: Path | None = None) -> Sweep:
     if problems:
         raise ConfigError(problems)
     return Sweep(name, folder, baseline, tuple(runs), paper)
+
+
+def _chosen_runs(only: list[str] | tuple[str, ...], settings: list[str], variants: list[str],
+                 path: Path) -> set[tuple[str, str]]:
+    """The (setting, variant) pairs ``only`` names (every pair when empty); ``ConfigError`` for a name that is
+    no setting/variant or variant of the sweep."""
+    pairs = {(s, v) for s in settings for v in variants}
+    if not only:
+        return pairs
+    chosen: set[tuple[str, str]] = set()
+    for name in only:
+        setting, _, variant = name.rpartition("/")
+        matched = {(s, v) for s, v in pairs if v == variant and setting in ("", s)}
+        if not matched:
+            raise ConfigError([f"--only {name!r}: {path} has no such run; choose a variant ({', '.join(variants)}) "
+                               f"or setting/variant with a setting of {', '.join(settings)}"])
+        chosen |= matched
+    return chosen
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -145,10 +173,29 @@ def raw_uploads(rounds: list[dict[str, Any]], attacked: list[dict[str, Any]]) ->
             "raw_attacked": sum(int(flags.get(t, 0) > 0) for t in targets)}
 
 
+def failed_row(run: SweepRun, error: str, log: Path) -> dict[str, Any]:
+    """The ``sweep.jsonl`` row of a run that did not complete: ``status`` 'failed', the ``error`` that stopped
+    it and its ``log``; no figure, so that no verdict is drawn from what it did before it stopped."""
+    return {"setting": run.setting, "variant": run.variant, "defense": run.config.defense.name, "status": "failed",
+            "error": error, "log": str(log), "folder": str(run.folder), "accuracy": None}
+
+
+def failure_reason(run: SweepRun, code: int, log: Path) -> str:
+    """Why the run in ``run.folder`` failed: its ``status.json``'s error, else the last line its ``fedguard run``
+    printed (to ``log``), else its exit code (-1: it ran past the sweep's time limit)."""
+    status = read_status(run.folder) or {}
+    if status.get("error"):
+        return str(status["error"])
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.is_file() else []
+    if code == -1:
+        return "it ran past the sweep's time limit"
+    return lines[-1].strip() if lines else f"fedguard run exited with code {code}"
+
+
 def summarize_run(run: SweepRun, status: str) -> dict[str, Any]:
-    """One ``sweep.jsonl`` row: final accuracy, mean round time, defense reports (the epsilon spent by the
-    end, where the defense reports one), raw uploads, scores per attack, and the strongest attack's (highest
-    mean SSIM) scores at the top level, since a defense is as good as it is against the best attack."""
+    """One ``sweep.jsonl`` row of a completed run: final accuracy, mean round time, defense reports (the epsilon
+    spent by the end, where the defense reports one), raw uploads, scores per attack, and the strongest attack's
+    (highest mean SSIM) scores at the top level, since a defense is as good as it is against the best attack."""
     rounds = read_jsonl(run.folder / ROUNDS_FILE)
     scored = [a for a in read_jsonl(run.folder / ATTACKS_FILE) if a.get("status") == "ok"]
     trained = [r for r in rounds if r["round"] > 0]
@@ -210,10 +257,14 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
     private = {s for s in settings if any(r.get("epsilon") is not None for r in rows if r["setting"] == s)}
     raw = {s for s in settings if any("raw_fraction" in r for r in rows if r["setting"] == s)}
     header, rule = ["variant"], ["---"]
-    for setting in settings:
-        columns = (["strongest attack", "PSNR (dB)", "SSIM", "LPIPS", "SSIM > 0.9"] if setting in attacked else []) + (
+
+    def columns_of(setting: str) -> list[str]:
+        return (["strongest attack", "PSNR (dB)", "SSIM", "LPIPS", "SSIM > 0.9"] if setting in attacked else []) + (
             ["accuracy", "% of baseline"] if setting in trained else []) + (
             ["epsilon"] if setting in private else []) + (["raw uploads"] if setting in raw else []) + ["s/round"]
+
+    for setting in settings:
+        columns = columns_of(setting)
         header += [f"{setting}: {columns[0]}", *columns[1:]]
         rule += ["---" if column == "strongest attack" else "---:" for column in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
@@ -221,6 +272,10 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
         cells = [f"`{variant}`"]
         for setting in settings:
             row, base = by.get((setting, variant), {}), by.get((setting, baseline), {})
+            if row.get("status") == "failed":
+                width = len(columns_of(setting))
+                cells += ["**failed**", *["-"] * (width - 1)]
+                continue
             if setting in attacked:
                 attack = row.get("strongest_attack")
                 leaked = f"{row['leaked_images']} of {row['images']}" if row.get("images") else "-"
@@ -237,6 +292,13 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
             cells.append(_cell(row.get("seconds_per_round"), 2))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def failures_note(rows: list[dict[str, Any]]) -> str:
+    """Markdown lines naming each failed run and why it failed (empty when none did)."""
+    failed = [r for r in rows if r.get("status") == "failed"]
+    return "".join(f"\n- `{r['setting']}/{r['variant']}` **failed**: {r['error']} (log {r['log']})" for r in failed) \
+        + ("\n" if failed else "")
 
 
 STOP_WAIT = 90.0  # seconds a stopped run gets to record its attacks and stop its processes (it takes 60 at most)
@@ -285,14 +347,17 @@ def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: fl
         progress(f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}")
         log = run.folder.parent / f"{run.variant}.log"
         code = run_one([sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)], log, timeout)
-        status = "ok" if code == 0 else f"failed (exit {code}; see {log})"
-        row = summarize_run(run, status)
+        if code != 0:
+            rows.append(failed_row(run, failure_reason(run, code, log), log))
+            progress(f"fedguard: {label}: failed: {rows[-1]['error']} (log {log})")
+            continue
+        row = summarize_run(run, "ok")
         rows.append(row)
         scores = f"PSNR {row['psnr']:.1f} dB, " if row.get("psnr") is not None else ""
         accuracy = f"accuracy {100 * row['accuracy']:.1f}%" if row["accuracy"] is not None else "no round finished"
-        progress(f"fedguard: {label}: {status}; {scores}{accuracy}")
+        progress(f"fedguard: {label}: ok; {scores}{accuracy}")
     write_jsonl(sweep.folder / SWEEP_FILE, rows)
-    summary = summary_table(rows, sweep.baseline)
+    summary = summary_table(rows, sweep.baseline) + failures_note(rows)
     if sweep.paper is not None:
         summary += "\n" + render_paper_table(sweep.paper, rows, sweep.baseline)
     write_atomic(sweep.folder / SUMMARY_FILE, summary)

@@ -11,8 +11,10 @@ every upload, reply accounting, dtypes.
   asked to evaluate.
 - Every round's replies are counted: ``on_replies(server_round, uploads, errors, rejected)`` receives the
   accepted uploads, the error reasons and the rejections; a round in which no node succeeded stops the
-  run with ``AllClientsFailed`` naming the reasons, instead of carrying on with an unchanged model; a
-  round whose every upload was rejected leaves the model as it was.
+  run with ``AllClientsFailed`` naming the reasons, instead of carrying on with an unchanged model; so does a
+  client that says it cannot train in any round (``fedguard.records.cannot_train``: a missing trained file, a
+  refused configuration), whatever the others did; a round whose every upload was rejected leaves the model as
+  it was.
 - The aggregate keeps the global model's dtypes (Flower's averaging turns integer buffers into floats).
 - Rounds repeat exactly: the nodes a strategy samples (Flower's ``sample_nodes``) are drawn in node-id order
   from a generator seeded by the run seed and the round, and the accepted uploads reach aggregation in client
@@ -33,7 +35,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedguard.records import CONFIG, PARTITION_KEY, Upload, array_record, read_upload
+from fedguard.records import CONFIG, PARTITION_KEY, Upload, array_record, cannot_train, read_upload
 from strategies.upload_checks import Layout, Rejection, UploadRules, upload_problem
 from strategies.wrapper import StrategyWrapper
 
@@ -41,7 +43,7 @@ log = logging.getLogger(__name__)
 
 
 class AllClientsFailed(RuntimeError):
-    """No node returned an upload in a round."""
+    """No node returned an upload in a round, or one cannot train in any round."""
 
 
 def assign_clients(node_ids: Iterable[int]) -> dict[int, int]:
@@ -118,6 +120,11 @@ class RoundGuard(StrategyWrapper):
         accepted, rejected = self.screen([m for m in replies if not m.has_error()])
         accepted.sort(key=lambda m: self.clients[m.metadata.src_node_id])
         self.on_replies(server_round, [read_upload(m, arrays=False) for m in accepted], errors, rejected)
+        permanent = [m for m in failed if cannot_train(m.error.reason)]
+        if permanent:
+            node = permanent[0].metadata.src_node_id
+            raise AllClientsFailed(f"round {server_round}: client {self.clients.get(node, '?')} (node {node}) "
+                                   f"{permanent[0].error.reason} ({len(permanent)} of {len(replies)} clients)")
         if not accepted and not rejected:
             reasons = "; ".join(errors[:3]) + (f"; ... ({len(errors) - 3} more)" if len(errors) > 3 else "")
             raise AllClientsFailed(f"round {server_round}: every one of {len(errors)} clients failed "

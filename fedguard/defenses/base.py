@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
@@ -173,11 +174,13 @@ def build_defense(name: str, params: Any = None) -> Defense:
     return DEFENSES.build(name, params=params)
 
 
-def check_defense_files(name: str, params: Any) -> None:
+def check_defense_files(name: str, params: Any, clients_here: bool = False) -> None:
     """Raise ``TrainedFileError`` naming every file the defense ``name`` with ``params`` loads that is there on
     this machine but cannot be used (corrupt, non-finite, another kind of file); the server calls it before round
-    1. A missing file is left to the clients, which load it on their own machines."""
-    unusable = [f"defense.{name}.{file.param.replace('_', '-')} = {file.path!r}: {problem}"
-                for file in defense_traits(name, params).files
-                if file.path and (problem := file.unusable()) is not None]
-    refuse([], unusable, f"defense {name!r}")
+    1. A missing file is left to the clients, which load it on their own machines, unless ``clients_here`` (a
+    simulation, checked before it starts): then it raises ``MissingTrainedFile`` for it too."""
+    files = [file for file in defense_traits(name, params).files if file.path]
+    key = {id(file): f"defense.{name}.{file.param.replace('_', '-')} = {file.path!r}" for file in files}
+    missing = [f"{key[id(file)]}: {file.missing}" for file in files if clients_here and not Path(file.path).exists()]
+    unusable = [f"{key[id(file)]}: {problem}" for file in files if (problem := file.unusable()) is not None]
+    refuse(missing, unusable, f"defense {name!r}")

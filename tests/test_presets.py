@@ -1,0 +1,119 @@
+"""The shipped presets as the README runs them: trained files made with the README's commands, every path in the
+presets relative, the commands typed in a folder that is not the app's (the simulation's processes start in
+folders of their own). Quick forms: few rounds, few iterations, one or two variants of each sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attackers import ATTACKS
+from fedguard.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK_ATTACKS = ["attack.ig.iterations=10", "attack.ig.restarts=1", "attack.idlg.iterations=10",
+                 "attack.idlg.restarts=1", "attack.dlg.iterations=10", "attack.dlg.restarts=1"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def fedguard(folder: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``fedguard ARGS`` typed in ``folder``; fails the test with its output when it exits non-zero."""
+    result = subprocess.run([sys.executable, "-m", "fedguard", *args], cwd=folder, capture_output=True, text=True,
+                            timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, f"fedguard {' '.join(args)}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+def sweep(folder: Path, preset: str, only: list[str], overrides: list[str]) -> list[dict]:
+    """The rows of ``fedguard sweep PRESET --only ... --set ...`` typed in ``folder``."""
+    args = ["sweep", preset, "--out", "sweep-" + Path(preset).stem]
+    for name in only:
+        args += ["--only", name]
+    for override in overrides:
+        args += ["--set", override]
+    fedguard(folder, *args)
+    return [json.loads(line) for line in (folder / args[3] / "sweep.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's folder: the checkout's presets under experiments/, evaluation networks and a generator made there
+    by the README's commands (tiny: one epoch, narrow), so that the presets' relative paths find them."""
+    folder = tmp_path_factory.mktemp("lab")
+    (folder / "experiments").symlink_to(ROOT / "experiments")
+    for data in ("photos", "mnist-5k"):
+        fedguard(folder, "train-evalnet", "--data", data, "--epochs", "1", "--mixes", "1", "--width", "4")
+    fedguard(folder, "train-generator", "--data", "mnist-5k", "--epochs", "1")
+    return folder
+
+
+def test_the_defenses_sweep_runs_refiner_with_the_presets_relative_evaluation_networks(lab: Path) -> None:
+    rows = sweep(lab, "experiments/defenses.toml", ["refiner"], ["train.rounds=2", *QUICK_ATTACKS])
+    assert {(r["setting"], r["variant"]) for r in rows} == {("privacy", "refiner"), ("utility", "refiner")}
+    assert all(r["status"] == "ok" for r in rows), [(r["variant"], r.get("error")) for r in rows]
+    for row in rows:
+        assert row["accuracy"] is not None and row["rounds"] == 2
+        if row["setting"] == "privacy":
+            assert row["images"] == 4 and row["psnr"] is not None and row["ssim"] is not None
+    refiner = next(r for r in rows if (r["setting"], r["variant"]) == ("utility", "refiner"))
+    assert refiner["defense_report"], "Refiner reports on every upload"
+    summary = (lab / "sweep-defenses" / "summary.md").read_text()
+    assert "`refiner`" in summary and "failed" not in summary
+
+
+@pytest.mark.parametrize("preset, variant", [("censor", "privacy/censor"), ("dgp", "imprint/dgp"),
+                                             ("refiner", "privacy/refiner"), ("soteria", "privacy/soteria-60")])
+def test_each_paper_preset_runs_from_the_users_folder(lab: Path, preset: str, variant: str) -> None:
+    rows = sweep(lab, f"experiments/papers/{preset}.toml", [variant], ["train.rounds=1", *QUICK_ATTACKS])
+    assert [r["status"] for r in rows] == ["ok"], rows
+    assert rows[0]["images"] >= 1 and rows[0]["psnr"] is not None
+
+
+def test_the_mjolnir_paper_preset_runs_with_its_relative_denoiser(lab: Path) -> None:
+    fedguard(lab, "train-mjolnir", "--set", "data.name=mnist-5k", "--set", "model.name=lenet", "--set",
+             "train.batch-size=1", "--surrogate-data", "fashion-mnist", "--surrogate-lr", "0", "--surrogate-epochs",
+             "1", "--gradients", "16", "--epochs", "1", "--unet", "cpu")
+    rows = sweep(lab, "experiments/papers/mjolnir.toml", ["epsilon-1"],
+                 ["attack.mjolnir+dlg.iterations=4", "attack.mjolnir+dlg.restarts=1", *QUICK_ATTACKS])
+    assert [r["status"] for r in rows] == ["ok"], rows
+    assert "mjolnir+dlg" in rows[0]["attacks"]
+
+
+def test_the_attacks_preset_runs_every_attack_with_the_generator_the_readme_trains(lab: Path) -> None:
+    # The preset's attacks cut to a few iterations: this checks the plumbing and the analytic attacks, whose
+    # results do not depend on iterations; the optimization attacks' scores are tested in their own files.
+    overrides = [*QUICK_ATTACKS, "attack.gradinversion.iterations=10", "attack.gradinversion.restarts=2",
+                 "attack.ggl.iterations=10", "attack.ggl.restarts=1", "pool.workers=1"]
+    fedguard(lab, "run", "experiments/attacks.toml", "--out", "attacks", *sum((["--set", o] for o in overrides), []))
+    out = lab / "attacks"
+    assert f'generator = "{lab / "generators" / "mnist-5k.npz"}"' in (out / "config.toml").read_text(), \
+        "config.toml records the path resolved where the command ran"
+    names = load_config(ROOT / "experiments" / "attacks.toml", overrides).attack_names()
+    single = {name for name in ATTACKS.names() if "+" not in name}  # mjolnir+<attack> has its own preset
+    assert set(names) == single, "the preset must run every registered attack"
+    rows = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
+    assert sorted(r["attack"] for r in rows) == sorted(names)
+    assert all(r["status"] == "ok" and r["psnr"] is not None and r["floor"]["psnr"] > 0 for r in rows), rows
+    by_attack = {r["attack"]: r for r in rows}
+    assert {r["manipulation"] for r in rows} == {"none", "trap-weights", "imprint"}
+    for analytic in ("trap-weights", "imprint"):
+        row = by_attack[analytic]
+        recovered = row["stats"]["recovered"]
+        assert recovered >= 2, row["stats"]
+        exact = sorted((image["psnr"] for image in row["per_image"]), reverse=True)[:recovered]
+        assert min(exact) > 40, row["per_image"]
+    report = (out / "report.html").read_text()
+    assert all(name in report for name in names)
+
+
+def test_a_run_whose_clients_cannot_load_their_file_fails_at_once_naming_it(lab: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "fedguard", "run", "experiments/quickstart.toml", "--set", "defense.name=refiner", "--set", "defense.refiner.evalnet=none.npz"],
+        cwd=lab, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2
+    assert f"no evaluation network at {lab / 'none.npz'}" in result.stderr
