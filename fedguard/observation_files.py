@@ -105,7 +105,7 @@ def _open_inside(path: Path, run_dir: Path) -> IO[bytes]:
         raise ObservationRefused(f"outside the run folder {run_dir}; not read")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as error:
+    except OSError:
         if path.is_symlink():
             raise ObservationRefused("a symbolic link; observations are read only from files in the run "
                                      "folder") from None
