@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedguard.processes import ProcessTracker, marked
+from fedguard.processes import Process, ProcessTracker, marked
 from fedguard.report.run_status import write_status
 from fedguard.run_folder import ROUNDS_FILE, STATUS_FILE, RunFileError, read_jsonl
 
@@ -26,6 +26,7 @@ RUN_TOKEN_ENV = "FEDGUARD_RUN_TOKEN"
 DONE = b"done"  # what the launcher writes on the lifeline when it ended its run itself
 GRACE = 3.0  # seconds the run's processes get between SIGTERM and SIGKILL
 PASSES = 3  # rounds of finding and stopping: a process started while the others stop is found on the next
+LATE_GRACE = 0.5  # seconds such a latecomer gets
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -38,13 +39,14 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def stop_run(token: str, grace: float = GRACE) -> int:
-    """Stop every process whose environment holds ``RUN_TOKEN_ENV=token``; returns how many there were."""
-    stopped: set = set()
-    for _ in range(PASSES):
+    """Stop every process whose environment holds ``RUN_TOKEN_ENV=token`` (SIGTERM, SIGKILL ``grace`` seconds
+    later; those found on a later pass ``LATE_GRACE``); returns how many there were."""
+    stopped: set[Process] = set()
+    for attempt in range(PASSES):
         found = marked(f"{RUN_TOKEN_ENV}={token}") - stopped
         if not found:
             break
-        ProcessTracker(seen=found).stop(patience=0.0, grace=grace)
+        ProcessTracker(seen=found).stop(patience=0.0, grace=grace if attempt == 0 else min(grace, LATE_GRACE))
         stopped |= found
     return len(stopped)
 
