@@ -217,17 +217,16 @@ def cmd_train_generator(args: argparse.Namespace) -> int:
 
 
 def global_weights_of(path: Path, config: Config) -> list:
-    """The global model's arrays a captured upload was computed at; ``ConfigError`` when the capture comes from
-    another model than ``config``'s."""
-    from fedguard.observation import load_observation
+    """The global model's arrays a captured upload was computed at; ``ConfigError`` when the capture is not one
+    of the run ``config`` describes (``fedguard.observation_files``)."""
+    from fedguard.observation_files import ObservationRefused, RunExpectations, read_observation
 
     if not path.is_file():
         raise ConfigError([f"--at {path}: no such captured upload (look in runs/<run>/observations/)"])
-    obs = load_observation(path)
-    params = dataclasses.asdict(config.model.params)
-    if obs.model != config.model.name or obs.model_params != params:
-        raise ConfigError([f"--at {path}: captured from {obs.model} {obs.model_params}, but the preset trains for "
-                           f"{config.model.name} {params}; pass the run's preset or --set model.*"])
+    try:
+        obs = read_observation(path, path.parent.parent, RunExpectations.of(config))
+    except ObservationRefused as refused:
+        raise ConfigError([f"--at {refused}; pass the run's preset or --set model.*"]) from None
     print(f"fedguard: the surrogate starts at the global model of round {obs.round} ({path})", flush=True)
     return list(obs.global_arrays)
 

@@ -12,6 +12,10 @@ run's logs are streamed here, and the SuperLink is stopped at the end. The Serve
 in the run folder (``fedguard.report.run_status``); the run's exit code comes from it, since
 ``flwr run --stream`` ends the same way whether a run completed or failed.
 
+The run folder is locked for the run's life (``fedguard.run_lock``: a second writer is refused), and a watcher
+(``fedguard.supervisor``) started before anything else stops the run and records it as interrupted when this
+process dies without ending it (SIGKILL): every process of the run carries the run's token in its environment.
+
 The first SIGINT or SIGTERM asks the run to stop (the stop file the ServerApp watches, ``STOP_FILE_ENV``):
 the attacks still running are recorded as interrupted, the report is written, and ``launch`` raises
 ``Interrupted``; a second signal, or a run that has not ended ``STOP_GRACE`` seconds later, is stopped at
@@ -24,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -37,6 +42,8 @@ from typing import IO, Any
 
 from fedguard.processes import ProcessTracker
 from fedguard.report.run_status import read_status
+from fedguard.run_lock import RunFolderBusy, hold
+from fedguard.supervisor import DONE, RUN_TOKEN_ENV
 
 STOP_FILE_ENV = "FEDGUARD_STOP_FILE"
 CONNECTION = "fedguard-local"
@@ -157,8 +164,40 @@ def _say(message: str) -> None:
 
 def launch(plan: Launch) -> Path:
     """Run ``plan`` to its end; returns the run folder. Raises ``Interrupted`` when a signal stopped it,
-    ``LaunchError`` when the run did not complete. The launch's home is removed at the end."""
-    home, env = Path(plan.home), plan.env
+    ``LaunchError`` when the run did not complete, ``RunFolderBusy`` when another run writes its folder. The
+    launch's home is removed at the end."""
+    home = Path(plan.home)
+    try:
+        lock = hold(Path(plan.out_dir))
+        try:
+            signum = _supervised(plan, lock)
+        finally:
+            os.close(lock)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    return _ending(Path(plan.out_dir), signum)
+
+
+def _supervised(plan: Launch, lock: int) -> int | None:
+    """Run ``plan`` under a watcher (``fedguard.supervisor``) that holds ``lock`` too and stops the run should
+    this process die; returns the signal that stopped the run, or None."""
+    token = secrets.token_hex(16)
+    watcher = subprocess.Popen([sys.executable, "-m", "fedguard.supervisor", plan.out_dir, token, str(os.getpid())],
+                               stdin=subprocess.PIPE, env=plan.env, pass_fds=(lock,), start_new_session=True)
+    assert watcher.stdin is not None
+    try:
+        return _run(plan, {**plan.env, RUN_TOKEN_ENV: token})
+    finally:
+        with contextlib.suppress(OSError):
+            watcher.stdin.write(DONE)
+            watcher.stdin.close()
+        watcher.wait()
+
+
+def _run(plan: Launch, env: dict[str, str]) -> int | None:
+    """Start the private SuperLink and the app on it with ``env``, wait for the run and stop what it started;
+    returns the signal that stopped it, or None."""
+    home = Path(plan.home)
     port = _free_port()
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
@@ -167,23 +206,20 @@ def launch(plan: Launch) -> Path:
     command = ["flower-superlink", "--insecure", "--simulation", "--disable-runtime-dependency-installation",
                "--host", "127.0.0.1", "--port", str(port), "--database", str(home / "state.db")]
     tracker = ProcessTracker()
-    try:
-        with SignalStop(Path(env[STOP_FILE_ENV])) as stop:
-            with open(log_file, "w") as log:
-                superlink = subprocess.Popen(command, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True)
-            tracker.watch(superlink.pid)
-            try:
-                _wait_for_port(port, superlink, 60, log_file, stop)
-                if stop.signum is None:
-                    run = ["flwr", "run", plan.app_dir, CONNECTION, "--federation-config", plan.federation,
-                           "--run-config", str(home / "run-config.toml"), "--stream"]
-                    _stream(run, env, home, plan.verbose, stop, tracker)
-            finally:
-                _shut_down(superlink, tracker, stop)
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
-    return _ending(Path(plan.out_dir), stop.signum)
+    with SignalStop(Path(env[STOP_FILE_ENV])) as stop:
+        with open(log_file, "w") as log:
+            superlink = subprocess.Popen(command, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        tracker.watch(superlink.pid)
+        try:
+            _wait_for_port(port, superlink, 60, log_file, stop)
+            if stop.signum is None:
+                run = ["flwr", "run", plan.app_dir, CONNECTION, "--federation-config", plan.federation,
+                       "--run-config", str(home / "run-config.toml"), "--stream"]
+                _stream(run, env, home, plan.verbose, stop, tracker)
+        finally:
+            _shut_down(superlink, tracker, stop)
+    return stop.signum
 
 
 def _ending(folder: Path, signum: int | None) -> Path:
@@ -261,7 +297,7 @@ def _stop(process: subprocess.Popen, grace: float = 20.0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m fedguard.launcher LAUNCH_JSON``: run the launch, print how it ended; the exit code is 0,
-    1 (the run failed) or 128 + the signal that stopped it."""
+    1 (the run failed), 2 (another run writes the folder) or 128 + the signal that stopped it."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m fedguard.launcher LAUNCH_JSON (written by fedguard run)", file=sys.stderr)
@@ -269,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = Launch.load(Path(args[0]))
     try:
         folder = launch(plan)
+    except RunFolderBusy as busy:
+        print(f"fedguard: {busy}", file=sys.stderr, flush=True)
+        return 2
     except LaunchError as error:
         print(f"fedguard: {error}", file=sys.stderr, flush=True)
         return 1

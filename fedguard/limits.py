@@ -17,6 +17,8 @@ The limits, and why:
   beyond ``partition.num-clients``.
 - ``MAX_NESTING`` levels of tables in a preset, well beyond any key's: keys have three parts
   (``defense.dp.epsilon``), a few more where a registered name holds dots.
+- ``MAX_META_BYTES``: the JSON description of a captured upload read back from disk (``fedguard.observation_files``;
+  its arrays are sized by the model card): a few KiB for a ResNet's entry names, plus one label per example.
 - Paths: no NUL character, no name longer than the file system's ``PC_NAME_MAX``, no path longer than its
   ``PC_PATH_MAX`` (``os.pathconf``); a run folder keeps ``RUN_FILES_RESERVE`` bytes of that for the files the
   run writes inside it (``observations/round-RRRR_client-CCCC.npz``, ...).
@@ -38,6 +40,7 @@ MAX_PROCESSES = 1024
 MAX_LISTED = 1_000_000
 MAX_NESTING = 8
 RUN_FILES_RESERVE = 64
+MAX_META_BYTES = 4 * 2**20
 
 _REPR = reprlib.Repr()
 _REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel = 80, 80, 60, 3

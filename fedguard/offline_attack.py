@@ -1,14 +1,15 @@
 """Re-running attacks on saved observations, without the federation: ``fedguard attack``.
 
-An observation that cannot be read (a truncated or foreign file) is named with the reason and skipped; the
-others are attacked, and the count of skipped ones is said at the end.
+Observations are untrusted files (``fedguard.observation_files``): one that cannot be read or does not fit the
+run (a truncated or foreign file, a header or member size beyond the model's, a field of the wrong type, a
+symbolic link) is named with the reason and skipped; the others are attacked, and the count of skipped ones is
+said at the end.
 """
 
 from __future__ import annotations
 
 import time
 import traceback
-import zipfile
 from itertools import groupby
 from pathlib import Path
 from typing import Any, Callable
@@ -16,14 +17,10 @@ from typing import Any, Callable
 from attackers.base import ATTACKS, AttackOutcome, build_attack, check_attack_files, required_manipulation, shape_key
 from fedguard.config import Config, ConfigError, load_config
 from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
-from fedguard.observation import Observation, load_observation
+from fedguard.observation import Observation
+from fedguard.observation_files import ObservationRefused, RunExpectations, read_observation
 from fedguard.report.html import build_report
 from fedguard.run_folder import ATTACKS_FILE, CONFIG_FILE, OBSERVATIONS_DIR, UPLOAD_GLOB
-
-# What reading a damaged or foreign .npz raises: numpy's and zipfile's errors, a missing array or meta key,
-# meta fields of the wrong type.
-UNREADABLE = (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile)
-
 
 def locate(capture_dir: Path) -> tuple[Path, Path]:
     """(run folder, observations folder) for a run folder or its ``observations`` folder."""
@@ -45,16 +42,17 @@ def offline_config(run_dir: Path, overrides: list[str]) -> Config:
     return config
 
 
-def readable_observations(folder: Path, progress: Callable[[str], None]) -> tuple[list[Observation], int]:
-    """(every observation in ``folder`` that can be read, how many could not); each one skipped is named with
-    its reason through ``progress``."""
+def readable_observations(folder: Path, run_dir: Path, expected: RunExpectations,
+                          progress: Callable[[str], None]) -> tuple[list[Observation], int]:
+    """(every observation in ``folder``, of the run in ``run_dir``, that fits ``expected``, how many did not);
+    each one skipped is named with its reason through ``progress``."""
     observations, skipped = [], 0
     for path in sorted(folder.glob(UPLOAD_GLOB)):
         try:
-            observations.append(load_observation(path))
-        except UNREADABLE as error:
+            observations.append(read_observation(path, run_dir, expected))
+        except ObservationRefused as refused:
             skipped += 1
-            progress(f"fedguard: skipped {path}: unreadable ({type(error).__name__}: {error})")
+            progress(f"fedguard: skipped {refused}")
     return observations, skipped
 
 
@@ -63,11 +61,12 @@ def attack_capture(
 ) -> tuple[Path, list[dict[str, Any]]]:
     """Run every configured attack on the saved observations it applies to (those computed under the
     manipulation it exploits), score against the run's vault, append to its ``attacks.jsonl``, rebuild its
-    report. Observations that cannot be read are skipped, each named. Returns (run folder, new rows)."""
+    report. Observations that cannot be read or do not fit the run are skipped, each named. Returns (run folder,
+    new rows)."""
     run_dir, folder = locate(capture_dir)
     config = offline_config(run_dir, overrides)
     check_attack_files(config.attacks)  # every missing generator or denoiser named before any attack runs
-    observations, skipped = readable_observations(folder, progress)
+    observations, skipped = readable_observations(folder, run_dir, RunExpectations.of(config), progress)
     evaluator = Evaluator(run_dir, attack_contexts(config, source="offline"))
     rows = []
     for component in config.attacks:
@@ -81,8 +80,8 @@ def attack_capture(
                 rows += _attack_group(component.name, attack, batch[start : start + config.pool.group], evaluator,
                                       config.run.seed, progress)
     if skipped:
-        progress(f"fedguard: {skipped} unreadable observation{'s' if skipped != 1 else ''} of "
-                 f"{skipped + len(observations)} skipped")
+        progress(f"fedguard: {skipped} observation{'s' if skipped != 1 else ''} of {skipped + len(observations)} "
+                 "skipped (unreadable, or not of this run)")
     progress(f"fedguard: {len(rows)} rows ({status_counts(rows)}) appended to {run_dir / ATTACKS_FILE}; "
              f"report {build_report(run_dir)}")
     return run_dir, rows

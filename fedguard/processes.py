@@ -2,7 +2,8 @@
 
 A process is known by its pid and its start time, so a pid the system hands to another process later is never
 taken for it. Where there is no ``/proc`` nothing is found, and only the process groups ``fedguard run``
-started itself are stopped.
+started itself are stopped. ``marked`` finds a run's processes by a variable of their environment, which every
+process the run starts inherits, whoever its parent is now.
 """
 
 from __future__ import annotations
@@ -48,6 +49,23 @@ def descendants(root: int) -> set[Process]:
         for child in children.get(stack.pop(), []):
             found.add(child)
             stack.append(child.pid)
+    return found
+
+
+def marked(marker: str) -> set[Process]:
+    """Every process now whose environment holds the entry ``marker`` (``NAME=value``), but this one; one whose
+    environment cannot be read (another user's, a zombie's) is not."""
+    entry = marker.encode()
+    found: set[Process] = set()
+    for path in PROC.glob("[0-9]*"):
+        pid = int(path.name)
+        try:
+            environ = (path / "environ").read_bytes()
+        except OSError:
+            continue
+        stat = _stat(pid)
+        if pid != os.getpid() and stat is not None and entry in environ.split(b"\0"):
+            found.add(Process(pid, stat[2]))
     return found
 
 

@@ -9,6 +9,7 @@ A run folder (``runs/<name>``) holds::
     vault/            the true batches behind them, under the same names
     images/           per scored upload <prefix>_truth.png and <prefix>_recon.png
     status.json       how the run ended
+    run.lock          the process id of the ``fedguard run`` writing the folder, locked while it runs
     report.html       the page on the run
     comparison.png    every attack's first reconstruction beside the client's batch
 
@@ -53,6 +54,7 @@ CLIENT_STATE_DIR = "client-state"  # simulated clients' defense state, one folde
 CHECKPOINT_FILE = "checkpoint.npz"  # the global model and the strategy's state after the last completed round
 IMAGES_DIR = "images"
 STATUS_FILE = "status.json"
+LOCK_FILE = "run.lock"  # held by the fedguard run writing the folder (fedguard.run_lock)
 REPORT_FILE = "report.html"
 COMPARISON_FILE = "comparison.png"
 SWEEP_FILE = "sweep.jsonl"

@@ -35,7 +35,6 @@ from attackers.sinks import DiskSink, FanOut
 from fedguard.checkpoint import RoundCheckpoint, write_checkpoint
 from fedguard.config import Config, ConfigError, relative_path_problems
 from fedguard.data import load_dataset
-from fedguard.data.federated import partitions
 from fedguard.defenses import aggregate_reports
 from fedguard.defenses.base import check_defense_files
 from fedguard.models import build_model
@@ -48,33 +47,16 @@ from fedguard.report.run_status import write_status
 from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
 from fedguard.records import Upload, array_record
 from fedguard.resume import resume_point, rewind
+from fedguard.run_card import initial_model, model_card, upload_rules
 from fedguard.run_folder import ATTACKS_FILE, flwr_run_dir, read_jsonl
 from fedguard.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_on_flower_exit
-from fedguard.training import evaluate, get_arrays, set_arrays, trainable_mask
+from fedguard.training import evaluate, get_arrays, set_arrays
 from strategies import FedSGD, GradientStep, HonestButCurious, Malicious, RoundGuard, SparseUploads, StrategyContext
 from strategies.registry import GRADIENT_NATIVE, build_strategy, resolve
 from strategies.state import restore_strategy_state, strategy_state
-from strategies.upload_checks import NonFiniteModel, Rejection, UploadRules, nonfinite_problem
+from strategies.upload_checks import NonFiniteModel, Rejection, nonfinite_problem
 
 log = logging.getLogger(__name__)
-
-
-def initial_model(config: Config) -> torch.nn.Module:
-    """The global model at round 0, initialized from the run seed."""
-    spec = load_dataset(config.data.name, config.data.source_options()).spec
-    torch.manual_seed(config.run.seed)
-    return build_model(config.model.name, spec, config.model.params)
-
-
-def model_card(config: Config, model: torch.nn.Module) -> ModelCard:
-    """What the server knows of ``model``."""
-    return ModelCard(
-        model=config.model.name,
-        model_params=dataclasses.asdict(config.model.params),
-        spec=load_dataset(config.data.name, config.data.source_options()).spec,
-        names=tuple(model.state_dict()),
-        trainable=tuple(trainable_mask(model)),
-    )
 
 
 def central_evaluation(config: Config, card: ModelCard, recorder: RoundRecorder, latest: dict[str, Any],
@@ -222,14 +204,6 @@ def wait_for_nodes(grid: Grid, config: Config, poll: float = 0.5) -> int:
         f"{needed}: `flwr run . --federation-config 'num-supernodes={needed}'`; or run {connected or 'N'} "
         f"clients: `--run-config 'partition.num-clients={connected or 'N'} train.clients-per-round={cpr}'`"
     )
-
-
-def upload_rules(config: Config, card: ModelCard) -> UploadRules:
-    """What the run lets a client declare: its ``train.*`` settings, the classes and each partition's size."""
-    held = partitions(config.data.name, config.data.source_options(), config.partition.name,
-                      config.partition.options(), config.partition.num_clients, config.run.seed)
-    return UploadRules(config.train.protocol, config.train.lr, config.train.batch_size, config.train.local_epochs,
-                       card.spec.num_classes, tuple(len(p) for p in held))
 
 
 def round_accounting(recorder_extra: dict[str, Any]) -> Any:

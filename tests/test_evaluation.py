@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -39,7 +40,8 @@ def make_run(tmp_path: Path, batch: int = 2, clients: int = 2) -> Path:
     torch.manual_seed(0)
     model = build_model("mlp", data.spec, config.model.params)
     arrays, mask = get_arrays(model), trainable_mask(model)
-    card = ModelCard("mlp", {"hidden": 32, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(mask))
+    card = ModelCard("mlp", dataclasses.asdict(config.model.params), data.spec, tuple(model.state_dict()),
+                     tuple(mask))
     for client in range(clients):
         x, y = data.test.batch(np.arange(batch) + 50 * client)
         grads, _ = compute_gradients(model, x, y)

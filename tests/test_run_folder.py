@@ -268,7 +268,7 @@ def test_offline_attack_skips_unreadable_observations(tmp_path: Path, capsys: py
     assert main(["attack", str(folder), *IG]) == 0
     out = capsys.readouterr().out
     assert f"skipped {truncated}: unreadable (" in out and f"skipped {foreign}: unreadable (" in out
-    assert "ig on 1 of 1 observations" in out and "2 unreadable observations of 3 skipped" in out
+    assert "ig on 1 of 1 observations" in out and "2 observations of 3 skipped (unreadable, or not of this run)" in out
     [row] = read_jsonl(folder / ATTACKS_FILE)
     assert (row["client"], row["status"]) == (1, "ok")
     assert (folder / REPORT_FILE).is_file()

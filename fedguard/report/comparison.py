@@ -4,8 +4,10 @@ Bands are stacked top to bottom in the order attacks first appear in
 ``attacks.jsonl``; each shows the attack's name and scores, the true grid and
 the reconstructed grid of the attack's first scored upload (the grids the
 evaluator saved), so the figure can be rebuilt from a run folder alone. A grid
-path that leads out of the run folder is refused: that upload is left out and
-the note says why.
+path that leads out of the run folder is refused, and a grid that is not a
+readable PNG skipped: that upload is left out (the attack's next scored one is
+drawn) and the note says why. A score of the wrong type is left out of the
+caption (``fedguard.report.row_values``).
 """
 
 from __future__ import annotations
@@ -16,28 +18,40 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-from fedguard.run_folder import (ATTACKS_FILE, COMPARISON_FILE, GRID_KINDS, Note, RunFileError, grid_name, inside,
-                                 read_jsonl, warn, write_atomic)
+from fedguard.report.images import load_png
+from fedguard.report.row_values import read_rows
+from fedguard.run_folder import (ATTACKS_FILE, COMPARISON_FILE, GRID_KINDS, Note, RunFileError, grid_name, inside, warn,
+                                 write_atomic)
 
 LABEL_WIDTH = 230  # pixels of the text column on the left of each band
 GAP = 12  # pixels between and around the grids
 TEXT = (17, 24, 39)
 MUTED = (107, 114, 128)
-Scored = tuple[dict[str, Any], tuple[Path, Path]]  # a row and its (truth, recon) grids
+Scored = tuple[dict[str, Any], tuple[Image.Image, Image.Image]]  # a row and its (truth, recon) grids, RGB
 
 
-def _grids(run_dir: Path, row: dict[str, Any], note: Note) -> tuple[Path, Path] | None:
-    """The (truth, recon) grids of a scored row inside ``run_dir``; None when missing or refused (noted)."""
+def _grids(run_dir: Path, row: dict[str, Any], note: Note) -> tuple[Image.Image, Image.Image] | None:
+    """The (truth, recon) grids of a scored row inside ``run_dir``, as RGB images; None when missing, refused
+    or not readable PNGs (noted)."""
     try:
         truth, recon = (inside(run_dir, grid_name(str(row["images"]), kind)) for kind in GRID_KINDS)
     except RunFileError as error:
         note(str(error))
         return None
-    return (truth, recon) if truth.is_file() and recon.is_file() else None
+    if not (truth.is_file() and recon.is_file()):
+        return None
+    grids = []
+    for path in (truth, recon):
+        try:
+            grids.append(load_png(path.read_bytes()).convert("RGB"))
+        except ValueError as error:
+            note(f"{path}: {error}; not embedded")
+            return None
+    return grids[0], grids[1]
 
 
 def _first_scored(rows: list[dict[str, Any]], run_dir: Path, note: Note) -> dict[str, Scored]:
-    """Attack name -> its first row with saved grids and their paths, in order of first appearance."""
+    """Attack name -> its first row with readable saved grids and the grids, in order of first appearance."""
     chosen: dict[str, Scored] = {}
     for row in rows:
         if row.get("status") != "ok" or not row.get("images") or str(row.get("attack")) in chosen:
@@ -49,29 +63,30 @@ def _first_scored(rows: list[dict[str, Any]], run_dir: Path, note: Note) -> dict
 
 def _caption(row: dict[str, Any]) -> list[tuple[str, tuple[int, int, int]]]:
     """Text lines for a band: name, where the upload came from, the scores."""
-    def number(key: str, digits: int) -> str:
-        value = row.get(key)
+    floor = row.get("floor") or {}
+
+    def number(value: Any, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    floor = row.get("floor") or {}
     lines = [(str(row["attack"]), TEXT),
              (f"round {row.get('round')}, client {row.get('client')}, batch {row.get('batch_size')}", MUTED)]
     if row.get("manipulation") not in (None, "none"):
         lines.append((f"server sent: {row['manipulation']}", MUTED))
-    lines += [(f"PSNR {number('psnr', 1)} dB  SSIM {number('ssim', 3)}", TEXT),
-              (f"LPIPS {number('lpips', 3)}", TEXT)]
+    lines += [(f"PSNR {number(row.get('psnr'), 1)} dB  SSIM {number(row.get('ssim'), 3)}", TEXT),
+              (f"LPIPS {number(row.get('lpips'), 3)}", TEXT)]
     if floor:
-        lines.append((f"flat-image floor {floor.get('psnr', 0):.1f} dB / {floor.get('ssim', 0):.2f}", MUTED))
+        lines.append((f"flat-image floor {number(floor.get('psnr'), 1)} dB / {number(floor.get('ssim'), 2)}",
+                       MUTED))
     return lines
 
 
 def render_comparison(run_dir: Path, note: Note = warn) -> bytes | None:
     """The comparison figure of ``run_dir`` as PNG bytes; None when no attack saved grids. ``note`` hears of
     a torn last line of ``attacks.jsonl`` and of refused grid paths."""
-    chosen = _first_scored(read_jsonl(Path(run_dir) / ATTACKS_FILE, note), Path(run_dir), note)
+    chosen = _first_scored(read_rows(run_dir, ATTACKS_FILE, note), Path(run_dir), note)
     if not chosen:
         return None
-    pairs = [(Image.open(truth).convert("RGB"), Image.open(recon).convert("RGB")) for _, (truth, recon) in chosen.values()]
+    pairs = [grids for _, grids in chosen.values()]
     font = ImageFont.load_default()
     heights = [max(truth.height, recon.height, 16 * 7) for truth, recon in pairs]
     header = 24

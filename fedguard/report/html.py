@@ -5,7 +5,9 @@ embedded as base64 ``data:`` URIs, the CSS and the one small script are
 inline, and a Content-Security-Policy forbids loading anything else, so the
 file can be mailed, archived or opened offline and looks the same. Only grids
 inside the run folder are embedded; the page lists what it left out (a torn
-last line of a log, a grid path that leads out of the folder).
+last line of a log, a grid path that leads out of the folder, a grid that is
+not a readable PNG, a value of the wrong type in a row, named with its file and
+row: ``fedguard.report.row_values``).
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any, Iterable
 
-from PIL import Image
-
 from fedguard.config import Config, ConfigError, load_config
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.report.comparison import write_comparison
+from fedguard.report.images import load_png
+from fedguard.report.row_values import read_rows
 from fedguard.report.run_status import read_status
 from fedguard.run_folder import (ATTACKS_FILE, CONFIG_FILE, GRID_KINDS, REPORT_FILE, ROUNDS_FILE, RunFileError,
-                                 grid_name, inside, read_jsonl, warn, write_atomic)
+                                 grid_name, inside, warn, write_atomic)
 
 DASH = "\u2014"
 
@@ -128,9 +130,9 @@ class _Images:
         self.count = 0
 
     def tag(self, png: bytes, alt: str, css_class: str, enlarge_to: int = 0) -> str:
-        """An ``<img>`` of ``png``; a small one is shown up to ``enlarge_to`` pixels wide by whole factors."""
-        with Image.open(BytesIO(png)) as image:
-            width, height = image.size
+        """An ``<img>`` of ``png``; a small one is shown up to ``enlarge_to`` pixels wide by whole factors.
+        ``ValueError`` when ``png`` is not a readable PNG."""
+        width, height = load_png(png).size
         factor = max(1, enlarge_to // max(1, width))
         width, height = width * factor, height * factor
         self.count += 1
@@ -400,7 +402,11 @@ def _grid_cell(run_dir: Path, prefix: str, kind: str, alt: str, images: _Images,
         return f'<div class="missing">{escape(name)} is outside the run folder; not embedded</div>'
     if not path.is_file():
         return f'<div class="missing">{escape(name)} is missing</div>'
-    return images.tag(path.read_bytes(), alt, "grid", enlarge_to=400)
+    try:
+        return images.tag(path.read_bytes(), alt, "grid", enlarge_to=400)
+    except ValueError as error:
+        notes(f"{path}: {error}; not embedded")
+        return f'<div class="missing">{escape(name)} is not a readable PNG; not embedded</div>'
 
 
 def _gallery_item(run_dir: Path, row: dict[str, Any], anchor: str, images: _Images, notes: _Notes) -> str:
@@ -548,11 +554,11 @@ def _page(run_dir: Path, notes: _Notes) -> str:
         raise FileNotFoundError(f"{run_dir} holds no {ROUNDS_FILE}; is it a run folder (see `fedguard run --out`)?")
     config, config_problem = _load_config(run_dir)
     rounds = sorted(
-        (row for row in read_jsonl(run_dir / ROUNDS_FILE, notes)
+        (row for row in read_rows(run_dir, ROUNDS_FILE, notes)
          if (n := _number(row.get("round"))) is not None and math.isfinite(n)),
         key=lambda row: row["round"],
     )
-    attacks = sorted(read_jsonl(run_dir / ATTACKS_FILE, notes), key=_sort_key)
+    attacks = sorted(read_rows(run_dir, ATTACKS_FILE, notes), key=_sort_key)
     images = _Images()
     title = config.run.name if config else run_dir.name
     sections = [_stats(rounds, attacks), _training(rounds, images), _attacks(run_dir, attacks, images, notes)]

@@ -1,4 +1,4 @@
-"""Image grids: a batch of images as one PNG, large enough to see 32-pixel inputs."""
+"""Image grids: a batch of images as one PNG, large enough to see 32-pixel inputs; reading one back."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from fedguard.run_folder import write_atomic
 
@@ -82,3 +82,16 @@ def save_grid(images: torch.Tensor, path: Path, columns: int | None = None, scal
     buffer = BytesIO()
     image.save(buffer, format="PNG", optimize=True)
     return write_atomic(Path(path), buffer.getvalue())
+
+
+def load_png(data: bytes) -> Image.Image:
+    """The PNG ``data`` decoded whole; ``ValueError`` saying why when it is not a readable PNG (another format,
+    damaged, truncated, or more pixels than Pillow's ``MAX_IMAGE_PIXELS`` allows)."""
+    try:
+        image = Image.open(BytesIO(data), formats=["PNG"])
+        image.load()
+    except UnidentifiedImageError:
+        raise ValueError("not a readable PNG (Pillow finds no PNG image in it)") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise ValueError(f"not a readable PNG ({type(error).__name__}: {error})") from None
+    return image

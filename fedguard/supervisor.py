@@ -1,0 +1,96 @@
+"""The watcher that ends a run whose ``fedguard run`` died without stopping it (SIGKILL, a closed terminal, a CI
+job's timeout).
+
+``fedguard.launcher`` starts it before anything else of the run, in a session of its own (so a signal to the
+launcher's process group does not reach it), with a lifeline: its standard input is a pipe whose write end only
+the launcher holds. The watcher also holds the run folder's lock (``fedguard.run_lock``), and every process of
+the run inherits ``RUN_TOKEN_ENV`` in its environment (SuperLink, SuperExec, the simulation and its Ray
+cluster alike). When the launcher ends its run it writes ``DONE`` and the watcher exits. When the pipe closes
+without it (the launcher died), the watcher stops every process whose environment holds the run's token
+(SIGTERM, then SIGKILL ``GRACE`` seconds later), writes ``interrupted`` to ``status.json`` unless the run wrote
+its ending since the watcher started, and exits, which releases the lock. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from fedguard.processes import Process, ProcessTracker, marked
+from fedguard.report.run_status import write_status
+from fedguard.run_folder import ROUNDS_FILE, STATUS_FILE, RunFileError, read_jsonl
+
+RUN_TOKEN_ENV = "FEDGUARD_RUN_TOKEN"
+DONE = b"done"  # what the launcher writes on the lifeline when it ended its run itself
+GRACE = 3.0  # seconds the run's processes get between SIGTERM and SIGKILL
+PASSES = 3  # rounds of finding and stopping: a process started while the others stop is found on the next
+LATE_GRACE = 0.5  # seconds such a latecomer gets
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(inode, modification time in ns) of ``path``, or None when there is none: a rewrite changes it."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def stop_run(token: str, grace: float = GRACE) -> int:
+    """Stop every process whose environment holds ``RUN_TOKEN_ENV=token`` (SIGTERM, SIGKILL ``grace`` seconds
+    later; those found on a later pass ``LATE_GRACE``); returns how many there were."""
+    stopped: set[Process] = set()
+    for attempt in range(PASSES):
+        found = marked(f"{RUN_TOKEN_ENV}={token}") - stopped
+        if not found:
+            break
+        ProcessTracker(seen=found).stop(patience=0.0, grace=grace if attempt == 0 else min(grace, LATE_GRACE))
+        stopped |= found
+    return len(stopped)
+
+
+def rounds_done(folder: Path) -> int:
+    """The last round in the run's ``rounds.jsonl`` (0 when none, or when it cannot be read)."""
+    try:
+        rows = read_jsonl(folder / ROUNDS_FILE, note=lambda _: None)
+    except RunFileError:
+        return 0
+    return max((row["round"] for row in rows if isinstance(row.get("round"), int)), default=0)
+
+
+def watch(folder: Path, token: str, launcher: int) -> int:
+    """Wait for the lifeline on standard input to close; when the launcher (process ``launcher``) died without
+    ending its run, stop the run and record it as interrupted. Returns the exit code."""
+    status = folder / STATUS_FILE
+    before = _identity(status)
+    if sys.stdin.buffer.read() == DONE:
+        return 0
+    start = time.monotonic()
+    count = stop_run(token)
+    ending = ""
+    if _identity(status) == before:
+        write_status(folder, "interrupted", rounds_done(folder),
+                     f"fedguard run (process {launcher}) ended without stopping the run")
+        ending = f"; {status}: interrupted"
+    try:
+        print(f"fedguard: fedguard run (process {launcher}) ended without stopping its run: stopped its {count} "
+              f"processes in {time.monotonic() - start:.1f} s{ending}", file=sys.stderr, flush=True)
+    except OSError:  # the terminal went with the launcher
+        pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fedguard.supervisor RUN_DIR TOKEN LAUNCHER_PID`` (started by ``fedguard.launcher``)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or not args[2].isdigit():
+        print("usage: python -m fedguard.supervisor RUN_DIR TOKEN LAUNCHER_PID (started by fedguard run)",
+              file=sys.stderr)
+        return 2
+    return watch(Path(args[0]), args[1], int(args[2]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Whatever ends ``fedguard run`` ends its run: a SIGKILL leaves no process of the run within seconds and
+``status.json`` saying ``interrupted``; a run folder held by a live run refuses a second writer, naming the
+holder's process id, and one whose holder died blocks nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fedguard.cli import main
+from fedguard.report.run_status import read_status
+from fedguard.run_lock import RunFolderBusy, hold
+from tests.test_clean_stop import QUICKSTART, TAG, kill_all, tagged, wait_for_rounds
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 10.0  # seconds within which a killed run must be gone and recorded
+
+# A launcher whose run is two sleepers (one in a session of its own, as the SuperLink is), killed while it waits.
+FAKE_LAUNCHER = """
+import os, subprocess, sys, tempfile, time
+import fedguard.launcher as launcher
+
+def run(plan, env):
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    subprocess.Popen(sleeper, env=env, start_new_session=True)
+    subprocess.Popen(sleeper, env=env)
+    print("running", flush=True)
+    time.sleep(120)
+
+launcher._run = run
+launcher.launch(launcher.Launch(app_dir="", out_dir=sys.argv[1], home=tempfile.mkdtemp(), env=dict(os.environ),
+                                federation=""))
+"""
+
+
+def gone_within(tag: str, folder: Path, limit: float) -> float:
+    """Seconds until no process carries ``tag`` and ``folder``'s status.json exists; fails after ``limit``."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        if not tagged(tag) and read_status(folder) is not None:
+            return time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"after {limit:.0f} s: processes {tagged(tag)} left, status {read_status(folder)}")
+
+
+def test_a_killed_launcher_leaves_no_process_and_an_interrupted_run(tmp_path: Path) -> None:
+    folder, tag = tmp_path / "run", uuid.uuid4().hex
+    folder.mkdir()
+    (folder / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in range(4)))
+    fake = subprocess.Popen([sys.executable, "-c", FAKE_LAUNCHER, str(folder)], env={**os.environ, TAG: tag},
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert fake.stdout is not None and fake.stdout.readline() == "running\n"
+        assert len(tagged(tag)) == 4, "the launcher, its watcher and the two sleepers"
+        with pytest.raises(RunFolderBusy, match=f"is being written by fedguard run \\(process {fake.pid}\\)"):
+            os.close(hold(folder))
+        fake.kill()
+        took = gone_within(tag, folder, LIMIT)
+    finally:
+        kill_all(tag)
+    print(f"every process gone and the run recorded {took:.1f} s after SIGKILL")
+    status = read_status(folder)
+    assert status == {"status": "interrupted", "rounds": 3,
+                      "error": f"fedguard run (process {fake.pid}) ended without stopping the run"}
+    os.close(hold(folder))  # the dead holder left nothing that blocks
+
+
+def test_a_second_writer_is_refused_until_the_holder_dies(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from fedguard.run_lock import hold; "
+                               "hold(sys.argv[1]); print('held', flush=True); time.sleep(120)", str(folder)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(RunFolderBusy, match=f"process {holder.pid}\\); wait for it to end, or stop it "
+                                                f"\\(kill -INT {holder.pid}\\)"):
+            hold(folder)
+    finally:
+        holder.kill()
+        holder.wait()
+    os.close(hold(folder))
+
+
+@pytest.mark.slow
+def test_sigkill_of_fedguard_run_ends_its_run_and_a_live_run_refuses_a_second_writer(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    command = [sys.executable, "-m", "fedguard", "run", QUICKSTART, "--out", str(out)] + [
+        arg for override in ("train.rounds=500", "partition.num-clients=3", "train.clients-per-round=3",
+                             "capture.rounds=1-2", "capture.clients=0-2", "attack.ig.iterations=1000000")
+        for arg in ("--set", override)]
+    with open(tmp_path / "output.log", "w") as output:
+        process = subprocess.Popen(command, env={**os.environ, TAG: tag}, stdout=output, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        wait_for_rounds(out, 2, process)
+        resume = subprocess.run([sys.executable, "-m", "fedguard", "run", "--resume", str(out)],
+                                capture_output=True, text=True, timeout=120)
+        assert resume.returncode == 2, resume.stderr[-3000:]
+        assert f"is being written by fedguard run (process {process.pid})" in resume.stderr
+        assert main(["run", QUICKSTART, "--out", str(out)]) == 2, "a new run into the folder"
+        assert "already holds a run" in capsys.readouterr().err
+        assert read_status(out) is None, "still running"
+        process.send_signal(signal.SIGKILL)
+        took = gone_within(tag, out, LIMIT)
+        log = (tmp_path / "output.log").read_text()
+    finally:
+        kill_all(tag)
+    print(f"every process of the run gone and status.json written {took:.1f} s after SIGKILL")
+    status = read_status(out)
+    assert status is not None and status["status"] == "interrupted" and status["rounds"] >= 2, status
+    assert f"fedguard run (process {process.pid}) ended without stopping its run" in log, log[-3000:]
+    os.close(hold(out))
