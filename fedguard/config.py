@@ -43,8 +43,8 @@ from fedguard.data.sizes import samples_needed, split_sizes
 from fedguard.defenses import DEFENSES
 from fedguard.defenses.base import defense_traits
 from fedguard.limits import (INT64_MAX, INT64_MIN, MAX_CLIENTS, MAX_IMAGE_SIZE, MAX_LISTED, MAX_LOCAL_EPOCHS,
-                             MAX_PROCESSES, MAX_ROUNDS, RUN_FILES_RESERVE, finite_problem, nesting_problem,
-                             path_problem, shown)
+                             MAX_PROCESSES, MAX_ROUNDS, RUN_FILES_RESERVE, finite_problem, name_problem,
+                             nesting_problem, path_problem, shown)
 from fedguard.models import MODELS, build_model
 from fedguard.registry import NoParams, Registry, RequiredFile
 from fedguard.selection import Selection
@@ -771,10 +771,11 @@ def _classes_problems(data: DataSection, partition: PartitionSection) -> list[st
 def _path_problems(run: RunSection, data: DataSection) -> list[str]:
     """Paths that cannot name a folder here: the run folder (with room for the files the run writes inside it)
     and ``data.root``."""
+    problems = [name_problem("name", run.name)]
     if run.out_dir:
-        problems = [path_problem("out-dir", run.out_dir, RUN_FILES_RESERVE)]
-    else:
-        problems = [path_problem("name", run.name, RUN_FILES_RESERVE, under="runs")]
+        problems.append(path_problem("out-dir", run.out_dir, RUN_FILES_RESERVE))
+    elif not problems[0]:
+        problems.append(path_problem("name", run.name, RUN_FILES_RESERVE, under="runs"))
     if data.root:
         problems.append(path_problem("data.root", data.root))
     return [p for p in problems if p]

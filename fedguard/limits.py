@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import reprlib
 from typing import Any, Mapping
 
@@ -95,6 +96,19 @@ def path_problem(key: str, path: str, reserve: int = 0, under: str = "") -> str 
         return (f"{key} = {shown(path)}: the name {shown(os.fsdecode(longest))} has {len(longest)} bytes; this "
                 f"file system takes at most {name_max} (PC_NAME_MAX)")
     return None
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")
+"""What a run name may hold: one path component of letters, digits, '.', '_' and '-'."""
+
+
+def name_problem(key: str, name: str) -> str | None:
+    """Why ``name`` cannot name a run (one folder under ``runs/``), or None: a name is one path component of
+    letters, digits, '.', '_' and '-', and neither '.' nor '..'; ``--out`` chooses any other folder."""
+    if RUN_NAME.fullmatch(name) and name not in (".", ".."):
+        return None
+    return (f"{key} = {shown(name)}: a run name is one folder name of letters, digits, '.', '_' and '-' (not "
+            f"'.' or '..'), e.g. 'photos-lenet'; to write the run elsewhere, use --out DIR or out-dir")
 
 
 def _nearest_folder(absolute: bytes) -> bytes:

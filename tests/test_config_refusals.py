@@ -323,3 +323,21 @@ def test_any_value_of_any_key_gives_a_configuration_or_a_config_error_naming_the
             attempt()
         except ConfigError as error:
             assert key in str(error), (key, value, error.problems)
+
+
+@pytest.mark.parametrize("name", ["..", ".", "/abs/run", "a/b", "line\nbreak", "", "run name", "../up"])
+def test_a_run_name_is_one_folder_name(name: str) -> None:
+    problems = problems_of([f"name={name}"])
+    assert len(problems) == 1 and problems[0].startswith("name = ") and "one folder name" in problems[0], problems
+    assert "--out" in problems[0]
+
+
+def test_fedguard_run_refuses_a_name_that_leaves_the_runs_folder_before_writing_anything(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    for name in ("..", ".", str(tmp_path / "abs"), "a\nb"):
+        result = subprocess.run([sys.executable, "-m", "fedguard", "run", "--set", f"name={name}"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and "name = " in result.stderr and "one folder name" in result.stderr
+    assert list(tmp_path.iterdir()) == [], "nothing is written"
