@@ -14,6 +14,7 @@ import pytest
 
 from attackers import ATTACKS
 from fedguard.config import load_config
+from tests.helpers import needs_fashion_mnist
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_ATTACKS = ["attack.ig.iterations=10", "attack.ig.restarts=1", "attack.idlg.iterations=10",
@@ -75,6 +76,7 @@ def test_each_paper_preset_runs_from_the_users_folder(lab: Path, preset: str, va
     assert rows[0]["images"] >= 1 and rows[0]["psnr"] is not None
 
 
+@needs_fashion_mnist
 def test_the_mjolnir_paper_preset_runs_with_its_relative_denoiser(lab: Path) -> None:
     fedguard(lab, "train-mjolnir", "--set", "data.name=mnist-5k", "--set", "model.name=lenet", "--set",
              "train.batch-size=1", "--surrogate-data", "fashion-mnist", "--surrogate-lr", "0", "--surrogate-epochs",
