@@ -255,6 +255,8 @@ def failure_reason(run: SweepRun, code: int, log: Path) -> str:
 
 def _mean_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """The defense reports of several seeds as one: numbers averaged, anything else the first seed's."""
+    if len(reports) == 1:
+        return reports[0]
     numbers = {key for key, value in reports[0].items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
     return {key: _mean([r.get(key) for r in reports]) if key in numbers else value for key, value in reports[0].items()}
 
