@@ -80,13 +80,16 @@ class AttackTraits:
     """What an attack with given parameters declares, known without building it: the ``uploads`` it attacks,
     what it ``needs`` from the threat model (keys of ``NEEDS``) on every upload and ``needs_by_upload`` on some
     kinds only, the ``manipulation`` it exploits, whether it ``simulates_defense`` (EOT: the clients' defense
-    must be able to simulate itself), and the ``files`` it loads on the server."""
+    must be able to simulate itself), whether it is ``adaptive`` (it uses what it knows of the clients' defense:
+    leaves out the layers it alters, simulates it, or reads its noise level; a sweep row says so), and the
+    ``files`` it loads on the server."""
 
     uploads: frozenset[str]
     needs: frozenset[str] = frozenset()
     needs_by_upload: Mapping[str, frozenset[str]] = field(default_factory=dict)
     manipulation: str = HONEST
     simulates_defense: bool = False
+    adaptive: bool = False
     files: tuple[RequiredFile, ...] = ()
 
     @classmethod

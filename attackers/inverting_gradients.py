@@ -86,9 +86,10 @@ class InvertingGradients(OptimizationAttack):
 
 
 def inverting_gradients_traits(params: InvertingGradientsParams) -> AttackTraits:
-    """The class's traits; with ``eot`` > 0 it also needs the clients' defense, and one that can simulate itself."""
+    """The class's traits; with ``eot`` > 0 it also needs the clients' defense, and one that can simulate itself;
+    ``skip`` or ``eot`` make it adaptive."""
     return AttackTraits.of(InvertingGradients, needs=frozenset({"defense"}) if params.eot else frozenset(),
-                           simulates_defense=params.eot > 0)
+                           simulates_defense=params.eot > 0, adaptive=bool(params.skip) or params.eot > 0)
 
 
 @register_attack("ig", params=InvertingGradientsParams, traits=inverting_gradients_traits)

@@ -191,7 +191,8 @@ def _composed_params(inner: str) -> type:
 
 def mjolnir_traits(inner: str) -> Callable[[Any], AttackTraits]:
     """``traits(params)`` of ``mjolnir+<inner>``: the inner attack's, on the uploads Mjölnir denoises, with
-    Mjölnir's own needs and its denoiser file."""
+    Mjölnir's own needs and its denoiser file; adaptive when the inner attack is or when the noise level comes
+    from the clients' defense (noise-source 'defense'; 'given' and 'estimate' do not read the defense)."""
 
     def traits(params: Any) -> AttackTraits:
         own, inner_params = params.split()
@@ -201,6 +202,7 @@ def mjolnir_traits(inner: str) -> Callable[[Any], AttackTraits]:
             inside,
             uploads=Mjolnir.uploads,
             needs=inside.needs | own_needs(own),
+            adaptive=inside.adaptive or own.noise_source == "defense",
             needs_by_upload={k: v for k, v in inside.needs_by_upload.items() if k in Mjolnir.uploads},
             files=(denoiser, *inside.files),
         )

@@ -193,7 +193,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     rows = run_sweep(sweep, lambda line: print(line, flush=True))
     print((sweep.folder / SUMMARY_FILE).read_text(), end="")
     print(f"fedguard: sweep done in {time.perf_counter() - start:.0f} s; summary in {sweep.folder / SUMMARY_FILE}")
-    return 0 if all(row["status"] == "ok" for row in rows) else 1
+    return 0 if all(row["status"] == "ok" and not row["failed_seeds"] for row in rows) else 1
 
 
 def cmd_attack(args: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ A run folder (``runs/<name>``) holds::
     report.html       the page on the run
     comparison.png    every attack's first reconstruction beside the client's batch
 
-A sweep folder holds ``sweep.jsonl`` and ``summary.md`` beside its runs' folders.
+A sweep folder holds ``sweep.jsonl`` (a row per cell), ``runs.jsonl`` (a row per run) and ``summary.md`` beside
+its runs' folders.
 
 Whole files (configuration, status, report, figures, grids, summaries) are written by ``write_atomic``: a
 temporary file in the same folder, flushed and synced, then renamed over the old one, so a reader finds
@@ -58,6 +59,7 @@ LOCK_FILE = "run.lock"  # held by the fedguard run writing the folder (fedguard.
 REPORT_FILE = "report.html"
 COMPARISON_FILE = "comparison.png"
 SWEEP_FILE = "sweep.jsonl"
+RUNS_FILE = "runs.jsonl"
 SUMMARY_FILE = "summary.md"
 UPLOAD_GLOB = "round-*_client-*.npz"  # observations and vault entries
 GRID_KINDS = ("truth", "recon")

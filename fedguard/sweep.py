@@ -1,21 +1,26 @@
-"""Sweeps: one preset, several runs (settings x variants), one summary table.
+"""Sweeps: one preset, several runs (settings x variants x seeds), one summary table.
 
 A sweep preset is a run preset with a ``[sweep]`` table::
 
     [sweep]
     baseline = "none"                    # the variant whose accuracy is 100%
+    seeds = [0, 1, 2]                    # optional: each cell once per seed (default: the preset's seed)
     [sweep.settings.privacy]             # overrides of one setting (flat or nested keys)
+    kind = "diagnostic"                  # optional: 'diagnostic' (the default) or 'realistic'
     "train.rounds" = 1
     [sweep.variants.none]
     "defense.name" = "none"
     [sweep.variants.dp]
     defense = { name = "dp", dp = { noise-multiplier = 0.01 } }
 
-Every (setting, variant) pair is one run: the preset's keys, then the setting's, then the variant's.
-All runs are validated before the first one starts. Each runs as its own ``fedguard run`` process in
-``<sweep folder>/<setting>/<variant>``, so a run that fails is reported and the others go on; a run
-folder that already holds ``rounds.jsonl`` with every round is kept, not run again (a stopped sweep
-resumes). ``sweep.jsonl`` holds one row per run and ``summary.md`` the table per variant; a reproduction
+Every (setting, variant) pair is a cell, run once per seed: the preset's keys, then the setting's, then the
+variant's, then the seed. All runs are validated before the first one starts. Each runs as its own
+``fedguard run`` process in ``<sweep folder>/<setting>/<variant>`` (``.../<variant>/seed-<n>`` when the
+preset declares ``seeds``), so a run that fails is reported and the others go on; a run folder that already
+holds ``rounds.jsonl`` with every round is kept, not run again (a stopped sweep resumes). ``runs.jsonl``
+holds one row per run, ``sweep.jsonl`` one row per cell over its seeds (``summarize_runs``: means, the
+``privacy`` object of ``fedguard.report.leakage``, accuracy with its interval over seeds; a failed run is
+left out and counted in ``failed_seeds``) and ``summary.md`` the table per variant; a reproduction
 preset's ``[sweep.paper]`` (``fedguard.report.paper_table``) adds the paper's numbers beside ours. Run logs
 are read and the sweep's files written as ``fedguard.run_folder`` says: a torn last line of a run's log is
 skipped with a warning, and every file appears whole.
@@ -24,6 +29,7 @@ skipped with a warning, and every file appears whole.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -33,33 +39,49 @@ from typing import Any, Callable
 
 import tomli_w
 
+from attackers.base import attack_traits
 from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, read_toml, resolve_paths
+from fedguard.report.leakage import SUCCESS_SSIM, privacy
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
 from fedguard.report.run_dir import unflatten
 from fedguard.report.run_status import read_status
-from fedguard.run_folder import ATTACKS_FILE, ROUNDS_FILE, SUMMARY_FILE, SWEEP_FILE, read_jsonl, write_atomic, write_jsonl
+from fedguard.report.statistics import over_seeds
+from fedguard.run_folder import (ATTACKS_FILE, ROUNDS_FILE, RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, read_jsonl,
+                                 write_atomic, write_jsonl)
+
+SETTING_KINDS = ("diagnostic", "realistic")
+"""What a setting is (EVALUATION.md, point 7): diagnostic finds worst cases (batch 1, untrained model, known
+labels), realistic is training as deployed (FedAvg, local epochs, non-IID, larger batches). A setting is
+diagnostic unless its preset says ``kind = "realistic"``."""
 
 
 @dataclass(frozen=True)
 class SweepRun:
-    """One run of a sweep: its setting, variant, validated configuration and folder."""
+    """One run of a sweep: its setting, variant, validated configuration (with the run's seed), folder and the
+    setting's kind (``SETTING_KINDS``)."""
 
     setting: str
     variant: str
     config: Config
     folder: Path
+    kind: str = SETTING_KINDS[0]
+
+    @property
+    def seed(self) -> int:
+        return self.config.run.seed
 
 
 @dataclass(frozen=True)
 class Sweep:
-    """The runs of a sweep preset, the variant the others' accuracy is compared to, and for a reproduction
-    preset the paper's numbers to print beside ours."""
+    """The runs of a sweep preset (a cell's seeds one after the other), the variant the others' accuracy is
+    compared to, and for a reproduction preset the paper's numbers to print beside ours."""
 
     name: str
     folder: Path
     baseline: str
     runs: tuple[SweepRun, ...]
     paper: PaperTable | None = None
+    seeds: tuple[int, ...] | None = None  # the declared [sweep] seeds; None: each run has its configuration's
 
 
 def _table(sweep: dict[str, Any], key: str, path: Path) -> dict[str, dict[str, Any]]:
@@ -69,13 +91,42 @@ def _table(sweep: dict[str, Any], key: str, path: Path) -> dict[str, dict[str, A
     return {name: flatten(overrides) for name, overrides in table.items()}
 
 
+def _kinds(settings: dict[str, dict[str, Any]], path: Path) -> dict[str, str]:
+    """Each setting's ``kind``, popped from its overrides (a reserved key, not a configuration key)."""
+    kinds = {name: keys.pop("kind", SETTING_KINDS[0]) for name, keys in settings.items()}
+    bad = [f"{path}: sweep.settings.{name}.kind = {kind!r}: choose {' or '.join(SETTING_KINDS)}"
+           for name, kind in kinds.items() if kind not in SETTING_KINDS]
+    if bad:
+        raise ConfigError(bad)
+    return kinds
+
+
+def _seeds(sweep: dict[str, Any], keys: dict[str, dict[str, Any]], given: dict[str, Any], path: Path) -> list[int] | None:
+    """The declared ``[sweep] seeds`` (None when not declared); ``ConfigError`` for a list that is not distinct
+    whole numbers >= 0, or for a setting, variant or ``--set`` that sets the seed the list sets."""
+    if "seeds" not in sweep:
+        return None
+    seeds = sweep["seeds"]
+    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                      for s in seeds) and len(set(seeds)) == len(seeds)):
+        raise ConfigError([f"{path}: sweep.seeds = {seeds!r}: give a list of distinct whole numbers >= 0, "
+                           "e.g. [0, 1, 2]"])
+    setters = [f"[sweep.{where}]" for where, overrides in keys.items() if "seed" in overrides]
+    setters += ["--set seed"] if "seed" in given else []
+    if setters:
+        raise ConfigError([f"{path}: sweep.seeds = {seeds} sets each run's seed; remove seed from "
+                           f"{', '.join(setters)} (or change sweep.seeds)"])
+    return seeds
+
+
 def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                only: list[str] | tuple[str, ...] = ()) -> Sweep:
     """Read and validate every run of the sweep ``preset``; all problems of all runs are reported at once.
 
     ``overrides`` (``key=value``) apply to every run, after its setting's and variant's keys; ``only`` keeps the
-    runs it names (``setting/variant``, or a variant in every setting). Relative paths, in the preset and in the
-    overrides alike, are resolved against the current folder, as ``fedguard run`` resolves them."""
+    runs it names (``setting/variant``, or a variant in every setting), every seed of each. Relative paths, in the
+    preset and in the overrides alike, are resolved against the current folder, as ``fedguard run`` resolves
+    them."""
     path = Path(preset)
     if not path.is_file():
         raise ConfigError([f"sweep preset {str(path)!r} not found (presets live in experiments/)"])
@@ -83,12 +134,13 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
     sweep = document.pop("sweep", None)
     if not isinstance(sweep, dict):
         raise ConfigError([f"{path}: no [sweep] table; run a single experiment with `fedguard run {path}`"])
-    unknown = sorted(set(sweep) - {"baseline", "settings", "variants", "paper"})
+    unknown = sorted(set(sweep) - {"baseline", "seeds", "settings", "variants", "paper"})
     if unknown:
         raise ConfigError([f"{path}: unknown key(s) in [sweep]: {', '.join(unknown)} "
-                           "(choose baseline, settings, variants, paper)"])
+                           "(choose baseline, seeds, settings, variants, paper)"])
     variants = _table(sweep, "variants", path)
     settings = _table(sweep, "settings", path) or {"run": {}}
+    kinds = _kinds(settings, path)
     if not variants:
         raise ConfigError([f"{path}: [sweep.variants] is empty; add one table of overrides per variant"])
     baseline = str(sweep.get("baseline", next(iter(variants))))
@@ -98,6 +150,8 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
     name = str(base.get("name", path.stem))
     folder = (Path(out) if out is not None else Path(str(base.get("out-dir") or "runs")) / name).absolute()
     given = dict(parse_override(text) for text in overrides)
+    seeds = _seeds(sweep, {**{f"settings.{k}": v for k, v in settings.items()},
+                           **{f"variants.{k}": v for k, v in variants.items()}}, given, path)
     chosen = _chosen_runs(only, list(settings), list(variants), path)
     runs, problems = [], []
     for setting, setting_keys in settings.items():
@@ -105,19 +159,23 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
             if (setting, variant) not in chosen:
                 continue
             flat = {**base, **setting_keys, **variant_keys, **given, "name": f"{name}-{setting}-{variant}"}
-            try:
-                config = resolve_paths(Config.from_flat(flat), Path.cwd())
-            except ConfigError as error:
-                problems += [f"{setting}/{variant}: {p}" for p in error.problems]
-                continue
-            runs.append(SweepRun(setting, variant, config, folder / setting / variant))
+            for seed in seeds or [None]:
+                keys, where = flat, folder / setting / variant
+                if seed is not None:
+                    keys, where = {**flat, "seed": seed}, where / f"seed-{seed}"
+                try:
+                    config = resolve_paths(Config.from_flat(keys), Path.cwd())
+                except ConfigError as error:
+                    problems += [f"{setting}/{variant}: {p}" for p in error.problems]
+                    break
+                runs.append(SweepRun(setting, variant, config, where, kinds[setting]))
     paper = None
     if "paper" in sweep:
         paper, paper_problems = parse_paper_table(sweep["paper"], {f"{s}/{v}" for s in settings for v in variants}, str(path))
         problems += paper_problems
     if problems:
         raise ConfigError(problems)
-    return Sweep(name, folder, baseline, tuple(runs), paper)
+    return Sweep(name, folder, baseline, tuple(runs), paper, None if seeds is None else tuple(seeds))
 
 
 def _chosen_runs(only: list[str] | tuple[str, ...], settings: list[str], variants: list[str],
@@ -160,24 +218,27 @@ def attack_scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return scores
 
 
-def raw_uploads(rounds: list[dict[str, Any]], attacked: list[dict[str, Any]]) -> dict[str, Any]:
+def raw_uploads(runs: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]) -> dict[str, Any]:
     """How many uploads went out as the raw gradient (a defense's ``upload.raw`` report, e.g. CENSOR's
-    Algorithm 1 fallback): ``raw_fraction`` over every upload of the run, and ``raw_attacked`` of
-    ``attacked_uploads`` among the (round, client) uploads that attack rows scored. Empty when no upload
-    reported it."""
-    flags = {(r["round"], u.get("client")): u["raw"] for r in rounds for u in r.get("uploads", []) if "raw" in u}
+    Algorithm 1 fallback), over ``runs`` (each its trained rounds and its scored attack rows): ``raw_fraction``
+    over every upload, and ``raw_attacked`` of ``attacked_uploads`` among the (round, client) uploads that attack
+    rows scored. Empty when no upload reported it."""
+    flags = {(index, r["round"], u.get("client")): u["raw"] for index, (rounds, _) in enumerate(runs)
+             for r in rounds for u in r.get("uploads", []) if "raw" in u}
     if not flags:
         return {}
-    targets = dict.fromkeys((a.get("round"), a.get("client")) for a in attacked)
+    targets = dict.fromkeys((index, a.get("round"), a.get("client")) for index, (_, attacked) in enumerate(runs)
+                            for a in attacked)
     return {"raw_fraction": sum(flags.values()) / len(flags), "attacked_uploads": len(targets),
             "raw_attacked": sum(int(flags.get(t, 0) > 0) for t in targets)}
 
 
 def failed_row(run: SweepRun, error: str, log: Path) -> dict[str, Any]:
-    """The ``sweep.jsonl`` row of a run that did not complete: ``status`` 'failed', the ``error`` that stopped
+    """The ``runs.jsonl`` row of a run that did not complete: ``status`` 'failed', the ``error`` that stopped
     it and its ``log``; no figure, so that no verdict is drawn from what it did before it stopped."""
-    return {"setting": run.setting, "variant": run.variant, "defense": run.config.defense.name, "status": "failed",
-            "error": error, "log": str(log), "folder": str(run.folder), "accuracy": None}
+    return {"setting": run.setting, "variant": run.variant, "seed": run.seed, "defense": run.config.defense.name,
+            "status": "failed", "error": error, "log": str(log), "folder": str(run.folder), "accuracy": None,
+            "setting_kind": run.kind}
 
 
 def failure_reason(run: SweepRun, code: int, log: Path) -> str:
@@ -192,37 +253,85 @@ def failure_reason(run: SweepRun, code: int, log: Path) -> str:
     return lines[-1].strip() if lines else f"fedguard run exited with code {code}"
 
 
-def summarize_run(run: SweepRun, status: str) -> dict[str, Any]:
-    """One ``sweep.jsonl`` row of a completed run: final accuracy, mean round time, defense reports (the epsilon
-    spent by the end, where the defense reports one), raw uploads, scores per attack, and the strongest attack's
-    (highest mean SSIM) scores at the top level, since a defense is as good as it is against the best attack."""
-    rounds = read_jsonl(run.folder / ROUNDS_FILE)
-    scored = [a for a in read_jsonl(run.folder / ATTACKS_FILE) if a.get("status") == "ok"]
-    trained = [r for r in rounds if r["round"] > 0]
+def _mean_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The defense reports of several seeds as one: numbers averaged, anything else the first seed's."""
+    if len(reports) == 1:
+        return reports[0]
+    numbers = {key for key, value in reports[0].items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return {key: _mean([r.get(key) for r in reports]) if key in numbers else value for key, value in reports[0].items()}
+
+
+def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
+    """One row over the completed runs of a cell (its seeds; one run gives its ``runs.jsonl`` row).
+
+    Means over the seeds: final ``accuracy`` (``accuracy_ci95``: the t interval over seeds), seconds per round,
+    the defense's reports of the last round (``epsilon``: spent by the end, where the defense reports one).
+    Pooled over the seeds: raw uploads, the share of dense bytes uploaded, scores per attack (``attacks``), and at
+    the top level the strongest attack's (highest mean SSIM over every attacked round; ``by_round``: its scores
+    per round), as the means of per-upload means. ``privacy``: the image-level headline of
+    ``fedguard.report.leakage.privacy`` (None where nothing was attacked); ``setting_kind``: the setting's."""
+    logs = [(run, read_jsonl(run.folder / ROUNDS_FILE), read_jsonl(run.folder / ATTACKS_FILE)) for run in runs]
+    trained = [[r for r in rounds if r["round"] > 0] for _, rounds, _ in logs]
+    scored_by_run = [[a for a in attacks if a.get("status") == "ok"] for _, _, attacks in logs]
+    scored = [a for rows in scored_by_run for a in rows]
     per_attack = {name: attack_scores([a for a in scored if a.get("attack") == name])
                   for name in dict.fromkeys(str(a.get("attack")) for a in scored)}
     strongest = max(per_attack, key=lambda name: per_attack[name]["ssim"] or 0.0, default=None)
-    report = trained[-1].get("defense", {}) if trained else {}
+    reports = [rounds[-1].get("defense", {}) if rounds else {} for rounds in trained]
+    report = _mean_report(reports)
     by_round = {}
     if strongest:
         for round_ in sorted({a["round"] for a in scored if a.get("attack") == strongest and isinstance(a.get("round"), int)}):
             by_round[str(round_)] = attack_scores([a for a in scored if a.get("attack") == strongest
                                                    and a.get("round") == round_])
-    sizes = [(r["upload_bytes"], r["dense_bytes"]) for r in trained if r.get("dense_bytes")]
+    sizes = [(r["upload_bytes"], r["dense_bytes"]) for rounds in trained for r in rounds if r.get("dense_bytes")]
+    accuracy = over_seeds([rounds[-1]["accuracy"] if rounds else None for _, rounds, _ in logs])
+    seconds = [_mean([r["seconds"] for r in rounds[1:]] or [r["seconds"] for r in rounds]) for rounds in trained]
+    adaptive = {a.name: attack_traits(a.name, a.params).adaptive for a in runs[0].config.attacks}
+    folder = Path(os.path.commonpath([run.folder for run in runs]))
     return {
-        "setting": run.setting, "variant": run.variant, "defense": run.config.defense.name, "status": status,
-        "folder": str(run.folder), "rounds": len(trained),
-        "accuracy": rounds[-1]["accuracy"] if rounds else None,
-        "seconds_per_round": _mean([r["seconds"] for r in trained[1:]] or [r["seconds"] for r in trained]),
+        "setting": runs[0].setting, "variant": runs[0].variant, "defense": runs[0].config.defense.name,
+        "status": "ok", "setting_kind": runs[0].kind, "folder": str(folder), "seeds": [run.seed for run in runs],
+        "rounds": len(trained[0]),
+        "accuracy": accuracy.mean, "accuracy_ci95": accuracy.ci95,
+        "seconds_per_round": _mean(seconds),
         "defense_report": report,
         "epsilon": report.get("epsilon"),
-        **raw_uploads(trained, scored),
+        **raw_uploads(list(zip(trained, scored_by_run))),
         "upload_share": sum(u for u, _ in sizes) / sum(d for _, d in sizes) if sizes else None,
         "attacks": per_attack,
         "by_round": by_round,
         "strongest_attack": strongest,
         **(per_attack[strongest] if strongest else {}),
+        "privacy": privacy(scored, adaptive),
     }
+
+
+def cell_row(runs: list[SweepRun], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``sweep.jsonl`` row of one cell from its runs and their ``runs.jsonl`` rows: ``summarize_runs`` over
+    the completed ones, with ``failed_seeds``; a failed row (the errors per seed) when none completed."""
+    completed = [run for run, row in zip(runs, rows) if row["status"] == "ok"]
+    failed = [row for row in rows if row["status"] != "ok"]
+    if completed:
+        return {**summarize_runs(completed), "failed_seeds": [row["seed"] for row in failed]}
+    error = failed[0]["error"] if len(failed) == 1 else "; ".join(f"seed {r['seed']}: {r['error']}" for r in failed)
+    first = {key: value for key, value in failed[0].items() if key != "seed"}
+    return {**first, "folder": os.path.commonpath([row["folder"] for row in failed]), "error": error,
+            "seeds": [], "failed_seeds": [row["seed"] for row in failed]}
+
+
+def cell_rows(runs: tuple[SweepRun, ...], rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
+    """One ``cell_row`` per (setting, variant) of ``runs`` (with their ``runs.jsonl`` ``rows``, in order), with
+    ``accuracy_share``: the accuracy over the ``baseline`` variant's in the same setting."""
+    cells: dict[tuple[str, str], list[int]] = {}
+    for index, run in enumerate(runs):
+        cells.setdefault((run.setting, run.variant), []).append(index)
+    result = [cell_row([runs[i] for i in indices], [rows[i] for i in indices]) for indices in cells.values()]
+    by = {(r["setting"], r["variant"]): r for r in result}
+    for row in result:
+        if row["status"] == "ok":
+            row["accuracy_share"] = metric_value(row, "accuracy_share", by.get((row["setting"], baseline)))
+    return result
 
 
 def _cell(value: Any, digits: int, suffix: str = "") -> str:
@@ -244,29 +353,56 @@ def _raw_cell(row: dict[str, Any], attacked: bool) -> str:
     return f"{100 * row['raw_fraction']:.0f}%"
 
 
+def _attack_cells(leak: dict[str, Any]) -> list[str]:
+    """The headline attack (adaptive or not) with its round, images (x seeds), PSNR, SSIM with its interval,
+    LPIPS and success rate."""
+    attack = f"`{leak['attack']}`" + (" adaptive" if leak["adaptive"] else "") + f", round {leak['round']}"
+    seeds = len(leak["seeds"])
+    images = f"{leak['n_images']}" + (f" ({seeds} seeds)" if seeds > 1 else "")
+    interval = leak["ssim_ci95"]
+    ssim = "-" if interval is None else f"{leak['ssim_mean']:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
+    rate = leak["success_rate"]
+    return [attack, images, _cell(leak["psnr_mean"], 1), ssim, _cell(leak["lpips_mean"], 3),
+            _cell(None if rate is None else 100 * rate, 0, "%")]
+
+
+def _accuracy_cell(row: dict[str, Any]) -> str:
+    """Final accuracy in %, with its interval over seeds where there are several."""
+    accuracy, interval = row.get("accuracy"), row.get("accuracy_ci95")
+    if accuracy is None:
+        return "-"
+    if len(row.get("seeds") or []) < 2 or interval is None:
+        return f"{100 * accuracy:.1f}%"
+    return f"{100 * accuracy:.1f}% [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]"
+
+
 def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
-    """Markdown: one line per variant; per setting, the strongest attack's scores where the setting attacked,
-    the final accuracy (also as a percentage of the baseline variant's) where it trained for more than one
-    round, the epsilon spent where a variant reports one, the raw uploads (of the attacked ones where the
-    setting attacked, else the share of all) where a variant reports them, and the mean seconds per round."""
+    """Markdown: one line per variant; per setting, where it attacked, the headline of ``privacy`` (the attack,
+    marked adaptive where it is, and its round; images scored over how many seeds; mean PSNR; mean SSIM with its
+    95 % interval; mean LPIPS; the share of images above SSIM ``SUCCESS_SSIM``), the final accuracy (with its
+    interval over seeds where there are several, and as a percentage of the baseline variant's) where it trained
+    for more than one round, the epsilon spent where a variant reports one, the raw uploads (of the attacked ones
+    where the setting attacked, else the share of all) where a variant reports them, and the mean seconds per
+    round."""
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["setting"], r["variant"]): r for r in rows}
-    attacked = {s for s in settings if any(r.get("images") for r in rows if r["setting"] == s)}
+    attacked = {s for s in settings if any(r.get("privacy") for r in rows if r["setting"] == s)}
     trained = {s for s in settings if any((r.get("rounds") or 0) > 1 for r in rows if r["setting"] == s)}
     private = {s for s in settings if any(r.get("epsilon") is not None for r in rows if r["setting"] == s)}
     raw = {s for s in settings if any("raw_fraction" in r for r in rows if r["setting"] == s)}
     header, rule = ["variant"], ["---"]
 
     def columns_of(setting: str) -> list[str]:
-        return (["strongest attack", "PSNR (dB)", "SSIM", "LPIPS", "SSIM > 0.9"] if setting in attacked else []) + (
+        return (["attack, round", "images", "PSNR (dB)", "SSIM [95% CI]", "LPIPS", f"SSIM > {SUCCESS_SSIM:g}"]
+                if setting in attacked else []) + (
             ["accuracy", "% of baseline"] if setting in trained else []) + (
             ["epsilon"] if setting in private else []) + (["raw uploads"] if setting in raw else []) + ["s/round"]
 
     for setting in settings:
         columns = columns_of(setting)
         header += [f"{setting}: {columns[0]}", *columns[1:]]
-        rule += ["---" if column == "strongest attack" else "---:" for column in columns]
+        rule += ["---" if column == "attack, round" else "---:" for column in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
     for variant in variants:
         cells = [f"`{variant}`"]
@@ -277,14 +413,10 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
                 cells += ["**failed**", *["-"] * (width - 1)]
                 continue
             if setting in attacked:
-                attack = row.get("strongest_attack")
-                leaked = f"{row['leaked_images']} of {row['images']}" if row.get("images") else "-"
-                cells += [f"`{attack}`" if attack else "-", _cell(row.get("psnr"), 1), _cell(row.get("ssim"), 3),
-                          _cell(row.get("lpips"), 3), leaked]
+                cells += _attack_cells(row["privacy"]) if row.get("privacy") else ["-"] * 6
             if setting in trained:
-                accuracy, share = row.get("accuracy"), metric_value(row, "accuracy_share", base)
-                cells += [_cell(None if accuracy is None else 100 * accuracy, 1, "%"),
-                          _cell(None if share is None else 100 * share, 1, "%")]
+                share = metric_value(row, "accuracy_share", base)
+                cells += [_accuracy_cell(row), _cell(None if share is None else 100 * share, 1, "%")]
             if setting in private:
                 cells.append(_epsilon_cell(row.get("epsilon")))
             if setting in raw:
@@ -295,10 +427,10 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
 
 
 def failures_note(rows: list[dict[str, Any]]) -> str:
-    """Markdown lines naming each failed run and why it failed (empty when none did)."""
+    """Markdown lines naming each failed run (``runs.jsonl`` rows) and why it failed (empty when none did)."""
     failed = [r for r in rows if r.get("status") == "failed"]
-    return "".join(f"\n- `{r['setting']}/{r['variant']}` **failed**: {r['error']} (log {r['log']})" for r in failed) \
-        + ("\n" if failed else "")
+    return "".join(f"\n- `{r['setting']}/{r['variant']}` seed {r['seed']} **failed**: {r['error']} (log {r['log']})"
+                   for r in failed) + ("\n" if failed else "")
 
 
 STOP_WAIT = 90.0  # seconds a stopped run gets to record its attacks and stop its processes (it takes 60 at most)
@@ -331,37 +463,39 @@ def _stop_run(process: subprocess.Popen, signum: int) -> None:
 
 
 def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: float | None = None) -> list[dict[str, Any]]:
-    """Run every run of ``sweep`` that is not finished yet, one process each; write ``sweep.jsonl`` and
-    ``summary.md``; returns the rows."""
+    """Run every run of ``sweep`` that is not finished yet, one process each; write ``runs.jsonl`` (a row per
+    run), ``sweep.jsonl`` (a row per cell) and ``summary.md``; returns the cells' rows."""
     sweep.folder.mkdir(parents=True, exist_ok=True)
+    seeded = sweep.seeds is not None
     rows = []
     for index, run in enumerate(sweep.runs, 1):
-        label = f"[{index}/{len(sweep.runs)}] {run.setting}/{run.variant}"
+        label = f"[{index}/{len(sweep.runs)}] {run.setting}/{run.variant}" + (f" seed {run.seed}" if seeded else "")
         if finished(run):
             progress(f"fedguard: {label}: finished earlier, kept ({run.folder})")
-            rows.append(summarize_run(run, "ok"))
+            rows.append({**summarize_runs([run]), "seed": run.seed})
             continue
         run.folder.mkdir(parents=True, exist_ok=True)
-        preset = run.folder.parent / f"{run.variant}.toml"
+        preset, log = run.folder.with_suffix(".toml"), run.folder.with_suffix(".log")
         write_atomic(preset, tomli_w.dumps(unflatten(run.config.to_flat())))
         progress(f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}")
-        log = run.folder.parent / f"{run.variant}.log"
         code = run_one([sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)], log, timeout)
         if code != 0:
             rows.append(failed_row(run, failure_reason(run, code, log), log))
             progress(f"fedguard: {label}: failed: {rows[-1]['error']} (log {log})")
             continue
-        row = summarize_run(run, "ok")
+        row = {**summarize_runs([run]), "seed": run.seed}
         rows.append(row)
         scores = f"PSNR {row['psnr']:.1f} dB, " if row.get("psnr") is not None else ""
         accuracy = f"accuracy {100 * row['accuracy']:.1f}%" if row["accuracy"] is not None else "no round finished"
         progress(f"fedguard: {label}: ok; {scores}{accuracy}")
-    write_jsonl(sweep.folder / SWEEP_FILE, rows)
-    summary = summary_table(rows, sweep.baseline) + failures_note(rows)
+    write_jsonl(sweep.folder / RUNS_FILE, rows)
+    cells = cell_rows(sweep.runs, rows, sweep.baseline)
+    write_jsonl(sweep.folder / SWEEP_FILE, cells)
+    summary = summary_table(cells, sweep.baseline) + failures_note(rows)
     if sweep.paper is not None:
-        summary += "\n" + render_paper_table(sweep.paper, rows, sweep.baseline)
+        summary += "\n" + render_paper_table(sweep.paper, cells, sweep.baseline)
     write_atomic(sweep.folder / SUMMARY_FILE, summary)
-    return rows
+    return cells
 
 
 def load_preset(preset: Path | str) -> Config | Sweep:

@@ -9,7 +9,7 @@ import pytest
 
 from fedguard.config import ConfigError, load_config
 from fedguard.report.paper_table import render_paper_table
-from fedguard.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summarize_run, summary_table
+from fedguard.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summarize_runs, summary_table
 
 SMALL = """
 name = "small"
@@ -84,19 +84,30 @@ def test_every_problem_of_every_run_is_reported_before_anything_runs(tmp_path: P
         load_sweep(write(tmp_path, SMALL + '[sweep]\nvariant = 1\n'))
 
 
+def leak(attack: str, psnr: float, ssim: float, lpips: float, rate: float, **changes: object) -> dict:
+    """A ``privacy`` object as ``fedguard.report.leakage.privacy`` writes it, with the scores the table shows."""
+    return {"attack": attack, "adaptive": False, "round": 1, "n_images": 2, "seeds": [0], "psnr_mean": psnr,
+            "ssim_mean": ssim, "ssim_ci95": [ssim - 0.1, ssim + 0.05], "lpips_mean": lpips, "success_rate": rate,
+            **changes}
+
+
 def test_summary_table_gives_accuracy_as_a_share_of_the_baseline() -> None:
     rows = [
-        {"setting": "s", "variant": "none", "accuracy": 0.8, "strongest_attack": "idlg", "psnr": 40.0, "ssim": 0.99,
-         "lpips": 0.01, "leaked_images": 2, "images": 2, "seconds_per_round": 0.5, "rounds": 5},
-        {"setting": "s", "variant": "dp", "accuracy": 0.6, "strongest_attack": "ig", "psnr": 12.0, "ssim": 0.2,
-         "lpips": 0.5, "leaked_images": 0, "images": 2, "seconds_per_round": 0.6, "rounds": 5},
+        {"setting": "s", "variant": "none", "accuracy": 0.8, "privacy": leak("idlg", 40.0, 0.9, 0.01, 1.0),
+         "seconds_per_round": 0.5, "rounds": 5, "seeds": [0]},
+        {"setting": "s", "variant": "dp", "accuracy": 0.6, "seconds_per_round": 0.6, "rounds": 5,
+         "accuracy_ci95": [0.5, 0.7], "seeds": [0, 1, 2],
+         "privacy": leak("ig", 12.0, 0.2, 0.5, 0.0, adaptive=True, round=5, n_images=6, seeds=[0, 1, 2])},
         {"setting": "u", "variant": "none", "accuracy": 0.9, "seconds_per_round": 0.1, "rounds": 1},
     ]
     table = summary_table(rows, "none").splitlines()
-    assert table[0].startswith("| variant | s: strongest attack | PSNR (dB) | SSIM | LPIPS | SSIM > 0.9 | accuracy")
+    assert table[0].startswith("| variant | s: attack, round | images | PSNR (dB) | SSIM [95% CI] | LPIPS | "
+                               "SSIM > 0.5 | accuracy")
     assert table[0].endswith("| % of baseline | s/round | u: s/round |")  # u attacked nothing, trained 1 round
-    assert table[2] == "| `none` | `idlg` | 40.0 | 0.990 | 0.010 | 2 of 2 | 80.0% | 100.0% | 0.50 | 0.10 |"
-    assert table[3] == "| `dp` | `ig` | 12.0 | 0.200 | 0.500 | 0 of 2 | 60.0% | 75.0% | 0.60 | - |"
+    assert table[2] == ("| `none` | `idlg`, round 1 | 2 | 40.0 | 0.90 [0.80, 0.95] | 0.010 | 100% | 80.0% | 100.0% "
+                        "| 0.50 | 0.10 |")
+    assert table[3] == ("| `dp` | `ig` adaptive, round 5 | 6 (3 seeds) | 12.0 | 0.20 [0.10, 0.25] | 0.500 | 0% "
+                        "| 60.0% [50.0, 70.0] | 75.0% | 0.60 | - |")
 
 
 def test_the_strongest_attack_is_the_one_with_the_highest_mean_ssim(tmp_path: Path) -> None:
@@ -110,7 +121,7 @@ def test_the_strongest_attack_is_the_one_with_the_highest_mean_ssim(tmp_path: Pa
              "leaked_images": 0, "floor": {"psnr": 17.0}},
             {"attack": "dlg", "status": "error", "psnr": None}]
     (run.folder / "attacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = summarize_run(run, "ok")
+    summary = summarize_runs([run])
     assert summary["strongest_attack"] == "idlg" and set(summary["attacks"]) == {"ig", "idlg"}
     assert summary["psnr"] == 30.0 and summary["ssim"] == pytest.approx(0.9) and summary["floor_psnr"] == 16.0
     assert summary["leaked_images"] == 1 and summary["images"] == 2 and summary["accuracy"] is None
@@ -130,15 +141,15 @@ def test_the_table_shows_epsilon_and_raw_uploads_where_variants_report_them(tmp_
     attacks.append({**attacks[0], "attack": "idlg"})  # a second attack on the same upload counts once
     (run.folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     (run.folder / "attacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in attacks))
-    summary = summarize_run(run, "ok")
+    summary = summarize_runs([run])
     assert (summary["raw_fraction"], summary["raw_attacked"], summary["attacked_uploads"]) == (0.25, 1, 3)
-    rows = [{**summary, "setting": "p"}, {**summary, "setting": "u", "images": 0},
-            {"setting": "p", "variant": "dp", "epsilon": 2.1e6, "images": 3, "leaked_images": 0, "rounds": 2},
+    rows = [{**summary, "setting": "p"}, {**summary, "setting": "u", "privacy": None},
+            {"setting": "p", "variant": "dp", "epsilon": 2.1e6, "privacy": leak("ig", 5.0, 0.0, 0.4, 0.0), "rounds": 2},
             {"setting": "u", "variant": "dp-sgd", "epsilon": 6.34, "rounds": 2}]
     table = summary_table(rows, "censor").splitlines()
-    assert "| SSIM > 0.9 | accuracy | % of baseline | epsilon | raw uploads | s/round | u: accuracy |" in table[0]
-    assert table[2].split(" | ")[8:11] == ["-", "1 of 3", "1.00"] and table[2].split(" | ")[13:15] == ["-", "25%"]
-    assert table[3].split(" | ")[8:10] == ["2.1e+06", "-"] and table[4].split(" | ")[-3:-1] == ["6.34", "-"]
+    assert "| SSIM > 0.5 | accuracy | % of baseline | epsilon | raw uploads | s/round | u: accuracy |" in table[0]
+    assert table[2].split(" | ")[9:12] == ["-", "1 of 3", "1.00"] and table[2].split(" | ")[14:16] == ["-", "25%"]
+    assert table[3].split(" | ")[9:11] == ["2.1e+06", "-"] and table[4].split(" | ")[-3:-1] == ["6.34", "-"]
 
 
 @pytest.mark.slow
@@ -225,3 +236,110 @@ def test_a_bad_paper_row_is_named(tmp_path: Path, change: str, message: str) -> 
     with pytest.raises(ConfigError) as error:
         load_sweep(write(tmp_path, PAPER.replace(change, broken, 1)), tmp_path / "out")
     assert message in str(error.value)
+
+
+SEEDED = SMALL + """
+[sweep]
+baseline = "none"
+seeds = [0, 1, 2]
+[sweep.settings.privacy]
+kind = "diagnostic"
+[sweep.settings.fedavg]
+kind = "realistic"
+"train.batch-size" = 16
+[sweep.variants.none]
+"defense.name" = "none"
+[sweep.variants.dp]
+defense = { name = "dp", dp = { noise-multiplier = 0.5 } }
+"""
+
+
+def test_a_sweep_with_seeds_runs_each_cell_once_per_seed_in_a_folder_per_seed(tmp_path: Path) -> None:
+    sweep = load_sweep(write(tmp_path, SEEDED), tmp_path / "out", ["train.rounds=3"], ["fedavg/dp"])
+    assert sweep.seeds == (0, 1, 2)
+    assert [(r.setting, r.variant, r.seed) for r in sweep.runs] == [("fedavg", "dp", s) for s in (0, 1, 2)]
+    assert [r.folder for r in sweep.runs] == [tmp_path / "out" / "fedavg" / "dp" / f"seed-{s}" for s in (0, 1, 2)]
+    assert all(r.config.train.rounds == 3 and r.config.train.batch_size == 16 and r.kind == "realistic"
+               for r in sweep.runs)
+    plain = load_sweep(write(tmp_path, 'seed = 4\n' + SMALL + '[sweep]\n[sweep.settings.s]\n[sweep.variants.a]\n'),
+                       tmp_path / "plain")
+    assert plain.seeds is None and [(r.seed, r.kind, r.folder) for r in plain.runs] == [
+        (4, "diagnostic", tmp_path / "plain" / "s" / "a")], "without seeds: the preset's seed, one folder per cell"
+
+
+@pytest.mark.parametrize(("change", "overrides", "message"), [
+    ("seeds = [0, 0]", [], r"sweep.seeds = \[0, 0\]: give a list of distinct whole numbers >= 0, e.g. \[0, 1, 2\]"),
+    ("seeds = []", [], r"sweep.seeds = \[\]: give a list"),
+    ('seeds = ["1"]', [], r"sweep.seeds = \['1'\]: give a list"),
+    ("seeds = [0, 1, 2]", ["seed=3"], r"sets each run's seed; remove seed from --set seed"),
+    ('kind = "diagnostic"\n"seed" = 2', [], r"remove seed from \[sweep.settings.privacy\]"),
+    ('kind = "practical"', [], r"sweep.settings.privacy.kind = 'practical': choose diagnostic or realistic"),
+])
+def test_bad_seeds_and_setting_kinds_are_named(tmp_path: Path, change: str, overrides: list[str],
+                                               message: str) -> None:
+    target = 'kind = "diagnostic"' if change.startswith("kind") else "seeds = [0, 1, 2]"
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(write(tmp_path, SEEDED.replace(target, change, 1)), tmp_path / "out", overrides)
+
+
+def finished_run(folder: Path, accuracy: float, ssims: list[float], seed: int, attack: str = "ig") -> None:
+    """A run folder as ``fedguard run`` leaves it: two trained rounds and one scored upload of ``ssims``."""
+    folder.mkdir(parents=True)
+    rounds = [{"round": r, "accuracy": accuracy if r == 2 else 0.1, "loss": 1.0, "seconds": 1.0} for r in range(3)]
+    per_image = [{"psnr": 10 + 20 * s, "ssim": s, "lpips": 1 - s} for s in ssims]
+    attacks = [{"attack": attack, "status": "ok", "round": 1, "client": 0, "seed": seed, "psnr": 20.0,
+                "ssim": sum(ssims) / len(ssims), "lpips": 0.3, "per_image": per_image, "leaked_images": 0}]
+    (folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    (folder / "attacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in attacks))
+
+
+def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    sweep = load_sweep(write(tmp_path, SEEDED), tmp_path / "out", [], ["privacy/none", "privacy/dp"])
+    folders = {(r.variant, r.seed): r.folder for r in sweep.runs}
+    for seed, accuracy in ((0, 0.8), (1, 0.9)):
+        finished_run(folders["none", seed], accuracy, [0.9, 0.4], seed, "idlg")
+    finished_run(folders["none", 2], 0.85, [0.95, 0.6], 2, "idlg")
+    for seed in (0, 1):
+        finished_run(folders["dp", seed], 0.4, [0.1, 0.2], seed)
+
+    def fail(command: list[str], log: Path, timeout: float | None) -> int:
+        log.write_text("Traceback ...\nRuntimeError: out of memory\n")
+        return 1
+
+    monkeypatch.setattr("fedguard.sweep.run_one", fail)
+    lines: list[str] = []
+    rows = run_sweep(sweep, lines.append)
+    assert lines[-1] == f"fedguard: [6/6] privacy/dp seed 2: failed: RuntimeError: out of memory " \
+                        f"(log {folders['dp', 2]}.log)"
+    runs = [json.loads(line) for line in (tmp_path / "out" / "runs.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["seed"], r["status"]) for r in runs] == [
+        ("none", 0, "ok"), ("none", 1, "ok"), ("none", 2, "ok"), ("dp", 0, "ok"), ("dp", 1, "ok"), ("dp", 2, "failed")]
+    assert runs[0]["privacy"]["seeds"] == [0] and runs[0]["accuracy"] == 0.8
+    assert rows == [json.loads(line) for line in (tmp_path / "out" / SWEEP_FILE).read_text().splitlines()]
+    none, dp = rows
+    assert (none["seeds"], none["failed_seeds"], dp["seeds"], dp["failed_seeds"]) == ([0, 1, 2], [], [0, 1], [2])
+    assert none["setting_kind"] == "diagnostic" and none["folder"] == str(tmp_path / "out" / "privacy" / "none")
+    assert none["accuracy"] == pytest.approx(0.85) and none["accuracy_share"] == 1.0
+    assert none["accuracy_ci95"] == pytest.approx([0.85 - 4.303 * 0.05 / 3 ** 0.5, 0.85 + 4.303 * 0.05 / 3 ** 0.5],
+                                                  abs=1e-4)
+    assert dp["accuracy"] == 0.4 and dp["accuracy_ci95"] == [0.4, 0.4] and dp["accuracy_share"] == pytest.approx(0.4 / 0.85)
+    leak = none["privacy"]
+    assert (leak["attack"], leak["adaptive"], leak["round"], leak["n_images"], leak["seeds"]) == ("idlg", False, 1, 6,
+                                                                                                 [0, 1, 2])
+    assert leak["ssim_mean"] == pytest.approx(4.15 / 6) and leak["success_rate"] == pytest.approx(4 / 6)
+    assert leak["recovered_rate"] == pytest.approx(1 / 6) and leak["success_threshold"] == 0.5
+    assert [r["round"] for r in leak["per_round"]] == [1]
+    summary = (tmp_path / "out" / SUMMARY_FILE).read_text()
+    assert "| `none` | `idlg`, round 1 | 6 (3 seeds) | 23.8 | 0.69 [" in summary
+    assert f"- `privacy/dp` seed 2 **failed**: RuntimeError: out of memory (log {folders['dp', 2]}.log)" in summary
+
+
+def test_a_cell_whose_every_seed_failed_is_a_failed_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sweep = load_sweep(write(tmp_path, SEEDED.replace("[0, 1, 2]", "[0, 1]")), tmp_path / "out", [], ["privacy/dp"])
+    monkeypatch.setattr("fedguard.sweep.run_one", lambda command, log, timeout: 1)
+    [row] = run_sweep(sweep, lambda line: None)
+    assert (row["status"], row["seeds"], row["failed_seeds"], row["accuracy"]) == ("failed", [], [0, 1], None)
+    assert row["error"] == "seed 0: fedguard run exited with code 1; seed 1: fedguard run exited with code 1"
+    assert "privacy" not in row and "seed" not in row
+    assert "| `dp` | **failed** |\n" in (tmp_path / "out" / SUMMARY_FILE).read_text()

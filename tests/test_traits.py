@@ -57,6 +57,17 @@ def test_traits_match_the_built_attack(name: str, changes: dict[str, Any], monke
     assert {f.param for f in traits.files} == {k for k in FILES if k in params.__dataclass_fields__}
 
 
+@pytest.mark.parametrize(("name", "changes", "adaptive"), [
+    ("ig", {}, False), ("ig", {"skip": "fc.weight"}, True), ("ig", {"eot": 2}, True),
+    ("idlg", {}, False), ("gradinversion", {}, False), ("ggl", {}, False),
+    ("mjolnir+idlg", {}, True), ("mjolnir+idlg", {"noise_source": "estimate"}, False),
+    ("mjolnir+ig", {"noise_source": "estimate", "skip": "fc.weight"}, True),
+])
+def test_an_attack_is_adaptive_when_its_parameters_use_the_defense(name: str, changes: dict[str, Any],
+                                                                  adaptive: bool) -> None:
+    assert attack_traits(name, with_files(name, **changes)).adaptive is adaptive
+
+
 def test_configuration_builds_no_attack_or_defense_and_loads_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
     original = Registry.build
 
