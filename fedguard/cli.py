@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -183,11 +184,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    """Turn SIGTERM into the KeyboardInterrupt that Ctrl-C raises."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every setting x variant of a sweep preset (e.g. every defense), then print the summary table."""
     from fedguard.sweep import SUMMARY_FILE, load_sweep, run_sweep
 
     sweep = load_sweep(args.preset, args.out, args.overrides, args.only)
+    signal.signal(signal.SIGTERM, _interrupt)  # a terminated sweep stops its run as Ctrl-C does, results kept
     print(f"fedguard: sweep {sweep.name}: {len(sweep.runs)} runs in {sweep.folder}", flush=True)
     start = time.perf_counter()
     rows = run_sweep(sweep, lambda line: print(line, flush=True))

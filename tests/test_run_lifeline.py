@@ -119,3 +119,27 @@ def test_sigkill_of_fedguard_run_ends_its_run_and_a_live_run_refuses_a_second_wr
     assert status is not None and status["status"] == "interrupted" and status["rounds"] >= 2, status
     assert f"fedguard run (process {process.pid}) ended without stopping its run" in log, log[-3000:]
     os.close(hold(out))
+
+
+@pytest.mark.slow
+def test_a_terminated_sweep_stops_its_run_cleanly(tmp_path: Path) -> None:
+    preset = tmp_path / "sweep.toml"
+    preset.write_text('name = "stopped"\n[data]\nname = "digits"\n[partition]\nnum-clients = 3\n[train]\n'
+                      'rounds = 500\nclients-per-round = 3\n[capture]\nrounds = "none"\n'
+                      '[sweep.variants.none]\n"defense.name" = "none"\n')
+    tag = uuid.uuid4().hex
+    with open(tmp_path / "output.log", "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "fedguard", "sweep", str(preset), "--out",
+                                    str(tmp_path / "sweep")], env={**os.environ, TAG: tag}, stdout=output,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    out = tmp_path / "sweep" / "run" / "none"
+    try:
+        wait_for_rounds(out, 2, process)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(120) == 130
+        left = tagged(tag)
+    finally:
+        kill_all(tag)
+    assert left == [], "the sweep's run stopped with it"
+    status = read_status(out)
+    assert status is not None and status["status"] == "interrupted", status
