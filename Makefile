@@ -4,8 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The GPU check runs from the tree with the machine's own Python, no venv (README, "GPU check").
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
 
-.PHONY: install demo test test-fast bench-breaching bench-bare-loop clean
+.PHONY: install demo test test-fast bench-breaching bench-bare-loop gpu-wheels gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +44,12 @@ bench-breaching: $(STAMP)  ## fedguard's optimization attacks vs breaching 0.1.2
 
 bench-bare-loop: $(STAMP)  ## IG on ResNet-18: the attack engine vs a bare PyTorch loop of the same maths (GPU where there is one)
 	$(BIN)/python benchmarks/ig_vs_bare_loop.py
+
+gpu-wheels:  ## what gpu-check needs beyond torch and the usual scientific stack, as Python 3.12 wheels in .whl/
+	$(GPU_PYTHON) benchmarks/gpu_wheels.py
+
+gpu-check:  ## every CUDA path at small size in about 6 minutes; summary in gpu-check/gpu-check.md ($$OUT if set)
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
