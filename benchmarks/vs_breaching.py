@@ -282,16 +282,17 @@ def breaching_attacker(breaching: Any, case: Case, iterations: int, model: nn.Mo
     return cfg, breaching.attacks.prepare_attack(copy.deepcopy(model), nn.CrossEntropyLoss(), cfg, setup)
 
 
-def breaching_payload(obs: Observation) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(server payload, shared data) of one upload: global parameters and gradient, no buffers (BatchNorm on
-    batch statistics, as in the client's step), no labels, images in [0, 1] (mean 0, std 1)."""
+def breaching_payload(obs: Observation, device: torch.device | str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(server payload, shared data) of one upload on ``device``, as breaching's server hands them to its attacker:
+    global parameters and gradient, no buffers (BatchNorm on batch statistics, as in the client's step), no
+    labels (breaching infers them from the gradient, on its device), images in [0, 1] (mean 0, std 1)."""
     from omegaconf import OmegaConf
 
     spec = obs.spec
     data = OmegaConf.create(dict(modality="vision", task="classification", shape=list(spec.shape),
                                  classes=spec.num_classes, mean=[0.0] * spec.channels, std=[1.0] * spec.channels))
-    parameters = [torch.tensor(a) for a, t in zip(obs.global_arrays, obs.trainable) if t]
-    gradients = [torch.tensor(a) for a, t in zip(obs.upload, obs.trainable) if t]
+    parameters = [torch.tensor(a, device=device) for a, t in zip(obs.global_arrays, obs.trainable) if t]
+    gradients = [torch.tensor(a, device=device) for a, t in zip(obs.upload, obs.trainable) if t]
     shared = dict(gradients=gradients, buffers=None,
                   metadata=dict(num_data_points=obs.num_examples, labels=None, local_hyperparams=None))
     return dict(parameters=parameters, buffers=None, metadata=data), shared
@@ -300,7 +301,7 @@ def breaching_payload(obs: Observation) -> tuple[dict[str, Any], dict[str, Any]]
 def run_breaching(attacker: Any, observations: list[Observation], seed: int) -> Timing:
     """One ``reconstruct`` call per upload; the images (U, C, H, W) in breaching's normalized space, which is
     pixel space here."""
-    payloads = [breaching_payload(o) for o in observations]
+    payloads = [breaching_payload(o, attacker.setup["device"]) for o in observations]
     torch.manual_seed(seed)
     with quiet():
         return timed(attacker.setup["device"],
