@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
@@ -256,8 +257,9 @@ def test_configuration_needs_the_defense_grant_and_a_denoiser(denoiser: Path) ->
     with pytest.raises(ConfigError, match="Mjölnir needs a diffusion model"):
         load_config(None, [*base, "threat.defense=true"])
     absent = load_config(None, [*base, "threat.defense=true", "attack.mjolnir+ig.denoiser=missing.npz"])
-    with pytest.raises(FileNotFoundError, match="attack.mjolnir\\+ig.denoiser = 'missing.npz': no Mjölnir diffusion "
-                                                "model at missing.npz"):
+    missing = re.escape(str(Path.cwd() / "missing.npz"))  # resolved where the configuration was loaded
+    with pytest.raises(FileNotFoundError, match=f"attack.mjolnir\\+ig.denoiser = '{missing}': no Mjölnir diffusion "
+                                                f"model at {missing}"):
         check_attack_files(absent.attacks)
     config = load_config(None, [*base, "threat.defense=true", f"attack.mjolnir+ig.denoiser={denoiser}"])
     assert config.attack_names() == ["mjolnir+ig"]
