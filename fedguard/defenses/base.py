@@ -180,7 +180,10 @@ def check_defense_files(name: str, params: Any, clients_here: bool = False) -> N
     1. A missing file is left to the clients, which load it on their own machines, unless ``clients_here`` (a
     simulation, checked before it starts): then it raises ``MissingTrainedFile`` for it too."""
     files = [file for file in defense_traits(name, params).files if file.path]
-    key = {id(file): f"defense.{name}.{file.param.replace('_', '-')} = {file.path!r}" for file in files}
-    missing = [f"{key[id(file)]}: {file.missing}" for file in files if clients_here and not Path(file.path).exists()]
-    unusable = [f"{key[id(file)]}: {problem}" for file in files if (problem := file.unusable()) is not None]
+
+    def setting(file: RequiredFile) -> str:
+        return f"defense.{name}.{file.param.replace('_', '-')} = {file.path!r}"
+
+    missing = [f"{setting(file)}: {file.missing}" for file in files if clients_here and not Path(file.path).exists()]
+    unusable = [f"{setting(file)}: {problem}" for file in files if (problem := file.unusable()) is not None]
     refuse(missing, unusable, f"defense {name!r}")
