@@ -5,6 +5,7 @@ Ray is imported only by ``attackers.pool``.
 """
 
 from attackers import (  # noqa: F401  (registration)
+    adaptive,
     dlg,
     generative,
     gradinversion,

@@ -7,6 +7,7 @@ A sweep preset is a run preset with a ``[sweep]`` table::
     seeds = [0, 1, 2]                    # optional: each cell once per seed (default: the preset's seed)
     [sweep.settings.privacy]             # overrides of one setting (flat or nested keys)
     kind = "diagnostic"                  # optional: 'diagnostic' (the default) or 'realistic'
+    variants = ["none", "dp"]            # optional: the variants this setting runs (default: every one)
     "train.rounds" = 1
     [sweep.variants.none]
     "defense.name" = "none"
@@ -101,6 +102,18 @@ def _kinds(settings: dict[str, dict[str, Any]], path: Path) -> dict[str, str]:
     return kinds
 
 
+def _setting_variants(settings: dict[str, dict[str, Any]], variants: list[str], path: Path) -> dict[str, list[str]]:
+    """Each setting's ``variants`` (every variant when it names none), popped from its overrides; ``ConfigError``
+    for a name that is not a variant of the sweep."""
+    chosen = {name: keys.pop("variants", variants) for name, keys in settings.items()}
+    bad = [f"{path}: sweep.settings.{name}.variants = {names!r}: give a list of variants of this sweep "
+           f"({', '.join(variants)})" for name, names in chosen.items()
+           if not (isinstance(names, list) and names and set(names) <= set(variants))]
+    if bad:
+        raise ConfigError(bad)
+    return chosen
+
+
 def _seeds(sweep: dict[str, Any], keys: dict[str, dict[str, Any]], given: dict[str, Any], path: Path) -> list[int] | None:
     """The declared ``[sweep] seeds`` (None when not declared); ``ConfigError`` for a list that is not distinct
     whole numbers >= 0, or for a setting, variant or ``--set`` that sets the seed the list sets."""
@@ -141,6 +154,7 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
     variants = _table(sweep, "variants", path)
     settings = _table(sweep, "settings", path) or {"run": {}}
     kinds = _kinds(settings, path)
+    setting_variants = _setting_variants(settings, list(variants), path)
     if not variants:
         raise ConfigError([f"{path}: [sweep.variants] is empty; add one table of overrides per variant"])
     baseline = str(sweep.get("baseline", next(iter(variants))))
@@ -152,7 +166,7 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
     given = dict(parse_override(text) for text in overrides)
     seeds = _seeds(sweep, {**{f"settings.{k}": v for k, v in settings.items()},
                            **{f"variants.{k}": v for k, v in variants.items()}}, given, path)
-    chosen = _chosen_runs(only, list(settings), list(variants), path)
+    chosen = _chosen_runs(only, setting_variants, path)
     runs, problems = [], []
     for setting, setting_keys in settings.items():
         for variant, variant_keys in variants.items():
@@ -178,11 +192,12 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
     return Sweep(name, folder, baseline, tuple(runs), paper, None if seeds is None else tuple(seeds))
 
 
-def _chosen_runs(only: list[str] | tuple[str, ...], settings: list[str], variants: list[str],
+def _chosen_runs(only: list[str] | tuple[str, ...], setting_variants: dict[str, list[str]],
                  path: Path) -> set[tuple[str, str]]:
-    """The (setting, variant) pairs ``only`` names (every pair when empty); ``ConfigError`` for a name that is
-    no setting/variant or variant of the sweep."""
-    pairs = {(s, v) for s in settings for v in variants}
+    """The (setting, variant) pairs ``only`` names among those each setting runs (every one when ``only`` is
+    empty); ``ConfigError`` for a name that is no setting/variant or variant of the sweep."""
+    pairs = {(s, v) for s, names in setting_variants.items() for v in names}
+    settings, variants = list(setting_variants), sorted({v for _, v in pairs})
     if not only:
         return pairs
     chosen: set[tuple[str, str]] = set()

@@ -76,16 +76,19 @@ def test_a_sweep_resolves_paths_applies_overrides_last_and_keeps_only_the_runs_n
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "experiments").symlink_to(ROOT / "experiments")
-    sweep = load_sweep("experiments/defenses.toml", None, ["train.rounds=3"], ["refiner", "privacy/none"])
+    sweep = load_sweep("experiments/defenses.toml", None, ["train.rounds=3", "capture.rounds=1"],
+                       ["refiner", "realistic/none"])
     assert sweep.folder == tmp_path / "runs" / "defenses"
-    assert sorted((r.setting, r.variant) for r in sweep.runs) == [("privacy", "none"), ("privacy", "refiner"),
-                                                                   ("utility", "refiner")]
+    assert sorted({(r.setting, r.variant) for r in sweep.runs}) == [("realistic", "none"), ("trained", "refiner")], \
+        "the realistic setting runs no Refiner (a FedSGD defense)"
+    assert [r.seed for r in sweep.runs] == [0, 1, 2, 0, 1, 2]
     assert all(r.config.train.rounds == 3 for r in sweep.runs), "an override comes after the setting's keys"
-    evalnets = {r.setting: r.config.defense.params.evalnet for r in sweep.runs if r.variant == "refiner"}
-    assert evalnets == {"privacy": str(tmp_path / "evalnets" / "photos.npz"),
-                        "utility": str(tmp_path / "evalnets" / "mnist-5k.npz")}
-    with pytest.raises(ConfigError, match="--only 'privacy/nothing': .* has no such run; choose a variant"):
-        load_sweep("experiments/defenses.toml", None, [], ["privacy/nothing"])
+    evalnets = {r.config.defense.params.evalnet for r in sweep.runs if r.variant == "refiner"}
+    assert evalnets == {str(tmp_path / "evalnets" / "mnist-5k.npz")}
+    with pytest.raises(ConfigError, match="--only 'trained/nothing': .* has no such run; choose a variant"):
+        load_sweep("experiments/defenses.toml", None, [], ["trained/nothing"])
+    with pytest.raises(ConfigError, match="--only 'realistic/refiner': .* has no such run"):
+        load_sweep("experiments/defenses.toml", None, [], ["realistic/refiner"])
 
 
 def test_a_client_that_cannot_load_its_file_stops_the_run_in_round_1_with_the_reason(tmp_path: Path) -> None:

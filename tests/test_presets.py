@@ -54,15 +54,17 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_defenses_sweep_runs_refiner_with_the_presets_relative_evaluation_networks(lab: Path) -> None:
-    rows = sweep(lab, "experiments/defenses.toml", ["refiner"], ["train.rounds=2", *QUICK_ATTACKS])
-    assert {(r["setting"], r["variant"]) for r in rows} == {("privacy", "refiner"), ("utility", "refiner")}
-    assert all(r["status"] == "ok" for r in rows), [(r["variant"], r.get("error")) for r in rows]
-    for row in rows:
-        assert row["accuracy"] is not None and row["rounds"] == 2
-        if row["setting"] == "privacy":
-            assert row["images"] == 4 and row["psnr"] is not None and row["ssim"] is not None
-    refiner = next(r for r in rows if (r["setting"], r["variant"]) == ("utility", "refiner"))
-    assert refiner["defense_report"], "Refiner reports on every upload"
+    rows = sweep(lab, "experiments/defenses.toml", ["refiner"],
+                 ["train.rounds=2", "capture.rounds=1,2", *QUICK_ATTACKS, "attack.ig-adaptive.iterations=10",
+                  "attack.ig-adaptive.restarts=1"])
+    assert [(r["setting"], r["variant"]) for r in rows] == [("trained", "refiner")]
+    (row,) = rows
+    assert row["status"] == "ok" and row["accuracy"] is not None and row["rounds"] == 2, row
+    leak = row["privacy"]
+    assert leak["seeds"] == [0, 1, 2] and leak["n_images"] == 48, "2 clients x 8 images x 3 seeds"
+    assert [r["round"] for r in leak["per_round"]] == [1, 2]
+    assert row["defense_report"], "Refiner reports on every upload"
+    assert "ig-adaptive" in row["attacks"]
     summary = (lab / "sweep-defenses" / "summary.md").read_text()
     assert "`refiner`" in summary and "failed" not in summary
 

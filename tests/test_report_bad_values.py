@@ -43,7 +43,7 @@ def test_report_names_each_bad_value_and_corrupt_grid_and_is_still_written(tmp_p
     for message in [*expected, png_note]:
         assert escape(message) in page
     assert f"{escape(corrupt.relative_to(folder).as_posix())} is not a readable PNG; not embedded" in page
-    assert page.count("data:image/png;base64,") == 6, "the curve, ig's and idlg's pairs, dlg's reconstruction"
+    assert page.count("data:image/png;base64,") == 7, "the two curves, ig's and idlg's pairs, dlg's reconstruction"
     assert "4 rows in rounds.jsonl" in page and "3 attacked uploads" in page
     with Image.open(folder / COMPARISON_FILE) as figure:
         figure.load()

@@ -97,7 +97,8 @@ def test_report_holds_tables_and_embedded_images(tmp_path: Path) -> None:
         assert text in page, text
     assert "RuntimeError: gradient &lt;shape&gt; mismatch &amp; more" in page, "error text shown, escaped"
     assert "<shape>" not in page
-    assert img_count(page) == 3 and page.count("data:image/png;base64,") == 3  # curve + truth + recon
+    assert img_count(page) == 4 and page.count("data:image/png;base64,") == 4  # 2 curves + truth + recon
+    assert "mean SSIM of each attack per attacked round" in page
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:|//)""", page), "nothing loaded from outside"
     assert "http://" not in page and "https://" not in page
 

@@ -162,7 +162,7 @@ def test_report_skips_a_torn_last_line_and_says_so(tmp_path: Path, log: str,
         assert main(["report", str(folder)]) == 0
     assert capsys.readouterr().out.strip() == str(folder / REPORT_FILE)
     page = (folder / REPORT_FILE).read_text()
-    assert f"{log}: skipped the torn last line" in page and page.count("data:image/png;base64,") == 3
+    assert f"{log}: skipped the torn last line" in page and page.count("data:image/png;base64,") == 4
     assert "3 rows in rounds.jsonl" in page and "1 attacked upload" in page
 
 
@@ -252,7 +252,7 @@ def test_grids_outside_the_run_folder_are_refused(tmp_path: Path) -> None:
         page = build_report(folder).read_text()
     refused = {grid_name(prefix, kind) for prefix in escaping.values() for kind in GRID_KINDS}
     assert sorted(str(w.message).split(" resolves")[0] for w in caught) == sorted(refused), "each warned once"
-    assert page.count("data:image/png;base64,") == 3, "the curve and the one grid pair inside the folder"
+    assert page.count("data:image/png;base64,") == 4, "the two curves and the one grid pair inside the folder"
     for name in refused:
         assert f"{name} resolves outside the run folder" in page
         assert f"{name} is outside the run folder; not embedded" in page

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
+from attackers.engine.aware import aware_distance
 from attackers.engine.problem import Problem
 from attackers.engine.spec import PRECISIONS, SearchSpec
 from attackers.engine.terms import DISTANCES, PRIORS, Statistics, Term, TermInputs
@@ -105,7 +106,8 @@ class Objective:
         self.dtype = PRECISIONS[spec.precision]
         self.params = {name: p.to(self.dtype) for name, p in jobs.params.items()}
         self.compared = [n for n in names if not spec.skipped(n)]
-        self.distance = self._eot(DISTANCES[spec.distance], defense, seed)
+        distance = DISTANCES[spec.distance] if spec.matching is None else aware_distance(spec.matching)
+        self.distance = self._eot(distance, defense, seed)
         self._losses: dict[tuple[Term, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def _eot(self, distance: Callable[..., torch.Tensor], defense: Any, seed: int) -> Callable[[Gradients], torch.Tensor]:

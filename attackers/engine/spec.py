@@ -9,6 +9,7 @@ import torch
 from attackers.base import check_search_params
 from attackers.engine.optimizers import OptimizerSpec
 from attackers.engine.terms import DISTANCES, Term
+from fedguard.defenses.revealed import Revealed
 
 LABELS = ("infer", "joint")
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -24,8 +25,9 @@ class SearchSpec:
     prior ``terms``; ``labels``: 'infer' (declared by the client, else inferred from the last layer) or
     'joint' (declared, else searched as soft labels with the images); the ``optimizer``; ``uploads``: the upload
     kinds it attacks; ``eot``: draws of the clients' simulated defense averaged per evaluation (0: off);
-    ``compile``: 'auto', 'on' or 'off' (``attackers.engine.compiled``); ``precision``: the arithmetic of the
-    dummy update, a key of ``PRECISIONS`` (``bfloat16`` halves the cost of the convolutions on hardware with
+    ``compile``: 'auto', 'on' or 'off' (``attackers.engine.compiled``); ``matching``: what the clients' defense
+    reveals, when the attack knows it: the distance is then ``attackers.engine.aware``'s for it instead of
+    ``distance``; ``precision``: the arithmetic of the dummy update, a key of ``PRECISIONS`` (``bfloat16`` halves the cost of the convolutions on hardware with
     bfloat16 units, at about 3 significant digits)."""
 
     iterations: int
@@ -41,6 +43,7 @@ class SearchSpec:
     eot: int = 0
     compile: str = "auto"
     precision: str = "float32"
+    matching: Revealed | None = None
 
     def __post_init__(self) -> None:
         check_search_params(self.iterations, self.restarts, self.optimizer.lr, self.device, self.compile)

@@ -63,6 +63,7 @@ import torch
 from torch.func import functional_call, vmap
 
 from fedguard.defenses.base import LocalStep, class_traits, register_defense
+from fedguard.defenses.revealed import OrthogonalPerTensor
 
 FALLBACKS = ("raw", "best", "zero")
 PROJECTIONS = ("exact", "published")
@@ -182,6 +183,10 @@ class Censor:
         for key, increment in ((FALLBACKS_KEY, fell_back.long()), (STEPS_KEY, torch.ones((), dtype=torch.long))):
             state[key] = state.get(key, torch.zeros((), dtype=torch.long)).to(device) + increment.to(device)
         return chosen
+
+    def revealed(self) -> OrthogonalPerTensor:
+        """Each tensor orthogonal to the gradient's and norm-matched, or the raw gradient under ``fallback`` raw."""
+        return OrthogonalPerTensor(raw_fallback=self.params.fallback == "raw")
 
     def report(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
         """This client's fallback count and defended steps so far (rounds.jsonl keeps the largest per round),

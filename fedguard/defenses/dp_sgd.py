@@ -43,6 +43,7 @@ from torch.func import functional_call, grad, vmap
 
 from fedguard.defenses.accountant import epsilon_spent
 from fedguard.defenses.base import LocalStep, class_traits, register_defense
+from fedguard.defenses.revealed import ClippedNoise
 
 STEPS, SAMPLE_RATE = "steps", "sample_rate"  # keys of the defense state
 
@@ -156,6 +157,10 @@ class DPSGD:
         state[SAMPLE_RATE] = torch.tensor(largest, dtype=torch.float64)
 
     protocols = frozenset({"fedsgd"})  # one noisy step per upload: a FedAvg upload would hide several steps
+
+    def revealed(self) -> ClippedNoise:
+        """The mean of per-example gradients clipped to ``clip``, plus zero-mean noise."""
+        return ClippedNoise(self.params.clip)
 
     def report(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
         """``spent`` for rounds.jsonl; epsilon is left out when infinite (noise-multiplier 0: no guarantee)."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from fedguard.defenses.base import LocalStep, class_traits, register_defense
+from fedguard.defenses.revealed import ClippedNoise
 from fedguard.defenses.gaussian_mechanism import epsilon_after, gaussian_sigma
 
 MECHANISMS = ("gaussian", "laplace")
@@ -156,6 +157,10 @@ class UpdateDP:
             uniform = torch.rand(like.shape, **options) - 0.5
             noise = -scale * torch.sign(uniform) * torch.log1p(-2 * uniform.abs().clamp(max=0.5 - 1e-7))
         return noise.to(like.device)
+
+    def revealed(self) -> ClippedNoise:
+        """The update clipped to ``clip``, plus zero-mean noise."""
+        return ClippedNoise(self.params.clip)
 
     def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         """Per job of (J, ...) updates: clip all tensors together to ``clip``, then add fresh noise."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fedguard.defenses.base import LocalStep, class_traits, register_defense
+from fedguard.defenses.revealed import Unchanged
 
 
 class NoDefense:
@@ -12,6 +13,10 @@ class NoDefense:
 
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return list(step.grads)
+
+    def revealed(self) -> Unchanged:
+        """The upload is the gradient."""
+        return Unchanged()
 
     def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         """The identity on (J, ...) updates."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from fedguard.defenses.base import LocalStep, class_traits, register_defense
+from fedguard.defenses.revealed import QuantizedLevels
 
 MAX_BITS = 16
 
@@ -63,6 +64,10 @@ class StochasticQuantization:
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return [stochastic_levels(g.detach().reshape(1, -1), self.params.bits, step.generator).reshape(g.shape)
                 for g in step.grads]
+
+    def revealed(self) -> QuantizedLevels:
+        """Every entry within one level step of the true one."""
+        return QuantizedLevels(self.params.bits)
 
     def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         """Each job of (J, ...) updates quantized with fresh draws; straight-through gradient."""

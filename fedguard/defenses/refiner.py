@@ -73,6 +73,7 @@ from torch.func import functional_call
 
 from fedguard.defenses.base import DefenseTraits, LocalStep, register_defense
 from fedguard.defenses.dp_update import global_norm
+from fedguard.defenses.revealed import WithinRadius
 from fedguard.evalnet import TrainedEvalNet, load_evalnet
 from fedguard.evalnet.store import COMMAND
 from fedguard.registry import RequiredFile
@@ -191,6 +192,10 @@ class Refiner:
     def __init__(self, params: RefinerParams, evalnet: TrainedEvalNet, path: Path) -> None:
         self.params, self.evalnet, self.path = params, evalnet, path
         self.last: RefinerStats | None = None
+
+    def revealed(self) -> WithinRadius:
+        """The upload within ``epsilon`` (times ||g|| when relative) of the true gradient g."""
+        return WithinRadius(self.params.epsilon, relative=self.params.radius == "relative")
 
     def report(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
         """Numbers about this client's latest upload, in gradient units: ``upload.grad-norm`` ||g||,

@@ -65,6 +65,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from fedguard.defenses.base import LocalStep, class_traits, register_defense
+from fedguard.defenses.revealed import AlteredLayer
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,10 @@ class Soteria:
 
     def __init__(self, params: SoteriaParams) -> None:
         self.params = params
+
+    def revealed(self) -> AlteredLayer:
+        """The protected Linear layer's weight gradient altered, the rest exact."""
+        return AlteredLayer(self.params.layer)
 
     def pruned_features(self, model: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
         """Indices of the pruned input features of Linear ``name`` for the batch ``x``."""

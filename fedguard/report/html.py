@@ -196,6 +196,46 @@ def _curve_png(rounds: list[dict[str, Any]]) -> bytes:
     return buffer.getvalue()
 
 
+def leakage_by_round(attacks: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """Per attack, (round, mean SSIM of its scored uploads in that round), rounds ascending."""
+    grouped: dict[str, dict[int, list[float]]] = {}
+    for row in attacks:
+        ssim, round_ = _number(row.get("ssim")), row.get("round")
+        if _is_ok(row) and ssim is not None and isinstance(round_, int):
+            grouped.setdefault(str(row.get("attack")), {}).setdefault(round_, []).append(ssim)
+    return {attack: [(r, sum(v) / len(v)) for r, v in sorted(by_round.items())] for attack, by_round in grouped.items()}
+
+
+def _leakage_png(curves: dict[str, list[tuple[int, float]]], rounds: list[dict[str, Any]]) -> bytes:
+    """Mean SSIM of each attack's reconstructions against the round its uploads came from, as a PNG on the
+    training curve's round axis."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(9.6, 2.8), dpi=150)
+    FigureCanvasAgg(figure)
+    axis = figure.add_subplot()
+    for attack, points in curves.items():
+        axis.plot([r for r, _ in points], [s for _, s in points], marker="o", linewidth=1.8, label=attack)
+    axis.axhline(0.5, color="#9ca3af", linewidth=1, linestyle=":", label="recognisable (SSIM 0.5)")
+    axis.set_ylim(0, 1)
+    axis.set_ylabel("mean SSIM of the attack")
+    axis.set_xlabel("round of the attacked uploads")
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    xs = [row.get("round") for row in rounds if isinstance(row.get("round"), int)]
+    if len(xs) > 1:
+        axis.set_xlim(min(xs), max(xs))
+    axis.grid(True, color="#e5e7eb", linewidth=0.8)
+    axis.spines["top"].set_visible(False)
+    axis.spines["right"].set_visible(False)
+    axis.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=4, frameon=False, borderaxespad=0.2)
+    figure.tight_layout()
+    buffer = BytesIO()
+    figure.savefig(buffer, format="png", metadata={"Software": None})
+    return buffer.getvalue()
+
+
 # ----------------------------------------------------------------------------------------------
 # Page sections
 # ----------------------------------------------------------------------------------------------
@@ -284,13 +324,18 @@ def _duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
-def _training(rounds: list[dict[str, Any]], images: _Images) -> str:
+def _training(rounds: list[dict[str, Any]], attacks: list[dict[str, Any]], images: _Images) -> str:
     parts = ['<section class="panel">', "<h2>Training</h2>"]
     if not rounds:
         parts.append(f'<p class="empty">No round finished: {ROUNDS_FILE} holds no rows yet.</p>')
     else:
         png = _curve_png(rounds)
         parts.append(f'<figure class="curve">{images.tag(png, "test accuracy and loss per round", "figure")}</figure>')
+        curves = leakage_by_round(attacks)
+        if curves:
+            leak = _leakage_png(curves, rounds)
+            parts.append(f'<figure class="curve">{images.tag(leak, "mean SSIM of each attack per attacked round", "figure")}'
+                         "</figure>")
         body = "".join(
             f"<tr><td>{escape(str(row.get('round', DASH)))}</td><td>{_pct(row.get('accuracy'), 2)}</td>"
             f"<td>{_fmt(row.get('loss'), 4)}</td><td>{_fmt(row.get('seconds'), 1)}</td></tr>"
@@ -561,7 +606,7 @@ def _page(run_dir: Path, notes: _Notes) -> str:
     attacks = sorted(read_rows(run_dir, ATTACKS_FILE, notes), key=_sort_key)
     images = _Images()
     title = config.run.name if config else run_dir.name
-    sections = [_stats(rounds, attacks), _training(rounds, images), _attacks(run_dir, attacks, images, notes)]
+    sections = [_stats(rounds, attacks), _training(rounds, attacks, images), _attacks(run_dir, attacks, images, notes)]
     problems = ([config_problem] if config_problem else []) + _ending(run_dir)
     body = "\n".join([
         _header(run_dir, config, problems + notes.lines, rounds),

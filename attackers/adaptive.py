@@ -1,0 +1,73 @@
+"""Adaptive Inverting Gradients: IG against a defense the server knows (threat.defense), with its parameters but
+not its randomness nor the client's data.
+
+The clients' defense declares what its upload reveals (``fedguard.defenses.revealed``) and the search matches
+that instead of the plain cosine (``attackers.engine.aware``): only the sent entries and the magnitude band
+the others were dropped from (pruning, DGP), the quantization intervals, every gradient within Refiner's radius,
+CENSOR's per-tensor orthogonality and norms, the clipped update under DP noise; Soteria's protected layer is
+left out of the distance. Everything else (iterations, restarts, step, TV prior, schedule, labels) is IG's, so
+that a sweep compares the two on equal budgets. Report the stronger of IG and this attack (EVALUATION.md,
+point 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from attackers.base import AttackTraits, Reconstruction, register_attack
+from attackers.engine import SearchSpec
+from attackers.engine.search import search
+from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
+from attackers.jobs import stateless_model
+from fedguard.defenses.revealed import AlteredLayer, Revealed, revealed_by
+from fedguard.defenses.soteria import resolve_layer
+from fedguard.observation import Observation
+
+
+def adapted_spec(spec: SearchSpec, revealed: Revealed, obs: Observation) -> SearchSpec:
+    """``spec`` matching what the upload ``revealed``; for an altered layer, that layer's weight is skipped
+    (resolved on ``obs``'s model: '' is its last Linear)."""
+    if isinstance(revealed, AlteredLayer):
+        layer = resolve_layer(stateless_model(obs, torch.device("cpu")), revealed.layer)
+        skip = ",".join(p for p in (spec.skip, f"{layer}.weight") if p)
+        return replace(spec, skip=skip, matching=revealed)
+    return replace(spec, matching=revealed)
+
+
+class AdaptiveInvertingGradients(InvertingGradients):
+    """Inverting Gradients with the known defense's distance (``attackers.engine.aware``)."""
+
+    revealed: Revealed | None = None
+
+    def __init__(self, params: InvertingGradientsParams) -> None:
+        super().__init__(params)
+        self.needs = adaptive_traits(params).needs
+
+    def know_defense(self, defense: Any) -> None:
+        """The clients' defense: what its uploads reveal, and the defense itself for EOT draws."""
+        self.defense = defense
+        self.revealed = revealed_by(defense)
+
+    def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
+        if self.revealed is None:
+            raise ValueError("attack 'ig-adaptive' needs the clients' defense (set threat.defense = true)")
+        spec = adapted_spec(self.spec, self.revealed, observations[0])
+        results = search(spec, observations, seed, decoder=self.decoder, defense=self.defense)
+        for result in results:
+            result.stats["matched"] = type(self.revealed).__name__
+        return results
+
+
+def adaptive_traits(params: InvertingGradientsParams) -> AttackTraits:
+    """IG's uploads; it always needs the defense, simulates it only with ``eot`` > 0, and is adaptive."""
+    return AttackTraits.of(AdaptiveInvertingGradients, needs=frozenset({"defense"}), simulates_defense=params.eot > 0,
+                           adaptive=True)
+
+
+@register_attack("ig-adaptive", params=InvertingGradientsParams, traits=adaptive_traits)
+def build_adaptive_inverting_gradients(params: InvertingGradientsParams) -> AdaptiveInvertingGradients:
+    """Inverting Gradients matching what the clients' known defense reveals (threat.defense)."""
+    return AdaptiveInvertingGradients(params)

@@ -1,0 +1,135 @@
+"""Defense-aware gradient distances: what an attacker who knows the clients' defense matches instead of the
+plain cosine (``fedguard.defenses.revealed`` says what each defense's upload reveals).
+
+Every distance takes the dummy gradients ``g`` and the uploaded targets ``t`` (lists of (J, ...) tensors, one
+per compared parameter) and returns (J,). Where the defense bounds entries in absolute units (level steps,
+magnitude bands) the dummy gradient is first brought to the upload's scale by the least-squares factor
+``s = <g, t> / <g, t>`` over what was sent, so that no distance can be lowered by shrinking ``g``:
+
+- ``Unchanged``, ``AlteredLayer``: ``1 - cos(g, t)`` (the altered layer is left out by the attack's ``skip``).
+- ``SentBand``: ``1 - cos(m g, t)`` over the sent entries (``m = t != 0``) plus, per tensor, the squared
+  distance of each unsent ``|s g|`` to the region the defense left it in (at most the smallest sent magnitude;
+  for DGP also at least the largest), over ``||t||^2``.
+- ``QuantizedLevels``: ``1 - cos(g, t)`` plus ``sum relu(|s g - t| - step)^2 / ||t||^2``, ``step`` being each
+  tensor's level step ``(max t - min t) / (2**bits - 1)``: every true entry lies within one step.
+- ``WithinRadius``: ``relu(||g - t|| - r)^2 / ||t||^2``: zero for every gradient the defense could have moved
+  to ``t`` (``r = epsilon ||t|| / (1 - epsilon)`` bounds a relative radius ``epsilon ||g||`` from ``t``), so
+  that the image prior alone chooses among them.
+- ``OrthogonalPerTensor``: the mean over tensors of ``cos(g_l, t_l)^2 + (||g_l|| / ||t_l|| - 1)^2``: the
+  candidate is orthogonal to the true gradient tensor by tensor and of its norm.
+- ``ClippedNoise``: ``||clip(g) - t||^2 / ||t||^2``, the Gaussian likelihood of the upload around the clipped
+  update (its expectation), ``clip`` scaling ``g`` to norm at most ``C``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attackers.engine.terms import Distance, cosine_distance
+from fedguard.defenses.revealed import (AlteredLayer, ClippedNoise, OrthogonalPerTensor, QuantizedLevels, Revealed,
+                                        SentBand, Unchanged, WithinRadius)
+
+EPS = 1e-12
+
+
+def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    return sum((x.flatten(1) * y.flatten(1)).sum(1) for x, y in zip(a, b))
+
+
+def _scale(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
+    """(J,) least-squares factor ``s`` minimizing ``||s g - t||`` (1 where ``g`` is zero)."""
+    gg = _dot(g, g)
+    return torch.where(gg > EPS, _dot(g, t) / gg.clamp_min(EPS), torch.ones_like(gg))
+
+
+def _per_job(s: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return s.reshape(-1, *[1] * (like.dim() - 1))
+
+
+def band_distance(drops_top: bool) -> Distance:
+    """Masked cosine over the sent entries plus the unsent entries' distance to where the defense left them."""
+
+    def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
+        masks = [(x != 0).to(x.dtype) for x in t]
+        sent = [x * m for x, m in zip(g, masks)]
+        s = _scale(sent, t)
+        outside = 0
+        for x, target, m in zip(g, t, masks):
+            flat, tflat, mflat = x.flatten(1), target.flatten(1), m.flatten(1)
+            magnitude = (_per_job(s, flat) * flat).abs()
+            big = torch.finfo(tflat.dtype).max
+            lo = torch.where(mflat > 0, tflat.abs(), big).amin(1, keepdim=True)
+            hi = (tflat.abs() * mflat).amax(1, keepdim=True)
+            above = torch.relu(magnitude - lo)
+            gap = torch.minimum(above, torch.relu(hi - magnitude)) if drops_top else above
+            outside = outside + ((1 - mflat) * gap**2).sum(1)
+        return cosine_distance(sent, t) + outside / _dot(t, t).clamp_min(EPS)
+
+    return distance
+
+
+def levels_distance(bits: int) -> Distance:
+    """Cosine plus the share of the scaled dummy entries further than one level step from their upload."""
+
+    def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
+        s = _scale(g, t)
+        beyond = 0
+        for x, target in zip(g, t):
+            flat, tflat = x.flatten(1), target.flatten(1)
+            step = (tflat.amax(1, keepdim=True) - tflat.amin(1, keepdim=True)) / (2**bits - 1)
+            beyond = beyond + torch.relu((_per_job(s, flat) * flat - tflat).abs() - step).pow(2).sum(1)
+        return cosine_distance(g, t) + beyond / _dot(t, t).clamp_min(EPS)
+
+    return distance
+
+
+def radius_distance(epsilon: float, relative: bool) -> Distance:
+    """Zero inside the ball the defense's radius allows around the upload, squared excess outside."""
+
+    def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
+        norm_t = torch.sqrt(_dot(t, t))
+        radius = epsilon * norm_t / max(1 - epsilon, EPS) if relative else torch.full_like(norm_t, epsilon)
+        gap = torch.sqrt(sum(((x - y).flatten(1) ** 2).sum(1) for x, y in zip(g, t)) + EPS)
+        return torch.relu(gap - radius) ** 2 / (norm_t**2).clamp_min(EPS)
+
+    return distance
+
+
+def orthogonal_distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
+    """Per tensor: squared cosine to the upload plus the squared relative norm mismatch, averaged over tensors."""
+    total = 0
+    for x, target in zip(g, t):
+        flat, tflat = x.flatten(1), target.flatten(1)
+        norm_x, norm_t = flat.norm(dim=1), tflat.norm(dim=1).clamp_min(EPS)
+        cos = (flat * tflat).sum(1) / (norm_x * norm_t + EPS)
+        total = total + cos**2 + (norm_x / norm_t - 1) ** 2
+    return total / len(g)
+
+
+def clipped_distance(clip: float) -> Distance:
+    """Squared distance of the clipped dummy update to the upload, relative to the upload's squared norm."""
+
+    def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
+        factor = torch.clamp(clip / (torch.sqrt(_dot(g, g)) + EPS), max=1.0)
+        clipped = [x * _per_job(factor, x) for x in g]
+        return sum(((x - y).flatten(1) ** 2).sum(1) for x, y in zip(clipped, t)) / _dot(t, t).clamp_min(EPS)
+
+    return distance
+
+
+def aware_distance(revealed: Revealed) -> Distance:
+    """The distance an attacker who knows what the upload ``revealed`` minimizes."""
+    match revealed:
+        case Unchanged() | AlteredLayer():
+            return cosine_distance
+        case SentBand(drops_top=drops_top):
+            return band_distance(drops_top)
+        case QuantizedLevels(bits=bits):
+            return levels_distance(bits)
+        case WithinRadius(epsilon=epsilon, relative=relative):
+            return radius_distance(epsilon, relative)
+        case OrthogonalPerTensor():
+            return orthogonal_distance
+        case ClippedNoise(clip=clip):
+            return clipped_distance(clip)
+    raise ValueError(f"no defense-aware distance for {type(revealed).__name__}")
