@@ -173,12 +173,15 @@ def refine_embeddings(
 
 def round_counts(estimate: torch.Tensor, batch_size: int, required: torch.Tensor) -> torch.Tensor:
     """Counts (classes,) int64 summing to ``batch_size``, from ``estimate`` (classes,) by largest remainders;
-    the ``required`` classes (bool (classes,)) keep one sample each, the largest estimates first."""
+    the ``required`` classes (bool (classes,)) keep one sample each, the largest estimates first. The estimate is
+    clipped to [0, batch_size] (non-finite entries count 0) first: a noisy upload (DP) can estimate millions of
+    samples for one class, which the unit steps below would otherwise take as many iterations to bring back."""
+    estimate = torch.nan_to_num(estimate, nan=0.0, posinf=batch_size, neginf=0.0).clamp(0, batch_size)
     chosen = required.nonzero().flatten()
     chosen = chosen[torch.argsort(estimate[chosen], descending=True)][:batch_size]
     minimum = torch.zeros(len(estimate), dtype=torch.long)
     minimum[chosen] = 1
-    counts = torch.maximum(estimate.clamp(min=0).floor().long(), minimum)
+    counts = torch.maximum(estimate.floor().long(), minimum)
     while int(counts.sum()) < batch_size:
         counts[torch.argmax(estimate - counts)] += 1
     while int(counts.sum()) > batch_size:

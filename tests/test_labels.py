@@ -252,3 +252,14 @@ def test_a_gradient_list_without_a_layer_of_num_classes_rows_is_rejected() -> No
         infer_labels(grads, 10, 4)
     with pytest.raises(ValueError, match="10 rows"):
         infer_labels([torch.zeros(10, 3, 5, 5)], 10, 1)  # a conv kernel with 10 filters is no last layer
+
+
+def test_label_counts_from_a_noisy_estimate_of_millions_come_back_at_once() -> None:
+    """A DP-noised upload can estimate millions of samples of a class (or NaN): the counts still sum to the batch,
+    in as many steps as the batch has samples."""
+    from attackers.labels import round_counts
+
+    estimate = torch.tensor([3e9, -2e9, float("nan"), 0.4, float("inf"), 1.2], dtype=torch.float64)
+    counts = round_counts(estimate, 8, torch.tensor([True, False, False, True, False, True]))
+    assert int(counts.sum()) == 8 and (counts >= 0).all()
+    assert counts[0] >= 1 and counts[3] >= 1 and counts[5] >= 1, "required classes keep a sample"
