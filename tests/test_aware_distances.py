@@ -80,6 +80,10 @@ def test_the_orthogonal_distance_is_zero_for_a_censor_candidate_and_two_for_the_
     t = simulated("censor", CensorParams(), g)
     assert torch.allclose(orthogonal_distance(g, t), torch.zeros(2), atol=1e-5)
     assert torch.allclose(orthogonal_distance(g, g), torch.ones(2), atol=1e-5), "cos^2 = 1, norms equal"
+    either = aware_distance(OrthogonalPerTensor(raw_fallback=True))
+    assert torch.allclose(either(g, t), torch.zeros(2), atol=1e-5) and torch.allclose(either(g, g), torch.zeros(2),
+                                                                                      atol=1e-5), "raw or orthogonal"
+    assert (either(gradient(seed=9, jobs=2), t) > 0.1).all()
 
 
 def test_the_clipped_distance_is_zero_at_the_clipped_update_whatever_the_true_norm() -> None:

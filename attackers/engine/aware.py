@@ -16,7 +16,9 @@ magnitude bands) the dummy gradient is first brought to the upload's scale by th
   to ``t`` (``r = epsilon ||t|| / (1 - epsilon)`` bounds a relative radius ``epsilon ||g||`` from ``t``), so
   that the image prior alone chooses among them.
 - ``OrthogonalPerTensor``: the mean over tensors of ``cos(g_l, t_l)^2 + (||g_l|| / ||t_l|| - 1)^2``: the
-  candidate is orthogonal to the true gradient tensor by tensor and of its norm.
+  candidate is orthogonal to the true gradient tensor by tensor and of its norm. Under a raw fallback the upload
+  may also be the gradient itself, which the upload does not mark: the distance is then the smaller of that
+  and ``1 - cos(g, t)``, zero at the true gradient under either case.
 - ``ClippedNoise``: ``||clip(g) - t||^2 / ||t||^2``, the Gaussian likelihood of the upload around the clipped
   update (its expectation), ``clip`` scaling ``g`` to norm at most ``C``.
 """
@@ -106,6 +108,11 @@ def orthogonal_distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.T
     return total / len(g)
 
 
+def orthogonal_or_raw_distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
+    """The smaller of ``orthogonal_distance`` and the cosine distance: CENSOR with its raw fallback."""
+    return torch.minimum(orthogonal_distance(g, t), cosine_distance(g, t))
+
+
 def clipped_distance(clip: float) -> Distance:
     """Squared distance of the clipped dummy update to the upload, relative to the upload's squared norm."""
 
@@ -128,8 +135,10 @@ def aware_distance(revealed: Revealed) -> Distance:
             return levels_distance(bits)
         case WithinRadius(epsilon=epsilon, relative=relative):
             return radius_distance(epsilon, relative)
-        case OrthogonalPerTensor():
+        case OrthogonalPerTensor(raw_fallback=False):
             return orthogonal_distance
+        case OrthogonalPerTensor():
+            return orthogonal_or_raw_distance
         case ClippedNoise(clip=clip):
             return clipped_distance(clip)
     raise ValueError(f"no defense-aware distance for {type(revealed).__name__}")
