@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,3 +256,32 @@ def test_a_gradient_list_without_a_layer_of_num_classes_rows_is_rejected() -> No
         infer_labels(grads, 10, 4)
     with pytest.raises(ValueError, match="10 rows"):
         infer_labels([torch.zeros(10, 3, 5, 5)], 10, 1)  # a conv kernel with 10 filters is no last layer
+
+
+READ_ONLY_UPLOADS = """
+import warnings
+
+from attackers.base import build_attack
+from attackers.dlg import DLGParams
+from attackers.inverting_gradients import InvertingGradientsParams
+from tests.test_inverting_gradients import uploads
+
+observations = uploads()[0][:1]
+for array in (*observations[0].global_arrays, *observations[0].upload):
+    array.flags.writeable = False  # as a Ray worker receives them: views of the object store
+warnings.simplefilter("error", UserWarning)
+for name, params in (("ig", InvertingGradientsParams(iterations=2, device="cpu")),
+                     ("idlg", DLGParams(iterations=2, device="cpu")), ("dlg", DLGParams(iterations=2, device="cpu"))):
+    print(name, len(build_attack(name, params).reconstruct_many(observations, 0)))
+"""
+
+
+def test_attacks_read_the_read_only_arrays_of_an_upload_without_a_warning() -> None:
+    """An attacker worker gets an upload's arrays read-only (Ray's object store): an attack copies what it makes
+    tensors of, and torch has nothing to warn about. In a process of its own: torch warns once per process."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", READ_ONLY_UPLOADS], cwd=root, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(root), "FEDGUARD_COMPILE": "off"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["ig", "1", "idlg", "1", "dlg", "1"]
+    assert "Warning" not in result.stderr, result.stderr[-3000:]
