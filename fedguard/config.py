@@ -74,8 +74,8 @@ def option(default: Scalar, help: str, **checks: Any) -> Any:
 @dataclass(frozen=True)
 class RunSection:
     name: str = option("fedguard", "run name; output goes to runs/<name> unless out-dir is set")
-    seed: int = option(0, "seed of partitioning, client sampling of batches and model initialization", ge=0,
-                       le=INT64_MAX)
+    seed: int = option(0, "seed of partitioning, the clients sampled each round, their batches and model "
+                          "initialization", ge=0, le=INT64_MAX)
     out_dir: str = option("", "output folder (empty: runs/<name>); relative to the folder the command runs in",
                           path=True)
     resume: bool = option(False, "continue the run in out-dir from its last completed round (fedguard run --resume)")
