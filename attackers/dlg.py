@@ -25,9 +25,9 @@ from attackers.engine.optimizers import LINE_SEARCHES
 
 @dataclass(frozen=True)
 class DLGParams:
-    """L-BFGS ``iterations``, restarts, step ``lr``, ``history`` length, ``line_search`` ('none': a fixed step,
-    as ``torch.optim.LBFGS`` by default; 'fractions': the best of fixed fractions of the step), device ('auto',
-    'cpu', 'cuda');
+    """``iterations``: L-BFGS iterations; ``restarts``: random starts per upload, the best kept; ``lr``: the L-BFGS
+    step; ``history``: L-BFGS history length; ``line_search``: 'none' (a fixed step, as ``torch.optim.LBFGS`` by
+    default) or 'fractions' (the best of fixed fractions of the step); ``device``: 'auto', 'cpu' or 'cuda';
     ``compile``: 'auto' (compile where it pays), 'on' or 'off' (``attackers.engine.compiled``)."""
 
     iterations: int = 2000

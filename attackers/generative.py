@@ -36,8 +36,9 @@ NO_GENERATOR = ("attack 'ggl' needs a generator: set attack.ggl.generator to a f
 
 @dataclass(frozen=True)
 class GenerativeParams:
-    """``generator``: a ``.npz`` from ``fedguard train-generator`` (required); iterations, restarts, Adam step on
-    the latents, device ('auto', 'cpu', 'cuda'); ``distance``: 'cosine' (1 - cosine similarity) or 'l2' (squared
+    """``generator``: a ``.npz`` from ``fedguard train-generator`` (required); ``iterations``: Adam iterations;
+    ``restarts``: random starts per upload, the best kept; ``lr``: Adam step on the latents; ``device``: 'auto',
+    'cpu' or 'cuda'; ``distance``: 'cosine' (1 - cosine similarity) or 'l2' (squared
     Euclidean) between gradients; ``kl``: weight of the latent prior;
     ``compile``: 'auto' (compile where it pays), 'on' or 'off' (``attackers.engine.compiled``)."""
 

@@ -55,10 +55,12 @@ from attackers.engine import OptimizationAttack, OptimizerSpec, SearchSpec, Term
 
 @dataclass(frozen=True)
 class GradInversionParams:
-    """Iterations, restarts (a group per upload), Adam step on [0, 1] pixels (cosine decay), device ('auto',
-    'cpu', 'cuda'); loss weights: ``gradient`` (squared L2 gradient distance over the upload's squared norm),
-    ``tv``, ``l2`` (pixels' squared distance to 0.5), ``bn`` (BatchNorm statistics distance), ``group`` (distance to the restarts' mean), on from
-    ``group_start`` (fraction of the iterations, in [0, 1]);
+    """``iterations``: Adam iterations; ``restarts``: random starts per upload (a group), the best kept; ``lr``: Adam
+    step on [0, 1] pixels (cosine decay); ``device``: 'auto', 'cpu' or 'cuda'; ``gradient``: loss weight of the
+    squared L2 gradient distance over the upload's squared norm; ``tv``: loss weight of the total variation;
+    ``l2``: loss weight of the pixels' squared distance to 0.5; ``bn``: loss weight of the BatchNorm statistics
+    distance; ``group``: loss weight of the distance to the restarts' mean, on from ``group_start``;
+    ``group_start``: when the group term starts, a fraction of the iterations in [0, 1];
     ``compile``: 'auto' (compile where it pays), 'on' or 'off' (``attackers.engine.compiled``)."""
 
     iterations: int = 2000

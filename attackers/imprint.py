@@ -50,8 +50,9 @@ SLACK = 1e-4  # pixel units: the tolerance of the consistency test
 
 @dataclass(frozen=True)
 class ImprintParams:
-    """Bin units of the first layer (<= its units), the server's normal prior on the mean pixel in [0, 1]
-    (mean, std) whose quantiles are the bin edges, and the gain of the bin units."""
+    """``bins``: bin units of the first layer (<= its units); ``mean``: mean of the server's normal prior on an
+    image's mean pixel (pixels in [0, 1]), whose quantiles are the bin edges; ``std``: standard deviation of the
+    server's prior on the mean pixel (pixel units); ``gain``: gain of the bin units."""
 
     bins: int = 64
     mean: float = 0.45

@@ -34,7 +34,8 @@ from attackers.engine.spec import check_precision
 
 @dataclass(frozen=True)
 class InvertingGradientsParams:
-    """Iterations, restarts, Adam step on [0, 1] pixels, total-variation weight, device ('auto', 'cpu', 'cuda'),
+    """``iterations``: signed-Adam iterations; ``restarts``: random starts per upload, the best kept; ``lr``:
+    signed-Adam step on [0, 1] pixels; ``tv``: weight of the total-variation prior; ``device``: 'auto', 'cpu' or 'cuda';
     ``skip``: comma-separated parameter-name prefixes left out of the distance (the layers a defense alters),
     ``eot``: draws of the known defense averaged per iteration (0: off; needs threat.defense);
     ``compile``: 'auto' (compile where it pays), 'on' or 'off' (``attackers.engine.compiled``);

@@ -211,7 +211,7 @@ def plain_labels(signal: torch.Tensor, batch_size: int) -> torch.Tensor:
 def upload_labels_inferred(obs: Observation, grads: list[torch.Tensor], batch_size: int) -> torch.Tensor:
     """Labels (batch_size,) inferred from an upload's gradient ``grads`` (trainable parameters in order), with
     the softmax offset taken from the global model the client started from where its last layer has a bias."""
-    weights = [torch.as_tensor(a) for a, trainable in zip(obs.global_arrays, obs.trainable) if trainable]
+    weights = [torch.tensor(a) for a, trainable in zip(obs.global_arrays, obs.trainable) if trainable]
     _, bias = last_layer(weights, obs.spec.num_classes)
     return infer_labels(grads, obs.spec.num_classes, batch_size, weights=weights if bias is not None else None)
 

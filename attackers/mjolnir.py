@@ -45,7 +45,7 @@ from fedguard.mjolnir.packing import pack_many, unpack_many, valid_mask
 from fedguard.mjolnir.pipeline import check_shapes
 from fedguard.mjolnir.store import load_ddpm, missing_ddpm
 from fedguard.observation import Observation
-from fedguard.registry import RequiredFile
+from fedguard.registry import RequiredFile, field_help
 
 INNER_ATTACKS = ("ig", "dlg", "idlg", "gradinversion", "ggl")
 NOISE_SOURCES = ("defense", "given", "estimate")
@@ -56,7 +56,7 @@ NO_DENOISER = "Mjölnir needs a diffusion model: set denoiser to a file made by 
 class MjolnirParams:
     """``denoiser``: a ``.npz`` from ``fedguard train-mjolnir`` (required); ``noise_source``: 'defense',
     'given' or 'estimate'; ``noise_std``: the per-entry noise standard deviation in gradient units, for
-    'given'; ``variance``: reverse-step variance, 'beta' (Algorithm 3) or 'posterior'; ``seed``: the reverse
+    'given'; ``variance``: reverse-step variance, 'beta' (Algorithm 3) or 'posterior'; ``seed``: seeds the reverse
     chain's noise; ``sampler``: 'chained' (Algorithm 3) or 'single-step' (the released code's one step; not for
     a conditional denoiser)."""
 
@@ -171,8 +171,8 @@ class Mjolnir:
 def _composed_params(inner: str) -> type:
     """A frozen dataclass with Mjölnir's fields, then the inner attack's (one config table per composition)."""
     inner_params = ATTACKS.get(inner).params
-    fields = [(f.name, f.type, f) for f in dataclasses.fields(MjolnirParams)]
-    fields += [(f.name, f.type, f) for f in dataclasses.fields(inner_params)]
+    fields = [(f.name, f.type, f, field_help(MjolnirParams, f.name)) for f in dataclasses.fields(MjolnirParams)]
+    fields += [(f.name, f.type, f, field_help(inner_params, f.name)) for f in dataclasses.fields(inner_params)]
 
     def post_init(self: Any) -> None:
         split(self)
@@ -184,7 +184,8 @@ def _composed_params(inner: str) -> type:
                 inner_params(**{k: v for k, v in values.items() if k not in own}))
 
     name = f"Mjolnir{inner.title().replace('-', '')}Params"
-    return dataclasses.make_dataclass(name, [(n, t, dataclasses.field(default=f.default)) for n, t, f in fields],
+    return dataclasses.make_dataclass(name, [(n, t, dataclasses.field(default=f.default, metadata={"help": h}))
+                                             for n, t, f, h in fields],
                                       frozen=True, namespace={"__post_init__": post_init, "split": split,
                                                               "__doc__": f"Mjölnir's parameters, then {inner}'s."})
 

@@ -32,6 +32,7 @@ import ray
 import torch
 
 from attackers.base import AttackOutcome, Reconstruction, shape_key
+from fedguard.app_code import Call
 from fedguard.observation import Observation
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,6 @@ class AttackSpec:
     manipulation: str = "none"
 
 
-@ray.remote
 class AttackWorker:
     """One attacker process: builds the attacks once, then reconstructs what it is given."""
 
@@ -60,6 +60,24 @@ class AttackWorker:
 
     def run(self, attack: str, observations: list[Observation], seed: int) -> list[Reconstruction]:
         return self.attacks[attack].reconstruct_many(observations, seed)
+
+
+def _worker_actor() -> type:
+    """The actor class of a worker. It is local, so Ray ships it by value and the worker imports nothing of this
+    app for it; the ``AttackWorker`` it builds comes as a ``Call``, unpickled from this app's code
+    (``fedguard.app_code``), not from a copy in the folder Ray's driver was started in."""
+
+    class AttackWorkerActor:
+        def __init__(self, make: Callable[[], Any]) -> None:
+            self.worker = make()
+
+        def run(self, attack: str, observations: list[Any], seed: int) -> list[Any]:
+            return self.worker.run(attack, observations, seed)
+
+    return AttackWorkerActor
+
+
+AttackWorkerActor = ray.remote(_worker_actor())
 
 
 @dataclass
@@ -195,7 +213,7 @@ class AttackPool:
         if self.use_gpu:
             options["num_gpus"] = 1
         factories = {a.name: a.factory for a in self.attacks}
-        return AttackWorker.options(**options).remote(factories, self.threads)
+        return AttackWorkerActor.options(**options).remote(Call(AttackWorker, factories, self.threads))
 
     def submit(self, obs: Observation) -> None:
         """Queue one task per attack that applies to ``obs``; returns immediately. Raises ``RuntimeError``

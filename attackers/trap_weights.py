@@ -100,8 +100,9 @@ def as_images(picked: list[torch.Tensor], batch: int, spec: DataSpec) -> torch.T
 
 @dataclass(frozen=True)
 class TrapWeightsParams:
-    """Trap rows of the first layer: weights N(0, sigma) per pixel, positive part times scale_factor s in
-    (0, 1], bias (0 in the paper)."""
+    """Trap rows of the first layer. ``sigma``: standard deviation of the trap rows' weights, N(0, sigma) per
+    pixel; ``scale_factor``: s in (0, 1], the factor of the trap rows' positive part; ``bias``: the trap rows'
+    bias (0 in the paper)."""
 
     sigma: float = 0.01
     scale_factor: float = 0.95

@@ -15,7 +15,8 @@ from attackers.engine import OptimizationAttack, OptimizerSpec, SearchSpec, Term
 
 @dataclass(frozen=True)
 class SmoothInversionParams:
-    """Iterations, restarts, Adam step on [0, 1] pixels, TV weight, device ('auto', 'cpu', 'cuda')"""
+    """``iterations``: Adam iterations; ``restarts``: random starts per upload, the best kept; ``lr``: Adam step on
+    [0, 1] pixels; ``tv``: weight of the TV prior; ``device``: 'auto', 'cpu' or 'cuda'."""
 
     iterations: int = 500
     restarts: int = 1

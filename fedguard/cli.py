@@ -138,8 +138,9 @@ def _resumed(args: argparse.Namespace) -> Config:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run a Flower simulation of the configured federation: check and prepare it here, then wait for it in a
-    light process (``fedguard.launcher``) that takes this one's place."""
+    """Run a Flower simulation of the configured federation: check the configuration, data and files first,
+    then follow the run to its end (rounds, attacks, report)."""
+    # A light process (fedguard.launcher) takes this one's place and waits for the run.
     from attackers.base import check_attack_files
     from fedguard.data import load_dataset
     from fedguard.defenses.base import check_defense_files

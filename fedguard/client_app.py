@@ -28,6 +28,7 @@ from flwr.common.constant import ErrorCode
 
 from clients import DefendedClient
 from clients.state import ClientState, FileState, RecordState
+from fedguard.app_code import AppCode
 from fedguard.config import Config, ConfigError
 from fedguard.data import DatasetNotFoundError
 from fedguard.defenses.base import REPORT_PREFIX
@@ -115,9 +116,14 @@ def upload_reply(msg: Message, upload: list[np.ndarray], num_examples: int, metr
     return Message(content=content, reply_to=msg)
 
 
+class ShippedClientApp(AppCode, ClientApp):
+    """Flower's ClientApp, rebuilt from this app's code in the Ray actors Flower's simulation ships it to
+    (``fedguard.app_code``)."""
+
+
 def make_client_app(config: Config | None = None) -> ClientApp:
     """A ClientApp bound to ``config``, or reading Flower's run config when None."""
-    client_app = ClientApp()
+    client_app = ShippedClientApp()
 
     def client(context: Context, instruction: ConfigRecord) -> DefendedClient:
         cfg = config if config is not None else Config.from_flat(context.run_config)

@@ -46,7 +46,7 @@ from fedguard.limits import (INT64_MAX, INT64_MIN, MAX_CLIENTS, MAX_IMAGE_SIZE, 
                              MAX_PROCESSES, MAX_ROUNDS, RUN_FILES_RESERVE, finite_problem, name_problem,
                              nesting_problem, path_problem, shown)
 from fedguard.models import MODELS, build_model
-from fedguard.registry import NoParams, Registry, RequiredFile
+from fedguard.registry import NoParams, Registry, RequiredFile, field_help
 from fedguard.selection import Selection
 from fedguard.spans import Spans, describe
 from strategies.registry import AUTO as AUTO_STRATEGY
@@ -74,8 +74,8 @@ def option(default: Scalar, help: str, **checks: Any) -> Any:
 @dataclass(frozen=True)
 class RunSection:
     name: str = option("fedguard", "run name; output goes to runs/<name> unless out-dir is set")
-    seed: int = option(0, "seed of partitioning, client sampling of batches and model initialization", ge=0,
-                       le=INT64_MAX)
+    seed: int = option(0, "seed of partitioning, the clients sampled each round, their batches and model "
+                          "initialization", ge=0, le=INT64_MAX)
     out_dir: str = option("", "output folder (empty: runs/<name>); relative to the folder the command runs in",
                           path=True)
     resume: bool = option(False, "continue the run in out-dir from its last completed round (fedguard run --resume)")
@@ -423,9 +423,9 @@ def schema() -> dict[str, tuple[type, Any, str]]:
     for kind, registry in parameterized + [(STRATEGY_PREFIX, STRATEGIES)]:
         for entry in registry.entries():
             types = _field_types(entry.params)
-            doc = (entry.params.__doc__ or "").strip().split("\n")[0]
             for f in dataclasses.fields(entry.params):
-                keys[f"{kind}.{entry.name}.{_dash(f.name)}"] = (types[f.name], f.default, f.metadata.get("help") or doc)
+                help_line = field_help(entry.params, f.name)
+                keys[f"{kind}.{entry.name}.{_dash(f.name)}"] = (types[f.name], f.default, help_line)
     return keys
 
 

@@ -11,6 +11,8 @@ defense supports, ...) without building the component or loading any file.
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
@@ -57,6 +59,31 @@ class RequiredFile:
         except TrainedFileError as error:
             return error
         return None
+
+
+_FIELD_MARK = re.compile(r"``(\w+)``:\s*")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def field_help(params: type, name: str) -> str:
+    """The one-line help of field ``name`` of the parameter dataclass ``params``: its ``help`` metadata, else its
+    description in the class docstring, written ``name``: text, up to the next field described so; else the
+    docstring's first line. Field names read as keys (``noise_multiplier`` -> noise-multiplier)."""
+    fields = {f.name: f for f in dataclasses.fields(params)}
+    if fields[name].metadata.get("help"):
+        return fields[name].metadata["help"]
+    doc = params.__doc__ or ""
+    marks = [m for m in _FIELD_MARK.finditer(doc) if m.group(1) in fields]
+    for mark, after in zip(marks, marks[1:] + [None]):
+        if mark.group(1) == name:
+            return _plain(doc[mark.end():after.start() if after else len(doc)], fields)
+    return _plain(doc.strip().split("\n")[0], fields)
+
+
+def _plain(text: str, fields: Container[str]) -> str:
+    """``text`` on one line, without literal quotes or a trailing separator; field names as keys."""
+    text = _LITERAL.sub(lambda m: m.group(1).replace("_", "-") if m.group(1) in fields else m.group(1), text)
+    return " ".join(text.split()).rstrip(";,. ")
 
 
 class Registry(Generic[F]):

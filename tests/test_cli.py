@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedguard.cli import main
+from fedguard.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,6 +22,14 @@ def test_help_documents_every_command() -> None:
         assert command in out
     run_help = subprocess.run([sys.executable, "-m", "fedguard", "run", "--help"], capture_output=True, text=True).stdout
     assert "--set" in run_help and "--out" in run_help and "preset" in run_help
+
+
+def test_no_help_names_an_internal_module() -> None:
+    parser = build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in [("fedguard", parser), *commands.choices.items()]:
+        text = " ".join(command.format_help().split())
+        assert not re.search(r"``|\b(fedguard|attackers|clients|strategies)\.[a-z_]", text), (name, text)
 
 
 def test_bad_override_fails_fast_with_the_problem(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from fedguard.evalnet import EvalNetOptions, default_evalnet_path, save_evalnet,
 from fedguard.generators import TrainedGenerator, TrainOptions, save_generator, train_vae
 from fedguard.mjolnir import DDPMTrainOptions, SurrogateOptions, save_ddpm
 from fedguard.mjolnir.pipeline import train_mjolnir
+from fedguard.registry import field_help
 from fedguard.report.run_dir import CONFIG_FILE, prepare_run_dir, resolve_run_dir, unflatten
 from fedguard.selection import Selection
 from fedguard.sweep import load_preset
@@ -169,6 +171,41 @@ def test_unflatten_inverts_flatten() -> None:
 def test_schema_has_help_for_every_section_key() -> None:
     for key, (_, _, help_text) in schema().items():
         assert help_text, key
+
+
+def test_every_component_parameter_has_a_help_line_of_its_own() -> None:
+    """`fedguard config --keys` explains each parameter by itself, not by its component's summary."""
+    by_component: dict[str, dict[str, str]] = {}
+    for key, (_, _, help_text) in schema().items():
+        if key.count(".") >= 2:  # kind.component.parameter
+            component, parameter = key.rsplit(".", 1)
+            by_component.setdefault(component, {})[parameter] = help_text
+    assert {"defense.dp", "attack.dlg", "attack.mjolnir+ig", "manipulation.imprint", "model.mlp"} <= by_component.keys()
+    for component, helps in by_component.items():
+        shared = {text for text in helps.values() if list(helps.values()).count(text) > 1}
+        assert not shared, f"{component}: parameters share {shared}"
+        assert all(text and "\n" not in text and "``" not in text for text in helps.values()), (component, helps)
+    keys = schema()
+    assert "epsilon" in keys["defense.dp.epsilon"][2] and "delta" in keys["defense.dp.epsilon"][2]
+    assert keys["attack.mjolnir+dlg.history"][2] == keys["attack.dlg.history"][2] == "L-BFGS history length"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Documented:
+    """An example. ``first_one``: counts things, see ``second``;
+    across lines; ``second``: given by metadata in the end; ``third``: last."""
+
+    first_one: int = 1
+    second: int = dataclasses.field(default=2, metadata={"help": "from the metadata"})
+    third: float = 0.0
+    fourth: str = ""
+
+
+def test_a_parameters_help_comes_from_its_metadata_else_its_own_part_of_the_docstring() -> None:
+    assert field_help(_Documented, "first_one") == "counts things, see second; across lines"
+    assert field_help(_Documented, "second") == "from the metadata"
+    assert field_help(_Documented, "third") == "last"
+    assert field_help(_Documented, "fourth") == "An example. first-one: counts things, see second"
 
 
 @pytest.mark.parametrize(

@@ -154,3 +154,92 @@ def test_flwr_run_with_an_unknown_key_is_refused_and_the_superlink_log_names_it(
     assert result.returncode != 0
     assert "Invalid run configuration" in result.stdout + result.stderr
     assert "train.roundz" in (home / "local-superlink" / "superlink.log").read_text()
+
+
+IMPORT_MARKER = """
+import os as _os
+with open({log!r}, "a") as _log:
+    _log.write(f"{tag} import {{_os.getpid()}} {{__file__}}\\n")
+"""
+ATTACK_MARKER = """
+_unmarked_build_attack = build_attack
+
+
+def build_attack(*args, **kwargs):
+    import os as _os
+    with open({log!r}, "a") as _log:
+        _log.write(f"{tag} attack {{_os.getpid()}} {{__file__}}\\n")
+    return _unmarked_build_attack(*args, **kwargs)
+"""
+
+
+def marked_copy(folder: Path, tag: str, log: Path) -> Path:
+    """A copy of this checkout's files (git's tracked and untracked, none ignored) whose ``fedguard`` and
+    ``attackers`` packages write ``tag`` and the process id to ``log`` when imported, and whose ``build_attack``
+    does so when called (only attacker workers build attacks)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes((ROOT / name).read_bytes())
+    for package in ("fedguard", "attackers"):
+        with open(folder / package / "__init__.py", "a") as init:
+            init.write(IMPORT_MARKER.format(log=str(log), tag=tag))
+    with open(folder / "attackers" / "base.py", "a") as base:
+        base.write(ATTACK_MARKER.format(log=str(log), tag=tag))
+    return folder
+
+
+@pytest.mark.slow
+def test_flwr_run_runs_the_submitted_apps_code_in_every_process(tmp_path: Path) -> None:
+    """A SuperLink started in one copy of the app runs a second copy: the ServerApp, the ClientApps and the
+    attacker workers all import the submitted copy, none the SuperLink's working directory."""
+    log = tmp_path / "imports.log"
+    stale, app = marked_copy(tmp_path / "stale", "stale", log), marked_copy(tmp_path / "app", "app", log)
+    port = free_port()
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "fedguard"\n\n[superlink.fedguard]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", PATH=f"{BIN}:{os.environ['PATH']}")
+    superlink = subprocess.Popen(
+        [str(BIN / "flower-superlink"), "--insecure", "--simulation", "--disable-runtime-dependency-installation",
+         "--host", "127.0.0.1", "--port", str(port), "--database", str(tmp_path / "state.db")],
+        env=env, cwd=stale, stdout=open(tmp_path / "superlink.log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    out = tmp_path / "run"
+    try:
+        wait_for_port(port, 60)
+        overrides = (f"data.name='digits' partition.num-clients=2 train.clients-per-round=2 train.rounds=1 "
+                     f"attack.name='dlg' attack.dlg.iterations=2 out-dir='{out}'")
+        result = subprocess.run(
+            [str(BIN / "flwr"), "run", ".", "fedguard", "--federation-config", "num-supernodes=2",
+             "--run-config", overrides, "--stream"],
+            env=env, cwd=app, capture_output=True, text=True, timeout=300,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        status = out / "status.json"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not status.exists():
+            time.sleep(1)
+        assert json.loads(status.read_text())["status"] == "completed"
+    finally:
+        os.killpg(superlink.pid, signal.SIGTERM)
+        try:
+            superlink.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(superlink.pid, signal.SIGKILL)
+    lines = [line.split(" ", 3) for line in log.read_text().splitlines()]
+    assert not [line for line in lines if line[0] == "stale"], log.read_text()
+    installed = str(home / "apps")  # where the SuperLink unpacked the submitted app
+    attacks = [(pid, file) for tag, what, pid, file in lines if what == "attack"]
+    assert attacks and all(file.startswith(installed) for _, file in attacks), log.read_text()
+    importers = {pid for tag, what, pid, file in lines if what == "import" and file.startswith(installed)}
+    assert {pid for pid, _ in attacks} <= importers, log.read_text()
+    assert len(importers) >= 3, log.read_text()  # the ServerApp, an attacker and at least one ClientApp
+    rows = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
+    assert rows and {r["status"] for r in rows} == {"ok"}, rows

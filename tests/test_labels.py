@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +267,32 @@ def test_label_counts_from_a_noisy_estimate_of_millions_come_back_at_once() -> N
     counts = round_counts(estimate, 8, torch.tensor([True, False, False, True, False, True]))
     assert int(counts.sum()) == 8 and (counts >= 0).all()
     assert counts[0] >= 1 and counts[3] >= 1 and counts[5] >= 1, "required classes keep a sample"
+
+
+READ_ONLY_UPLOADS = """
+import warnings
+
+from attackers.base import build_attack
+from attackers.dlg import DLGParams
+from attackers.inverting_gradients import InvertingGradientsParams
+from tests.test_inverting_gradients import uploads
+
+observations = uploads()[0][:1]
+for array in (*observations[0].global_arrays, *observations[0].upload):
+    array.flags.writeable = False  # as a Ray worker receives them: views of the object store
+warnings.simplefilter("error", UserWarning)
+for name, params in (("ig", InvertingGradientsParams(iterations=2, device="cpu")),
+                     ("idlg", DLGParams(iterations=2, device="cpu")), ("dlg", DLGParams(iterations=2, device="cpu"))):
+    print(name, len(build_attack(name, params).reconstruct_many(observations, 0)))
+"""
+
+
+def test_attacks_read_the_read_only_arrays_of_an_upload_without_a_warning() -> None:
+    """An attacker worker gets an upload's arrays read-only (Ray's object store): an attack copies what it makes
+    tensors of, and torch has nothing to warn about. In a process of its own: torch warns once per process."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", READ_ONLY_UPLOADS], cwd=root, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(root), "FEDGUARD_COMPILE": "off"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["ig", "1", "idlg", "1", "dlg", "1"]
+    assert "Warning" not in result.stderr, result.stderr[-3000:]
