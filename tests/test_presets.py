@@ -92,7 +92,8 @@ def test_the_mjolnir_paper_preset_runs_with_its_relative_denoiser(lab: Path) -> 
 def test_the_attacks_preset_runs_every_attack_with_the_generator_the_readme_trains(lab: Path) -> None:
     # The preset's attacks cut to a few iterations: this checks the plumbing and the analytic attacks, whose
     # results do not depend on iterations; the optimization attacks' scores are tested in their own files.
-    overrides = [*QUICK_ATTACKS, "attack.gradinversion.iterations=10", "attack.gradinversion.restarts=2",
+    overrides = [*QUICK_ATTACKS, "attack.ig-adaptive.iterations=10", "attack.ig-adaptive.restarts=1",
+                 "attack.gradinversion.iterations=10", "attack.gradinversion.restarts=2",
                  "attack.ggl.iterations=10", "attack.ggl.restarts=1", "pool.workers=1"]
     fedguard(lab, "run", "experiments/attacks.toml", "--out", "attacks", *sum((["--set", o] for o in overrides), []))
     out = lab / "attacks"
