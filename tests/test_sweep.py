@@ -274,10 +274,14 @@ def test_a_sweep_with_seeds_runs_each_cell_once_per_seed_in_a_folder_per_seed(tm
     ("seeds = [0, 1, 2]", ["seed=3"], r"sets each run's seed; remove seed from --set seed"),
     ('kind = "diagnostic"\n"seed" = 2', [], r"remove seed from \[sweep.settings.privacy\]"),
     ('kind = "practical"', [], r"sweep.settings.privacy.kind = 'practical': choose diagnostic or realistic"),
+    ('kind = "diagnostic"\nvariants = ["none", "nope"]', [],
+     r"sweep.settings.privacy.variants = \['none', 'nope'\]: give a list of variants of this sweep"),
+    ('kind = "diagnostic"\nvariants = []', [], r"sweep.settings.privacy.variants = \[\]: give a list"),
 ])
 def test_bad_seeds_and_setting_kinds_are_named(tmp_path: Path, change: str, overrides: list[str],
                                                message: str) -> None:
     target = 'kind = "diagnostic"' if change.startswith("kind") else "seeds = [0, 1, 2]"
+    assert target in SEEDED
     with pytest.raises(ConfigError, match=message):
         load_sweep(write(tmp_path, SEEDED.replace(target, change, 1)), tmp_path / "out", overrides)
 
