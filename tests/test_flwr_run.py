@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -33,24 +35,38 @@ def wait_for_port(port: int, timeout: float) -> None:
     raise TimeoutError(f"SuperLink did not listen on {port} within {timeout} s")
 
 
-@pytest.mark.slow
-def test_flwr_run_with_a_local_superlink(tmp_path: Path) -> None:
+@contextmanager
+def local_superlink(tmp_path: Path, cwd: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A simulation SuperLink on a free loopback port, started in ``cwd``, with a Flower home in ``tmp_path`` whose
+    default federation is it; yields ``env`` with that home, telemetry off and the venv's tools first on PATH."""
     port = free_port()
     home = tmp_path / "flwr-home"
     home.mkdir()
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "fedguard"\n\n[superlink.fedguard]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
     )
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env = {**env, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "PATH": f"{BIN}:{os.environ['PATH']}"}
     superlink = subprocess.Popen(
         [str(BIN / "flower-superlink"), "--insecure", "--simulation", "--disable-runtime-dependency-installation",
          "--host", "127.0.0.1", "--port", str(port), "--database", str(tmp_path / "state.db")],
-        env=env, cwd=tmp_path, stdout=open(tmp_path / "superlink.log", "w"), stderr=subprocess.STDOUT,
+        env=env, cwd=cwd, stdout=open(tmp_path / "superlink.log", "w"), stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    out = tmp_path / "run"
     try:
         wait_for_port(port, 60)
+        yield env
+    finally:
+        os.killpg(superlink.pid, signal.SIGTERM)
+        try:
+            superlink.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(superlink.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_flwr_run_with_a_local_superlink(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with local_superlink(tmp_path, tmp_path, dict(os.environ)) as env:
         overrides = f"partition.num-clients=4 train.clients-per-round=4 train.rounds=3 out-dir='{out}'"
         result = subprocess.run(
             [str(BIN / "flwr"), "run", str(ROOT), "fedguard", "--federation-config", "num-supernodes=4",
@@ -66,13 +82,6 @@ def test_flwr_run_with_a_local_superlink(tmp_path: Path) -> None:
         assert [r["round"] for r in rows] == [0, 1, 2, 3]
         assert rows[-1]["accuracy"] > rows[0]["accuracy"]
         assert (out / "config.toml").is_file() and list((out / "observations").glob("*.npz"))
-    finally:
-        os.killpg(superlink.pid, signal.SIGTERM)
-        try:
-            superlink.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(superlink.pid, signal.SIGKILL)
-
 
 def stop_local_superlink(port: int) -> None:
     """Stop the local SuperLink ``flwr run`` started on ``port`` (and its process group), none other."""
@@ -197,23 +206,8 @@ def test_flwr_run_runs_the_submitted_apps_code_in_every_process(tmp_path: Path) 
     attacker workers all import the submitted copy, none the SuperLink's working directory."""
     log = tmp_path / "imports.log"
     stale, app = marked_copy(tmp_path / "stale", "stale", log), marked_copy(tmp_path / "app", "app", log)
-    port = free_port()
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "fedguard"\n\n[superlink.fedguard]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
-    )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", PATH=f"{BIN}:{os.environ['PATH']}")
-    superlink = subprocess.Popen(
-        [str(BIN / "flower-superlink"), "--insecure", "--simulation", "--disable-runtime-dependency-installation",
-         "--host", "127.0.0.1", "--port", str(port), "--database", str(tmp_path / "state.db")],
-        env=env, cwd=stale, stdout=open(tmp_path / "superlink.log", "w"), stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
     out = tmp_path / "run"
-    try:
-        wait_for_port(port, 60)
+    with local_superlink(tmp_path, stale, {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}) as env:
         overrides = (f"data.name='digits' partition.num-clients=2 train.clients-per-round=2 train.rounds=1 "
                      f"attack.name='dlg' attack.dlg.iterations=2 out-dir='{out}'")
         result = subprocess.run(
@@ -227,12 +221,7 @@ def test_flwr_run_runs_the_submitted_apps_code_in_every_process(tmp_path: Path) 
         while time.monotonic() < deadline and not status.exists():
             time.sleep(1)
         assert json.loads(status.read_text())["status"] == "completed"
-    finally:
-        os.killpg(superlink.pid, signal.SIGTERM)
-        try:
-            superlink.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(superlink.pid, signal.SIGKILL)
+    home = Path(env["FLWR_HOME"])
     lines = [line.split(" ", 3) for line in log.read_text().splitlines()]
     assert not [line for line in lines if line[0] == "stale"], log.read_text()
     installed = str(home / "apps")  # where the SuperLink unpacked the submitted app
