@@ -4,7 +4,7 @@ plain cosine (``fedguard.defenses.revealed`` says what each defense's upload rev
 Every distance takes the dummy gradients ``g`` and the uploaded targets ``t`` (lists of (J, ...) tensors, one
 per compared parameter) and returns (J,). Where the defense bounds entries in absolute units (level steps,
 magnitude bands) the dummy gradient is first brought to the upload's scale by the least-squares factor
-``s = <g, t> / <g, t>`` over what was sent, so that no distance can be lowered by shrinking ``g``:
+``s = <g, t> / <g, g>`` over what was sent, so that no distance can be lowered by shrinking ``g``:
 
 - ``Unchanged``, ``AlteredLayer``: ``1 - cos(g, t)`` (the altered layer is left out by the attack's ``skip``).
 - ``SentBand``: ``1 - cos(m g, t)`` over the sent entries (``m = t != 0``) plus, per tensor, the squared
@@ -27,21 +27,18 @@ from __future__ import annotations
 
 import torch
 
-from attackers.engine.terms import Distance, cosine_distance
+from attackers.engine.terms import Distance, cosine_distance, dot, l2_distance
+from fedguard.defenses.dp_update import clip_per_job
 from fedguard.defenses.revealed import (AlteredLayer, ClippedNoise, OrthogonalPerTensor, QuantizedLevels, Revealed,
                                         SentBand, Unchanged, WithinRadius)
 
 EPS = 1e-12
 
 
-def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
-    return sum((x.flatten(1) * y.flatten(1)).sum(1) for x, y in zip(a, b))
-
-
 def _scale(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
     """(J,) least-squares factor ``s`` minimizing ``||s g - t||`` (1 where ``g`` is zero)."""
-    gg = _dot(g, g)
-    return torch.where(gg > EPS, _dot(g, t) / gg.clamp_min(EPS), torch.ones_like(gg))
+    gg = dot(g, g)
+    return torch.where(gg > EPS, dot(g, t) / gg.clamp_min(EPS), torch.ones_like(gg))
 
 
 def _per_job(s: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -65,7 +62,7 @@ def band_distance(drops_top: bool) -> Distance:
             above = torch.relu(magnitude - lo)
             gap = torch.minimum(above, torch.relu(hi - magnitude)) if drops_top else above
             outside = outside + ((1 - mflat) * gap**2).sum(1)
-        return cosine_distance(sent, t) + outside / _dot(t, t).clamp_min(EPS)
+        return cosine_distance(sent, t) + outside / dot(t, t).clamp_min(EPS)
 
     return distance
 
@@ -80,7 +77,7 @@ def levels_distance(bits: int) -> Distance:
             flat, tflat = x.flatten(1), target.flatten(1)
             step = (tflat.amax(1, keepdim=True) - tflat.amin(1, keepdim=True)) / (2**bits - 1)
             beyond = beyond + torch.relu((_per_job(s, flat) * flat - tflat).abs() - step).pow(2).sum(1)
-        return cosine_distance(g, t) + beyond / _dot(t, t).clamp_min(EPS)
+        return cosine_distance(g, t) + beyond / dot(t, t).clamp_min(EPS)
 
     return distance
 
@@ -89,9 +86,9 @@ def radius_distance(epsilon: float, relative: bool) -> Distance:
     """Zero inside the ball the defense's radius allows around the upload, squared excess outside."""
 
     def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
-        norm_t = torch.sqrt(_dot(t, t))
+        norm_t = torch.sqrt(dot(t, t))
         radius = epsilon * norm_t / max(1 - epsilon, EPS) if relative else torch.full_like(norm_t, epsilon)
-        gap = torch.sqrt(sum(((x - y).flatten(1) ** 2).sum(1) for x, y in zip(g, t)) + EPS)
+        gap = torch.sqrt(l2_distance(g, t) + EPS)
         return torch.relu(gap - radius) ** 2 / (norm_t**2).clamp_min(EPS)
 
     return distance
@@ -117,9 +114,7 @@ def clipped_distance(clip: float) -> Distance:
     """Squared distance of the clipped dummy update to the upload, relative to the upload's squared norm."""
 
     def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
-        factor = torch.clamp(clip / (torch.sqrt(_dot(g, g)) + EPS), max=1.0)
-        clipped = [x * _per_job(factor, x) for x in g]
-        return sum(((x - y).flatten(1) ** 2).sum(1) for x, y in zip(clipped, t)) / _dot(t, t).clamp_min(EPS)
+        return l2_distance(clip_per_job(g, clip), t) / dot(t, t).clamp_min(EPS)
 
     return distance
 

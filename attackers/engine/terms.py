@@ -16,14 +16,14 @@ import torch
 Distance = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
 
 
-def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
     """Per-job inner product over every parameter: (J, ...) lists -> (J,)."""
     return sum((x.flatten(1) * y.flatten(1)).sum(1) for x, y in zip(a, b))
 
 
 def cosine_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
     """``1 - cos(g, target)`` per job, every parameter as one vector (Inverting Gradients)."""
-    return 1 - _dot(g, target) / (torch.sqrt(_dot(g, g)) * torch.sqrt(_dot(target, target)) + 1e-12)
+    return 1 - dot(g, target) / (torch.sqrt(dot(g, g)) * torch.sqrt(dot(target, target)) + 1e-12)
 
 
 def l2_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
@@ -33,7 +33,7 @@ def l2_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tens
 
 def relative_l2_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
     """Squared Euclidean distance over the target's squared norm (1 for a zero dummy gradient; GradInversion)."""
-    return l2_distance(g, target) / _dot(target, target).clamp_min(1e-12)
+    return l2_distance(g, target) / dot(target, target).clamp_min(1e-12)
 
 
 DISTANCES: dict[str, Distance] = {

@@ -51,6 +51,7 @@ import torch
 
 from fedguard.defenses.base import class_traits, register_defense
 from fedguard.defenses.magnitude import RankBandPruning, count
+from fedguard.defenses.revealed import SentBand
 
 EF_SCOPES = ("all", "bottom")
 ROUNDINGS = ("protective", "floor")
@@ -96,6 +97,10 @@ class DualGradientPruning(RankBandPruning):
         top = min(count(self.params.k1, size, round_up=protective), max(size - 1, 0))
         bottom = min(count(self.params.k2, size, round_up=False), max(size - 1 - top, 0))
         return top, bottom
+
+    def revealed(self) -> SentBand:
+        """The sent entries, exact; every unsent one lies outside the sent band, above it too when ``k1`` > 0."""
+        return SentBand(drops_top=self.params.k1 > 0)
 
     def bounds(self, size: int) -> tuple[int, int]:
         """Ranks n_top .. size - n_bot - 1: the middle band."""

@@ -122,6 +122,14 @@ def clip_by_global_norm(tensors: list[torch.Tensor], clip: float) -> list[torch.
     return [t * factor.to(t.dtype) for t in tensors]
 
 
+def clip_per_job(grads: list[torch.Tensor], clip: float) -> list[torch.Tensor]:
+    """Each job of (J, ...) updates scaled by ``min(1, clip / ||job||)``, its tensors' norms taken together;
+    differentiable in ``grads``."""
+    norm = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads))
+    factor = torch.clamp(clip / (norm + 1e-12), max=1.0)
+    return [g * factor.reshape(-1, *[1] * (g.dim() - 1)) for g in grads]
+
+
 class UpdateDP:
     """Clip the update to ``clip`` in L2, add Gaussian or Laplace noise of scale ``noise_multiplier * clip``."""
 
@@ -164,9 +172,7 @@ class UpdateDP:
 
     def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         """Per job of (J, ...) updates: clip all tensors together to ``clip``, then add fresh noise."""
-        norm = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads))
-        factor = torch.clamp(self.params.clip / (norm + 1e-12), max=1.0)
-        return [g * factor.reshape(-1, *[1] * (g.dim() - 1)) + self.noise(g, generator) for g in grads]
+        return [g + self.noise(g, generator) for g in clip_per_job(grads, self.params.clip)]
 
 
 @register_defense("dp", params=UpdateDPParams, traits=class_traits(UpdateDP))

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from fedguard.defenses.base import LocalStep
-from fedguard.defenses.revealed import SentBand
 
 DIGITS = 9  # fraction * size is rounded to this many decimals before ceil / floor: 0.07 * 100 = 7.000000000000001
 
@@ -120,11 +119,6 @@ class RankBandPruning:
         sent, bottom = self._masks(flat)
         return (torch.where(sent, flat, 0.0).reshape(accumulated.shape),
                 self.residual(flat, sent, bottom).reshape(accumulated.shape))
-
-    def revealed(self) -> SentBand:
-        """The sent entries, exact; the unsent ones' magnitudes lie outside the sent band (above it only when the
-        band starts below rank 0)."""
-        return SentBand(drops_top=self.bounds(1_000_000)[0] > 0)
 
     def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         """The pruning of each job of (J, ...) updates, without a residual (the client's output at round 0 or

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from fedguard.defenses.base import class_traits, register_defense
 from fedguard.defenses.magnitude import RankBandPruning, count
+from fedguard.defenses.revealed import SentBand
 
 PREFIX = "prune"
 
@@ -49,6 +50,10 @@ class MagnitudePruning(RankBandPruning):
     def __init__(self, params: PruneParams) -> None:
         self.params = params
         self.error_feedback = params.error_feedback
+
+    def revealed(self) -> SentBand:
+        """The sent entries, exact; every unsent one is at most the smallest sent magnitude."""
+        return SentBand(drops_top=False)
 
     def bounds(self, size: int) -> tuple[int, int]:
         """Ranks 0 .. ceil(keep * size) - 1: the largest entries."""

@@ -143,6 +143,13 @@ class _Images:
         )
 
 
+def _figure_png(figure: Any) -> bytes:
+    """A matplotlib figure as PNG bytes, without the software stamp (the same figure gives the same bytes)."""
+    buffer = BytesIO()
+    figure.savefig(buffer, format="png", metadata={"Software": None})
+    return buffer.getvalue()
+
+
 def _curve_png(rounds: list[dict[str, Any]]) -> bytes:
     """Accuracy (%) and loss against the round, as a PNG."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -191,9 +198,7 @@ def _curve_png(rounds: list[dict[str, Any]]) -> bytes:
                 frameon=False, borderaxespad=0.2)
     figure.tight_layout()
 
-    buffer = BytesIO()
-    figure.savefig(buffer, format="png", metadata={"Software": None})
-    return buffer.getvalue()
+    return _figure_png(figure)
 
 
 def leakage_by_round(attacks: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
@@ -231,9 +236,7 @@ def _leakage_png(curves: dict[str, list[tuple[int, float]]], rounds: list[dict[s
     axis.spines["right"].set_visible(False)
     axis.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=4, frameon=False, borderaxespad=0.2)
     figure.tight_layout()
-    buffer = BytesIO()
-    figure.savefig(buffer, format="png", metadata={"Software": None})
-    return buffer.getvalue()
+    return _figure_png(figure)
 
 
 # ----------------------------------------------------------------------------------------------
