@@ -25,8 +25,9 @@ from fedguard.run_folder import ROUNDS_FILE, STATUS_FILE, RunFileError, read_jso
 RUN_TOKEN_ENV = "FEDGUARD_RUN_TOKEN"
 DONE = b"done"  # what the launcher writes on the lifeline when it ended its run itself
 GRACE = 3.0  # seconds the run's processes get between SIGTERM and SIGKILL
-PASSES = 3  # rounds of finding and stopping: a process started while the others stop is found on the next
-LATE_GRACE = 0.5  # seconds such a latecomer gets
+LATE_GRACE = 0.5  # seconds a process found on a later pass gets (one started while the others stopped)
+QUIET = 0.5  # seconds with no new process of the run that end the search
+SEARCH = 6.0  # seconds the search for latecomers lasts at most (Ray may start workers while it stops)
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -40,14 +41,19 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 def stop_run(token: str, grace: float = GRACE) -> int:
     """Stop every process whose environment holds ``RUN_TOKEN_ENV=token`` (SIGTERM, SIGKILL ``grace`` seconds
-    later; those found on a later pass ``LATE_GRACE``); returns how many there were."""
+    later; those found on a later pass ``LATE_GRACE``), searching again until none is new for ``QUIET``
+    seconds or ``SEARCH`` seconds passed; returns how many there were."""
     stopped: set[Process] = set()
-    for attempt in range(PASSES):
+    deadline = time.monotonic() + SEARCH
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - quiet_since < QUIET:
         found = marked(f"{RUN_TOKEN_ENV}={token}") - stopped
-        if not found:
-            break
-        ProcessTracker(seen=found).stop(patience=0.0, grace=grace if attempt == 0 else min(grace, LATE_GRACE))
-        stopped |= found
+        if found:
+            ProcessTracker(seen=found).stop(patience=0.0, grace=min(grace, LATE_GRACE) if stopped else grace)
+            stopped |= found
+            quiet_since = time.monotonic()
+        else:
+            time.sleep(0.1)
     return len(stopped)
 
 

@@ -43,6 +43,7 @@ import tomli_w
 from attackers.base import attack_traits
 from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, read_toml, resolve_paths
 from fedguard.report.leakage import SUCCESS_SSIM, privacy
+from fedguard.report.leakage_table import leakage_tables
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
 from fedguard.report.run_dir import unflatten
 from fedguard.report.run_status import read_status
@@ -507,6 +508,9 @@ def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: fl
     cells = cell_rows(sweep.runs, rows, sweep.baseline)
     write_jsonl(sweep.folder / SWEEP_FILE, cells)
     summary = summary_table(cells, sweep.baseline) + failures_note(rows)
+    leakage = leakage_tables(cells)
+    if leakage:
+        summary += "\n" + leakage
     if sweep.paper is not None:
         summary += "\n" + render_paper_table(sweep.paper, cells, sweep.baseline)
     write_atomic(sweep.folder / SUMMARY_FILE, summary)

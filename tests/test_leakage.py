@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fedguard.report.leakage import privacy
+from fedguard.report.leakage_table import leakage_tables
 from fedguard.report.statistics import bootstrap_ci
 
 
@@ -39,3 +40,20 @@ def test_images_without_a_score_are_left_out_and_counted() -> None:
 def test_nothing_scored_is_no_privacy_object() -> None:
     assert privacy([], {}) is None
     assert privacy([{"attack": "ig", "status": "ok", "round": 1, "per_image": []}], {}) is None
+
+
+def test_the_leakage_table_has_a_line_per_variant_and_attack_and_bolds_each_rounds_best() -> None:
+    rows = [row("ig", 1, 0, [0.2, 0.3]), row("idlg", 1, 0, [0.1, 0.1]), row("ig", 5, 0, [0.9, 0.7]),
+            row("idlg", 5, 0, [0.95, 0.85])]
+    cells = [{"setting": "trained", "variant": "none", "privacy": privacy(rows, {"ig": True})},
+             {"setting": "trained", "variant": "dp", "privacy": privacy(rows[:2], {"ig": True})},
+             {"setting": "privacy-only", "variant": "none", "privacy": None}]
+    table = leakage_tables(cells).splitlines()
+    assert table[0].startswith("Mean SSIM [95% CI] per attack and attacked round, setting `trained`, 2 images a cell")
+    assert table[2] == "| variant | attack | round 1 | round 5 |"
+    low, high = bootstrap_ci(np.array([0.2, 0.3]))
+    assert table[4] == f"| `none` | `ig` (adaptive) | **0.25 [{low:.2f}, {high:.2f}]** | 0.80 [0.70, 0.90] |"
+    assert table[5].startswith("| `none` | `idlg` | 0.10 [0.10, 0.10] | **0.90 [")
+    assert table[6].endswith("| - |") and table[6].startswith("| `dp` | `ig` (adaptive) | **0.25")
+    assert len(table) == 8 and "privacy-only" not in "\n".join(table)
+    assert leakage_tables(cells[2:]) == ""

@@ -3,8 +3,9 @@
 The scored images of one attack in one round are pooled over the cell's seeds and clients (each image once)
 and summarized by ``fedguard.report.statistics``: mean, median and bootstrap 95 % interval of PSNR (dB, capped
 as in ``attacks.jsonl``), SSIM and LPIPS, and the success rate, the share of images with SSIM above
-``SUCCESS_SSIM`` (recognisable; ``recovered_rate``: above ``RECOVERED_SSIM``, recovered). ``per_round`` holds,
-for each attacked round, its best attack (highest mean SSIM); the headline is the best of those (the
+``SUCCESS_SSIM`` (recognisable; ``recovered_rate``: above ``RECOVERED_SSIM``, recovered). ``by_attack`` holds
+them for every attack in every attacked round, ``per_round`` for each attacked round its best attack (highest
+mean SSIM); the headline is the best of those (the
 client's worst case, with its round). That choice is the evaluator's, made after the fact over attacks
 that each chose their own restarts by their own objective; no ground truth enters an attack.
 """
@@ -49,15 +50,17 @@ def _ssim_key(leakage: dict[str, Any]) -> float:
 
 
 def privacy(rows: list[dict[str, Any]], adaptive: Mapping[str, bool]) -> dict[str, Any] | None:
-    """The headline leakage of a cell, its ``image_leakage`` with ``per_round``, from the scored rows
-    (status 'ok') of its runs; ``adaptive`` maps an attack's name to its trait. None when no image was scored."""
+    """The headline leakage of a cell, its ``image_leakage`` with ``per_round`` and ``by_attack`` (every
+    attack's ``image_leakage`` in every round it scored, by round then attack), from the scored rows (status
+    'ok') of its runs; ``adaptive`` maps an attack's name to its trait. None when no image was scored."""
     groups: dict[int, dict[str, list[dict[str, Any]]]] = {}
     for row in rows:
         if isinstance(row.get("round"), int) and row.get("per_image"):
             groups.setdefault(row["round"], {}).setdefault(str(row.get("attack")), []).append(row)
-    per_round = [max((image_leakage(attack, round_, group, adaptive.get(attack, False))
-                      for attack, group in groups[round_].items()), key=_ssim_key)
+    by_attack = [image_leakage(attack, round_, group, adaptive.get(attack, False))
+                 for round_ in sorted(groups) for attack, group in groups[round_].items()]
+    per_round = [max((leak for leak in by_attack if leak["round"] == round_), key=_ssim_key)
                  for round_ in sorted(groups)]
     if not per_round:
         return None
-    return {**max(per_round, key=_ssim_key), "per_round": per_round}
+    return {**max(per_round, key=_ssim_key), "per_round": per_round, "by_attack": by_attack}
