@@ -1,3 +1,26 @@
-"""fedguard: what a server can reconstruct from federated uploads, and which defense stops it."""
+"""fedguard: what a server can reconstruct from federated uploads, and which defense stops it.
+
+The Python API (``fedguard.api``): ``run`` and ``run_sweep`` start an experiment or a sweep as the command line
+does; ``open_run`` opens what one wrote (``RunResults``, ``SweepResults``) as pandas DataFrames and arrays.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from fedguard.api import RunFailed, RunResults, SweepResults, as_config, open_run, run, run_sweep
+
+API = ("run", "run_sweep", "open_run", "as_config", "RunResults", "SweepResults", "RunFailed")
+__all__ = [*API, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """The API's names, imported on first use (``python -m fedguard`` does not load pandas)."""
+    if name in API:
+        from fedguard import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'fedguard' has no attribute {name!r}")

@@ -185,6 +185,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seed_list(text: str) -> list[int]:
+    """``--seeds 0,1,2``: distinct whole numbers >= 0 (argparse names the bad value)."""
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct whole numbers >= 0 separated by commas, e.g. 0,1")
+    return seeds
+
+
 def _interrupt(signum: int, _frame: object) -> None:
     """Turn SIGTERM into the KeyboardInterrupt that Ctrl-C raises."""
     raise KeyboardInterrupt(f"signal {signum}")
@@ -194,7 +205,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every setting x variant of a sweep preset (e.g. every defense), then print the summary table."""
     from fedguard.sweep import SUMMARY_FILE, load_sweep, run_sweep
 
-    sweep = load_sweep(args.preset, args.out, args.overrides, args.only)
+    sweep = load_sweep(args.preset, args.out, args.overrides, args.only, args.seeds)
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated sweep stops its run as Ctrl-C does, results kept
     print(f"fedguard: sweep {sweep.name}: {len(sweep.runs)} runs in {sweep.folder}", flush=True)
     start = time.perf_counter()
@@ -331,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "e.g. --set train.rounds=2 for a quick pass")
     sweep.add_argument("--only", action="append", default=[], metavar="[SETTING/]VARIANT",
                        help="run only this variant (in every setting, or in the one named); repeatable")
+    sweep.add_argument("--seeds", type=_seed_list, metavar="N[,N...]",
+                       help="run these seeds instead of the preset's [sweep] seeds, e.g. --seeds 0")
     sweep.set_defaults(handler=cmd_sweep)
 
     attack = commands.add_parser("attack", help=cmd_attack.__doc__, description=cmd_attack.__doc__)

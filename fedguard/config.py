@@ -997,9 +997,10 @@ def relative_path_problems(config: Config) -> list[str]:
 
 
 def load_config(preset: Path | str | None = None, overrides: list[str] | tuple[str, ...] = (),
-                base: Path | None = None) -> Config:
-    """Defaults, then the preset TOML file (if any), then ``key=value`` overrides; raises one ``ConfigError``
-    listing the problems of all of them (the keys are checked together once the preset could be read).
+                base: Path | None = None, keys: Mapping[str, Any] | None = None) -> Config:
+    """Defaults, then the preset TOML file (if any), then ``keys`` (a mapping, flat or nested as in a preset),
+    then ``key=value`` overrides; raises one ``ConfigError`` listing the problems of all of them (the keys are
+    checked together once the preset could be read).
 
     Relative paths (``path_values``) are resolved against ``base``, the current folder by default: paths in a
     preset and on the command line alike mean what they mean where the command runs."""
@@ -1010,6 +1011,7 @@ def load_config(preset: Path | str | None = None, overrides: list[str] | tuple[s
             flat.update(read_preset(Path(preset)))
         except ConfigError as error:
             preset_problems = error.problems
+    flat.update(flatten(keys or {}))
     plugins = [text for text in overrides if text.partition("=")[0].strip() == "server.plugins"]
     if plugins:  # imported first: the overrides may set their keys
         flat.update([parse_override(plugins[-1])])

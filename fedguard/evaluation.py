@@ -31,9 +31,9 @@ from fedguard.metrics.image import PSNR_CAP_DB
 from fedguard.models import global_model
 from fedguard.observation import Observation
 from fedguard.report.images import save_grid
-from fedguard.run_folder import ATTACKS_FILE, VAULT_DIR, JsonlAppender, grid_name, image_prefix
+from fedguard.run_folder import ATTACKS_FILE, VAULT_DIR, JsonlAppender, grid_name, image_prefix, recon_name
 from fedguard.training import compute_gradients
-from fedguard.vault import read_truth
+from fedguard.vault import read_truth, write_batch
 
 
 ROW_STATUSES = ("ok", "error", "timeout", "score-error", "interrupted")
@@ -170,5 +170,6 @@ class Evaluator:
         prefix = image_prefix(obs.round, obs.client, label or "attack")
         save_grid(images, self.run_dir / grid_name(prefix, "truth"), scale=None)
         save_grid(rec.images[scores["order"]], self.run_dir / grid_name(prefix, "recon"), scale=None)
+        write_batch(self.run_dir / recon_name(prefix), rec.images[scores["order"]], rec.labels[scores["order"]])
         added["images"] = prefix
         return added

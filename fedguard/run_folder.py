@@ -7,7 +7,8 @@ A run folder (``runs/<name>``) holds::
     attacks.jsonl     one row per attacked upload
     observations/     the captured uploads, round-RRRR_client-CCCC.npz
     vault/            the true batches behind them, under the same names
-    images/           per scored upload <prefix>_truth.png and <prefix>_recon.png
+    images/           per scored upload <prefix>_truth.png and <prefix>_recon.png, and the
+                      reconstruction's arrays <prefix>_recon.npz
     status.json       how the run ended
     run.lock          the process id of the ``fedguard run`` writing the folder, locked while it runs
     report.html       the page on the run
@@ -119,6 +120,12 @@ def image_prefix(round_: int, client: int, label: str) -> str:
 def grid_name(prefix: str, kind: str) -> str:
     """``<prefix>_<kind>.png``, ``kind`` one of ``GRID_KINDS``."""
     return f"{prefix}_{kind}.png"
+
+
+def recon_name(prefix: str) -> str:
+    """``<prefix>_recon.npz``: the reconstruction as arrays, ``images`` (N, C, H, W) float32 in [0, 1] in the
+    order of the client's batch as scored, and ``labels`` (N,)."""
+    return f"{prefix}_recon.npz"
 
 
 def inside(run_dir: Path, name: str) -> Path:

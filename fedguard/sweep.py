@@ -134,11 +134,12 @@ def _seeds(sweep: dict[str, Any], keys: dict[str, dict[str, Any]], given: dict[s
 
 
 def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-               only: list[str] | tuple[str, ...] = ()) -> Sweep:
+               only: list[str] | tuple[str, ...] = (), seeds: list[int] | None = None) -> Sweep:
     """Read and validate every run of the sweep ``preset``; all problems of all runs are reported at once.
 
     ``overrides`` (``key=value``) apply to every run, after its setting's and variant's keys; ``only`` keeps the
-    runs it names (``setting/variant``, or a variant in every setting), every seed of each. Relative paths, in the
+    runs it names (``setting/variant``, or a variant in every setting), every seed of each; ``seeds`` replaces
+    the preset's ``[sweep] seeds``. Relative paths, in the
     preset and in the overrides alike, are resolved against the current folder, as ``fedguard run`` resolves
     them."""
     path = Path(preset)
@@ -152,6 +153,8 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
     if unknown:
         raise ConfigError([f"{path}: unknown key(s) in [sweep]: {', '.join(unknown)} "
                            "(choose baseline, seeds, settings, variants, paper)"])
+    if seeds is not None:
+        sweep["seeds"] = seeds
     variants = _table(sweep, "variants", path)
     settings = _table(sweep, "settings", path) or {"run": {}}
     kinds = _kinds(settings, path)
@@ -165,7 +168,7 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
     name = str(base.get("name", path.stem))
     folder = (Path(out) if out is not None else Path(str(base.get("out-dir") or "runs")) / name).absolute()
     given = dict(parse_override(text) for text in overrides)
-    seeds = _seeds(sweep, {**{f"settings.{k}": v for k, v in settings.items()},
+    run_seeds = _seeds(sweep, {**{f"settings.{k}": v for k, v in settings.items()},
                            **{f"variants.{k}": v for k, v in variants.items()}}, given, path)
     chosen = _chosen_runs(only, setting_variants, path)
     runs, problems = [], []
@@ -174,7 +177,7 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
             if (setting, variant) not in chosen:
                 continue
             flat = {**base, **setting_keys, **variant_keys, **given, "name": f"{name}-{setting}-{variant}"}
-            for seed in seeds or [None]:
+            for seed in run_seeds or [None]:
                 keys, where = flat, folder / setting / variant
                 if seed is not None:
                     keys, where = {**flat, "seed": seed}, where / f"seed-{seed}"
@@ -190,7 +193,7 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
         problems += paper_problems
     if problems:
         raise ConfigError(problems)
-    return Sweep(name, folder, baseline, tuple(runs), paper, None if seeds is None else tuple(seeds))
+    return Sweep(name, folder, baseline, tuple(runs), paper, None if run_seeds is None else tuple(run_seeds))
 
 
 def _chosen_runs(only: list[str] | tuple[str, ...], setting_variants: dict[str, list[str]],

@@ -26,7 +26,11 @@ def truth_path(vault: Path, round_: int, client: int) -> Path:
 
 def write_truth(vault: Path, round_: int, client: int, images: torch.Tensor, labels: torch.Tensor) -> Path:
     """Store one true batch atomically."""
-    path = truth_path(vault, round_, client)
+    return write_batch(truth_path(vault, round_, client), images, labels)
+
+
+def write_batch(path: Path, images: torch.Tensor, labels: torch.Tensor) -> Path:
+    """Store a batch atomically at ``path`` as ``.npz``: ``images`` float32 (N, C, H, W), ``labels`` int64."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.part")
     with open(partial, "wb") as handle:

@@ -261,6 +261,8 @@ def test_a_sweep_with_seeds_runs_each_cell_once_per_seed_in_a_folder_per_seed(tm
     assert [r.folder for r in sweep.runs] == [tmp_path / "out" / "fedavg" / "dp" / f"seed-{s}" for s in (0, 1, 2)]
     assert all(r.config.train.rounds == 3 and r.config.train.batch_size == 16 and r.kind == "realistic"
                for r in sweep.runs)
+    chosen = load_sweep(write(tmp_path, SEEDED), tmp_path / "out", only=["fedavg/dp"], seeds=[2])
+    assert chosen.seeds == (2,) and [r.folder for r in chosen.runs] == [tmp_path / "out" / "fedavg" / "dp" / "seed-2"]
     plain = load_sweep(write(tmp_path, 'seed = 4\n' + SMALL + '[sweep]\n[sweep.settings.s]\n[sweep.variants.a]\n'),
                        tmp_path / "plain")
     assert plain.seeds is None and [(r.seed, r.kind, r.folder) for r in plain.runs] == [
