@@ -178,10 +178,15 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Write report.html in a run folder: curves, attack scores, reconstructions, in one file."""
+    """Write report.html in a run folder (curves, attack scores, reconstructions, in one file), or sweep.html in
+    a sweep's folder (privacy against utility, leakage per round, cost, the tables)."""
     from fedguard.report.html import build_report
+    from fedguard.report.sweep_html import SWEEP_FILE, build_sweep_page
 
-    print(build_report(args.run_dir))
+    if (Path(args.run_dir) / SWEEP_FILE).is_file():
+        print(build_sweep_page(args.run_dir))
+    else:
+        print(build_report(args.run_dir))
     return 0
 
 
@@ -354,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     attack.set_defaults(handler=cmd_attack)
 
     report = commands.add_parser("report", help=cmd_report.__doc__, description=cmd_report.__doc__)
-    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder, e.g. runs/quickstart")
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder, e.g. runs/quickstart, or a sweep folder, e.g. runs/defenses")
     report.set_defaults(handler=cmd_report)
 
     generator = commands.add_parser("train-generator", help=cmd_train_generator.__doc__,

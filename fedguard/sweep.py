@@ -47,6 +47,7 @@ from fedguard.report.leakage_table import leakage_tables
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
 from fedguard.report.run_dir import unflatten
 from fedguard.report.run_status import read_status
+from fedguard.report.sweep_html import build_sweep_page
 from fedguard.report.statistics import over_seeds
 from fedguard.run_folder import (ATTACKS_FILE, ROUNDS_FILE, RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, read_jsonl,
                                  write_atomic, write_jsonl)
@@ -348,6 +349,7 @@ def cell_rows(runs: tuple[SweepRun, ...], rows: list[dict[str, Any]], baseline: 
     result = [cell_row([runs[i] for i in indices], [rows[i] for i in indices]) for indices in cells.values()]
     by = {(r["setting"], r["variant"]): r for r in result}
     for row in result:
+        row["baseline"] = baseline
         if row["status"] == "ok":
             row["accuracy_share"] = metric_value(row, "accuracy_share", by.get((row["setting"], baseline)))
     return result
@@ -517,6 +519,7 @@ def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: fl
     if sweep.paper is not None:
         summary += "\n" + render_paper_table(sweep.paper, cells, sweep.baseline)
     write_atomic(sweep.folder / SUMMARY_FILE, summary)
+    build_sweep_page(sweep.folder, sweep.baseline)
     return cells
 
 

@@ -123,7 +123,7 @@ def _sort_key(row: dict[str, Any]) -> tuple[Any, ...]:
 # Embedded images
 # ----------------------------------------------------------------------------------------------
 
-class _Images:
+class EmbeddedImages:
     """Numbers the embedded images, so the page can report how many the browser decoded."""
 
     def __init__(self) -> None:
@@ -143,7 +143,7 @@ class _Images:
         )
 
 
-def _figure_png(figure: Any) -> bytes:
+def figure_png(figure: Any) -> bytes:
     """A matplotlib figure as PNG bytes, without the software stamp (the same figure gives the same bytes)."""
     buffer = BytesIO()
     figure.savefig(buffer, format="png", metadata={"Software": None})
@@ -198,7 +198,7 @@ def _curve_png(rounds: list[dict[str, Any]]) -> bytes:
                 frameon=False, borderaxespad=0.2)
     figure.tight_layout()
 
-    return _figure_png(figure)
+    return figure_png(figure)
 
 
 def leakage_by_round(attacks: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
@@ -236,7 +236,7 @@ def _leakage_png(curves: dict[str, list[tuple[int, float]]], rounds: list[dict[s
     axis.spines["right"].set_visible(False)
     axis.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=4, frameon=False, borderaxespad=0.2)
     figure.tight_layout()
-    return _figure_png(figure)
+    return figure_png(figure)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ def _duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
-def _training(rounds: list[dict[str, Any]], attacks: list[dict[str, Any]], images: _Images) -> str:
+def _training(rounds: list[dict[str, Any]], attacks: list[dict[str, Any]], images: EmbeddedImages) -> str:
     parts = ['<section class="panel">', "<h2>Training</h2>"]
     if not rounds:
         parts.append(f'<p class="empty">No round finished: {ROUNDS_FILE} holds no rows yet.</p>')
@@ -440,7 +440,7 @@ def _uploads_table(attacks: list[dict[str, Any]], anchors: dict[int, str]) -> st
     )
 
 
-def _grid_cell(run_dir: Path, prefix: str, kind: str, alt: str, images: _Images, notes: _Notes) -> str:
+def _grid_cell(run_dir: Path, prefix: str, kind: str, alt: str, images: EmbeddedImages, notes: _Notes) -> str:
     """The grid ``<prefix>_<kind>.png`` embedded, or why it is not: missing, or outside the run folder."""
     name = grid_name(prefix, kind)
     try:
@@ -457,7 +457,7 @@ def _grid_cell(run_dir: Path, prefix: str, kind: str, alt: str, images: _Images,
         return f'<div class="missing">{escape(name)} is not a readable PNG; not embedded</div>'
 
 
-def _gallery_item(run_dir: Path, row: dict[str, Any], anchor: str, images: _Images, notes: _Notes) -> str:
+def _gallery_item(run_dir: Path, row: dict[str, Any], anchor: str, images: EmbeddedImages, notes: _Notes) -> str:
     prefix = str(row["images"])
     title = (
         f"Round {row.get('round', '?')} \u00b7 client {row.get('client', '?')} \u00b7 {row.get('attack', '?')}"
@@ -483,7 +483,7 @@ def _gallery_item(run_dir: Path, row: dict[str, Any], anchor: str, images: _Imag
     )
 
 
-def _attacks(run_dir: Path, attacks: list[dict[str, Any]], images: _Images, notes: _Notes) -> str:
+def _attacks(run_dir: Path, attacks: list[dict[str, Any]], images: EmbeddedImages, notes: _Notes) -> str:
     if not attacks:
         return (
             '<section class="panel"><h2>Attacks</h2>'
@@ -607,7 +607,7 @@ def _page(run_dir: Path, notes: _Notes) -> str:
         key=lambda row: row["round"],
     )
     attacks = sorted(read_rows(run_dir, ATTACKS_FILE, notes), key=_sort_key)
-    images = _Images()
+    images = EmbeddedImages()
     title = config.run.name if config else run_dir.name
     sections = [_stats(rounds, attacks), _training(rounds, attacks, images), _attacks(run_dir, attacks, images, notes)]
     problems = ([config_problem] if config_problem else []) + _ending(run_dir)

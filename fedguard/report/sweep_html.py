@@ -1,0 +1,243 @@
+"""sweep.html and its figures: a sweep's cells seen together, one panel per setting.
+
+Per setting: privacy against utility (each variant's accuracy as a share of the baseline's, with its interval
+over seeds, against the headline attack's mean SSIM with its interval over images), the leakage per attacked
+round (each variant's best attack), the cost (seconds per round, and the upload's size as a share of the dense
+update where a defense changes it), then ``summary.md``'s tables. Each figure is also written beside the page
+as ``<figure>-<setting>.png``. Everything is read from ``sweep.jsonl``; nothing is loaded from outside the file.
+"""
+
+from __future__ import annotations
+
+import re
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from fedguard.report.html import CSP, CSS, SCRIPT, EmbeddedImages, figure_png
+from fedguard.report.leakage import SUCCESS_SSIM
+from fedguard.run_folder import read_jsonl, write_atomic
+
+SWEEP_PAGE = "sweep.html"
+SWEEP_FILE, SUMMARY_FILE = "sweep.jsonl", "summary.md"
+FIGURES = ("privacy-utility", "leakage-per-round", "cost")
+BLUE, GREY, RED = "#2563eb", "#9ca3af", "#dc2626"
+
+
+def _axes(width: float, height: float, columns: int = 1) -> tuple[Any, list[Any]]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), dpi=150)
+    FigureCanvasAgg(figure)
+    axes = [figure.add_subplot(1, columns, index + 1) for index in range(columns)]
+    for axis in axes:
+        axis.grid(True, color="#e5e7eb", linewidth=0.8)
+        axis.set_axisbelow(True)
+        axis.spines["top"].set_visible(False)
+        axis.spines["right"].set_visible(False)
+    return figure, axes
+
+
+def _errors(mean: float, interval: list[float] | None, scale: float = 1.0) -> list[float]:
+    """[below, above] for an error bar, 0 where there is no interval."""
+    if interval is None:
+        return [0.0, 0.0]
+    return [max(0.0, (mean - interval[0]) * scale), max(0.0, (interval[1] - mean) * scale)]
+
+
+def privacy_utility_points(cells: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
+    """Per variant that was attacked and trained: ``ssim`` (the headline attack's mean) with ``ssim_errors``
+    ([below, above], from its interval over images) and ``share``, its accuracy in % of the baseline variant's,
+    with ``share_errors`` (from the interval over seeds)."""
+    base = next((c for c in cells if c["variant"] == baseline), None)
+    base_accuracy = (base or {}).get("accuracy")
+    if not base_accuracy:
+        return []
+    return [{"variant": c["variant"], "ssim": c["privacy"]["ssim_mean"],
+             "ssim_errors": _errors(c["privacy"]["ssim_mean"], c["privacy"].get("ssim_ci95")),
+             "share": 100 * c["accuracy"] / base_accuracy,
+             "share_errors": _errors(c["accuracy"], c.get("accuracy_ci95"), 100 / base_accuracy)}
+            for c in cells if c.get("privacy") and c["privacy"].get("ssim_mean") is not None
+            and c.get("accuracy") is not None]
+
+
+def privacy_utility_png(cells: list[dict[str, Any]], baseline: str) -> bytes | None:
+    """``privacy_utility_points`` drawn: accuracy kept against the strongest attack's SSIM, with bars for the
+    intervals; None without a point."""
+    points = privacy_utility_points(cells, baseline)
+    if not points:
+        return None
+    figure, [axis] = _axes(7.2, 4.8)
+    for point in points:
+        colour = GREY if point["variant"] == baseline else BLUE
+        axis.errorbar([point["ssim"]], [point["share"]], xerr=[[e] for e in point["ssim_errors"]],
+                      yerr=[[e] for e in point["share_errors"]], fmt="o", color=colour, ecolor=colour,
+                      elinewidth=1.2, capsize=3, markersize=7)
+        axis.annotate(point["variant"], (point["ssim"], point["share"]), textcoords="offset points",
+                      xytext=(6, 5), fontsize=9)
+    axis.axvline(SUCCESS_SSIM, color=RED, linewidth=1, linestyle=":", label=f"recognisable (SSIM {SUCCESS_SSIM:g})")
+    axis.set_xlim(0, 1.05)
+    axis.set_ylim(bottom=0)
+    axis.set_xlabel("strongest attack's mean SSIM (lower: more private)")
+    axis.set_ylabel(f"accuracy, % of {baseline}'s (higher: more useful)")
+    axis.legend(loc="lower left", frameon=False, fontsize=9)
+    figure.tight_layout()
+    return figure_png(figure)
+
+
+def leakage_per_round_png(cells: list[dict[str, Any]]) -> bytes | None:
+    """Each variant's best attack's mean SSIM (with its interval over images) against the attacked round; None
+    when no cell attacked."""
+    attacked = [c for c in cells if (c.get("privacy") or {}).get("per_round")]
+    if not attacked:
+        return None
+    figure, [axis] = _axes(7.2, 4.2)
+    rounds = sorted({leak["round"] for c in attacked for leak in c["privacy"]["per_round"]})
+    for cell in attacked:
+        per_round = cell["privacy"]["per_round"]
+        xs, ys = [leak["round"] for leak in per_round], [leak["ssim_mean"] for leak in per_round]
+        errors = [_errors(leak["ssim_mean"], leak.get("ssim_ci95")) for leak in per_round]
+        axis.errorbar(xs, ys, yerr=[[e[0] for e in errors], [e[1] for e in errors]], marker="o", capsize=3,
+                      linewidth=1.6, label=cell["variant"])
+    axis.axhline(SUCCESS_SSIM, color=RED, linewidth=1, linestyle=":")
+    axis.set_xticks(rounds)
+    axis.set_ylim(0, 1.02)
+    axis.set_xlabel("round of the attacked uploads")
+    axis.set_ylabel("best attack's mean SSIM")
+    axis.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=9)
+    figure.tight_layout()
+    return figure_png(figure)
+
+
+def cost_png(cells: list[dict[str, Any]]) -> bytes | None:
+    """Seconds per round per variant, and beside it the upload's size as a share of the dense update (where a
+    cell reports sizes); None when no cell has a time."""
+    timed = [c for c in cells if c.get("seconds_per_round") is not None]
+    if not timed:
+        return None
+    sized = any(c.get("upload_share") is not None for c in timed)
+    figure, axes = _axes(9.6 if sized else 6.0, 0.9 + 0.38 * len(timed), 2 if sized else 1)
+    names = [c["variant"] for c in timed][::-1]
+    seconds = [c["seconds_per_round"] for c in timed][::-1]
+    axes[0].barh(names, seconds, color=BLUE)
+    axes[0].set_xlabel("seconds per round")
+    for y, value in enumerate(seconds):
+        axes[0].annotate(f"{value:.2f}", (value, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    if sized:
+        shares = [100 * (c.get("upload_share") or 0.0) for c in timed][::-1]
+        axes[1].barh(names, shares, color=GREY)
+        axes[1].set_xlabel("upload size, % of the dense update")
+        axes[1].set_xlim(0, max(100.0, *shares) * 1.1)
+    figure.tight_layout()
+    return figure_png(figure)
+
+
+def _inline(text: str) -> str:
+    """Markdown's ``code`` and **bold** in escaped text."""
+    text = escape(text)
+    text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+
+
+def markdown_html(markdown: str) -> str:
+    """The subset of markdown ``summary.md`` uses: pipe tables, list items and paragraphs."""
+    blocks, table, items = [], [], []
+
+    def flush() -> None:
+        if table:
+            header, rows = table[0], table[2:]
+            align = ['num' if cell.endswith(":") else '' for cell in table[1]]
+            head = "".join(f'<th class="{a}">{_inline(c)}</th>' for c, a in zip(header, align))
+            body = "".join("<tr>" + "".join(f'<td class="{a}">{_inline(c)}</td>' for c, a in zip(row, align))
+                           + "</tr>" for row in rows)
+            blocks.append(f'<div class="scroll"><table class="data"><thead><tr>{head}</tr></thead>'
+                          f"<tbody>{body}</tbody></table></div>")
+            table.clear()
+        if items:
+            blocks.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in items) + "</ul>")
+            items.clear()
+
+    for line in markdown.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("|"):
+            table.append([cell.strip() for cell in stripped.strip("|").split("|")])
+        elif stripped.startswith("- "):
+            items.append(stripped[2:])
+        else:
+            flush()
+            if stripped:
+                blocks.append(f"<p>{_inline(stripped)}</p>")
+    flush()
+    return "\n".join(blocks)
+
+
+def _setting_panel(folder: Path, setting: str, cells: list[dict[str, Any]], baseline: str,
+                   images: EmbeddedImages) -> str:
+    kind = cells[0].get("setting_kind", "diagnostic")
+    seeds = sorted({s for c in cells for s in c.get("seeds") or []})
+    parts = [f'<section class="panel"><h2>Setting <code>{escape(setting)}</code> <span class="badge ok">'
+             f"{escape(kind)}</span></h2>",
+             f'<p class="lead">{len(cells)} variants' + (f", seeds {', '.join(map(str, seeds))}" if seeds else "")
+             + "</p>"]
+    figures = dict(zip(FIGURES, (privacy_utility_png(cells, baseline), leakage_per_round_png(cells), cost_png(cells))))
+    captions = {"privacy-utility": "Privacy against utility: up and to the left is better",
+                "leakage-per-round": "Leakage per attacked round (each variant's best attack)",
+                "cost": "Cost per defense"}
+    shown = []
+    for name, png in figures.items():
+        path = folder / f"{name}-{setting}.png"
+        if png is None:
+            path.unlink(missing_ok=True)
+            continue
+        write_atomic(path, png)
+        shown.append(f'<figure class="curve"><h3>{captions[name]}</h3>'
+                     f'{images.tag(png, f"{captions[name]}, setting {setting}", "plot")}</figure>')
+    parts.append(f'<div class="figures">{"".join(shown)}</div>')
+    failed = [c["variant"] for c in cells if c.get("status") == "failed"]
+    if failed:
+        parts.append(f'<p class="warn">Failed in every seed (no figure): {escape(", ".join(failed))}</p>')
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
+def render_sweep(folder: Path, baseline: str | None = None) -> str:
+    """The HTML of ``folder``'s sweep page (see ``build_sweep_page``)."""
+    cells = read_jsonl(folder / SWEEP_FILE)
+    if not cells:
+        raise FileNotFoundError(f"{folder} holds no {SWEEP_FILE} rows; is it a sweep folder (see `fedguard sweep`)?")
+    baseline = baseline or cells[0].get("baseline") or cells[0]["variant"]
+    images = EmbeddedImages()
+    settings = list(dict.fromkeys(c["setting"] for c in cells))
+    panels = [_setting_panel(folder, s, [c for c in cells if c["setting"] == s], baseline, images) for s in settings]
+    summary = folder / SUMMARY_FILE
+    tables = markdown_html(summary.read_text()) if summary.is_file() else '<p class="empty">No summary.md.</p>'
+    name = folder.name
+    body = "\n".join([
+        f'<header class="top"><div class="eyebrow">fedguard sweep</div><h1>{escape(name)}</h1>'
+        f'<div class="folder">{escape(str(folder))}</div></header>',
+        *panels,
+        f'<section class="panel"><h2>Tables</h2><p class="lead">As in summary.md; baseline '
+        f'<code>{escape(baseline)}</code>.</p>{tables}</section>',
+        f"<footer>Written by <code>fedguard sweep</code>; {images.count} embedded image"
+        f'{"s" if images.count != 1 else ""}, no external resources.</footer>',
+    ])
+    css = CSS + (".scroll { overflow-x:auto; } .curve h3 { margin-top:14px; } code { font-size:90%; }\n"
+                 ".figures { display:grid; grid-template-columns:repeat(auto-fit, minmax(460px, 1fr)); gap:0 24px; }\n")
+    return (
+        "<!DOCTYPE html>\n"
+        '<html lang="en"><head><meta charset="utf-8">\n'
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{escape(name)} \u2014 fedguard sweep</title>\n"
+        f"<style>{css}</style></head>\n"
+        f'<body data-images-expected="{images.count}"><main>\n{body}\n</main>\n'
+        f"<script>{SCRIPT}</script>\n</body></html>\n"
+    )
+
+
+def build_sweep_page(folder: Path, baseline: str | None = None) -> Path:
+    """Write ``folder/sweep.html`` (and the figures' PNGs) from its ``sweep.jsonl`` and ``summary.md``; returns
+    the page's path. ``baseline``: the variant accuracy is measured against (default: the one the rows name, else the first). ``FileNotFoundError`` when the folder holds no sweep."""
+    folder = Path(folder)
+    return write_atomic(folder / SWEEP_PAGE, render_sweep(folder, baseline))
