@@ -46,7 +46,7 @@ def natural_batch() -> torch.Tensor:
 def make_run(root: Path, attacks: list[dict] | None) -> Path:
     """A run folder as `fedguard run` and the attack step leave it (attacks None: no attacks.jsonl)."""
     config = load_config(None, [f"out-dir={root / 'run'}", "name=report-test", "data.name=photos",
-                                f"train.rounds={ROUNDS}"])
+                                f"train.rounds={ROUNDS}", "attack.name=ig,idlg"])
     folder = prepare_run_dir(config)
     with open(folder / "rounds.jsonl", "w") as out:
         for r in range(ROUNDS + 1):
@@ -92,8 +92,9 @@ def test_report_holds_tables_and_embedded_images(tmp_path: Path) -> None:
     folder = make_run(tmp_path, [OK_ROW, ERROR_ROW])
     page = build_report(folder).read_text()
     assert (folder / "report.html").is_file()
-    for text in ("report-test", "photos", "fedsgd", "29.21", "0.941", "0.087", "100.0%", "12.3", "88.0%",
-                 "1 of 1", "upload-1"):
+    for text in ("report-test", "photos", "fedsgd", "<dt>strategy</dt><dd>fedsgd</dd>", "29.21", "0.941", "0.087",
+                 "<dt>attacks</dt><dd>ig (iterations=2000, restarts=1,", "; idlg (iterations=", "100.0%", "12.3",
+                 "88.0%", "1 of 1", "upload-1"):
         assert text in page, text
     assert "RuntimeError: gradient &lt;shape&gt; mismatch &amp; more" in page, "error text shown, escaped"
     assert "<shape>" not in page

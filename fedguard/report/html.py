@@ -26,6 +26,7 @@ from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.report.comparison import write_comparison
 from fedguard.report.images import load_png
 from fedguard.report.row_values import read_rows
+from strategies.registry import resolve as resolve_strategy
 from fedguard.report.run_status import read_status
 from fedguard.run_folder import (ATTACKS_FILE, CONFIG_FILE, GRID_KINDS, REPORT_FILE, ROUNDS_FILE, RunFileError,
                                  grid_name, inside, warn, write_atomic)
@@ -261,6 +262,11 @@ def _header(run_dir: Path, config: Config | None, problems: list[str], rounds: l
         model = config.model.name
         if params := _params_text(config.model.params):
             model += f" ({params})"
+        strategy = resolve_strategy(config.strategy.name, config.train.protocol)
+        if params := _params_text(config.strategy.params):
+            strategy += f" ({params})"
+        attacks = "; ".join(a.name + (f" ({params})" if (params := _params_text(a.params)) else "")
+                            for a in config.attacks) or "none"
         chips = [
             ("dataset", config.data.name),
             ("model", model),
@@ -268,7 +274,9 @@ def _header(run_dir: Path, config: Config | None, problems: list[str], rounds: l
             ("rounds", f"{done} of {config.train.rounds}" if done < config.train.rounds else str(done)),
             ("clients", f"{config.train.clients_per_round} of {config.partition.num_clients} per round "
                         f"({config.partition.name})"),
+            ("strategy", strategy),
             ("defense", defense),
+            ("attacks", attacks),
             ("batch", f"{config.train.batch_size}, lr {config.train.lr:g}"),
             ("seed", str(config.run.seed)),
         ]
