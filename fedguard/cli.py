@@ -146,8 +146,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedguard.defenses.base import check_defense_files
     from fedguard.report.run_dir import resolve_run_dir
     from fedguard.simulation import prepare
+    from fedguard.tracking import tracker_problems
 
     config = _resumed(args) if args.resume is not None else _resolve(args)
+    if problems := tracker_problems(config):
+        raise ConfigError(problems)
     check_attack_files(config.attacks)  # the simulated clients read this machine's files: check them all now
     check_defense_files(config.defense.name, config.defense.params, clients_here=True)
     data = load_dataset(config.data.name, config.data.source_options())

@@ -212,6 +212,18 @@ class ServerSection:
 
 
 @dataclass(frozen=True)
+class TrackSection:
+    tensorboard: bool = option(False, "write TensorBoard event files to <run>/tensorboard as the run goes: the "
+                                      "configuration, accuracy and loss per round, every attack's scores and "
+                                      "images (tensorboard --logdir runs)")
+    mlflow: bool = option(False, "log the same to MLflow: one MLflow run in track.mlflow-experiment at "
+                                 "track.mlflow-uri")
+    mlflow_uri: str = option("", "MLflow tracking URI, e.g. http://127.0.0.1:5000 ('' = a local store in the "
+                                 "run folder: mlflow.db and mlflow-artifacts/)")
+    mlflow_experiment: str = option("fedguard", "MLflow experiment the run is logged in (created when missing)")
+
+
+@dataclass(frozen=True)
 class SimSection:
     num_cpus: int = option(2, "CPU cores Ray may use", ge=1)
     client_cpus: int = option(1, "CPU cores reserved for each simulated client (whole cores, as Flower's "
@@ -247,6 +259,7 @@ SECTIONS: dict[str, type] = {
     "pool": PoolSection,
     "sim": SimSection,
     "server": ServerSection,
+    "track": TrackSection,
 }
 STRATEGY_PREFIX = "server"  # server.<strategy>.<parameter>
 
@@ -268,6 +281,7 @@ class Config:
     pool: PoolSection = PoolSection()
     sim: SimSection = SimSection()
     server: ServerSection = ServerSection()
+    track: TrackSection = TrackSection()
     strategy: Component = Component(AUTO_STRATEGY, NoParams())
     """``server.strategy`` with the parameters of the strategy it stands for."""
 

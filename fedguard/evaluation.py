@@ -18,7 +18,7 @@ import threading
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -107,13 +107,15 @@ class Evaluator:
     """Turns ``AttackOutcome`` objects into rows of ``attacks.jsonl`` and image grids in ``run_dir``.
 
     ``contexts`` maps an attack name to what is copied into each of its rows (attack and defense names and
-    parameters, seed, ...).
+    parameters, seed, ...); each of ``listeners`` is given each row once it is in the file (a tracker).
     """
 
-    def __init__(self, run_dir: Path, contexts: dict[str, dict[str, Any]], lpips_net: str = "alex") -> None:
+    def __init__(self, run_dir: Path, contexts: dict[str, dict[str, Any]], lpips_net: str = "alex",
+                 listeners: Sequence[Callable[[dict[str, Any]], None]] = ()) -> None:
         self.run_dir = Path(run_dir)
         self.contexts = contexts
         self.lpips_net = lpips_net
+        self.listeners = tuple(listeners)
         self.rows: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
@@ -131,6 +133,8 @@ class Evaluator:
             self.rows.append(row)
             with JsonlAppender(self.run_dir / ATTACKS_FILE) as rows:
                 rows.append(row)
+            for listener in self.listeners:
+                listener(row)
         return row
 
     @staticmethod

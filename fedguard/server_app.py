@@ -44,6 +44,7 @@ from fedguard.observation import ModelCard
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_status import write_status
+from fedguard.tracking import Trackers, open_trackers
 from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
 from fedguard.records import Upload, array_record
 from fedguard.resume import resume_point, rewind
@@ -126,16 +127,16 @@ def resumed_arrays(card: ModelCard, point: RoundCheckpoint, model: torch.nn.Modu
     return point.arrays
 
 
-def build_attack_pool(config: Config, folder: Path, stop: StopRequest) -> AttackPool:
-    """The attacker workers running every configured attack, and the evaluator that scores what they return;
-    they stop taking work once ``stop`` is requested."""
+def build_attack_pool(config: Config, folder: Path, stop: StopRequest, trackers: Trackers) -> AttackPool:
+    """The attacker workers running every configured attack, and the evaluator that scores what they return
+    (each row also to ``trackers``); they stop taking work once ``stop`` is requested."""
     defense = (config.defense.name, config.defense.params)
     specs = [
         AttackSpec(a.name, functools.partial(build_attack, a.name, a.params, defense),
                    required_manipulation(attack_traits(a.name, a.params)))
         for a in config.attacks
     ]
-    evaluator = Evaluator(folder, attack_contexts(config))
+    evaluator = Evaluator(folder, attack_contexts(config), listeners=[trackers.attack])
 
     def score_and_announce(outcome: AttackOutcome) -> None:
         print(f"fedguard: attack {describe_row(evaluator(outcome))}", flush=True)
@@ -264,10 +265,11 @@ def announce_attacks(folder: Path) -> None:
 
 
 def finish_run(folder: Path, config: Config, recorder: RoundRecorder, outcome: tuple[str, str],
-               sink: FanOut | None, pool: AttackPool | None, stop: StopRequest) -> None:
+               sink: FanOut | None, pool: AttackPool | None, stop: StopRequest, trackers: Trackers) -> None:
     """The ending of every run, however it stopped: ``status.json`` ('interrupted' too when a stop came while
-    the attacks ran), the round log, the captured uploads and a row for every attack, the report. A step that
-    fails does not keep the next ones from running."""
+    the attacks ran), the round log, the captured uploads and a row for every attack, the report, the
+    trackers' ending. A step that fails does not keep the next ones from running."""
+    ending = outcome[0]
     rounds = max((r["round"] for r in recorder.rows), default=0)
     _attempt("writing status.json", lambda: write_status(folder, outcome[0], rounds, outcome[1]))
     _attempt("closing the round log", recorder.close)
@@ -278,9 +280,11 @@ def finish_run(folder: Path, config: Config, recorder: RoundRecorder, outcome: t
         if outcome[0] == "completed" and reason is not None:
             _attempt("writing status.json",
                      lambda: write_status(folder, "interrupted", rounds, f"{reason} while the attacks ran"))
+            ending = "interrupted"
     if pool is not None:
         _attempt("counting the attack rows", lambda: announce_attacks(folder))
     _attempt("writing the report", lambda: print(f"fedguard: report {build_report(folder)}", flush=True))
+    _attempt("closing the trackers", lambda: trackers.finish(ending))
 
 
 def run_server(grid: Grid, config: Config) -> Path:
@@ -303,8 +307,10 @@ def run_server(grid: Grid, config: Config) -> Path:
     model = initial_model(config)
     card = model_card(config, model)
     strategy = aggregating_strategy(config, card)
+    trackers = open_trackers(config, folder)
     recorder = RoundRecorder(folder / ROUNDS_FILE, config.train.rounds, config.train.clients_per_round,
-                             previous=read_jsonl(folder / ROUNDS_FILE) if point is not None else ())
+                             previous=read_jsonl(folder / ROUNDS_FILE) if point is not None else (),
+                             listeners=[trackers.round])
     latest: dict[str, Any] = {}
     rounds, clients = config.capture.round_selection(), config.capture.client_selection()
     sink: FanOut | None = None
@@ -315,7 +321,7 @@ def run_server(grid: Grid, config: Config) -> Path:
         if not (rounds.is_empty() or clients.is_empty()):
             sinks: list[Any] = [DiskSink(folder / OBSERVATIONS_DIR)]
             if config.attacks:
-                pool = build_attack_pool(config, folder, stop)
+                pool = build_attack_pool(config, folder, stop, trackers)
                 sinks.append(pool)
             sink = FanOut(sinks)
             strategy = capture_strategy(config, strategy, sink, card)
@@ -340,7 +346,7 @@ def run_server(grid: Grid, config: Config) -> Path:
         print(f"fedguard: the run failed: {outcome[1]}", flush=True)
         raise
     finally:
-        finish_run(folder, config, recorder, outcome, sink, pool, stop)
+        finish_run(folder, config, recorder, outcome, sink, pool, stop, trackers)
     return folder
 
 

@@ -1,5 +1,6 @@
 """The Python API: a configuration from a path, a mapping or a Config; a run's and a sweep's folders as
-DataFrames and arrays; and one run started from Python whose arrays are the ones it scored."""
+DataFrames and arrays; and one run started from Python whose arrays are the ones it scored, tracked to
+TensorBoard and MLflow as it went."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def fake_run(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
         {"round": 1, "accuracy": 0.4, "loss": 1.9, "seconds": 1.5, "defense": {"raw": 0.5},
          "uploads": [{"client": 0, "raw": 1.0}, {"client": 1, "raw": 0.0}]}])
     jsonl(folder / "attacks.jsonl", [
-        {"round": 1, "client": 1, "attack": "ig", "status": "ok", "psnr": 30.0, "ssim": 0.9, "lpips": 0.1,
+        {"round": 1, "client": 1, "attack": "ig", "defense": "none", "status": "ok", "psnr": 30.0, "ssim": 0.9, "lpips": 0.1,
          "attack_params": {"iterations": 5}, "images": "images/round-0001_client-0001_ig",
          "per_image": [{"psnr": 29.0, "ssim": 0.8}, {"psnr": 30.0, "ssim": 0.9}, {"psnr": 31.0, "ssim": 1.0}]},
         {"round": 1, "client": 0, "attack": "idlg", "status": "error", "psnr": None, "images": None}])
@@ -103,7 +104,8 @@ def test_a_run_started_from_python_keeps_the_arrays_it_scored(tmp_path: Path) ->
     lines: list[str] = []
     run = fedguard.run(QUICKSTART, out=tmp_path / "run", progress=lines.append, overrides=[
         "train.rounds=2", "partition.num-clients=3", "train.clients-per-round=3", "capture.clients=0",
-        "attack.ig.iterations=30", "attack.ig.restarts=1", "sim.num-cpus=2"])
+        "attack.ig.iterations=30", "attack.ig.restarts=1", "sim.num-cpus=2", "track.tensorboard=true",
+        "track.mlflow=true"])
     assert run.status == {"status": "completed", "rounds": 2} and any("round 2" in line for line in lines), lines[-5:]
     assert list(run.rounds["round"]) == [0, 1, 2] and run.report.is_file()
     [row] = run.attacks.to_dict("records")
@@ -113,5 +115,14 @@ def test_a_run_started_from_python_keeps_the_arrays_it_scored(tmp_path: Path) ->
     assert list(scored["psnr"]) == pytest.approx([psnr(torch.from_numpy(r)[None], torch.from_numpy(t)[None]).item()
                                                   for r, t in zip(recon, truth)], abs=1e-3)
     assert row["psnr"] == pytest.approx(scored["psnr"].mean(), abs=1e-3)
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run.folder / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("accuracy")] == [0, 1, 2], "the run's rounds reached TensorBoard"
+    assert [e.value for e in events.Scalars("attack/ig/ssim")] == pytest.approx([row["ssim"]])
+    client = MlflowClient(f"sqlite:///{run.folder / 'mlflow.db'}")
+    [tracked] = client.search_runs([client.get_experiment_by_name("fedguard").experiment_id])
+    assert tracked.info.status == "FINISHED" and tracked.data.metrics["attack.ig.psnr"] == pytest.approx(row["psnr"])
     with pytest.raises(FileExistsError, match="already holds a run"):
         fedguard.run(QUICKSTART, out=tmp_path / "run", progress=None)

@@ -31,6 +31,7 @@ from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE
 from fedguard.run_folder import ATTACKS_FILE, STATUS_FILE, read_json
 from fedguard.server_app import finish_run
 from fedguard.stopping import StopRequest
+from fedguard.tracking import Trackers
 from tests.test_evaluation import make_run
 from tests.test_pool import ERROR_TEXT, FakeAttack, Outcomes, observation
 
@@ -113,7 +114,8 @@ def test_a_failing_step_of_the_runs_end_does_not_skip_the_status_or_the_report(t
     folder.mkdir()
     recorder = RoundRecorder(folder / ROUNDS_FILE, config.train.rounds, config.train.clients_per_round)
     recorder.record(0, 2.3, 0.1)
-    finish_run(folder, config, recorder, ("completed", ""), FanOut([BrokenSink()]), None, StopRequest())
+    finish_run(folder, config, recorder, ("completed", ""), FanOut([BrokenSink()]), None, StopRequest(),
+               Trackers([], folder))
 
     assert "closing the capture failed: OSError: no space left on device" in capsys.readouterr().out
     assert read_json(folder / STATUS_FILE)["status"] == "completed"

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 from collections.abc import Iterable
-from typing import Any, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 from fedguard.run_folder import JsonlAppender
 
@@ -18,11 +18,14 @@ class RoundRecorder:
     previous row (training plus evaluation of that round). Each row reaches the
     file as it is written, so a run that stops keeps every finished round; a
     non-finite loss or accuracy is written as strict JSON (``fedguard.run_folder``). A resumed run passes the
-    rows already in the file as ``previous``; new rows are appended after them.
+    rows already in the file as ``previous``; new rows are appended after them. Each of ``listeners`` is given
+    each new row once it is in the file (a tracker).
     """
 
     def __init__(self, path: Path, total_rounds: int, clients_per_round: int, out: TextIO | None = None,
-                 previous: Iterable[dict[str, Any]] = ()) -> None:
+                 previous: Iterable[dict[str, Any]] = (),
+                 listeners: Sequence[Callable[[dict[str, Any]], None]] = ()) -> None:
+        self.listeners = tuple(listeners)
         self.path = Path(path)
         self.total_rounds = total_rounds
         self.clients_per_round = clients_per_round
@@ -38,6 +41,8 @@ class RoundRecorder:
         self._last = now
         self.rows.append(row)
         self._file.append(row)
+        for listener in self.listeners:
+            listener(row)
         self.out.write(self._progress(row) + "\n")
         self.out.flush()
         return row

@@ -1,0 +1,135 @@
+"""Experiment tracking, opt in (``[track]``): each row a run writes, as it writes it, also goes to TensorBoard
+and/or MLflow.
+
+A tracker receives the configuration once (``start``), each ``rounds.jsonl`` row (``round``), each
+``attacks.jsonl`` row with the run folder it was written in (``attack``: the images are read back from the
+folder, the true batch from the vault and the reconstruction from its ``.npz``), and how the run ended
+(``finish``). ``Trackers`` fans out to the configured ones; a tracker that fails is named in a warning and
+left out from then on, so the run and its files never depend on a tracker.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from fedguard.config import Config
+from fedguard.run_folder import VAULT_DIR, recon_name
+from fedguard.vault import read_truth
+
+log = logging.getLogger(__name__)
+MLFLOW_DB, MLFLOW_ARTIFACTS = "mlflow.db", "mlflow-artifacts"  # the local MLflow store in a run folder
+
+
+class Tracker(Protocol):
+    """Where a run's rows are logged besides its folder."""
+
+    name: str
+
+    def start(self, config: Config) -> None: ...
+
+    def round(self, row: dict[str, Any]) -> None: ...
+
+    def attack(self, row: dict[str, Any], truth: np.ndarray | None, recon: np.ndarray | None) -> None: ...
+
+    def finish(self, status: str) -> None: ...
+
+
+def scalars(row: dict[str, Any], keys: tuple[str, ...]) -> dict[str, float]:
+    """The finite numbers among ``row``'s ``keys`` and, in a round's row, its ``defense`` totals (as
+    ``defense/<name>``)."""
+    found = {key: float(row[key]) for key in keys
+             if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)}
+    totals = row.get("defense") if isinstance(row.get("defense"), dict) else {}  # an attack row names it
+    found.update({f"defense/{name}": float(value) for name, value in totals.items()
+                  if isinstance(value, (int, float)) and not isinstance(value, bool)})
+    return {key: value for key, value in found.items() if np.isfinite(value)}
+
+
+def attack_images(folder: Path, row: dict[str, Any]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(truth, reconstruction) of a scored attack row, each (N, C, H, W) float32 in [0, 1]; None where the
+    folder does not hold it."""
+    if not row.get("images") or not isinstance(row.get("round"), int) or not isinstance(row.get("client"), int):
+        return None, None
+    truth = read_truth(folder / VAULT_DIR, row["round"], row["client"])
+    path = folder / recon_name(str(row["images"]))
+    recon = None
+    if path.is_file():
+        with np.load(path, allow_pickle=False) as archive:
+            recon = archive["images"]
+    return (None if truth is None else truth[0].numpy()), recon
+
+
+class Trackers:
+    """The configured trackers of one run, each guarded: the first exception of a tracker is warned with its
+    name and that tracker is dropped."""
+
+    def __init__(self, trackers: list[Tracker], folder: Path) -> None:
+        self.trackers = trackers
+        self.folder = folder
+
+    def _each(self, action: str, *args: Any) -> None:
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, action)(*args)
+            except Exception as error:  # a tracker must never stop the run
+                log.warning("tracking: %s failed in %s (%s: %s); the run goes on without it", tracker.name, action,
+                            type(error).__name__, error)
+                self.trackers.remove(tracker)
+
+    def start(self, config: Config) -> None:
+        self._each("start", config)
+
+    def round(self, row: dict[str, Any]) -> None:
+        self._each("round", row)
+
+    def attack(self, row: dict[str, Any]) -> None:
+        if self.trackers:
+            self._each("attack", row, *attack_images(self.folder, row))
+
+    def finish(self, status: str) -> None:
+        self._each("finish", status)
+
+
+def tracker_problems(config: Config) -> list[str]:
+    """Why the trackers ``config.track`` turns on cannot run here (a package missing), checked before a run
+    starts."""
+    needed = [("track.tensorboard", "tensorboard", config.track.tensorboard),
+              ("track.mlflow", "mlflow", config.track.mlflow)]
+    return [f"{key} = true needs the {package} package, which is not installed: pip install {package}"
+            for key, package, on in needed if on and importlib.util.find_spec(package) is None]
+
+
+def open_trackers(config: Config, folder: Path) -> Trackers:
+    """The trackers ``config.track`` turns on for the run in ``folder``, started with the configuration; one
+    that cannot be opened (an MLflow server that does not answer) is named in a warning and left out."""
+    trackers: list[Tracker] = []
+    for key, on in (("tensorboard", config.track.tensorboard), ("mlflow", config.track.mlflow)):
+        if not on:
+            continue
+        try:
+            trackers.append(_open(key, config, folder))
+        except Exception as error:
+            log.warning("tracking: %s could not be opened (%s: %s); the run goes on without it", key,
+                        type(error).__name__, error)
+    result = Trackers(trackers, folder)
+    result.start(config)
+    return result
+
+
+def _open(name: str, config: Config, folder: Path) -> Tracker:
+    if name == "tensorboard":
+        from fedguard.tracking.tensorboard_log import TensorBoardTracker
+
+        return TensorBoardTracker(folder / "tensorboard")
+    from fedguard.tracking.mlflow_log import MLflowTracker
+
+    if config.track.mlflow_uri:
+        return MLflowTracker(config.track.mlflow_uri, config.track.mlflow_experiment)
+    local = folder.absolute()  # MLflow 3 refuses its plain file store: a SQLite store in the run folder instead
+    return MLflowTracker(f"sqlite:///{local / MLFLOW_DB}", config.track.mlflow_experiment,
+                         artifacts=(local / MLFLOW_ARTIFACTS).as_uri())

@@ -1,0 +1,150 @@
+"""Experiment tracking: the rows a run writes reach TensorBoard (read back with TensorBoard's own reader) and
+MLflow (a file store, and a real ``mlflow server`` on loopback), images included; a tracker that fails is
+dropped with a warning and the run goes on."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fedguard.config import load_config
+from fedguard.run_folder import read_jsonl
+from fedguard.tracking import Trackers, open_trackers, tracker_problems
+from tests.test_api import fake_run
+
+
+def replay(folder: Path, overrides: list[str]) -> None:
+    """Open the trackers ``overrides`` turn on and give them ``folder``'s rows, as a run does."""
+    trackers = open_trackers(load_config(None, ["name=tracked", *overrides]), folder)
+    for row in read_jsonl(folder / "rounds.jsonl"):
+        trackers.round(row)
+    for row in read_jsonl(folder / "attacks.jsonl"):
+        trackers.attack(row)
+    trackers.finish("completed")
+
+
+def test_tensorboard_receives_the_rounds_the_scores_the_images_and_the_configuration(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    truth, recon = fake_run(tmp_path)
+    replay(tmp_path, ["track.tensorboard=true"])
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0, "scalars": 0}).Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("accuracy")] == [(0, 0.1), (1, 0.4)]
+    assert [e.value for e in events.Scalars("defense/raw")] == [0.5]
+    assert [(e.step, e.value) for e in events.Scalars("attack/ig/psnr")] == [(1, 30.0)]
+    assert "attack/idlg/psnr" not in events.Tags()["scalars"], "an attack that failed has no score"
+    [image] = events.Images("images/ig/round-0001_client-0001")
+    assert (image.step, image.width, image.height) == (1, 3 * 64 + 2, 2 * 64 + 1), "3 truths above 3 recons"
+    config = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "    [train]\n    protocol = \"fedsgd\"\n    rounds = 20\n" in config
+
+
+def check_mlflow_run(uri: str, experiment: str) -> None:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert run.info.run_name == "tracked" and run.info.status == "FINISHED"
+    assert run.data.params["train.rounds"] == "20" and run.data.tags["fedguard.defense"] == "none"
+    history = client.get_metric_history(run.info.run_id, "accuracy")
+    assert [(m.step, round(m.value, 6)) for m in history] == [(0, 0.1), (1, 0.4)]
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "attack.ig.ssim")] == [0.9]
+    assert client.get_metric_history(run.info.run_id, "defense.raw")[0].value == 0.5
+    images = sorted(a.path for a in client.list_artifacts(run.info.run_id, "images"))
+    assert images == ["images/round-0001_client-0001_ig_recon.png", "images/round-0001_client-0001_ig_truth.png"]
+
+
+def test_mlflow_logs_to_a_local_store_in_the_run_folder_by_default(tmp_path: Path) -> None:
+    fake_run(tmp_path)
+    replay(tmp_path, ["track.mlflow=true", "track.mlflow-experiment=tests"])
+    check_mlflow_run(f"sqlite:///{tmp_path / 'mlflow.db'}", "tests")
+    assert list((tmp_path / "mlflow-artifacts").rglob("round-0001_client-0001_ig_truth.png"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_mlflow_logs_to_a_tracking_server(tmp_path: Path) -> None:
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                               "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError((tmp_path / "server.log").read_text()[-3000:]) from None
+                time.sleep(0.5)
+        fake_run(tmp_path / "run")
+        replay(tmp_path / "run", ["track.mlflow=true", f"track.mlflow-uri={uri}", "track.mlflow-experiment=served"])
+        assert not (tmp_path / "run" / "mlflow.db").exists()
+        check_mlflow_run(uri, "served")
+        assert list((tmp_path / "artifacts").rglob("round-0001_client-0001_ig_recon.png")), "stored by the server"
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+class Failing:
+    name = "failing"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def start(self, config: object) -> None:
+        self.calls += 1
+
+    def round(self, row: dict) -> None:
+        self.calls += 1
+        raise OSError("disk full")
+
+    def attack(self, row: dict, truth: object, recon: object) -> None:
+        self.calls += 1
+
+    def finish(self, status: str) -> None:
+        self.calls += 1
+
+
+def test_a_failing_tracker_is_named_and_dropped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    failing = Failing()
+    trackers = Trackers([failing], tmp_path)
+    with caplog.at_level(logging.WARNING):
+        trackers.round({"round": 1, "accuracy": 0.5})
+        trackers.round({"round": 2, "accuracy": 0.6})
+        trackers.finish("completed")
+    assert failing.calls == 1 and trackers.trackers == []
+    assert "tracking: failing failed in round (OSError: disk full); the run goes on without it" in caplog.text
+    with caplog.at_level(logging.WARNING):
+        unreachable = open_trackers(load_config(None, ["track.mlflow=true", "track.mlflow-uri=ftp://nowhere"]),
+                                    tmp_path)
+    assert unreachable.trackers == [] and "tracking: mlflow could not be opened" in caplog.text
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_before_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    config = load_config(None, ["track.mlflow=true", "track.tensorboard=true"])
+    assert tracker_problems(config) == [
+        "track.mlflow = true needs the mlflow package, which is not installed: pip install mlflow"]
+    assert tracker_problems(load_config(None)) == []
