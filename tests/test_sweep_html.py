@@ -14,7 +14,7 @@ from PIL import Image
 from fedguard.cli import main
 from fedguard.report.leakage import privacy
 from fedguard.report.leakage_table import leakage_tables
-from fedguard.report.sweep_html import SWEEP_PAGE, markdown_html, privacy_utility_points
+from fedguard.report.sweep_html import SWEEP_PAGE, leakage_per_round_png, markdown_html, privacy_utility_points
 from fedguard.sweep import summary_table
 from tests.test_report_html import CHROMIUM, chromium, img_count
 
@@ -59,6 +59,12 @@ def test_privacy_utility_points_are_the_headline_ssim_against_the_accuracy_kept(
     low, high = cells()[1]["privacy"]["ssim_ci95"]
     assert prune["ssim_errors"] == pytest.approx([0.3 - low, high - 0.3])
     assert privacy_utility_points(cells()[1:], "none") == [], "no baseline accuracy, no share"
+
+
+def test_cells_whose_images_have_no_ssim_draw_no_leakage() -> None:
+    unscored = privacy([{"attack": "ig", "status": "ok", "round": 1, "client": 0, "per_image": [{}]}], {})
+    cell = {**cells()[0], "privacy": unscored}
+    assert leakage_per_round_png([cell]) is None and privacy_utility_points([cell], "none") == []
 
 
 def test_summary_markdown_becomes_tables_lists_and_paragraphs() -> None:

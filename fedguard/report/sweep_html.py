@@ -88,18 +88,19 @@ def privacy_utility_png(cells: list[dict[str, Any]], baseline: str) -> bytes | N
 
 def leakage_per_round_png(cells: list[dict[str, Any]]) -> bytes | None:
     """Each variant's best attack's mean SSIM (with its interval over images) against the attacked round; None
-    when no cell attacked."""
-    attacked = [c for c in cells if (c.get("privacy") or {}).get("per_round")]
+    when no cell has an SSIM (images without one: LPIPS-only or unscored)."""
+    scored = {c["variant"]: [leak for leak in c["privacy"]["per_round"] if leak["ssim_mean"] is not None]
+              for c in cells if (c.get("privacy") or {}).get("per_round")}
+    attacked = {variant: leaks for variant, leaks in scored.items() if leaks}
     if not attacked:
         return None
     figure, [axis] = _axes(7.2, 4.2)
-    rounds = sorted({leak["round"] for c in attacked for leak in c["privacy"]["per_round"]})
-    for cell in attacked:
-        per_round = cell["privacy"]["per_round"]
+    rounds = sorted({leak["round"] for leaks in attacked.values() for leak in leaks})
+    for variant, per_round in attacked.items():
         xs, ys = [leak["round"] for leak in per_round], [leak["ssim_mean"] for leak in per_round]
         errors = [_errors(leak["ssim_mean"], leak.get("ssim_ci95")) for leak in per_round]
         axis.errorbar(xs, ys, yerr=[[e[0] for e in errors], [e[1] for e in errors]], marker="o", capsize=3,
-                      linewidth=1.6, label=cell["variant"])
+                      linewidth=1.6, label=variant)
     axis.axhline(SUCCESS_SSIM, color=RED, linewidth=1, linestyle=":")
     axis.set_xticks(rounds)
     axis.set_ylim(0, 1.02)
