@@ -625,14 +625,20 @@ def _page(run_dir: Path, notes: _Notes) -> str:
         f'<footer>Written by <code>fedguard report</code>; {images.count} embedded image'
         f'{"s" if images.count != 1 else ""}, no external resources.</footer>',
     ])
+    return page_html(f"{title} \u2014 fedguard report", CSS, body, images.count)
+
+
+def page_html(title: str, css: str, body: str, images: int) -> str:
+    """A self-contained page: ``body`` under ``title`` with ``css``, the CSP that lets nothing in from outside,
+    and the script that counts the decoded images against the ``images`` embedded."""
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">\n'
         f'<meta http-equiv="Content-Security-Policy" content="{CSP}">\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f"<title>{escape(title)} \u2014 fedguard report</title>\n"
-        f"<style>{CSS}</style></head>\n"
-        f'<body data-images-expected="{images.count}"><main>\n{body}\n</main>\n'
+        f"<title>{escape(title)}</title>\n"
+        f"<style>{css}</style></head>\n"
+        f'<body data-images-expected="{images}"><main>\n{body}\n</main>\n'
         f"<script>{SCRIPT}</script>\n</body></html>\n"
     )
 

@@ -14,7 +14,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from fedguard.report.html import CSP, CSS, SCRIPT, EmbeddedImages, figure_png
+from fedguard.report.html import CSS, EmbeddedImages, figure_png, page_html
 from fedguard.report.leakage import SUCCESS_SSIM
 from fedguard.run_folder import read_jsonl, write_atomic
 
@@ -225,16 +225,7 @@ def render_sweep(folder: Path, baseline: str | None = None) -> str:
     ])
     css = CSS + (".scroll { overflow-x:auto; } .curve h3 { margin-top:14px; } code { font-size:90%; }\n"
                  ".figures { display:grid; grid-template-columns:repeat(auto-fit, minmax(460px, 1fr)); gap:0 24px; }\n")
-    return (
-        "<!DOCTYPE html>\n"
-        '<html lang="en"><head><meta charset="utf-8">\n'
-        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">\n'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f"<title>{escape(name)} \u2014 fedguard sweep</title>\n"
-        f"<style>{css}</style></head>\n"
-        f'<body data-images-expected="{images.count}"><main>\n{body}\n</main>\n'
-        f"<script>{SCRIPT}</script>\n</body></html>\n"
-    )
+    return page_html(f"{name} \u2014 fedguard sweep", css, body, images.count)
 
 
 def build_sweep_page(folder: Path, baseline: str | None = None) -> Path:
