@@ -23,19 +23,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import numpy as np
-import tomli_w
 
 from fedguard.config import Config, ConfigError, load_config
-from fedguard.report.run_dir import resolve_run_dir, unflatten
+from fedguard.report.run_dir import config_toml, resolve_run_dir
 from fedguard.report.run_status import read_status
-from fedguard.run_folder import (ATTACKS_FILE, CONFIG_FILE, REPORT_FILE, ROUNDS_FILE, VAULT_DIR, image_prefix,
-                                 read_jsonl, recon_name)
-from fedguard.vault import read_truth
+from fedguard.run_folder import (ATTACKS_FILE, CONFIG_FILE, REPORT_FILE, ROUNDS_FILE, RUNS_FILE, SUMMARY_FILE, SWEEP_FILE,
+                                 image_prefix, read_jsonl)
+from fedguard.vault import read_scored_images
 
 if TYPE_CHECKING:
     import pandas as pd
-
-RUNS_FILE, SWEEP_FILE, SUMMARY_FILE = "runs.jsonl", "sweep.jsonl", "summary.md"
 
 ConfigLike = Config | Mapping[str, Any] | str | Path
 """A preset's path, a mapping of keys (flat ``{"train.rounds": 2}`` or nested ``{"train": {"rounds": 2}}``) or a
@@ -116,17 +113,13 @@ class RunResults:
         """(truth, reconstruction) of one attacked upload, each (N, C, H, W) float32 in [0, 1], image i of the
         reconstruction matched to image i of the client's batch (as scored). ``KeyError`` naming the attacked
         uploads when this one was not attacked or not scored."""
-        prefix = image_prefix(round, client, attack)
-        path = self.folder / recon_name(prefix)
-        truth = read_truth(self.folder / VAULT_DIR, round, client)
-        if not path.is_file() or truth is None:
+        truth, recon = read_scored_images(self.folder, round, client, image_prefix(round, client, attack))
+        if truth is None or recon is None:
             scored = sorted({(r["attack"], r["round"], r["client"]) for r in read_jsonl(self.folder / ATTACKS_FILE)
                              if r.get("status") == "ok" and r.get("images")})
             raise KeyError(f"no scored reconstruction of attack {attack!r}, round {round}, client {client} in "
                            f"{self.folder}; scored (attack, round, client): {scored or 'none'}")
-        with np.load(path, allow_pickle=False) as archive:
-            recon = archive["images"]
-        return truth[0].numpy(), recon
+        return truth, recon
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +230,7 @@ def run(config: ConfigLike, out: str | Path | None = None, overrides: Iterable[s
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         preset = Path(scratch, "preset.toml")
-        preset.write_text(tomli_w.dumps(unflatten(resolved.to_flat())))
+        preset.write_text(config_toml(resolved))
         code, tail = _follow([sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(folder)], progress)
     if code != 0:
         status = read_status(folder) or {}

@@ -184,7 +184,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Write report.html in a run folder (curves, attack scores, reconstructions, in one file), or sweep.html in
     a sweep's folder (privacy against utility, leakage per round, cost, the tables)."""
     from fedguard.report.html import build_report
-    from fedguard.report.sweep_html import SWEEP_FILE, build_sweep_page
+    from fedguard.report.sweep_html import build_sweep_page
+    from fedguard.run_folder import SWEEP_FILE
 
     if (Path(args.run_dir) / SWEEP_FILE).is_file():
         print(build_sweep_page(args.run_dir))

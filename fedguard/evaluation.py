@@ -173,7 +173,8 @@ class Evaluator:
         label = "-".join(str(context[k]) for k in ("attack", "source") if k in context)
         prefix = image_prefix(obs.round, obs.client, label or "attack")
         save_grid(images, self.run_dir / grid_name(prefix, "truth"), scale=None)
-        save_grid(rec.images[scores["order"]], self.run_dir / grid_name(prefix, "recon"), scale=None)
-        write_batch(self.run_dir / recon_name(prefix), rec.images[scores["order"]], rec.labels[scores["order"]])
+        order = scores["order"]
+        save_grid(rec.images[order], self.run_dir / grid_name(prefix, "recon"), scale=None)
+        write_batch(self.run_dir / recon_name(prefix), rec.images[order], rec.labels[order])
         added["images"] = prefix
         return added

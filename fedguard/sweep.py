@@ -38,14 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import tomli_w
 
 from attackers.base import attack_traits
 from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, read_toml, resolve_paths
 from fedguard.report.leakage import SUCCESS_SSIM, privacy
 from fedguard.report.leakage_table import leakage_tables
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
-from fedguard.report.run_dir import unflatten
+from fedguard.report.run_dir import config_toml
 from fedguard.report.run_status import read_status
 from fedguard.report.sweep_html import build_sweep_page
 from fedguard.report.statistics import over_seeds
@@ -497,7 +496,7 @@ def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: fl
             continue
         run.folder.mkdir(parents=True, exist_ok=True)
         preset, log = run.folder.with_suffix(".toml"), run.folder.with_suffix(".log")
-        write_atomic(preset, tomli_w.dumps(unflatten(run.config.to_flat())))
+        write_atomic(preset, config_toml(run.config))
         progress(f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}")
         code = run_one([sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)], log, timeout)
         if code != 0:

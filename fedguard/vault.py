@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedguard.run_folder import upload_file_name
+from fedguard.run_folder import VAULT_DIR, recon_name, upload_file_name
 
 
 def truth_path(vault: Path, round_: int, client: int) -> Path:
@@ -39,10 +39,25 @@ def write_batch(path: Path, images: torch.Tensor, labels: torch.Tensor) -> Path:
     return path
 
 
-def read_truth(vault: Path, round_: int, client: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The true batch (images, labels), or None when the vault does not hold it."""
-    path = truth_path(vault, round_, client)
+def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """The batch ``write_batch`` stored at ``path`` (images, labels), or None when there is none."""
     if not path.is_file():
         return None
     with np.load(path, allow_pickle=False) as archive:
-        return torch.from_numpy(archive["images"]), torch.from_numpy(archive["labels"])
+        return archive["images"], archive["labels"]
+
+
+def read_truth(vault: Path, round_: int, client: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The true batch (images, labels), or None when the vault does not hold it."""
+    batch = read_batch(truth_path(vault, round_, client))
+    return None if batch is None else (torch.from_numpy(batch[0]), torch.from_numpy(batch[1]))
+
+
+def read_scored_images(run_dir: Path, round_: int, client: int, prefix: str) -> tuple[np.ndarray | None,
+                                                                                      np.ndarray | None]:
+    """(truth, reconstruction) images of the attack whose grids are named ``prefix`` on the upload of ``client``
+    in ``round_``, each (N, C, H, W) float32 in [0, 1], image i of one matched to image i of the other; None
+    where ``run_dir`` does not hold it."""
+    truth = read_batch(truth_path(run_dir / VAULT_DIR, round_, client))
+    recon = read_batch(run_dir / recon_name(prefix))
+    return (None if truth is None else truth[0]), (None if recon is None else recon[0])

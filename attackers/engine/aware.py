@@ -29,6 +29,7 @@ import torch
 
 from attackers.engine.terms import Distance, cosine_distance, dot, l2_distance
 from fedguard.defenses.dp_update import clip_per_job
+from fedguard.defenses.quantization import level_grid
 from fedguard.defenses.revealed import (AlteredLayer, ClippedNoise, OrthogonalPerTensor, QuantizedLevels, Revealed,
                                         SentBand, Unchanged, WithinRadius)
 
@@ -75,7 +76,7 @@ def levels_distance(bits: int) -> Distance:
         beyond = 0
         for x, target in zip(g, t):
             flat, tflat = x.flatten(1), target.flatten(1)
-            step = (tflat.amax(1, keepdim=True) - tflat.amin(1, keepdim=True)) / (2**bits - 1)
+            _, _, step = level_grid(tflat, bits)
             beyond = beyond + torch.relu((_per_job(s, flat) * flat - tflat).abs() - step).pow(2).sum(1)
         return cosine_distance(g, t) + beyond / dot(t, t).clamp_min(EPS)
 

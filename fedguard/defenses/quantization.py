@@ -41,12 +41,18 @@ class QuantizeParams:
             raise ValueError(f"bits must be an integer in [1, {MAX_BITS}], got {self.bits}")
 
 
-def stochastic_levels(flat: torch.Tensor, bits: int, generator: torch.Generator) -> torch.Tensor:
-    """Rows of ``flat`` (J, n) rounded at random to 2**bits uniform levels spanning each row's [min, max]."""
+def level_grid(flat: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lo, hi, step), each (J, 1): the minimum and maximum of each row of ``flat`` (J, n) and the step between
+    its 2**bits uniform levels."""
     lo = flat.min(dim=1, keepdim=True).values
     hi = flat.max(dim=1, keepdim=True).values
+    return lo, hi, (hi - lo) / (2**bits - 1)
+
+
+def stochastic_levels(flat: torch.Tensor, bits: int, generator: torch.Generator) -> torch.Tensor:
+    """Rows of ``flat`` (J, n) rounded at random to 2**bits uniform levels spanning each row's [min, max]."""
+    lo, hi, step = level_grid(flat, bits)
     top = 2**bits - 1
-    step = (hi - lo) / top
     constant = step == 0
     scaled = (flat - lo) / torch.where(constant, 1.0, step)
     lower = scaled.floor()

@@ -212,16 +212,29 @@ def leakage_by_round(attacks: list[dict[str, Any]]) -> dict[str, list[tuple[int,
     return {attack: [(r, sum(v) / len(v)) for r, v in sorted(by_round.items())] for attack, by_round in grouped.items()}
 
 
+def plot_axes(width: float, height: float, columns: int = 1) -> tuple[Any, list[Any]]:
+    """A ``width`` x ``height`` inch figure at 150 dpi with ``columns`` axes side by side: light grid below the
+    data, no top or right spine."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), dpi=150)
+    FigureCanvasAgg(figure)
+    axes = [figure.add_subplot(1, columns, index + 1) for index in range(columns)]
+    for axis in axes:
+        axis.grid(True, color="#e5e7eb", linewidth=0.8)
+        axis.set_axisbelow(True)
+        axis.spines["top"].set_visible(False)
+        axis.spines["right"].set_visible(False)
+    return figure, axes
+
+
 def _leakage_png(curves: dict[str, list[tuple[int, float]]], rounds: list[dict[str, Any]]) -> bytes:
     """Mean SSIM of each attack's reconstructions against the round its uploads came from, as a PNG on the
     training curve's round axis."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=(9.6, 2.8), dpi=150)
-    FigureCanvasAgg(figure)
-    axis = figure.add_subplot()
+    figure, [axis] = plot_axes(9.6, 2.8)
     for attack, points in curves.items():
         axis.plot([r for r, _ in points], [s for _, s in points], marker="o", linewidth=1.8, label=attack)
     axis.axhline(0.5, color="#9ca3af", linewidth=1, linestyle=":", label="recognisable (SSIM 0.5)")
@@ -232,9 +245,6 @@ def _leakage_png(curves: dict[str, list[tuple[int, float]]], rounds: list[dict[s
     xs = [row.get("round") for row in rounds if isinstance(row.get("round"), int)]
     if len(xs) > 1:
         axis.set_xlim(min(xs), max(xs))
-    axis.grid(True, color="#e5e7eb", linewidth=0.8)
-    axis.spines["top"].set_visible(False)
-    axis.spines["right"].set_visible(False)
     axis.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=4, frameon=False, borderaxespad=0.2)
     figure.tight_layout()
     return figure_png(figure)

@@ -26,6 +26,11 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
+def config_toml(config: Config) -> str:
+    """``config`` as the TOML of a preset (every key, nested tables), as ``config.toml`` holds it."""
+    return tomli_w.dumps(unflatten(config.to_flat()))
+
+
 def resolve_run_dir(config: Config) -> Path:
     """The folder a run writes to, absolute; never one that already holds a round log.
 
@@ -55,5 +60,5 @@ def prepare_run_dir(config: Config) -> Path:
     """
     folder = config.run_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(folder / CONFIG_FILE, tomli_w.dumps(unflatten(config.to_flat())))
+    write_atomic(folder / CONFIG_FILE, config_toml(config))
     return folder

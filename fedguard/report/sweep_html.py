@@ -14,29 +14,13 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from fedguard.report.html import CSS, EmbeddedImages, figure_png, page_html
+from fedguard.report.html import CSS, EmbeddedImages, figure_png, page_html, plot_axes
 from fedguard.report.leakage import SUCCESS_SSIM
-from fedguard.run_folder import read_jsonl, write_atomic
+from fedguard.run_folder import SUMMARY_FILE, SWEEP_FILE, read_jsonl, write_atomic
 
 SWEEP_PAGE = "sweep.html"
-SWEEP_FILE, SUMMARY_FILE = "sweep.jsonl", "summary.md"
 FIGURES = ("privacy-utility", "leakage-per-round", "cost")
 BLUE, GREY, RED = "#2563eb", "#9ca3af", "#dc2626"
-
-
-def _axes(width: float, height: float, columns: int = 1) -> tuple[Any, list[Any]]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(width, height), dpi=150)
-    FigureCanvasAgg(figure)
-    axes = [figure.add_subplot(1, columns, index + 1) for index in range(columns)]
-    for axis in axes:
-        axis.grid(True, color="#e5e7eb", linewidth=0.8)
-        axis.set_axisbelow(True)
-        axis.spines["top"].set_visible(False)
-        axis.spines["right"].set_visible(False)
-    return figure, axes
 
 
 def _errors(mean: float, interval: list[float] | None, scale: float = 1.0) -> list[float]:
@@ -68,7 +52,7 @@ def privacy_utility_png(cells: list[dict[str, Any]], baseline: str) -> bytes | N
     points = privacy_utility_points(cells, baseline)
     if not points:
         return None
-    figure, [axis] = _axes(7.2, 4.8)
+    figure, [axis] = plot_axes(7.2, 4.8)
     for point in points:
         colour = GREY if point["variant"] == baseline else BLUE
         axis.errorbar([point["ssim"]], [point["share"]], xerr=[[e] for e in point["ssim_errors"]],
@@ -94,7 +78,7 @@ def leakage_per_round_png(cells: list[dict[str, Any]]) -> bytes | None:
     attacked = {variant: leaks for variant, leaks in scored.items() if leaks}
     if not attacked:
         return None
-    figure, [axis] = _axes(7.2, 4.2)
+    figure, [axis] = plot_axes(7.2, 4.2)
     rounds = sorted({leak["round"] for leaks in attacked.values() for leak in leaks})
     for variant, per_round in attacked.items():
         xs, ys = [leak["round"] for leak in per_round], [leak["ssim_mean"] for leak in per_round]
@@ -118,7 +102,7 @@ def cost_png(cells: list[dict[str, Any]]) -> bytes | None:
     if not timed:
         return None
     sized = any(c.get("upload_share") is not None for c in timed)
-    figure, axes = _axes(9.6 if sized else 6.0, 0.9 + 0.38 * len(timed), 2 if sized else 1)
+    figure, axes = plot_axes(9.6 if sized else 6.0, 0.9 + 0.38 * len(timed), 2 if sized else 1)
     names = [c["variant"] for c in timed][::-1]
     seconds = [c["seconds_per_round"] for c in timed][::-1]
     axes[0].barh(names, seconds, color=BLUE)

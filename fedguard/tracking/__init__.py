@@ -18,8 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fedguard.config import Config
-from fedguard.run_folder import VAULT_DIR, recon_name
-from fedguard.vault import read_truth
+from fedguard.vault import read_scored_images
 
 log = logging.getLogger(__name__)
 MLFLOW_DB, MLFLOW_ARTIFACTS = "mlflow.db", "mlflow-artifacts"  # the local MLflow store in a run folder
@@ -39,15 +38,25 @@ class Tracker(Protocol):
     def finish(self, status: str) -> None: ...
 
 
-def scalars(row: dict[str, Any], keys: tuple[str, ...]) -> dict[str, float]:
-    """The finite numbers among ``row``'s ``keys`` and, in a round's row, its ``defense`` totals (as
-    ``defense/<name>``)."""
-    found = {key: float(row[key]) for key in keys
-             if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)}
-    totals = row.get("defense") if isinstance(row.get("defense"), dict) else {}  # an attack row names it
-    found.update({f"defense/{name}": float(value) for name, value in totals.items()
-                  if isinstance(value, (int, float)) and not isinstance(value, bool)})
-    return {key: value for key, value in found.items() if np.isfinite(value)}
+ROUND_SCORES = ("accuracy", "loss", "seconds")
+ATTACK_SCORES = ("psnr", "ssim", "lpips", "label_accuracy", "seconds")
+
+
+def _finite(values: dict[str, Any]) -> dict[str, float]:
+    return {key: float(value) for key, value in values.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)}
+
+
+def round_scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a ``rounds.jsonl`` row: ``ROUND_SCORES`` and the defense's totals as
+    ``defense/<name>``."""
+    return _finite({**{key: row.get(key) for key in ROUND_SCORES},
+                    **{f"defense/{name}": value for name, value in (row.get("defense") or {}).items()}})
+
+
+def attack_scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The finite ``ATTACK_SCORES`` of an ``attacks.jsonl`` row (none for a failed attack)."""
+    return _finite({key: row.get(key) for key in ATTACK_SCORES})
 
 
 def attack_images(folder: Path, row: dict[str, Any]) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -55,13 +64,7 @@ def attack_images(folder: Path, row: dict[str, Any]) -> tuple[np.ndarray | None,
     folder does not hold it."""
     if not row.get("images") or not isinstance(row.get("round"), int) or not isinstance(row.get("client"), int):
         return None, None
-    truth = read_truth(folder / VAULT_DIR, row["round"], row["client"])
-    path = folder / recon_name(str(row["images"]))
-    recon = None
-    if path.is_file():
-        with np.load(path, allow_pickle=False) as archive:
-            recon = archive["images"]
-    return (None if truth is None else truth[0].numpy()), recon
+    return read_scored_images(folder, row["round"], row["client"], str(row["images"]))
 
 
 class Trackers:

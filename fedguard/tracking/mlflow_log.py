@@ -17,9 +17,8 @@ import numpy as np
 
 from fedguard.config import Config
 from fedguard.report.images import grid_array
-from fedguard.tracking import scalars
+from fedguard.tracking import attack_scalars, round_scalars
 
-ATTACK_SCORES = ("psnr", "ssim", "lpips", "label_accuracy", "seconds")
 ENDINGS = {"completed": "FINISHED", "interrupted": "KILLED"}  # anything else: FAILED
 BATCH = 100  # parameters per log_batch call (MLflow's limit)
 
@@ -64,13 +63,12 @@ class MLflowTracker:
                                                         for key, value in values.items()])
 
     def round(self, row: dict[str, Any]) -> None:
-        self._metrics({key.replace("/", "."): value
-                       for key, value in scalars(row, ("accuracy", "loss", "seconds")).items()}, row["round"])
+        self._metrics({key.replace("/", "."): value for key, value in round_scalars(row).items()}, row["round"])
 
     def attack(self, row: dict[str, Any], truth: np.ndarray | None, recon: np.ndarray | None) -> None:
         step = row["round"] if isinstance(row.get("round"), int) else 0
-        self._metrics({mlflow_name(f"attack.{row['attack']}.{key}"): value for key, value in scalars(row, ATTACK_SCORES).items()
-                       if not key.startswith("defense/")}, step)
+        self._metrics({mlflow_name(f"attack.{row['attack']}.{key}"): value
+                       for key, value in attack_scalars(row).items()}, step)
         if truth is not None and recon is not None:
             stem = f"images/round-{row['round']:04d}_client-{row['client']:04d}_{row['attack']}"
             self.client.log_image(self.run_id, grid_array(truth, scale=None), artifact_file=f"{stem}_truth.png")

@@ -12,14 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tomli_w
 
 from fedguard.config import Config
 from fedguard.report.images import grid_array
-from fedguard.report.run_dir import unflatten
-from fedguard.tracking import scalars
-
-ATTACK_SCORES = ("psnr", "ssim", "lpips", "label_accuracy", "seconds")
+from fedguard.report.run_dir import config_toml
+from fedguard.tracking import attack_scalars, round_scalars
 
 
 class TensorBoardTracker:
@@ -34,19 +31,18 @@ class TensorBoardTracker:
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def start(self, config: Config) -> None:
-        text = tomli_w.dumps(unflatten(config.to_flat()))
+        text = config_toml(config)
         self.writer.add_text("config", "    " + text.replace("\n", "\n    "), 0)  # markdown: a code block
 
     def round(self, row: dict[str, Any]) -> None:
-        for key, value in scalars(row, ("accuracy", "loss", "seconds")).items():
+        for key, value in round_scalars(row).items():
             self.writer.add_scalar(key, value, row["round"])
         self.writer.flush()
 
     def attack(self, row: dict[str, Any], truth: np.ndarray | None, recon: np.ndarray | None) -> None:
         step = row.get("round") if isinstance(row.get("round"), int) else 0
-        for key, value in scalars(row, ATTACK_SCORES).items():
-            if not key.startswith("defense/"):
-                self.writer.add_scalar(f"attack/{row['attack']}/{key}", value, step)
+        for key, value in attack_scalars(row).items():
+            self.writer.add_scalar(f"attack/{row['attack']}/{key}", value, step)
         if truth is not None and recon is not None:
             tag = f"images/{row['attack']}/round-{row['round']:04d}_client-{row['client']:04d}"
             grid = grid_array(np.concatenate([truth, recon]), columns=len(truth), scale=None)  # truth above recon
