@@ -1,8 +1,11 @@
 """The deployment files in docker/: Compose files valid against the Compose Specification schema,
 Dockerfiles clean under hadolint, and every path, command, flag and variable they name present.
-The SuperLink is Flower's official image of the pinned Flower version; the serverapp and
-SuperNode images are built here, with CPU-only torch unless a CUDA build is asked for. Only the
-Fleet proxy may be published beyond the host's loopback, and it forwards the Fleet API alone.
+The layout is Flower's: the SuperLink and the SuperNodes are Flower's official images of the pinned
+Flower version, used as they are; one image is built here, Flower's SuperExec with the app's
+dependencies (CPU-only torch unless the CUDA target is asked for), which runs the ServerApp beside
+the SuperLink and each SuperNode's ClientApp beside that SuperNode, every Runtime API over TLS
+and behind a shared secret. Only the Fleet proxy may be published beyond the host's loopback, and
+it forwards the Fleet API alone.
 
 Offline and fast. The schema comes from the `docker-compose` 1.29.2 wheel
 (compose/config/compose_spec.json), installed without its dependencies; the linter from the
@@ -37,15 +40,23 @@ VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:[:?+-][^}]*)?\}")
 # PyTorch's CPU-only wheel index (torch 2.14.1+cpu and so on).
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # Flower's official images used as they are, and their entrypoints (Flower's
-# framework/docker/superlink/Dockerfile: ENTRYPOINT ["flower-superlink"]).
-FLOWER_IMAGES = {"flwr/superlink": "flower-superlink"}
+# framework/docker/superlink/Dockerfile: ENTRYPOINT ["flower-superlink"], and likewise for the
+# SuperNode).
+FLOWER_IMAGES = {"flwr/superlink": "flower-superlink", "flwr/supernode": "flower-supernode"}
+# The one image built here: Flower's SuperExec image with the app installed, and its Dockerfile.
+SUPEREXEC_BASE = "flwr/superexec"
+SUPEREXEC = DOCKER / "superexec.Dockerfile"
+# What a SuperExec service's name says it runs: the ServerApp, or SuperNode I's ClientApp.
+SERVERAPP = "superexec-serverapp"
+CLIENTAPP_PREFIX = "superexec-clientapp-"
 # The Fleet proxy: NGINX's official unprivileged image, its configuration, and the SuperLink API it
 # forwards (the Fleet API's path prefix, as Flower's SuperNode calls it).
 PROXY_IMAGE = "nginxinc/nginx-unprivileged"
 PROXY_CONF = DOCKER / "fleet-proxy.conf"
 FLEET_PREFIX = "/v1/fleet/"
 LOOPBACK = "127.0.0.1"
-# The uid:gid the fedguard images run as (USER in the Dockerfiles); owner of the mounted files.
+# The uid:gid the fedguard image runs as (USER in the Dockerfile), and Compose runs Flower's images
+# as; owner of the mounted files.
 APP_USER = "10001:10001"
 
 
@@ -172,6 +183,19 @@ def arg_default(instructions_: list[tuple[str, str]], name: str) -> str | None:
     return values[-1] if values else None
 
 
+def from_image(dockerfile: Path, target: str) -> str:
+    """The image build stage ``target`` starts from, its ${ARG} resolved with the ARG defaults above the first FROM."""
+    args: dict[str, str] = {}
+    for word, rest in instructions(dockerfile):
+        if word == "FROM":
+            break
+        if word == "ARG" and "=" in rest:
+            key, _, value = rest.partition("=")
+            args[key] = value.strip('"')
+    base = stage(dockerfile, target)[0][1].partition(" AS ")[0].strip()
+    return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: args[m.group(1)], base)
+
+
 def image_entrypoint(service: dict) -> str:
     """The console script a Compose service runs: its Dockerfile's ENTRYPOINT, or a Flower image's."""
     if "build" in service:
@@ -182,12 +206,45 @@ def image_entrypoint(service: dict) -> str:
     return FLOWER_IMAGES[service["image"].rpartition(":")[0]]
 
 
+def services() -> dict[str, dict]:
+    return compose(DOCKER / "compose.yaml")["services"]
+
+
 def superlink() -> dict:
-    return compose(DOCKER / "compose.yaml")["services"]["superlink"]
+    return services()["superlink"]
 
 
 def supernode_services() -> dict[str, dict]:
-    return {k: v for k, v in compose(DOCKER / "compose.yaml")["services"].items() if k.startswith("supernode-")}
+    return {k: v for k, v in services().items() if k.startswith("supernode-")}
+
+
+def clientapp_services() -> dict[str, dict]:
+    """superexec-clientapp-I, by I."""
+    return {k.removeprefix(CLIENTAPP_PREFIX): v for k, v in services().items() if k.startswith(CLIENTAPP_PREFIX)}
+
+
+def superexec_services() -> dict[str, dict]:
+    return {k: v for k, v in services().items() if k.startswith("superexec-")}
+
+
+def option(service: dict, name: str) -> str:
+    """The value after ``name`` in a service's command, interpolated with .env.example."""
+    command = [interpolate(str(a)) for a in service["command"]]
+    assert command.count(name) == 1, f"{name} given {command.count(name)} times"
+    return command[command.index(name) + 1]
+
+
+def bind_mounts(service: dict) -> dict[str, tuple[str, list[str]]]:
+    """A service's bind mounts, interpolated: container path -> (host path, options)."""
+    found = {}
+    for volume in service.get("volumes", []):
+        source, target, *options = interpolate(volume).split(":")
+        found[target] = (source, options)
+    return found
+
+
+def secret_files(service: dict) -> set[str]:
+    return {f"/run/secrets/{s}" for s in service.get("secrets", [])}
 
 
 def published(port: str | dict) -> tuple[str, str]:
@@ -255,29 +312,73 @@ def test_compose_cli_accepts_the_files_when_one_is_installed() -> None:
 
 # --- what the files name exists ---------------------------------------------------------------
 
-def test_two_images_are_built_here_and_the_superlink_is_flowers() -> None:
-    assert {p.name for p in DOCKERFILES} == {"supernode.Dockerfile", "serverapp.Dockerfile"}
+def test_one_image_is_built_here_and_the_superlink_and_supernodes_are_flowers() -> None:
+    assert [p.name for p in DOCKERFILES] == [SUPEREXEC.name]
     assert sorted(p.name for p in DOCKER.glob("*.dockerignore")) == sorted(f"{p.name}.dockerignore" for p in DOCKERFILES)
-    services = compose(DOCKER / "compose.yaml")["services"]
-    assert set(services) == {"superlink", "fleet", "serverapp", *supernode_services()}
-    for name, service in services.items():
-        if name == "superlink":
-            assert "build" not in service, "the SuperLink is Flower's image, not built from this repository"
+    nodes = sorted(supernode_services())
+    assert nodes, "no SuperNode services"
+    assert set(services()) == {"superlink", "fleet", SERVERAPP, *nodes, *(f"{CLIENTAPP_PREFIX}{n.removeprefix('supernode-')}" for n in nodes)}
+    for name, service in services().items():
+        if name == "superlink" or name in nodes:
+            repository = service["image"].rpartition(":")[0]
+            assert "build" not in service and repository in FLOWER_IMAGES, f"{name} is not Flower's image"
         elif name == "fleet":
             repository, _, tag = service["image"].rpartition(":")
             assert "build" not in service and repository == PROXY_IMAGE and tag[:1].isdigit(), service["image"]
         else:
-            assert "build" in service and service["image"].startswith(f"fedguard-{name.split('-')[0]}:"), name
+            assert service["build"]["dockerfile"] == f"docker/{SUPEREXEC.name}", name
+            assert service["image"].startswith("fedguard-superexec:"), name
+            assert image_entrypoint(service) == "flower-superexec", name
     for path in COMPOSE_FILES[1:]:
-        assert "build" not in compose(path)["services"].get("superlink", {}), f"{path.name} builds the SuperLink"
+        for name, service in compose(path)["services"].items():
+            assert name in services(), f"{path.name}: {name} is not a service of compose.yaml"
+            assert "build" not in service or name.startswith("superexec-"), f"{path.name} builds {name}"
 
 
-def test_superlink_image_is_flowers_of_the_pinned_flower_version() -> None:
-    repository, _, tag = superlink()["image"].rpartition(":")
-    assert repository == "flwr/superlink"
-    assert tag == pins()["flwr"], "the SuperLink must run the Flower version pyproject.toml pins"
-    # The flags below are checked against this environment's flower-superlink: the same version.
+@pytest.mark.parametrize("name", ["superlink", "supernode"])
+def test_flower_images_are_of_the_pinned_flower_version(name: str) -> None:
+    chosen = [superlink()] if name == "superlink" else list(supernode_services().values())
+    assert chosen
+    for service in chosen:
+        repository, _, tag = service["image"].rpartition(":")
+        assert repository == f"flwr/{name}"
+        assert tag == pins()["flwr"], f"the {name} must run the Flower version pyproject.toml pins"
+    # The flags in compose.yaml are checked against this environment's scripts: the same version.
     assert distribution("flwr").version == pins()["flwr"], "the test environment's flwr is not the pinned one"
+
+
+def test_superexec_image_is_built_from_flowers_superexec_image_of_the_pinned_version() -> None:
+    """The cpu target starts from flwr/superexec of the pinned Flower version, in the Python variant
+    pyproject.toml requires (Flower's bare version tag is another Python); the cuda target, which Flower
+    publishes no base for, runs the same entrypoint."""
+    repository, _, tag = from_image(SUPEREXEC, "cpu").rpartition(":")
+    assert repository == SUPEREXEC_BASE
+    python = re.fullmatch(r">=(3\.\d+),<3\.\d+",
+                          tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]).group(1)
+    assert tag.startswith(f"{pins()['flwr']}-py{python}-"), f"{tag}: not Flower {pins()['flwr']} on Python {python}"
+    assert not from_image(SUPEREXEC, "cuda").startswith("flwr/")
+    entries = {target: [exec_form(r) for w, r in stage(SUPEREXEC, target) if w == "ENTRYPOINT"][-1]
+               for target in ("cpu", "cuda")}
+    assert entries["cpu"] == entries["cuda"] == ["flower-superexec"], entries
+    # The app goes into the image's own environment; flwr itself is never named, so the image's stays.
+    calls = pip_installs(stage(SUPEREXEC, "cpu"))
+    assert not any(a.lower().startswith("flwr") for args in calls for a in args), calls
+    runs = " ".join(rest for w, rest in stage(SUPEREXEC, "cpu") if w == "RUN")
+    assert "version('flwr')" in runs, "no check that the project install kept the image's flwr"
+
+
+def test_superexec_image_gives_its_user_a_writable_home() -> None:
+    """Flower's image keeps HOME at /app, its `app` user's; the image runs as uid 10001, which needs a home of its
+    own for Flower's and the datasets' caches, in both targets."""
+    for target in ("cpu", "cuda"):
+        instructions_ = stage(SUPEREXEC, target)
+        env = " ".join(rest for w, rest in instructions_ if w == "ENV")
+        home = re.search(r"\bHOME=(\S+)", env).group(1)
+        assert re.search(rf"\bFEDGUARD_CACHE={re.escape(home)}/", env), f"{target}: FEDGUARD_CACHE is not under HOME"
+        runs = " ".join(rest for w, rest in instructions_ if w == "RUN")
+        uid = APP_USER.split(":")[0]
+        assert re.search(rf"useradd [^&]*--uid {uid} [^&]*--create-home --home-dir {re.escape(home)} ", runs), target
+        assert [r for w, r in instructions_ if w == "USER"][-1] == APP_USER, target
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -286,7 +387,7 @@ def test_copy_sources_exist_and_reach_the_build_context(dockerfile: Path) -> Non
     for word, rest in instructions(dockerfile):
         if word in ("COPY", "ADD") and "--from=" not in rest:
             assert word == "COPY", "ADD fetches and unpacks; COPY only copies"
-            *sources, _ = exec_form(rest)
+            *sources, _ = (a for a in exec_form(rest) if not a.startswith("--"))  # --chown=...
             for source in sources:
                 assert (ROOT / source).exists(), f"{dockerfile.name}: COPY {source}: no such path"
                 assert not ignored(dockerfile, source), f"{dockerfile.name}: {source} is excluded by its .dockerignore"
@@ -400,8 +501,11 @@ def test_bind_mounts_come_from_documented_host_folders() -> None:
                 else:
                     source = volume.split(":")[0]
                     assert source in compose(DOCKER / "compose.yaml").get("volumes", {}), f"{name}: {volume}"
-    secret = compose(DOCKER / "compose.yaml")["secrets"]["superexec"]["file"]
-    assert VAR.match(secret).group(1) in defined
+    secrets = compose(DOCKER / "compose.yaml")["secrets"]
+    assert set(secrets) == {"superexec", "clientapp"}
+    for secret in secrets.values():
+        variable = VAR.match(secret["file"]).group(1)
+        assert variable.endswith("_SECRET") and variable in defined, secret
 
 
 def test_tls_and_supernode_authentication_are_on_by_default() -> None:
@@ -413,7 +517,12 @@ def test_tls_and_supernode_authentication_are_on_by_default() -> None:
         assert "--insecure" not in path.read_text(), f"{path.name} has an insecure variant"
     for name, service in supernode_services().items():
         command = service["command"]
-        assert "--root-certificates" in command and "--auth-supernode-private-key" in command, name
+        for flag in ("--root-certificates", "--auth-supernode-private-key",  # to the SuperLink
+                     "--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--superexec-auth-secret-file"):  # Runtime API
+            assert flag in command, f"{name}: no {flag}"
+    for name, service in superexec_services().items():
+        for flag in ("--root-certificates", "--superexec-auth-secret-file"):
+            assert flag in service["command"], f"{name}: no {flag}"
 
 
 def test_supernodes_cover_every_partition_once_with_their_own_key() -> None:
@@ -424,8 +533,7 @@ def test_supernodes_cover_every_partition_once_with_their_own_key() -> None:
     assert len(nodes) == count
     seen = []
     for name, service in nodes.items():
-        command = [interpolate(a) for a in service["command"]]
-        node_config = dict(kv.split("=") for kv in command[command.index("--node-config") + 1].split())
+        node_config = dict(kv.split("=") for kv in option(service, "--node-config").split())
         assert int(node_config["num-partitions"]) == count
         keys = [interpolate(v).split(":")[0] for v in service["volumes"] if ":/keys/" in interpolate(v)]
         assert [Path(k).name for k in keys] == [name], f"{name} mounts the keys {keys}"
@@ -433,23 +541,73 @@ def test_supernodes_cover_every_partition_once_with_their_own_key() -> None:
     assert sorted(seen) == list(range(count))
 
 
-def test_supernodes_keep_no_ground_truth_and_share_no_run_folder_by_default() -> None:
+def test_each_supernode_serves_its_runtime_api_over_tls_to_its_own_clientapp_superexec() -> None:
+    """supernode-I runs no app code (--isolation process) and serves its Runtime API on the Compose network with
+    the certificate `docker/certs/generate.sh --supernode supernode-I` issues; superexec-clientapp-I, and only it,
+    connects there, checks that certificate against the same CA, and shows the secret the SuperNode expects."""
+    nodes, clientapps = supernode_services(), clientapp_services()
+    assert sorted(clientapps) == sorted(name.removeprefix("supernode-") for name in nodes), "one ClientApp SuperExec per SuperNode"
+    certs = env_example()["FEDGUARD_CERTS_DIR"]
+    for name, node in nodes.items():
+        number = name.removeprefix("supernode-")
+        clientapp = clientapps[number]
+        assert option(node, "--isolation") == "process", f"{name} runs the ClientApp itself"
+        assert option(node, "--host") == "0.0.0.0", f"{name}: its Runtime API is unreachable from other containers"
+        node_mounts = bind_mounts(node)
+        for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile"):
+            assert node_mounts[option(node, flag)][1] == ["ro"], f"{name}: {flag} is not a read-only mount"
+        assert node_mounts[option(node, "--ssl-certfile")][0] == f"{certs}/{name}.pem"
+        assert node_mounts[option(node, "--ssl-keyfile")][0] == f"{certs}/{name}.key"
+        assert option(clientapp, "--runtime-api-address") == f"{name}:{option(node, '--port')}"
+        assert bind_mounts(clientapp)[option(clientapp, "--root-certificates")] == node_mounts[option(node, "--ssl-ca-certfile")]
+        secret = option(node, "--superexec-auth-secret-file")
+        assert secret in secret_files(node) and option(clientapp, "--superexec-auth-secret-file") == secret
+        assert secret_files(clientapp) == {secret}, f"{CLIENTAPP_PREFIX}{number} holds other secrets"
+        assert clientapp["depends_on"] == [name]
+
+
+def test_the_serverapp_and_clientapp_superexecs_hold_different_secrets() -> None:
+    """The SuperLink's secret lets superexec-serverapp pull ServerApp runs; the SuperNodes' lets the ClientApp
+    SuperExecs pull ClientApp tasks. Neither side holds the other's, and the SuperNodes hold no SuperLink secret."""
+    serverapp_secret = option(superlink(), "--superexec-auth-secret-file")
+    serverapp = services()[SERVERAPP]
+    address = f"{env_example()['FEDGUARD_SUPERLINK_HOST']}:{option(superlink(), '--port')}"
+    assert option(serverapp, "--runtime-api-address") == address, "superexec-serverapp pulls from elsewhere"
+    assert option(serverapp, "--superexec-auth-secret-file") == serverapp_secret
+    assert secret_files(serverapp) == {serverapp_secret}
+    clientapp_secrets = {option(node, "--superexec-auth-secret-file") for node in supernode_services().values()}
+    assert serverapp_secret not in clientapp_secrets
+    for name, node in supernode_services().items():
+        assert serverapp_secret not in secret_files(node), name
+    secrets = compose(DOCKER / "compose.yaml")["secrets"]
+    files = {s: secrets[s.removeprefix("/run/secrets/")]["file"] for s in {serverapp_secret, *clientapp_secrets}}
+    assert len(set(files.values())) == len(files), f"the secrets share a file: {files}"
+
+
+def test_clientapps_keep_no_ground_truth_and_share_no_run_folder_by_default() -> None:
     """Ground truth is the SuperNode's own opt-in (node config vault-dir), never a folder the server names: no
-    SuperNode opts in by default, and none mounts the serverapp's run folders."""
-    mounts = [interpolate(v).split(":") for v in compose(DOCKER / "compose.yaml")["services"]["serverapp"]["volumes"]]
-    run_folders = {source for source, target, *_ in mounts if target == "/runs"}
+    SuperNode opts in by default, and neither the SuperNodes nor the ClientApp SuperExecs mount a vault or the
+    ServerApp's run folders."""
+    run_folders = {source for target, (source, _) in bind_mounts(services()[SERVERAPP]).items() if target == "/runs"}
     assert run_folders
-    for name, service in supernode_services().items():
-        command = service["command"]
-        assert "vault-dir" not in command[command.index("--node-config") + 1], name
-        for source, target, *_ in (interpolate(v).split(":") for v in service["volumes"]):
-            assert source not in run_folders and target != "/runs", f"{name} mounts {source} at {target}"
+    for name, node in supernode_services().items():
+        assert "vault-dir" not in option(node, "--node-config"), name
+    for name, service in services().items():
+        if name in supernode_services() or name.startswith(CLIENTAPP_PREFIX):
+            for target, (source, _) in bind_mounts(service).items():
+                assert source not in run_folders and target not in ("/runs", "/vault"), f"{name} mounts {source} at {target}"
+    # The ClientApp trains where it runs: the data is mounted there, read-only, and not in the SuperNodes.
+    data = bind_mounts(services()[SERVERAPP])["/data"][0]
+    for number, service in clientapp_services().items():
+        assert bind_mounts(service)["/data"] == (data, ["ro"]), f"{CLIENTAPP_PREFIX}{number} has no data"
+    assert all("/data" not in bind_mounts(node) for node in supernode_services().values())
 
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
 def test_only_the_fleet_proxy_is_published_beyond_loopback(path: Path) -> None:
     """Every published port binds 127.0.0.1, written out (no variable can widen it), except the Fleet proxy's;
-    the SuperLink's own port, which serves the Control and Runtime APIs too, is on loopback only."""
+    the SuperLink's own port, which serves the Control and Runtime APIs too, is on loopback only, and the
+    SuperNodes' Runtime APIs and the SuperExecs are not published at all."""
     for name, service in compose(path)["services"].items():
         for port in service.get("ports", []):
             interface, target = published(port)
@@ -458,10 +616,9 @@ def test_only_the_fleet_proxy_is_published_beyond_loopback(path: Path) -> None:
             else:
                 assert interface == LOOPBACK, f"{path.name}: {name} publishes {port} beyond loopback"
         assert "expose" not in service and service.get("network_mode") != "host", f"{path.name}: {name}"
-    services = compose(DOCKER / "compose.yaml")["services"]
-    assert [published(p)[0] for p in services["superlink"]["ports"]] == [LOOPBACK]
-    assert all(not services[name].get("ports") for name in ("serverapp", *supernode_services()))
-    assert services["fleet"]["ports"], "remote SuperNodes need the Fleet proxy published"
+    assert [published(p)[0] for p in superlink()["ports"]] == [LOOPBACK]
+    assert all(not services()[name].get("ports") for name in (*superexec_services(), *supernode_services()))
+    assert services()["fleet"]["ports"], "remote SuperNodes need the Fleet proxy published"
 
 
 def test_the_fleet_proxy_forwards_the_fleet_api_alone() -> None:
@@ -475,7 +632,7 @@ def test_the_fleet_proxy_forwards_the_fleet_api_alone() -> None:
     assert fleet["proxy_pass"] == f"https://superlink:{command[command.index('--port') + 1]}{FLEET_PREFIX}"
     assert fleet["proxy_ssl_verify"] == "on" and "proxy_ssl_trusted_certificate" in fleet
     server = dict(d.split(None, 1) for d in proxy_server_directives())
-    volumes = compose(DOCKER / "compose.yaml")["services"]["fleet"]["volumes"]
+    volumes = services()["fleet"]["volumes"]
     assert all(v.endswith(":ro") for v in volumes), volumes
     mounts = {interpolate(v).split(":")[1]: interpolate(v).split(":")[0] for v in volumes}
     superlink_mounts = {interpolate(v).split(":")[1]: interpolate(v).split(":")[0] for v in superlink()["volumes"]}
@@ -483,14 +640,14 @@ def test_the_fleet_proxy_forwards_the_fleet_api_alone() -> None:
                        (fleet["proxy_ssl_trusted_certificate"], "--ssl-ca-certfile")):
         assert mounts[file] == superlink_mounts[command[command.index(flag) + 1]], f"{file} is not the SuperLink's"
     assert mounts["/etc/nginx/conf.d/default.conf"] == f"./{PROXY_CONF.name}"
-    assert compose(DOCKER / "compose.yaml")["services"]["fleet"]["user"] == APP_USER
+    assert services()["fleet"]["user"] == APP_USER
 
 
 def test_superlink_gets_what_its_command_names() -> None:
     """Every file the SuperLink's command names is mounted, and it serves the published port."""
     service = superlink()
     command = [interpolate(str(a)) for a in service["command"]]
-    assert command[command.index("--isolation") + 1] == "process", "the ServerApp runs in the serverapp container"
+    assert command[command.index("--isolation") + 1] == "process", "the ServerApp runs in superexec-serverapp"
     assert command[command.index("--host") + 1] == "0.0.0.0"
     port = command[command.index("--port") + 1]
     assert any(interpolate(p).rsplit(":", 1)[1] == port for p in service["ports"]), "the published port is not --port"
@@ -501,23 +658,26 @@ def test_superlink_gets_what_its_command_names() -> None:
     database = Path(command[command.index("--database") + 1])
     assert str(database.parent) in mounts and mounts[str(database.parent)] == [], "--database is not on a writable mount"
     secret = command[command.index("--superexec-auth-secret-file") + 1]
-    assert secret in {f"/run/secrets/{s}" for s in service["secrets"]}, f"{secret} is not one of its secrets"
-    serverapp = compose(DOCKER / "compose.yaml")["services"]["serverapp"]
-    serverapp_entry = next(exec_form(r) for w, r in instructions(ROOT / serverapp["build"]["dockerfile"]) if w == "ENTRYPOINT")
-    assert serverapp_entry[serverapp_entry.index("--superexec-auth-secret-file") + 1] == secret
+    assert secret in secret_files(service), f"{secret} is not one of its secrets"
     assert service["environment"]["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"
     assert service["environment"]["FLWR_TELEMETRY_ENABLED"] == "0"
-    # Not root, and the uid that owns the mounted certificates, secret and state folder, like the
-    # images built here.
-    assert service["user"] == APP_USER
+
+
+def test_every_container_runs_as_the_uid_that_owns_the_mounted_files() -> None:
+    """Not root, and not the official images' `app` user: uid 10001, which owns the certificates, keys, secrets,
+    state and run folders, set by Compose for Flower's images and by USER in the image built here."""
+    for name in ("superlink", *supernode_services()):
+        assert services()[name]["user"] == APP_USER, name
+    for name, service in superexec_services().items():
+        assert "user" not in service, f"{name}: the image's USER is the one to set"
     for dockerfile in DOCKERFILES:
-        assert [r for w, r in instructions(dockerfile) if w == "USER"][-1] == APP_USER, dockerfile.name
+        for stage_ in stages(dockerfile):
+            if any(w == "ENTRYPOINT" for w, _ in stage_):
+                assert [r for w, r in stage_ if w == "USER"][-1] == APP_USER, dockerfile.name
 
 
-@pytest.mark.parametrize(("dockerfile", "target"), [("serverapp.Dockerfile", "cpu"), ("supernode.Dockerfile", None)])
-def test_cpu_images_install_torch_from_the_cpu_index_before_the_project(dockerfile: str, target: str | None) -> None:
-    path = DOCKER / dockerfile
-    build = venv_stage(path, target) if target else instructions(path)
+def test_superexec_cpu_target_installs_torch_from_the_cpu_index_before_the_project() -> None:
+    build = venv_stage(SUPEREXEC, "cpu")
     assert arg_default(build, "TORCH_INDEX_URL") == CPU_INDEX
     calls = pip_installs(build)
     torch_calls = [i for i, args in enumerate(calls) if "--index-url" in args]
@@ -527,29 +687,61 @@ def test_cpu_images_install_torch_from_the_cpu_index_before_the_project(dockerfi
     assert torch_args[torch_args.index("--index-url") + 1] == "${TORCH_INDEX_URL}"
     assert {a for a in torch_args if "==" in a} == {f"torch=={pins()['torch']}", f"torchvision=={pins()['torchvision']}"}
     # Torch first; the project install then keeps it only as long as pip may leave installed
-    # distributions alone (see the next test) and is not told to take everything from PyPI anew.
+    # distributions alone (see the last test) and is not told to take everything from PyPI anew.
     assert torch_calls[0] < project_calls[0]
     assert not {"-U", "--upgrade", "--force-reinstall", "--ignore-installed", "-I"} & set(project_args)
     assert not any(a.startswith(("--index-url", "-i", "--extra-index-url")) for a in project_args)
     runs = " ".join(rest for w, rest in build if w == "RUN")
-    assert "torch.version.cuda" in runs, f"{dockerfile}: no check of the torch build after the project install"
+    assert "torch.version.cuda" in runs, "no check of the torch build after the project install"
 
 
-def test_serverapp_cuda_target_takes_pypis_cuda_torch() -> None:
-    build = venv_stage(DOCKER / "serverapp.Dockerfile", "cuda")
+def test_superexec_cuda_target_takes_pypis_cuda_torch() -> None:
+    build = venv_stage(SUPEREXEC, "cuda")
     assert arg_default(build, "TORCH_INDEX_URL") is None
     calls = pip_installs(build)
     assert calls and not any(a.startswith(("--index-url", "-i", "--extra-index-url")) for args in calls for a in args)
     assert any("." in args for args in calls)
 
 
-def test_compose_builds_supernodes_with_cpu_torch_by_default() -> None:
-    args = compose(DOCKER / "compose.yaml")["x-supernode"]["build"]["args"]
-    assert interpolate(args["TORCH_INDEX_URL"]) == CPU_INDEX
-    serverapp = compose(DOCKER / "compose.yaml")["services"]["serverapp"]["build"]
-    # The serverapp's target alone decides where torch comes from.
-    assert "TORCH_INDEX_URL" not in serverapp.get("args", {})
-    assert interpolate(str(serverapp["target"])) == "cpu"
+def test_compose_builds_every_superexec_with_cpu_torch_and_the_gpu_overlay_the_serverapps_alone() -> None:
+    """compose.yaml builds the cpu target for every SuperExec; compose.gpu.yaml switches superexec-serverapp to the
+    cuda target under another tag, so the ClientApp SuperExecs, which share the image name, keep the CPU image."""
+    for name, service in superexec_services().items():
+        assert "TORCH_INDEX_URL" not in service["build"].get("args", {}), name
+        assert interpolate(str(service["build"]["target"])) == "cpu", name
+    overlay = compose(DOCKER / "compose.gpu.yaml")["services"]
+    assert set(overlay) == {SERVERAPP}
+    assert overlay[SERVERAPP]["build"]["target"] == "cuda"
+    cuda_image = interpolate(overlay[SERVERAPP]["image"])
+    assert cuda_image.startswith("fedguard-superexec:")
+    assert cuda_image not in {interpolate(s["image"]) for s in superexec_services().values()}
+
+
+def test_certs_script_issues_each_supernode_its_runtime_api_certificate_from_the_deployments_ca(tmp_path: Path) -> None:
+    """`generate.sh --supernode supernode-1,...` after `generate.sh ADDRESS` (README's order): each compose
+    SuperNode gets a certificate for its own service name only, signed by the CA the SuperLink's certificate
+    came from (the one CA every container trusts), with its private key beside it, readable by its owner alone."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: docker/certs/generate.sh needs it")
+    script = DOCKER / "certs" / "generate.sh"
+
+    def run(*args: str) -> str:
+        result = subprocess.run([*args], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    run("bash", str(script), "superlink", str(tmp_path))
+    names = sorted(supernode_services())
+    run("bash", str(script), "--supernode", ",".join(names), str(tmp_path))
+    ca = str(tmp_path / "ca.crt")
+    run("openssl", "verify", "-CAfile", ca, str(tmp_path / "server.pem"))  # the CA was kept, not replaced
+    for name in names:
+        cert, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+        run("openssl", "verify", "-CAfile", ca, str(cert))
+        san = run("openssl", "x509", "-in", str(cert), "-noout", "-ext", "subjectAltName")
+        assert re.findall(r"(?:DNS|IP Address):([^,\s]+)", san) == [name], san
+        assert run("openssl", "x509", "-in", str(cert), "-noout", "-pubkey") == run("openssl", "pkey", "-in", str(key), "-pubout")
+        assert key.stat().st_mode & 0o777 == 0o600, f"{key.name} is readable by others"
 
 
 def test_cpu_torch_satisfies_every_requirement_on_torch_so_pip_keeps_it() -> None:
