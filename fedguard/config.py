@@ -101,10 +101,11 @@ class PartitionSection:
     num_clients: int = option(10, "number of clients (simulated SuperNodes)", ge=1, le=MAX_CLIENTS)
     alpha: float = option(0.5, "Dirichlet concentration for partition.name = 'dirichlet'", gt=0.0)
     classes_per_client: int = option(2, "classes each client holds for partition.name = 'classes'", ge=1)
+    max_per_client: int = option(0, "most samples a client keeps, a seeded draw from its share (0 = all)", ge=0)
 
     def options(self) -> PartitionOptions:
         """The partitioner's view of this section."""
-        return PartitionOptions(self.alpha, self.classes_per_client)
+        return PartitionOptions(self.alpha, self.classes_per_client, self.max_per_client)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -55,6 +57,29 @@ def test_dirichlet_small_alpha_skews_labels() -> None:
 
     assert mean_classes(0.1) < mean_classes(100.0)
     assert mean_classes(100.0) == 10
+
+
+@pytest.mark.parametrize("scheme", ["iid", "dirichlet"])
+def test_max_per_client_cuts_each_share_to_a_seeded_subset_of_itself(scheme: str) -> None:
+    full = partition(LABELS, 8, scheme, PartitionOptions(), seed=3)
+    capped = partition(LABELS, 8, scheme, PartitionOptions(max_per_client=20), seed=3)
+    assert [len(c) for c in capped] == [min(len(f), 20) for f in full]
+    assert all(set(c.tolist()) <= set(f.tolist()) for c, f in zip(capped, full))
+    assert all((a == b).all() for a, b in zip(capped, partition(LABELS, 8, scheme, PartitionOptions(max_per_client=20), seed=3)))
+    other = partition(LABELS, 8, scheme, PartitionOptions(max_per_client=20), seed=4)
+    assert any(len(a) != len(b) or (a != b).any() for a, b in zip(capped, other))
+    check_disjoint(capped, len(LABELS), covering=False)
+
+
+def test_dirichlet_draws_again_without_warning_until_every_client_holds_its_minimum() -> None:
+    # Seed 0's first draw over 25 clients leaves one with 5 samples, under the minimum of 10.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parts = partition(LABELS, 25, "dirichlet", PartitionOptions(), seed=0)
+    assert min(len(p) for p in parts) >= 10
+    check_disjoint(parts, len(LABELS))
+    with pytest.raises(ValueError, match="partition.alpha = 0.01 over 60 clients"):
+        partition(LABELS, 60, "dirichlet", PartitionOptions(alpha=0.01), seed=0)
 
 
 def test_bad_arguments() -> None:

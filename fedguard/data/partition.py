@@ -17,14 +17,17 @@ from fedguard.registry import Registry
 
 @dataclass(frozen=True)
 class PartitionOptions:
-    """``alpha``: Dirichlet concentration (small = skewed); ``classes_per_client``: for 'classes'."""
+    """``alpha``: Dirichlet concentration (small = skewed); ``classes_per_client``: for 'classes';
+    ``max_per_client``: most samples a client keeps (0 = all of its share)."""
 
     alpha: float = 0.5
     classes_per_client: int = 2
+    max_per_client: int = 0
 
 
 Partitioner = Callable[[np.ndarray, int, PartitionOptions, int], list[np.ndarray]]
 
+DIRICHLET_TRIES = 10
 PARTITIONERS: Registry[Partitioner] = Registry("partition")
 register_partitioner = PARTITIONERS.register
 
@@ -36,7 +39,17 @@ def partition(labels: np.ndarray, num_clients: int, scheme: str, options: Partit
     if num_clients > len(labels):
         raise ValueError(f"cannot split {len(labels)} samples among {num_clients} clients")
     parts = PARTITIONERS.get(scheme).factory(np.asarray(labels), num_clients, options, seed)
-    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+    parts = [np.asarray(p, dtype=np.int64) for p in parts]
+    if options.max_per_client > 0:
+        parts = _capped(parts, options.max_per_client, seed)
+    return [np.sort(p) for p in parts]
+
+
+def _capped(parts: list[np.ndarray], most: int, seed: int) -> list[np.ndarray]:
+    """Each share cut to a seeded uniform draw of ``most`` of its samples: small local sets (cross-device
+    clients) with the scheme's label skew kept in expectation."""
+    rng = np.random.default_rng([seed, most])
+    return [rng.choice(p, size=most, replace=False) if len(p) > most else p for p in parts]
 
 
 def _label_table(labels: np.ndarray):  # -> datasets.Dataset
@@ -62,11 +75,21 @@ def dirichlet(labels: np.ndarray, num_clients: int, options: PartitionOptions, s
     from flwr_datasets.partitioner import DirichletPartitioner
 
     min_size = min(10, len(labels) // (2 * num_clients))
-    partitioner = DirichletPartitioner(
-        num_partitions=num_clients, partition_by="label", alpha=options.alpha, min_partition_size=min_size, seed=seed
+    table = _label_table(labels)
+    # Drawn again, at most DIRICHLET_TRIES times, until every client holds min_size samples: the partitioner's own
+    # retry warns at each draw it rejects, so each draw here is one call that accepts any sizes.
+    for draw_seed in [seed, *np.random.SeedSequence(seed).generate_state(DIRICHLET_TRIES - 1).tolist()]:
+        partitioner = DirichletPartitioner(
+            num_partitions=num_clients, partition_by="label", alpha=options.alpha, min_partition_size=0, seed=draw_seed
+        )
+        partitioner.dataset = table
+        parts = _indices(partitioner, num_clients)
+        if min(len(p) for p in parts) >= min_size:
+            return parts
+    raise ValueError(
+        f"partition.alpha = {options.alpha} over {num_clients} clients left a client with fewer than {min_size} "
+        f"samples in {DIRICHLET_TRIES} draws: raise partition.alpha or lower partition.num-clients"
     )
-    partitioner.dataset = _label_table(labels)
-    return _indices(partitioner, num_clients)
 
 
 @register_partitioner("classes")
