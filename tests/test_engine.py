@@ -144,7 +144,7 @@ def test_specs_refuse_unknown_pieces_with_the_choices() -> None:
         InvertingGradientsParams(precision="half")
 
 
-def test_the_readmes_own_attack_is_this_module_and_it_reconstructs(tmp_path) -> None:
+def test_the_docs_own_attack_is_this_module_and_it_reconstructs(tmp_path) -> None:
     from pathlib import Path
 
     from fedguard.config import Config
@@ -153,7 +153,8 @@ def test_the_readmes_own_attack_is_this_module_and_it_reconstructs(tmp_path) -> 
 
     root = Path(__file__).resolve().parents[1]
     source = (root / "extensions" / "smooth_inversion.py").read_text()
-    assert f"```python\n{source}```" in (root / "README.md").read_text(), "README's example differs from the module"
+    page = root / "docs" / "how-to" / "attack-plugin.md"
+    assert f"```python\n{source}```" in page.read_text(), "the docs' example differs from the module"
     config = Config.from_flat({"server.plugins": "extensions.smooth_inversion", "attack.name": "smooth-inversion",
                                "attack.smooth-inversion.iterations": 300, "attack.smooth-inversion.device": "cpu"})
     from attackers.base import build_attack
