@@ -63,8 +63,9 @@ class AdaptiveInvertingGradients(InvertingGradients):
 
 def adaptive_traits(params: InvertingGradientsParams) -> AttackTraits:
     """IG's uploads; it always needs the defense, simulates it only with ``eot`` > 0, and is adaptive."""
-    return AttackTraits.of(AdaptiveInvertingGradients, needs=frozenset({"defense"}), simulates_defense=params.eot > 0,
-                           adaptive=True)
+    return AttackTraits.of(
+        AdaptiveInvertingGradients, needs=frozenset({"defense"}), simulates_defense=params.eot > 0, adaptive=True
+    )
 
 
 @register_attack("ig-adaptive", params=InvertingGradientsParams, traits=adaptive_traits)

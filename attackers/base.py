@@ -137,8 +137,10 @@ def build_attack(name: str, params: Any = None, defense: tuple[str, Any] | None 
         from fedguard.defenses.base import defense_traits
 
         if attack_traits(name, params).simulates_defense and not defense_traits(*defense).simulated:
-            raise ValueError(f"attack {name!r} simulates the clients' defense (EOT), and defense {defense[0]!r} "
-                             f"cannot be simulated (set its eot to 0)")
+            raise ValueError(
+                f"attack {name!r} simulates the clients' defense (EOT), and defense {defense[0]!r} "
+                f"cannot be simulated (set its eot to 0)"
+            )
         attack.know_defense(build_defense(*defense))
     return attack
 
@@ -176,8 +178,11 @@ LOCAL_SCHEDULE = ("lr", "local-epochs", "batch-size", "local-steps", "proximal-m
 def shape_key(obs: Observation) -> tuple:
     """Observations with equal keys (model, data shape, image count, upload kind, local schedule) can be
     attacked as one batch."""
-    schedule = tuple(sorted((k, obs.declared[k]) for k in LOCAL_SCHEDULE if k in obs.declared)) \
-        if obs.kind == "weights" else ()
+    schedule = (
+        tuple(sorted((k, obs.declared[k]) for k in LOCAL_SCHEDULE if k in obs.declared))
+        if obs.kind == "weights"
+        else ()
+    )
     return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, images_per_upload(obs), obs.kind, schedule)
 
 

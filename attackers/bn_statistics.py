@@ -45,6 +45,7 @@ def values_per_channel(model: nn.Module, layers: dict[str, _BatchNorm], shape: t
     def record(name: str) -> Callable[..., None]:
         def hook(module: _BatchNorm, inputs: tuple[torch.Tensor, ...], _: torch.Tensor) -> None:
             sizes[name] = inputs[0][0].numel() // module.num_features
+
         return hook
 
     handles = [layer.register_forward_hook(record(name)) for name, layer in layers.items()]
@@ -62,12 +63,16 @@ def recover_batch_statistics(obs: Observation) -> BatchStatistics:
 
     Raises ``ValueError`` for a weights upload or a model without BatchNorm running statistics."""
     if obs.kind != "gradient":
-        raise ValueError(f"batch statistics are recoverable from FedSGD gradient uploads only, got a {obs.kind!r} upload")
+        raise ValueError(
+            f"batch statistics are recoverable from FedSGD gradient uploads only, got a {obs.kind!r} upload"
+        )
     model = observed_model(obs)
     layers = batch_norm_layers(model)
     if not layers:
-        raise ValueError(f"model {obs.model!r} has no BatchNorm layer with running statistics: there is nothing to "
-                         f"recover (choose a BatchNorm model, e.g. convnet or mlp with batch-norm)")
+        raise ValueError(
+            f"model {obs.model!r} has no BatchNorm layer with running statistics: there is nothing to "
+            f"recover (choose a BatchNorm model, e.g. convnet or mlp with batch-norm)"
+        )
     per_example = values_per_channel(model, layers, obs.spec.shape)
     index = {name: i for i, name in enumerate(obs.names)}
     batch = images_per_upload(obs)
@@ -81,8 +86,10 @@ def recover_batch_statistics(obs: Observation) -> BatchStatistics:
         if momentum is None:
             tracked = int(obs.upload[index[f"{name}.num_batches_tracked"]])
             if tracked < 1:
-                raise ValueError(f"BatchNorm {name!r} averages cumulatively but uploaded num_batches_tracked = "
-                                 f"{tracked}; a training step makes it >= 1")
+                raise ValueError(
+                    f"BatchNorm {name!r} averages cumulatively but uploaded num_batches_tracked = "
+                    f"{tracked}; a training step makes it >= 1"
+                )
             momentum = 1.0 / tracked
         if not momentum > 0:
             raise ValueError(f"BatchNorm {name!r} has momentum {momentum}: its running statistics never see the batch")
@@ -91,5 +98,8 @@ def recover_batch_statistics(obs: Observation) -> BatchStatistics:
         mean = (new_mean - (1 - momentum) * old_mean) / momentum
         unbiased = (new_var - (1 - momentum) * old_var) / momentum
         n = batch * per_example[name]
-        statistics[name] = (torch.tensor(mean, dtype=torch.float32), torch.tensor(unbiased * (n - 1) / n, dtype=torch.float32))
+        statistics[name] = (
+            torch.tensor(mean, dtype=torch.float32),
+            torch.tensor(unbiased * (n - 1) / n, dtype=torch.float32),
+        )
     return statistics

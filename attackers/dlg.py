@@ -55,10 +55,15 @@ class DeepLeakage(OptimizationAttack):
 
     def spec_of(self, params: DLGParams) -> SearchSpec:
         return SearchSpec(
-            params.iterations, params.restarts, params.device, compile=params.compile, distance="l2",
+            params.iterations,
+            params.restarts,
+            params.device,
+            compile=params.compile,
+            distance="l2",
             labels="infer" if self.infer else "joint",
-            optimizer=OptimizerSpec("lbfgs", params.lr, history=params.history, line_search=params.line_search,
-                                    box=False),
+            optimizer=OptimizerSpec(
+                "lbfgs", params.lr, history=params.history, line_search=params.line_search, box=False
+            ),
         )
 
 

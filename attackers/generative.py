@@ -30,8 +30,10 @@ from fedguard.generators.store import load_generator, missing_generator
 from fedguard.registry import RequiredFile
 
 DISTANCES = ("cosine", "l2")
-NO_GENERATOR = ("attack 'ggl' needs a generator: set attack.ggl.generator to a file made by "
-                "`fedguard train-generator --data <dataset>` (by default generators/<dataset>.npz)")
+NO_GENERATOR = (
+    "attack 'ggl' needs a generator: set attack.ggl.generator to a file made by "
+    "`fedguard train-generator --data <dataset>` (by default generators/<dataset>.npz)"
+)
 
 
 @dataclass(frozen=True)
@@ -75,16 +77,22 @@ class GenerativeAttack(OptimizationAttack):
 
     def spec_of(self, params: GenerativeParams) -> SearchSpec:
         return SearchSpec(
-            params.iterations, params.restarts, params.device, compile=params.compile, distance=params.distance,
-            terms=(Term("kl", params.kl),), labels="infer",
+            params.iterations,
+            params.restarts,
+            params.device,
+            compile=params.compile,
+            distance=params.distance,
+            terms=(Term("kl", params.kl),),
+            labels="infer",
             optimizer=OptimizerSpec("adam", params.lr, schedule="step", box=False),
         )
 
 
 def generative_traits(params: GenerativeParams) -> AttackTraits:
     """The class's traits and the generator file it loads."""
-    generator = RequiredFile("generator", params.generator, NO_GENERATOR, missing_generator(params.generator),
-                             load_generator)
+    generator = RequiredFile(
+        "generator", params.generator, NO_GENERATOR, missing_generator(params.generator), load_generator
+    )
     return AttackTraits.of(GenerativeAttack, files=(generator,))
 
 

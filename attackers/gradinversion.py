@@ -91,11 +91,20 @@ class GradInversion(OptimizationAttack):
 
     def spec_of(self, params: GradInversionParams) -> SearchSpec:
         return SearchSpec(
-            params.iterations, params.restarts, params.device, compile=params.compile, distance="relative-l2",
+            params.iterations,
+            params.restarts,
+            params.device,
+            compile=params.compile,
+            distance="relative-l2",
             distance_weight=params.gradient,
-            terms=(Term("tv", params.tv), Term("l2", params.l2), Term("bn", params.bn),
-                   Term("group", params.group, start=params.group_start, selects=False)),
-            labels="infer", optimizer=OptimizerSpec("adam", params.lr, schedule="cosine"),
+            terms=(
+                Term("tv", params.tv),
+                Term("l2", params.l2),
+                Term("bn", params.bn),
+                Term("group", params.group, start=params.group_start, selects=False),
+            ),
+            labels="infer",
+            optimizer=OptimizerSpec("adam", params.lr, schedule="cosine"),
         )
 
 

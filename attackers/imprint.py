@@ -84,8 +84,10 @@ def next_layer(arrays: list[np.ndarray], card: ModelCard, index: int) -> int:
         if card.trainable[j] and arrays[j].ndim == 2 and arrays[j].shape[1] == units:
             return j
     entries = ", ".join(f"{n} {a.shape}" for n, a in zip(card.names, arrays))
-    raise ValueError(f"no trainable Linear layer takes the {units} units of {card.names[index]} as input "
-                     f"(imprint needs one); the model's entries: {entries}")
+    raise ValueError(
+        f"no trainable Linear layer takes the {units} units of {card.names[index]} as input "
+        f"(imprint needs one); the model's entries: {entries}"
+    )
 
 
 class Imprint:
@@ -125,8 +127,10 @@ def sent_bins(obs: Observation, index: int) -> tuple[torch.Tensor, torch.Tensor,
     bias = torch.tensor(obs.global_arrays[index + 1], dtype=torch.float64)
     units = torch.nonzero(weight.abs().sum(1) > 0).flatten()
     if len(units) == 0:
-        raise ValueError(f"the first layer {obs.names[index]} the server sent has no bin units (all rows are zero); "
-                         f"was the upload computed on an imprint model?")
+        raise ValueError(
+            f"the first layer {obs.names[index]} the server sent has no bin units (all rows are zero); "
+            f"was the upload computed on an imprint model?"
+        )
     gains = weight[units].sum(1)
     edges = -bias[units] / gains
     order = torch.argsort(edges)
@@ -155,8 +159,9 @@ class ImprintAttack:
         candidates = delta_weight[filled] / delta_bias[filled, None]
         upper = torch.cat([edges[1:], torch.tensor([torch.inf], dtype=torch.float64)])
         measured = (measure[filled] * candidates).sum(1)
-        consistent = (in_box(candidates, SLACK) & (measured >= edges[filled] - SLACK)
-                      & (measured <= upper[filled] + SLACK))
+        consistent = (
+            in_box(candidates, SLACK) & (measured >= edges[filled] - SLACK) & (measured <= upper[filled] + SLACK)
+        )
         ranked = sorted(range(len(filled)), key=lambda j: (not bool(consistent[j]), j))[:batch]
         labels, inferred = upload_labels(obs, batch)
         stats: dict[str, Any] = {

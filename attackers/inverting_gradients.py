@@ -75,10 +75,18 @@ class InvertingGradients(OptimizationAttack):
 
     def spec_of(self, params: InvertingGradientsParams) -> SearchSpec:
         return SearchSpec(
-            params.iterations, params.restarts, params.device, compile=params.compile, distance="cosine", skip=params.skip,
-            terms=(Term("tv", params.tv),), labels="infer",
-            optimizer=OptimizerSpec("signed-adam", params.lr, schedule=params.schedule), uploads=self.uploads,
-            eot=params.eot, precision=params.precision,
+            params.iterations,
+            params.restarts,
+            params.device,
+            compile=params.compile,
+            distance="cosine",
+            skip=params.skip,
+            terms=(Term("tv", params.tv),),
+            labels="infer",
+            optimizer=OptimizerSpec("signed-adam", params.lr, schedule=params.schedule),
+            uploads=self.uploads,
+            eot=params.eot,
+            precision=params.precision,
         )
 
     def know_defense(self, defense: Any) -> None:
@@ -89,8 +97,12 @@ class InvertingGradients(OptimizationAttack):
 def inverting_gradients_traits(params: InvertingGradientsParams) -> AttackTraits:
     """The class's traits; with ``eot`` > 0 it also needs the clients' defense, and one that can simulate itself;
     ``skip`` or ``eot`` make it adaptive."""
-    return AttackTraits.of(InvertingGradients, needs=frozenset({"defense"}) if params.eot else frozenset(),
-                           simulates_defense=params.eot > 0, adaptive=bool(params.skip) or params.eot > 0)
+    return AttackTraits.of(
+        InvertingGradients,
+        needs=frozenset({"defense"}) if params.eot else frozenset(),
+        simulates_defense=params.eot > 0,
+        adaptive=bool(params.skip) or params.eot > 0,
+    )
 
 
 @register_attack("ig", params=InvertingGradientsParams, traits=inverting_gradients_traits)

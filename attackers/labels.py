@@ -73,7 +73,10 @@ def last_layer_signal(grads: list[torch.Tensor], num_classes: int) -> torch.Tens
 
 
 def infer_labels(
-    grads: list[torch.Tensor], num_classes: int, batch_size: int, method: Method = "offset",
+    grads: list[torch.Tensor],
+    num_classes: int,
+    batch_size: int,
+    method: Method = "offset",
     weights: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Estimated labels (batch_size,) int64, sorted by class.

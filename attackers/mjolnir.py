@@ -92,8 +92,10 @@ def defense_noise_std(defense: Any, batch_size: int) -> float:
         return defense.noise_scale * (math.sqrt(2) if defense.params.mechanism == "laplace" else 1.0)
     if isinstance(defense, DPSGD):
         return defense.params.noise_multiplier * defense.params.clip / batch_size
-    raise ValueError(f"Mjölnir denoises additive noise; the clients' defense {type(defense).__name__} adds none it "
-                     f"models (use defense dp or dp-sgd, or noise-source 'given' or 'estimate')")
+    raise ValueError(
+        f"Mjölnir denoises additive noise; the clients' defense {type(defense).__name__} adds none it "
+        f"models (use defense dp or dp-sgd, or noise-source 'given' or 'estimate')"
+    )
 
 
 class Mjolnir:
@@ -107,8 +109,10 @@ class Mjolnir:
         self.params, self.inner = params, inner
         self.trained = load_ddpm(Path(params.denoiser))
         if self.trained.conditional and params.sampler != "chained":
-            raise ValueError(f"sampler {params.sampler!r} is the released code's, for an unconditional denoiser; "
-                             f"{params.denoiser} holds a conditional one, which runs the sampler 'chained'")
+            raise ValueError(
+                f"sampler {params.sampler!r} is the released code's, for an unconditional denoiser; "
+                f"{params.denoiser} holds a conditional one, which runs the sampler 'chained'"
+            )
         self.needs: frozenset[str] = inner.needs | own_needs(params)
         self.needs_by_upload = {k: v for k, v in inner.needs_by_upload.items() if k in self.uploads}
         self.manipulation: str = inner.manipulation
@@ -134,18 +138,34 @@ class Mjolnir:
         first = observations[0]
         shapes = [a.shape for a, t in zip(first.upload, first.trainable) if t]
         spec = check_shapes(self.trained, shapes)
-        grads = [torch.stack([torch.tensor(o.upload[i]) for o in observations])
-                 for i, trainable in enumerate(first.trainable) if trainable]
+        grads = [
+            torch.stack([torch.tensor(o.upload[i]) for o in observations])
+            for i, trainable in enumerate(first.trainable)
+            if trainable
+        ]
         packed = pack_many(grads, spec)
         mask = valid_mask(spec)
         generator = torch.Generator().manual_seed(self.params.seed)
         levels = []
         for index, obs in enumerate(observations):
             std = self.noise_std(obs)
-            levels.append(float(std / spec.scale) if std is not None else estimate_noise_level(
-                packed[index : index + 1], self.trained.normalization.get("signal_power", 1.0), mask))
-        cleaned = denoise_many(self.trained.model, self.trained.schedule, packed, levels, generator,
-                               self.params.variance, self.params.sampler, self.trained.conditional)
+            levels.append(
+                float(std / spec.scale)
+                if std is not None
+                else estimate_noise_level(
+                    packed[index : index + 1], self.trained.normalization.get("signal_power", 1.0), mask
+                )
+            )
+        cleaned = denoise_many(
+            self.trained.model,
+            self.trained.schedule,
+            packed,
+            levels,
+            generator,
+            self.params.variance,
+            self.params.sampler,
+            self.trained.conditional,
+        )
         starts = [start_step(self.trained.schedule, level) for level in levels]
         restored = unpack_many(cleaned, spec)
         uploads = []
@@ -180,14 +200,18 @@ def _composed_params(inner: str) -> type:
     def split(self: Any) -> tuple[MjolnirParams, Any]:
         values = dataclasses.asdict(self)
         own = {f.name for f in dataclasses.fields(MjolnirParams)}
-        return (MjolnirParams(**{k: v for k, v in values.items() if k in own}),
-                inner_params(**{k: v for k, v in values.items() if k not in own}))
+        return (
+            MjolnirParams(**{k: v for k, v in values.items() if k in own}),
+            inner_params(**{k: v for k, v in values.items() if k not in own}),
+        )
 
     name = f"Mjolnir{inner.title().replace('-', '')}Params"
-    return dataclasses.make_dataclass(name, [(n, t, dataclasses.field(default=f.default, metadata={"help": h}))
-                                             for n, t, f, h in fields],
-                                      frozen=True, namespace={"__post_init__": post_init, "split": split,
-                                                              "__doc__": f"Mjölnir's parameters, then {inner}'s."})
+    return dataclasses.make_dataclass(
+        name,
+        [(n, t, dataclasses.field(default=f.default, metadata={"help": h})) for n, t, f, h in fields],
+        frozen=True,
+        namespace={"__post_init__": post_init, "split": split, "__doc__": f"Mjölnir's parameters, then {inner}'s."},
+    )
 
 
 def mjolnir_traits(inner: str) -> Callable[[Any], AttackTraits]:

@@ -223,8 +223,12 @@ class AttackPool:
             if self._closing.is_set():
                 raise RuntimeError("the attack pool is closed; no more observations are taken")
             if not tasks:
-                log.info("round %d client %d: no configured attack exploits manipulation %r",
-                         obs.round, obs.client, obs.manipulation)
+                log.info(
+                    "round %d client %d: no configured attack exploits manipulation %r",
+                    obs.round,
+                    obs.client,
+                    obs.manipulation,
+                )
                 return
             self._queue.extend(tasks)
             self.stats.submitted += len(tasks)
@@ -255,8 +259,7 @@ class AttackPool:
                 first = self._queue.popleft()
                 group = [first.observation] if first.alone else self._group_with(first)
                 ref = self._workers[worker].run.remote(first.attack, group, self.seed)
-                self._busy[ref] = _Dispatch(worker, first.attack, group, time.monotonic(),
-                                            self.time_limit * len(group))
+                self._busy[ref] = _Dispatch(worker, first.attack, group, time.monotonic(), self.time_limit * len(group))
 
     def _group_with(self, first: _Task) -> list[Observation]:
         """``first`` and up to ``group - 1`` queued tasks of its attack and shape, taken off the queue."""
@@ -292,9 +295,16 @@ class AttackPool:
         for _, dispatch in late:
             self._replace(dispatch.worker)
             for obs in dispatch.observations:
-                self._emit(AttackOutcome(obs, "timeout", error=f"no result within {dispatch.limit:.0f} s",
-                                         seconds=now - dispatch.started, worker=dispatch.worker,
-                                         attack=dispatch.attack))
+                self._emit(
+                    AttackOutcome(
+                        obs,
+                        "timeout",
+                        error=f"no result within {dispatch.limit:.0f} s",
+                        seconds=now - dispatch.started,
+                        worker=dispatch.worker,
+                        attack=dispatch.attack,
+                    )
+                )
 
     def _finish(self, ref: Any, dispatch: _Dispatch) -> None:
         share = (time.monotonic() - dispatch.started) / len(dispatch.observations)
@@ -307,23 +317,46 @@ class AttackPool:
                 self._split(dispatch, error)
                 return
             message = f"{type(error).__name__}: {error}".strip()[-2000:]
-            self._emit(AttackOutcome(dispatch.observations[0], "error", error=message, seconds=share,
-                                     worker=dispatch.worker, attack=dispatch.attack))
+            self._emit(
+                AttackOutcome(
+                    dispatch.observations[0],
+                    "error",
+                    error=message,
+                    seconds=share,
+                    worker=dispatch.worker,
+                    attack=dispatch.attack,
+                )
+            )
             return
         for index, obs in enumerate(dispatch.observations):
             if index < len(reconstructions):
-                self._emit(AttackOutcome(obs, "ok", reconstructions[index], seconds=share, worker=dispatch.worker,
-                                         attack=dispatch.attack))
+                self._emit(
+                    AttackOutcome(
+                        obs, "ok", reconstructions[index], seconds=share, worker=dispatch.worker, attack=dispatch.attack
+                    )
+                )
             else:
-                self._emit(AttackOutcome(obs, "error", seconds=share, worker=dispatch.worker, attack=dispatch.attack,
-                                         error=f"the attack returned {len(reconstructions)} reconstructions "
-                                               f"for {len(dispatch.observations)} observations"))
+                self._emit(
+                    AttackOutcome(
+                        obs,
+                        "error",
+                        seconds=share,
+                        worker=dispatch.worker,
+                        attack=dispatch.attack,
+                        error=f"the attack returned {len(reconstructions)} reconstructions "
+                        f"for {len(dispatch.observations)} observations",
+                    )
+                )
 
     def _split(self, dispatch: _Dispatch, error: Exception) -> None:
         """Queue each observation of a batch that raised first, alone: only those the attack fails on alone
         end as 'error'."""
-        log.warning("%s raised on a batch of %d uploads (%s); running each alone", dispatch.attack,
-                    len(dispatch.observations), type(error).__name__)
+        log.warning(
+            "%s raised on a batch of %d uploads (%s); running each alone",
+            dispatch.attack,
+            len(dispatch.observations),
+            type(error).__name__,
+        )
         with self._lock:
             self._queue.extendleft(_Task(dispatch.attack, obs, alone=True) for obs in reversed(dispatch.observations))
             self.stats.split_batches += 1
@@ -355,26 +388,41 @@ class AttackPool:
                 log.error("attack pool step failed:\n%s", traceback.format_exc())
             self._last_failure = failure
 
-    def _unfinished(self, task: _Task, timeout: float | None, seconds: float = 0.0,
-                    worker: int = -1) -> AttackOutcome:
+    def _unfinished(self, task: _Task, timeout: float | None, seconds: float = 0.0, worker: int = -1) -> AttackOutcome:
         """The outcome of a task still queued, or running for ``seconds`` on ``worker``, when the pool closes."""
         if self._start_error:
             return AttackOutcome(task.observation, "error", error=self._start_error, attack=task.attack)
         reason = self.stop()
         if reason is not None:
-            return AttackOutcome(task.observation, "interrupted", attack=task.attack, seconds=seconds, worker=worker,
-                                 error=f"the run was {reason} before this attack finished")
+            return AttackOutcome(
+                task.observation,
+                "interrupted",
+                attack=task.attack,
+                seconds=seconds,
+                worker=worker,
+                error=f"the run was {reason} before this attack finished",
+            )
         waited = "" if timeout is None else f" (waited {timeout:.0f} s)"
-        return AttackOutcome(task.observation, "timeout", attack=task.attack, seconds=seconds, worker=worker,
-                             error=f"still pending when the run ended{waited}")
+        return AttackOutcome(
+            task.observation,
+            "timeout",
+            attack=task.attack,
+            seconds=seconds,
+            worker=worker,
+            error=f"still pending when the run ended{waited}",
+        )
 
     def close(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` seconds (None: the per-attack limits alone), or until ``stop`` says the run
         is stopping, for every observation; report what is still unfinished as 'timeout' or 'interrupted', and
         stop the workers."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while (self.pending() and self._thread.is_alive() and self.stop() is None
-               and (deadline is None or time.monotonic() < deadline)):
+        while (
+            self.pending()
+            and self._thread.is_alive()
+            and self.stop() is None
+            and (deadline is None or time.monotonic() < deadline)
+        ):
             time.sleep(self._poll_seconds)
         self._closing.set()
         if self._thread.is_alive():
@@ -384,8 +432,11 @@ class AttackPool:
         now = time.monotonic()
         with self._lock:
             left = [self._unfinished(task, timeout) for task in self._queue]
-            left += [self._unfinished(_Task(d.attack, obs), timeout, (now - d.started) / len(d.observations), d.worker)
-                     for d in self._busy.values() for obs in d.observations]
+            left += [
+                self._unfinished(_Task(d.attack, obs), timeout, (now - d.started) / len(d.observations), d.worker)
+                for d in self._busy.values()
+                for obs in d.observations
+            ]
             self._queue.clear()
             self._busy.clear()
         for outcome in left:

@@ -46,19 +46,27 @@ TINY = 1e-10  # a unit whose |dL/db_i| is below TINY * max_j |dL/db_j| counts as
 FILL = 0.5  # pixel value of an image slot left without a candidate
 
 
-def input_layer(names: Sequence[str], trainable: Sequence[bool], shapes: Sequence[tuple[int, ...]],
-                spec: DataSpec) -> int:
+def input_layer(
+    names: Sequence[str], trainable: Sequence[bool], shapes: Sequence[tuple[int, ...]], spec: DataSpec
+) -> int:
     """Index of the first trainable weight (units, C*H*W) followed by its bias (units,): the Linear layer on the
     flattened image. Raises ``ValueError`` naming the model's entries when there is none."""
     pixels = spec.channels * spec.height * spec.width
     for i in range(len(names) - 1):
         shape = tuple(shapes[i])
-        if (trainable[i] and trainable[i + 1] and len(shape) == 2 and shape[1] == pixels
-                and tuple(shapes[i + 1]) == (shape[0],)):
+        if (
+            trainable[i]
+            and trainable[i + 1]
+            and len(shape) == 2
+            and shape[1] == pixels
+            and tuple(shapes[i + 1]) == (shape[0],)
+        ):
             return i
     entries = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes))
-    raise ValueError(f"no trainable Linear layer with bias on the flattened {'x'.join(map(str, spec.shape))} image "
-                     f"(weight of shape (units, {pixels})) among the model's entries: {entries}")
+    raise ValueError(
+        f"no trainable Linear layer with bias on the flattened {'x'.join(map(str, spec.shape))} image "
+        f"(weight of shape (units, {pixels})) among the model's entries: {entries}"
+    )
 
 
 def card_input_layer(arrays: list[np.ndarray], card: ModelCard) -> int:
@@ -188,8 +196,9 @@ class TrapWeightsAttack:
         groups = group_candidates(candidates, self.params.tolerance)
         images = [candidates[g].mean(0) for g in groups]
         boxed = [bool(in_box(image[None], self.params.tolerance)) for image in images]
-        ranked = sorted(range(len(groups)),
-                        key=lambda j: (len(groups[j]) < 2, not boxed[j], -len(groups[j]), int(groups[j][0])))[:batch]
+        ranked = sorted(
+            range(len(groups)), key=lambda j: (len(groups[j]) < 2, not boxed[j], -len(groups[j]), int(groups[j][0]))
+        )[:batch]
         labels, inferred = upload_labels(obs, batch)
         stats: dict[str, Any] = {
             "recovered": sum(len(groups[j]) >= 2 and boxed[j] for j in ranked),

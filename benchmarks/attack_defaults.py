@@ -68,8 +68,13 @@ def ig_grid(budget: int) -> Iterator[dict[str, Any]]:
 
 def dlg_grid(budget: int) -> Iterator[dict[str, Any]]:
     """Line search x history x restarts, iterations filling the budget."""
-    for search, history, restarts in (("none", 10, 1), ("none", 100, 1), ("fractions", 10, 1), ("fractions", 100, 1),
-                                      ("fractions", 10, 4)):
+    for search, history, restarts in (
+        ("none", 10, 1),
+        ("none", 100, 1),
+        ("fractions", 10, 1),
+        ("fractions", 100, 1),
+        ("fractions", 10, 4),
+    ):
         yield {"line_search": search, "history": history, "restarts": restarts, "iterations": budget // restarts}
 
 
@@ -154,21 +159,29 @@ def main() -> None:
     except ValueError as error:
         parser.error(str(error))
     inputs = capture(case, args.uploads, args.seed)
-    print(f"{attack} on {case.model_label}, {case.data}, {args.uploads} uploads of batch {case.batch}, budget "
-          f"{budget} job-iterations per upload, {args.threads} thread(s)", flush=True)
+    print(
+        f"{attack} on {case.model_label}, {case.data}, {args.uploads} uploads of batch {case.batch}, budget "
+        f"{budget} job-iterations per upload, {args.threads} thread(s)",
+        flush=True,
+    )
     rows = []
     for setting, params in zip(grid, runs):
         run = run_fedguard(attack, params, inputs.observations, True, args.seed)
         row = score("fedguard", case, attack, params.iterations, run.seconds, run.result, inputs.truth)
         is_default = all(getattr(default, k) == v for k, v in setting.items() if k != "iterations")
         rows.append((setting, row, is_default))
-        print(f"  {setting}: PSNR {row['psnr_db']:.2f} dB, SSIM {row['ssim']:.3f}, "
-              f"{row['ssim_over_0.9']} > 0.9, {run.seconds:.1f} s", flush=True)
+        print(
+            f"  {setting}: PSNR {row['psnr_db']:.2f} dB, SSIM {row['ssim']:.3f}, "
+            f"{row['ssim_over_0.9']} > 0.9, {run.seconds:.1f} s",
+            flush=True,
+        )
     print("\nsorted by mean SSIM (* current default):")
     for setting, row, is_default in sorted(rows, key=lambda r: -r[1]["ssim"]):
         text = ", ".join(f"{k}={v}" for k, v in setting.items())
-        print(f"{'*' if is_default else ' '} {row['psnr_db']:6.2f} dB  SSIM {row['ssim']:.3f}  "
-              f"{row['ssim_over_0.9']}/{row['uploads'] * case.batch} > 0.9  {row['seconds']:6.1f} s  {text}")
+        print(
+            f"{'*' if is_default else ' '} {row['psnr_db']:6.2f} dB  SSIM {row['ssim']:.3f}  "
+            f"{row['ssim_over_0.9']}/{row['uploads'] * case.batch} > 0.9  {row['seconds']:6.1f} s  {text}"
+        )
 
 
 if __name__ == "__main__":

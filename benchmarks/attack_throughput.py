@@ -49,16 +49,19 @@ def captures(data_name: str, model_name: str, params: Any, uploads: int) -> list
     torch.manual_seed(0)
     model = build_model(model_name, data.spec, params)
     arrays = get_arrays(model)
-    card = ModelCard(model_name, dataclasses.asdict(params), data.spec, tuple(model.state_dict()),
-                     tuple(trainable_mask(model)))
+    card = ModelCard(
+        model_name, dataclasses.asdict(params), data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
+    )
     observations = []
     for index in range(uploads):
         model.load_state_dict({n: torch.tensor(a) for n, a in zip(card.names, arrays)})
         x, y = data.test.batch([index * 7])
         grads, _ = compute_gradients(model, x, y)
         after = iter(grads)
-        upload = [next(after).numpy() if t else a.detach().numpy().copy()
-                  for t, a in zip(card.trainable, model.state_dict().values())]
+        upload = [
+            next(after).numpy() if t else a.detach().numpy().copy()
+            for t, a in zip(card.trainable, model.state_dict().values())
+        ]
         observations.append(card.observe(1, index, "gradient", arrays, upload, 1, {"batch-size": 1}))
     return observations
 
@@ -102,19 +105,28 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         generator = args.generator or (default_generator(Path(scratch)) if "ggl" in names else "")
-        print(f"{args.uploads} uploads x {args.restarts} restarts x {args.iterations} iterations, "
-              f"{args.threads} thread(s), device {args.device}")
+        print(
+            f"{args.uploads} uploads x {args.restarts} restarts x {args.iterations} iterations, "
+            f"{args.threads} thread(s), device {args.device}"
+        )
         print(f"{'attack':14} {'model':8} {'one at a time s':>16} {'batched s':>10} {'recon/s':>8} {'speed-up':>9}")
         for name in names:
             data_name, model_name, model_params = TARGETS[name]
             observations = captures(data_name, model_name, model_params, args.uploads)
             one = build_attack(name, attack_params(name, args.iterations, 1, args.device, generator))
             many = build_attack(name, attack_params(name, args.iterations, args.restarts, args.device, generator))
-            build_attack(name, attack_params(name, 2, 1, args.device, generator)).reconstruct_many([observations[0]], 0)[0]  # warm-up
-            sequential = timed(lambda: [one.reconstruct_many([o], 0)[0] for o in observations for _ in range(args.restarts)])
+            build_attack(name, attack_params(name, 2, 1, args.device, generator)).reconstruct_many(
+                [observations[0]], 0
+            )[0]  # warm-up
+            sequential = timed(
+                lambda: [one.reconstruct_many([o], 0)[0] for o in observations for _ in range(args.restarts)]
+            )
             batched = timed(lambda: many.reconstruct_many(observations, 0))
-            print(f"{name:14} {model_name:8} {sequential:>16.2f} {batched:>10.2f} {args.uploads / batched:>8.2f} "
-                  f"{sequential / batched:>8.2f}x", flush=True)
+            print(
+                f"{name:14} {model_name:8} {sequential:>16.2f} {batched:>10.2f} {args.uploads / batched:>8.2f} "
+                f"{sequential / batched:>8.2f}x",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

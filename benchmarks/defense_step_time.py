@@ -57,8 +57,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     data = load_dataset("photos")
     x, y = data.train.batch(list(range(args.batch)))
-    evalnet = args.evalnet or save_evalnet(train_evalnet("photos", "test", EvalNetOptions(epochs=1)),
-                                           Path(tempfile.mkdtemp()) / "photos.npz")
+    evalnet = args.evalnet or save_evalnet(
+        train_evalnet("photos", "test", EvalNetOptions(epochs=1)), Path(tempfile.mkdtemp()) / "photos.npz"
+    )
     print(f"photos 32x32, batch {args.batch}, {args.threads} thread(s), median of {args.repeats}")
     print(f"{'model':10s} {'defense':9s} {'step ms':>10s} {'ratio':>8s}")
     for model_name in args.models.split(","):
@@ -72,8 +73,9 @@ def main() -> None:
 
             def step() -> list[torch.Tensor]:
                 grads, _ = compute_gradients(model, x, y)
-                local = LocalStep(model, x, y, grads, loss_fn, torch.Generator().manual_seed(next(seeds)), 1, 0,
-                                  len(data.train))
+                local = LocalStep(
+                    model, x, y, grads, loss_fn, torch.Generator().manual_seed(next(seeds)), 1, 0, len(data.train)
+                )
                 return defense(local, state)
 
             try:

@@ -57,11 +57,26 @@ MIN_PART_S = 20.0  # a part is not started with less of the budget left
 GRACE_S = 15.0  # seconds between the signals that stop a part past its limit
 FIGURE_LINES = 40  # at most this many headline lines per part in the summary
 TAIL_LINES = 15  # lines of output shown for a part that did not succeed
-ATTACK_TESTS = ("tests/test_dlg.py", "tests/test_engine.py", "tests/test_eot.py", "tests/test_generative.py",
-                "tests/test_gradinversion.py", "tests/test_inverting_gradients.py")
+ATTACK_TESTS = (
+    "tests/test_dlg.py",
+    "tests/test_engine.py",
+    "tests/test_eot.py",
+    "tests/test_generative.py",
+    "tests/test_gradinversion.py",
+    "tests/test_inverting_gradients.py",
+)
 XDIST_WORKERS = 8
-PART_NAMES = ("tests", "throughput", "bare-loop", "restarts", "denoise", "mjolnir", "simulation", "compiled",
-              "breaching")  # plan's parts, in its order
+PART_NAMES = (
+    "tests",
+    "throughput",
+    "bare-loop",
+    "restarts",
+    "denoise",
+    "mjolnir",
+    "simulation",
+    "compiled",
+    "breaching",
+)  # plan's parts, in its order
 MJOLNIR_GRADIENTS = 4000  # mnist-5k's whole train split, one pass at batch 1; the paper's epoch: 60,000
 
 
@@ -107,11 +122,19 @@ def environment(device: str) -> dict[str, Any]:
 
     target = torch.device(device)
     facts: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(), "cuda_available": torch.cuda.is_available(),
-        "triton": version("triton"), "c_compiler": shutil.which("gcc") or shutil.which("cc"),
-        "compiles": compiler_available(target), "flwr": version("flwr"), "ray": version("ray"),
-        "breaching": version("breaching"), "cpu": device_name(torch.device("cpu")), "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "cuda_available": torch.cuda.is_available(),
+        "triton": version("triton"),
+        "c_compiler": shutil.which("gcc") or shutil.which("cc"),
+        "compiles": compiler_available(target),
+        "flwr": version("flwr"),
+        "ray": version("ray"),
+        "breaching": version("breaching"),
+        "cpu": device_name(torch.device("cpu")),
+        "cores": os.cpu_count(),
     }
     if target.type == "cuda":
         facts["device"] = torch.cuda.get_device_name(target)
@@ -127,8 +150,13 @@ def environment(device: str) -> dict[str, Any]:
 def nvidia_driver() -> str | None:
     """The NVIDIA driver's version from nvidia-smi, or None where it cannot say within 30 s."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         return smi.stdout.strip() or None
     return None
 
@@ -177,62 +205,209 @@ def plan(device: str, smoke: bool, facts: dict[str, Any], scratch: Path) -> list
 
     workers = min(XDIST_WORKERS, os.cpu_count() or 1)
     parallel = ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") else []
-    tests = [python, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", "--durations=5", *parallel,
-             *size(list(ATTACK_TESTS), ["tests/test_eot.py"])]
+    tests = [
+        python,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "not slow",
+        "-p",
+        "no:cacheprovider",
+        "--durations=5",
+        *parallel,
+        *size(list(ATTACK_TESTS), ["tests/test_eot.py"]),
+    ]
     gpus = "0.25" if device == "cuda" else "0"
-    simulation = [python, "-m", "fedguard", "run", str(ROOT / "experiments" / "quickstart.toml"),
-                  *(a for kv in ("train.rounds=2", "partition.num-clients=2", "train.clients-per-round=2",
-                                 "capture.clients=0-1", "attack.ig.iterations=100", "attack.ig.restarts=2",
-                                 "sim.num-cpus=4", f"sim.client-gpus={gpus}", "pool.wait=30", "pool.time-limit=60")
-                    for a in ("--set", kv)), "--out", str(scratch / "simulation")]
+    simulation = [
+        python,
+        "-m",
+        "fedguard",
+        "run",
+        str(ROOT / "experiments" / "quickstart.toml"),
+        *(
+            a
+            for kv in (
+                "train.rounds=2",
+                "partition.num-clients=2",
+                "train.clients-per-round=2",
+                "capture.clients=0-1",
+                "attack.ig.iterations=100",
+                "attack.ig.restarts=2",
+                "sim.num-cpus=4",
+                f"sim.client-gpus={gpus}",
+                "pool.wait=30",
+                "pool.time-limit=60",
+            )
+            for a in ("--set", kv)
+        ),
+        "--out",
+        str(scratch / "simulation"),
+    ]
     peers, commands = peer_dir(), flower_bin()
     unet, gradients = ("cpu", 64) if smoke else ("gpu", MJOLNIR_GRADIENTS)
     return [
-        Part("tests", f"the attack tests on {device} (pytest -m 'not slow')", tests, 150,
-             matches(r"(FAILED|ERROR|SKIPPED|XFAIL)\b|\d+ (passed|failed|error|skipped)|[\d.]+s (call|setup)"),
-             env={"FEDGUARD_TEST_DEVICE": device}),
-        Part("throughput", "every optimization attack: U uploads x R restarts, batched vs one at a time",
-             [python, f"{bench}/attack_throughput.py", "--device", device,
-              *size(["--uploads", "4", "--restarts", "2", "--iterations", "30"],
-                    ["--attacks", "ig,ggl", "--uploads", "2", "--restarts", "2", "--iterations", "3"])], 90),
-        Part("bare-loop", "IG against a bare PyTorch loop of the same maths, eager",
-             [python, f"{bench}/ig_vs_bare_loop.py", "--device", device, "--compile", "off",
-              "--out", str(scratch / "ig_vs_bare_loop.json"),
-              *size(["--model", "resnet18", "--uploads", "8", "--iterations", "100"],
-                    ["--model", "lenet", "--uploads", "2", "--iterations", "5"])], 90, matches(r"(?!wrote )")),
-        Part("restarts", "IG's restarts in one batched program vs one after another",
-             [python, f"{bench}/ig_batched_restarts.py", "--device", device,
-              *size(["--restarts", "8", "--iterations", "50", "--models", "lenet,mlp,convnet,resnet18"],
-                    ["--restarts", "2", "--iterations", "3", "--models", "lenet"])], 60),
-        Part("denoise", f"Mjölnir's reverse chain with the {unet} UNet: N uploads batched vs one at a time",
-             [python, f"{bench}/mjolnir_denoise_batching.py", "--device", device, "--unet", unet,
-              *size(["--uploads", "8"], ["--uploads", "2", "--side", "32", "--noise-level", "0.05"])], 90),
-        Part("mjolnir", f"one epoch of the {unet} UNet on {gradients:,} gradients of the LeNet on mnist-5k "
-                        f"(the paper's epoch: 60,000)",
-             [python, "-m", "fedguard", "train-mjolnir", "--set", "data.name=mnist-5k", "--set", "model.name=lenet",
-              "--set", "train.batch-size=1", "--surrogate-lr", "0", "--surrogate-epochs", "1",
-              "--split", "test" if smoke else "train", "--gradients", str(gradients),
-              "--unet", unet, "--device", device,
-              "--epochs", "1", "--checkpoint-every", "0", "--out", str(scratch / "mjolnir" / "mnist-5k-lenet.npz")],
-             120, matches(r"fedguard: (?!saved)")),
-        Part("simulation", f"`fedguard run`: 2 clients, 2 rounds, sim.client-gpus = {gpus}, IG on the uploads "
-                           f"(attack device auto)", simulation, 150, matches(r"(fedguard: |round )"),
-             env={"PATH": f"{commands}{os.pathsep}{os.environ.get('PATH', '')}"} if commands else {},
-             skip=simulation_skip()),
-        Part("compiled", "IG and the bare loop on the LeNet, both compiled (torch.compile)",
-             [python, f"{bench}/ig_vs_bare_loop.py", "--device", device, "--compile", "on", "--model", "lenet",
-              "--out", str(scratch / "ig_vs_bare_loop_compiled.json"),
-              *size(["--uploads", "8", "--iterations", "100"], ["--uploads", "2", "--iterations", "3"])],
-             150, matches(r"(?!wrote )"),
-             skip="" if facts.get("compiles", True) else "torch.compile cannot build kernels here (triton or a C "
-                                                          "compiler missing)"),
-        Part("breaching", "fedguard vs breaching 0.1.2 on the same uploads, at a fraction of the iterations",
-             [python, f"{bench}/vs_breaching.py", "--device", device, "--peer-dir", str(peers),
-              "--out", str(scratch / "vs_breaching.json"),
-              *size(["--uploads", "2", "--iterations-scale", "0.05"],
-                    ["--cases", "ig-lenet", "--uploads", "1", "--iterations-scale", "0.002"])],
-             90, matches(r"(?!wrote |installing )"),
-             skip="" if peers else "breaching is not importable (make gpu-wheels carries it)"),
+        Part(
+            "tests",
+            f"the attack tests on {device} (pytest -m 'not slow')",
+            tests,
+            150,
+            matches(r"(FAILED|ERROR|SKIPPED|XFAIL)\b|\d+ (passed|failed|error|skipped)|[\d.]+s (call|setup)"),
+            env={"FEDGUARD_TEST_DEVICE": device},
+        ),
+        Part(
+            "throughput",
+            "every optimization attack: U uploads x R restarts, batched vs one at a time",
+            [
+                python,
+                f"{bench}/attack_throughput.py",
+                "--device",
+                device,
+                *size(
+                    ["--uploads", "4", "--restarts", "2", "--iterations", "30"],
+                    ["--attacks", "ig,ggl", "--uploads", "2", "--restarts", "2", "--iterations", "3"],
+                ),
+            ],
+            90,
+        ),
+        Part(
+            "bare-loop",
+            "IG against a bare PyTorch loop of the same maths, eager",
+            [
+                python,
+                f"{bench}/ig_vs_bare_loop.py",
+                "--device",
+                device,
+                "--compile",
+                "off",
+                "--out",
+                str(scratch / "ig_vs_bare_loop.json"),
+                *size(
+                    ["--model", "resnet18", "--uploads", "8", "--iterations", "100"],
+                    ["--model", "lenet", "--uploads", "2", "--iterations", "5"],
+                ),
+            ],
+            90,
+            matches(r"(?!wrote )"),
+        ),
+        Part(
+            "restarts",
+            "IG's restarts in one batched program vs one after another",
+            [
+                python,
+                f"{bench}/ig_batched_restarts.py",
+                "--device",
+                device,
+                *size(
+                    ["--restarts", "8", "--iterations", "50", "--models", "lenet,mlp,convnet,resnet18"],
+                    ["--restarts", "2", "--iterations", "3", "--models", "lenet"],
+                ),
+            ],
+            60,
+        ),
+        Part(
+            "denoise",
+            f"Mjölnir's reverse chain with the {unet} UNet: N uploads batched vs one at a time",
+            [
+                python,
+                f"{bench}/mjolnir_denoise_batching.py",
+                "--device",
+                device,
+                "--unet",
+                unet,
+                *size(["--uploads", "8"], ["--uploads", "2", "--side", "32", "--noise-level", "0.05"]),
+            ],
+            90,
+        ),
+        Part(
+            "mjolnir",
+            f"one epoch of the {unet} UNet on {gradients:,} gradients of the LeNet on mnist-5k "
+            f"(the paper's epoch: 60,000)",
+            [
+                python,
+                "-m",
+                "fedguard",
+                "train-mjolnir",
+                "--set",
+                "data.name=mnist-5k",
+                "--set",
+                "model.name=lenet",
+                "--set",
+                "train.batch-size=1",
+                "--surrogate-lr",
+                "0",
+                "--surrogate-epochs",
+                "1",
+                "--split",
+                "test" if smoke else "train",
+                "--gradients",
+                str(gradients),
+                "--unet",
+                unet,
+                "--device",
+                device,
+                "--epochs",
+                "1",
+                "--checkpoint-every",
+                "0",
+                "--out",
+                str(scratch / "mjolnir" / "mnist-5k-lenet.npz"),
+            ],
+            120,
+            matches(r"fedguard: (?!saved)"),
+        ),
+        Part(
+            "simulation",
+            f"`fedguard run`: 2 clients, 2 rounds, sim.client-gpus = {gpus}, IG on the uploads (attack device auto)",
+            simulation,
+            150,
+            matches(r"(fedguard: |round )"),
+            env={"PATH": f"{commands}{os.pathsep}{os.environ.get('PATH', '')}"} if commands else {},
+            skip=simulation_skip(),
+        ),
+        Part(
+            "compiled",
+            "IG and the bare loop on the LeNet, both compiled (torch.compile)",
+            [
+                python,
+                f"{bench}/ig_vs_bare_loop.py",
+                "--device",
+                device,
+                "--compile",
+                "on",
+                "--model",
+                "lenet",
+                "--out",
+                str(scratch / "ig_vs_bare_loop_compiled.json"),
+                *size(["--uploads", "8", "--iterations", "100"], ["--uploads", "2", "--iterations", "3"]),
+            ],
+            150,
+            matches(r"(?!wrote )"),
+            skip=""
+            if facts.get("compiles", True)
+            else "torch.compile cannot build kernels here (triton or a C compiler missing)",
+        ),
+        Part(
+            "breaching",
+            "fedguard vs breaching 0.1.2 on the same uploads, at a fraction of the iterations",
+            [
+                python,
+                f"{bench}/vs_breaching.py",
+                "--device",
+                device,
+                "--peer-dir",
+                str(peers),
+                "--out",
+                str(scratch / "vs_breaching.json"),
+                *size(
+                    ["--uploads", "2", "--iterations-scale", "0.05"],
+                    ["--cases", "ig-lenet", "--uploads", "1", "--iterations-scale", "0.002"],
+                ),
+            ],
+            90,
+            matches(r"(?!wrote |installing )"),
+            skip="" if peers else "breaching is not importable (make gpu-wheels carries it)",
+        ),
     ]
 
 
@@ -248,13 +423,24 @@ def stop(process: subprocess.Popen) -> None:
 
 def run(part: Part, limit_s: float, scratch: Path, log: Path) -> Outcome:
     """Run ``part`` for at most ``limit_s`` seconds from the checkout, its output appended to ``log``."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **part.env,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        **part.env,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     out, err = scratch / f"{part.name}.out", scratch / f"{part.name}.err"
     start = time.perf_counter()
     with out.open("w") as stdout, err.open("w") as stderr:
-        process = subprocess.Popen(part.command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen(
+            part.command,
+            cwd=ROOT,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             code = process.wait(limit_s)
             status = "ok" if code == 0 else f"failed (exit {code})"
@@ -277,20 +463,33 @@ def header(facts: dict[str, Any], device: str) -> list[str]:
     if "torch" not in facts:
         return [f"Device and versions unknown: the environment part did not finish ({facts.get('error', '')})."]
     host = f"{facts['cores']} cores of {facts['cpu']}"
-    where = (f"**{facts['device']}**, {facts['memory_gib']} GiB, driver {facts.get('driver')}; host: {host}"
-             if device == "cuda" else f"**{host}**")
-    return [where, "",
-            f"Python {facts['python']}, torch {facts['torch']} (CUDA {facts['cuda']}, cuDNN {facts['cudnn']}), "
-            f"triton {facts['triton']}, C compiler {facts['c_compiler']}; torch.compile builds kernels on {device}: "
-            f"{facts['compiles']}; CUDA available: {facts['cuda_available']}, matmul correct: "
-            f"{facts.get('matmul_ok', '-')}; flwr {facts['flwr']}, ray {facts['ray']}, breaching {facts['breaching']}"]
+    where = (
+        f"**{facts['device']}**, {facts['memory_gib']} GiB, driver {facts.get('driver')}; host: {host}"
+        if device == "cuda"
+        else f"**{host}**"
+    )
+    return [
+        where,
+        "",
+        f"Python {facts['python']}, torch {facts['torch']} (CUDA {facts['cuda']}, cuDNN {facts['cudnn']}), "
+        f"triton {facts['triton']}, C compiler {facts['c_compiler']}; torch.compile builds kernels on {device}: "
+        f"{facts['compiles']}; CUDA available: {facts['cuda_available']}, matmul correct: "
+        f"{facts.get('matmul_ok', '-')}; flwr {facts['flwr']}, ray {facts['ray']}, breaching {facts['breaching']}",
+    ]
 
 
 def summary(facts: dict[str, Any], outcomes: list[Outcome], device: str, budget_s: float, smoke: bool) -> str:
     """gpu-check.md: the header, a table of parts, then each part's command, figures and (unless ok) tail."""
-    lines = ["# fedguard GPU check" + (" (smoke sizes)" if smoke else ""), "", *header(facts, device), "",
-             f"Budget {budget_s:.0f} s; the parts took {sum(o.seconds for o in outcomes):.0f} s.", "",
-             "| part | status | seconds | what |", "|---|---|---|---|"]
+    lines = [
+        "# fedguard GPU check" + (" (smoke sizes)" if smoke else ""),
+        "",
+        *header(facts, device),
+        "",
+        f"Budget {budget_s:.0f} s; the parts took {sum(o.seconds for o in outcomes):.0f} s.",
+        "",
+        "| part | status | seconds | what |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {o.part.name} | {o.status} | {o.seconds:.1f} | {o.part.what} |" for o in outcomes]
     for o in outcomes:
         lines += ["", f"## {o.part.name}: {o.status}, {o.seconds:.1f} s", "", f"`{' '.join(o.part.command)}`"]
@@ -303,9 +502,13 @@ def summary(facts: dict[str, Any], outcomes: list[Outcome], device: str, budget_
 
 def probe(device: str, scratch: Path, log: Path) -> tuple[Outcome, dict[str, Any]]:
     """The environment part, and the facts it printed (``error`` in them where it printed none)."""
-    part = Part("environment", "versions, the device, torch.compile's compiler, a CUDA matmul",
-                [sys.executable, str(Path(__file__).resolve()), "--environment", "--device", device], 90,
-                matches(r"\{"))
+    part = Part(
+        "environment",
+        "versions, the device, torch.compile's compiler, a CUDA matmul",
+        [sys.executable, str(Path(__file__).resolve()), "--environment", "--device", device],
+        90,
+        matches(r"\{"),
+    )
     outcome = run(part, part.limit_s, scratch, log)
     try:
         facts = json.loads(outcome.figures[-1])
@@ -348,8 +551,12 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for all parts (default {BUDGET_S:g})")
     parser.add_argument("--only", default=",".join(PART_NAMES), help="comma-separated parts (default: all)")
     parser.add_argument("--smoke", action="store_true", help="every part at its smallest, to check this script")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "gpu-check"),
-                        help="output folder (default $OUT, else gpu-check/)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT") or ROOT / "gpu-check"),
+        help="output folder (default $OUT, else gpu-check/)",
+    )
     parser.add_argument("--environment", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.environment:

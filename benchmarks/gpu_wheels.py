@@ -25,11 +25,24 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PINS = HERE / "gpu_check_wheels.txt"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64")
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 SOURCE_ONLY = ("antlr4-python3-runtime",)  # no wheel on PyPI: built with `pip wheel`
-RAY_LEFT_OUT = ("ray/jars/", "ray/dashboard/client/build/", "ray/rllib/", "ray/serve/", "ray/tune/", "ray/train/",
-                "ray/data/", "ray/llm/")
+RAY_LEFT_OUT = (
+    "ray/jars/",
+    "ray/dashboard/client/build/",
+    "ray/rllib/",
+    "ray/serve/",
+    "ray/tune/",
+    "ray/train/",
+    "ray/data/",
+    "ray/llm/",
+)
 MIB = 2**20
 
 
@@ -52,8 +65,20 @@ def download(pins: list[str], dest: Path, python_version: str) -> None:
     built = [pin for pin in pins if pin.split("==")[0] in SOURCE_ONLY]
     binary = [pin for pin in pins if pin not in built]
     platforms = [flag for platform in PLATFORMS for flag in ("--platform", platform)]
-    pip("download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", python_version,
-        "--implementation", "cp", *platforms, "--dest", str(dest), *binary)
+    pip(
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        *platforms,
+        "--dest",
+        str(dest),
+        *binary,
+    )
     if built:
         pip("wheel", "--quiet", "--no-deps", "--wheel-dir", str(dest), *built)
 

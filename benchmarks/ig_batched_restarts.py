@@ -31,8 +31,13 @@ def capture(model_name: str, params: object, batch: int) -> Observation:
     x, y = data.test.batch(list(range(batch)))
     grads, _ = compute_gradients(model, x, y)
     upload = [g.numpy() for g in grads]
-    card = ModelCard(model_name, {} if params is None else vars(params), data.spec, tuple(model.state_dict()),
-                     tuple(trainable_mask(model)))
+    card = ModelCard(
+        model_name,
+        {} if params is None else vars(params),
+        data.spec,
+        tuple(model.state_dict()),
+        tuple(trainable_mask(model)),
+    )
     full = iter(upload)
     merged = [next(full) if t else a for a, t in zip(arrays, card.trainable)]
     return card.observe(1, 0, "gradient", arrays, merged, batch, {"batch-size": batch})
@@ -63,11 +68,17 @@ def main() -> None:
         obs = capture(name, params, batch=1)
         one = InvertingGradientsParams(iterations=args.iterations, restarts=1, device=args.device)
         many = InvertingGradientsParams(iterations=args.iterations, restarts=args.restarts, device=args.device)
-        InvertingGradients(InvertingGradientsParams(iterations=2, restarts=2, device=args.device)).reconstruct_many([obs], 0)[0]
-        sequential = timed(lambda: [InvertingGradients(one).reconstruct_many([obs], 0)[0] for _ in range(args.restarts)])
+        InvertingGradients(InvertingGradientsParams(iterations=2, restarts=2, device=args.device)).reconstruct_many(
+            [obs], 0
+        )[0]
+        sequential = timed(
+            lambda: [InvertingGradients(one).reconstruct_many([obs], 0)[0] for _ in range(args.restarts)]
+        )
         batched = timed(lambda: InvertingGradients(many).reconstruct_many([obs], 0)[0])
         rate = args.restarts * args.iterations / batched
-        print(f"{name:10} {args.restarts:>8} {sequential:>13.2f} {batched:>10.2f} {sequential / batched:>8.2f}x {rate:>13.0f}")
+        print(
+            f"{name:10} {args.restarts:>8} {sequential:>13.2f} {batched:>10.2f} {sequential / batched:>8.2f}x {rate:>13.0f}"
+        )
 
 
 if __name__ == "__main__":

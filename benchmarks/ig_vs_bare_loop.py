@@ -52,8 +52,9 @@ WARM_UP_ITERATIONS = 2
 MODELS = ("resnet18", "convnet", "lenet")
 
 
-def bare_step(model: nn.Module, params: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
-              labels: torch.Tensor, tv: float) -> Callable[[torch.Tensor], torch.Tensor]:
+def bare_step(
+    model: nn.Module, params: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], labels: torch.Tensor, tv: float
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """``z (J, 1, C, H, W) -> sign of d/dz sum_j [1 - cos(g_j(z), target_j) + tv * TV(z_j)]``, ``g_j`` the
     parameter gradient of job j's image under the shared ``params``."""
 
@@ -73,8 +74,9 @@ def bare_step(model: nn.Module, params: dict[str, torch.Tensor], targets: dict[s
     return lambda z: direction(z).sign()
 
 
-def bare_loop(step: Callable[[torch.Tensor], torch.Tensor], starts: torch.Tensor, iterations: int,
-              lr: float) -> torch.Tensor:
+def bare_loop(
+    step: Callable[[torch.Tensor], torch.Tensor], starts: torch.Tensor, iterations: int, lr: float
+) -> torch.Tensor:
     """Signed Adam (fused) with step decay and the [0, 1] box, ``iterations`` steps from ``starts``."""
     z = starts.clone().requires_grad_()
     optimizer = torch.optim.Adam([z], lr=lr, fused=True)
@@ -89,8 +91,9 @@ def bare_loop(step: Callable[[torch.Tensor], torch.Tensor], starts: torch.Tensor
     return z.detach()
 
 
-def bare_inputs(inputs: Inputs, device: torch.device) -> tuple[nn.Module, dict[str, torch.Tensor],
-                                                                  dict[str, torch.Tensor], torch.Tensor]:
+def bare_inputs(
+    inputs: Inputs, device: torch.device
+) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """(model on batch statistics, shared parameters, targets (U, ...) per parameter, true labels (U,)) on
     ``device``, read from the same observations fedguard gets."""
     model = copy.deepcopy(inputs.model)
@@ -108,13 +111,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = resolve_device(args.device)
     case = Case("ig", None, args.model, None, args.iterations)
     inputs = capture(case, args.uploads, args.seed)
-    params = dataclasses.replace(InvertingGradientsParams(), iterations=args.iterations, restarts=1,
-                                 device=device.type, compile=args.compile,
-                                 **{k: v for k, v in (("lr", args.lr), ("tv", args.tv)) if v is not None})
+    params = dataclasses.replace(
+        InvertingGradientsParams(),
+        iterations=args.iterations,
+        restarts=1,
+        device=device.type,
+        compile=args.compile,
+        **{k: v for k, v in (("lr", args.lr), ("tv", args.tv)) if v is not None},
+    )
     compiles = compiled(params)
     attack = build_attack("ig", params)
-    warm = build_attack("ig", dataclasses.replace(params, iterations=WARM_UP_ITERATIONS,
-                                                  compile="on" if compiles else "off"))
+    warm = build_attack(
+        "ig", dataclasses.replace(params, iterations=WARM_UP_ITERATIONS, compile="on" if compiles else "off")
+    )
     warm.reconstruct_many(inputs.observations, seed=args.seed)
     found: list[Any] = []
 
@@ -126,8 +135,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     labels_exact = all(torch.equal(r.labels.cpu(), inputs.labels[i : i + 1]) for i, r in enumerate(found))
 
     model, shared, targets, labels = bare_inputs(inputs, device)
-    starts = torch.stack([torch.rand((1, *inputs.spec.shape), generator=torch.Generator().manual_seed(
-        job_seed(args.seed, o, 0))) for o in inputs.observations]).to(device)
+    starts = torch.stack(
+        [
+            torch.rand((1, *inputs.spec.shape), generator=torch.Generator().manual_seed(job_seed(args.seed, o, 0)))
+            for o in inputs.observations
+        ]
+    ).to(device)
     step = bare_step(model, shared, targets, labels, params.tv)
     step = torch.compile(step, dynamic=False) if compiles else step
     bare_loop(step, starts, WARM_UP_ITERATIONS, params.lr)
@@ -135,30 +148,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rows = []
     for tool, timing in (("fedguard", fedguard_run), ("bare loop", bare_run)):
-        row = score(tool, case, "ig", params.iterations, timing.seconds, timing.result, inputs.truth,
-                    timing.peak_memory_gib)
+        row = score(
+            tool, case, "ig", params.iterations, timing.seconds, timing.result, inputs.truth, timing.peak_memory_gib
+        )
         row.update(job_iterations_per_s=args.uploads * params.iterations / timing.seconds)
         rows.append(row)
     rows[0]["vs_bare"] = rows[0]["job_iterations_per_s"] / rows[1]["job_iterations_per_s"]
     rows[0]["labels_exact"] = labels_exact
-    return {"torch": torch.__version__, "device": device_name(device), "model": args.model, "threads": args.threads,
-            "compiled": compiles,
-            "uploads": args.uploads, "iterations": params.iterations, "lr": params.lr, "tv": params.tv,
-            "seed": args.seed, "rows": rows}
+    return {
+        "torch": torch.__version__,
+        "device": device_name(device),
+        "model": args.model,
+        "threads": args.threads,
+        "compiled": compiles,
+        "uploads": args.uploads,
+        "iterations": params.iterations,
+        "lr": params.lr,
+        "tv": params.tv,
+        "seed": args.seed,
+        "rows": rows,
+    }
 
 
 def print_report(report: dict[str, Any]) -> None:
     """The rows as plain aligned text."""
-    print(f"{report['model']}, {report['uploads']} uploads x {report['iterations']} iterations, lr {report['lr']}, "
-          f"tv {report['tv']}, compiled: {report['compiled']}, {report['device']}")
+    print(
+        f"{report['model']}, {report['uploads']} uploads x {report['iterations']} iterations, lr {report['lr']}, "
+        f"tv {report['tv']}, compiled: {report['compiled']}, {report['device']}"
+    )
     print(f"{'tool':10} {'seconds':>8} {'job-it/s':>9} {'PSNR dB':>8} {'SSIM':>6} {'peak GiB':>8}")
     for r in report["rows"]:
         memory = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
-        print(f"{r['tool']:10} {r['seconds']:8.2f} {r['job_iterations_per_s']:9.1f} {r['psnr_db']:8.2f} "
-              f"{r['ssim']:6.3f} {memory:>8}")
+        print(
+            f"{r['tool']:10} {r['seconds']:8.2f} {r['job_iterations_per_s']:9.1f} {r['psnr_db']:8.2f} "
+            f"{r['ssim']:6.3f} {memory:>8}"
+        )
     first = report["rows"][0]
-    print(f"fedguard at {first['vs_bare']:.2f}x the bare loop's iterations per second "
-          f"(labels inferred exactly: {first['labels_exact']})")
+    print(
+        f"fedguard at {first['vs_bare']:.2f}x the bare loop's iterations per second "
+        f"(labels inferred exactly: {first['labels_exact']})"
+    )
 
 
 def main() -> None:

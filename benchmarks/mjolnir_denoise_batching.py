@@ -51,11 +51,15 @@ def main() -> None:
             denoise(model, schedule, y[i : i + 1], args.noise_level, generator)
 
     def batched() -> None:
-        denoise_many(model, schedule, y, [args.noise_level] * args.uploads, torch.Generator(device=device).manual_seed(0))
+        denoise_many(
+            model, schedule, y, [args.noise_level] * args.uploads, torch.Generator(device=device).manual_seed(0)
+        )
 
     sequential_s, batched_s = timed(one_at_a_time), timed(batched)
-    print(f"{args.uploads} uploads, {args.side}x{args.side} grids, {args.unet} UNet, M {args.noise_level} "
-          f"({steps} steps), {args.threads} thread(s) on {device}")
+    print(
+        f"{args.uploads} uploads, {args.side}x{args.side} grids, {args.unet} UNet, M {args.noise_level} "
+        f"({steps} steps), {args.threads} thread(s) on {device}"
+    )
     print(f"one at a time: {sequential_s / args.uploads:.2f} s per upload")
     print(f"batched:       {batched_s / args.uploads:.2f} s per upload ({sequential_s / batched_s:.2f}x)")
 

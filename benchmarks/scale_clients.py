@@ -119,8 +119,15 @@ SAMPLING_SHARE = 0.1  # the memory sampler waits long enough after each sample t
 def fedguard_overrides(clients: int | str, rounds: int, defense: str = "dgp", data: str = DATA) -> list[str]:
     """The ``--set`` of the fedguard runs: the default configuration with ``data`` and ``defense``, batches of 4,
     every client in every round, nothing captured."""
-    return [f"data.name={data}", f"defense.name={defense}", "train.batch-size=4", f"partition.num-clients={clients}",
-            f"train.clients-per-round={clients}", "capture.rounds=none", f"train.rounds={rounds}"]
+    return [
+        f"data.name={data}",
+        f"defense.name={defense}",
+        "train.batch-size=4",
+        f"partition.num-clients={clients}",
+        f"train.clients-per-round={clients}",
+        "capture.rounds=none",
+        f"train.rounds={rounds}",
+    ]
 
 
 def fedguard_config(clients: int, rounds: int, defense: str = "dgp", data: str = DATA) -> Any:
@@ -164,6 +171,7 @@ def residual_gb(clients: int, data: str) -> float | None:
 # ------------------------------------------------------------------------------------------------------------
 # The processes of a run and their memory, from /proc
 # ------------------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Stat:
@@ -319,9 +327,12 @@ class RunMemory:
             for pid, stat in sorted(table.items(), key=lambda item: item[1].started):  # parents before children
                 key = (pid, stat.started)
                 parent = table.get(stat.ppid)
-                member = (key in self.members or key in self.roots
-                          or (parent is not None and (stat.ppid, parent.started) in self.members)
-                          or stat.sid in self.sessions)
+                member = (
+                    key in self.members
+                    or key in self.roots
+                    or (parent is not None and (stat.ppid, parent.started) in self.members)
+                    or stat.sid in self.sessions
+                )
                 if not member:
                     if key not in self._env_checked:
                         self._env_checked[key] = _has_token(pid, self.token)
@@ -359,8 +370,9 @@ class RunMemory:
         while not self._stop.is_set():
             began = time.perf_counter()
             self.sample()
-            self._stop.wait(max(self.interval - (time.perf_counter() - began),
-                                self.last_cpu * (1 / SAMPLING_SHARE - 1)))
+            self._stop.wait(
+                max(self.interval - (time.perf_counter() - began), self.last_cpu * (1 / SAMPLING_SHARE - 1))
+            )
 
     def __enter__(self) -> RunMemory:
         self._thread = threading.Thread(target=self._loop, name="run-memory", daemon=True)
@@ -390,8 +402,9 @@ class RunMemory:
         heaviest = sorted(self.process_peaks.items(), key=lambda kv: -kv[1])
         unreadable = sorted(self.pss_unreadable)
         return {
-            "memory_measure": "PSS" if not unreadable else
-                              f"PSS (RSS for {len(unreadable)} processes whose smaps_rollup could not be read)",
+            "memory_measure": "PSS"
+            if not unreadable
+            else f"PSS (RSS for {len(unreadable)} processes whose smaps_rollup could not be read)",
             "peak_pss_sum_gb": self.peak_sum / GB,
             "peak_pss_max_gb": self.peak_single / GB,
             "largest_process": self.peak_single_role,
@@ -399,8 +412,9 @@ class RunMemory:
             "peak_rss_max_gb": self.peak_rss_single / GB,
             "largest_process_rss": self.peak_rss_single_role,
             "pss_unreadable": [self.describe(key) for key in unreadable],
-            "peak_breakdown_gb": {k: round(v / GB, 4) for k, v in sorted(self.peak_breakdown.items(),
-                                                                          key=lambda kv: -kv[1])},
+            "peak_breakdown_gb": {
+                k: round(v / GB, 4) for k, v in sorted(self.peak_breakdown.items(), key=lambda kv: -kv[1])
+            },
             "processes_at_peak": self.peak_processes,
             "processes_seen": len(self.members),
             "process_peaks_gb": [[round(pss / GB, 4), self.describe(key)] for key, pss in heaviest],  # PSS
@@ -428,6 +442,7 @@ def stop_leftovers(memory: RunMemory, patience: float = SETTLE) -> list[str]:
 # ------------------------------------------------------------------------------------------------------------
 # The runs
 # ------------------------------------------------------------------------------------------------------------
+
 
 class RunFailed(RuntimeError):
     def __init__(self, message: str, log_tail: str = "") -> None:
@@ -476,8 +491,16 @@ def _stop_group(process: subprocess.Popen, grace: float) -> None:
         process.wait(10)
 
 
-def run_fedguard(clients: int, rounds: int, folder: Path, memory: RunMemory, timeout: float, token: str,
-                 defense: str = "dgp", data: str = DATA) -> list[dict[str, Any]]:
+def run_fedguard(
+    clients: int,
+    rounds: int,
+    folder: Path,
+    memory: RunMemory,
+    timeout: float,
+    token: str,
+    defense: str = "dgp",
+    data: str = DATA,
+) -> list[dict[str, Any]]:
     """``fedguard run`` of the benchmark's configuration into ``folder``; its rounds.jsonl rows."""
     out, log_path = folder / "run", folder / "fedguard.log"
     command = [str(BIN / "fedguard"), "run", "--out", str(out)]
@@ -485,8 +508,9 @@ def run_fedguard(clients: int, rounds: int, folder: Path, memory: RunMemory, tim
         command += ["--set", override]
     env = {**os.environ, MARKER: token}
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     memory.add_root(process.pid)
     with memory:
         ended = _wait(process, timeout)
@@ -516,8 +540,16 @@ def _wait_for_port(port: int, process: subprocess.Popen, timeout: float, log_pat
     raise RunFailed(f"the SuperLink did not listen on 127.0.0.1:{port} within {timeout:.0f} s", _tail(log_path))
 
 
-def run_bare(clients: int, rounds: int, folder: Path, memory: RunMemory, timeout: float, token: str,
-             defense: str = "dgp", data: str = DATA) -> list[dict[str, Any]]:
+def run_bare(
+    clients: int,
+    rounds: int,
+    folder: Path,
+    memory: RunMemory,
+    timeout: float,
+    token: str,
+    defense: str = "dgp",
+    data: str = DATA,
+) -> list[dict[str, Any]]:
     """The bare Flower app on a private SuperLink, launched as ``fedguard.simulation.simulate`` launches
     fedguard's; the rows of its timing file."""
     import tomli_w
@@ -533,35 +565,69 @@ def run_bare(clients: int, rounds: int, folder: Path, memory: RunMemory, timeout
     port = _free_port()
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-        f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+        f'address = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
     source = config.data
-    (home / "run-config.toml").write_text(tomli_w.dumps({
-        "num-server-rounds": rounds, "num-clients": clients, "clients-per-round": config.train.clients_per_round,
-        "batch-size": config.train.batch_size, "lr": config.train.lr, "seed": config.run.seed,
-        "defense": config.defense.name, "data-name": source.name, "data-root": source.root,
-        "test-fraction": source.test_fraction, "image-size": source.image_size, "timing-file": str(timing),
-    }))
+    (home / "run-config.toml").write_text(
+        tomli_w.dumps(
+            {
+                "num-server-rounds": rounds,
+                "num-clients": clients,
+                "clients-per-round": config.train.clients_per_round,
+                "batch-size": config.train.batch_size,
+                "lr": config.train.lr,
+                "seed": config.run.seed,
+                "defense": config.defense.name,
+                "data-name": source.name,
+                "data-root": source.root,
+                "test-fraction": source.test_fraction,
+                "image-size": source.image_size,
+                "timing-file": str(timing),
+            }
+        )
+    )
     assert (config.partition.name, config.model.name) == ("iid", "mlp"), "the bare app has fedguard's defaults"
     assert config.defense.name == "none" or config.defense.params == DGPParams(), "the bare app runs DGPParams()"
     with contextlib.chdir(REPO):  # fedguard's environment puts the working directory on PYTHONPATH
         env = _environment(home, config)
     env[MARKER] = token
     superlink_log, run_log = folder / "superlink.log", folder / "flwr-run.log"
-    superlink_command = ["flower-superlink", "--insecure", "--simulation", "--disable-runtime-dependency-installation",
-                         "--host", "127.0.0.1", "--port", str(port), "--database", str(home / "state.db")]
-    run_command = ["flwr", "run", str(BARE_APP), CONNECTION, "--federation-config", federation_config(config),
-                   "--run-config", str(home / "run-config.toml"), "--stream"]
+    superlink_command = [
+        "flower-superlink",
+        "--insecure",
+        "--simulation",
+        "--disable-runtime-dependency-installation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--database",
+        str(home / "state.db"),
+    ]
+    run_command = [
+        "flwr",
+        "run",
+        str(BARE_APP),
+        CONNECTION,
+        "--federation-config",
+        federation_config(config),
+        "--run-config",
+        str(home / "run-config.toml"),
+        "--stream",
+    ]
     deadline = time.monotonic() + timeout
     with memory:
         with open(superlink_log, "w") as log:
-            superlink = subprocess.Popen(superlink_command, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            superlink = subprocess.Popen(
+                superlink_command, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         memory.add_root(superlink.pid)
         try:
             _wait_for_port(port, superlink, 60, superlink_log)
             with open(run_log, "w") as log:
-                run = subprocess.Popen(run_command, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+                run = subprocess.Popen(
+                    run_command, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
             memory.add_root(run.pid)
             ended = _wait(run, max(1.0, deadline - time.monotonic()))
         finally:
@@ -600,8 +666,15 @@ def refusal(clients: int, rounds: int, defense: str = "dgp", data: str = DATA) -
     return None
 
 
-def measure(tool: str, clients: int, rounds: int, timeout: float = 3600.0, interval: float = 0.2,
-            defense: str = "dgp", data: str = DATA) -> dict[str, Any]:
+def measure(
+    tool: str,
+    clients: int,
+    rounds: int,
+    timeout: float = 3600.0,
+    interval: float = 0.2,
+    defense: str = "dgp",
+    data: str = DATA,
+) -> dict[str, Any]:
     """One run of ``tool`` ('fedguard' or 'bare') with ``clients`` clients for ``rounds`` rounds, ``defense``
     ('dgp' or 'none') and data set ``data``, in its own temporary folder (removed afterwards): its timing and
     peak memory, or why it failed."""
@@ -609,8 +682,15 @@ def measure(tool: str, clients: int, rounds: int, timeout: float = 3600.0, inter
         raise ValueError("rounds must be >= 2: round 1 pays the start-up and is left out of the mean")
     if defense not in DEFENSES:
         raise ValueError(f"defense {defense!r}: choose one of {', '.join(DEFENSES)}")
-    result: dict[str, Any] = {"tool": tool, "clients": clients, "rounds": rounds, "defense": defense, "data": data,
-                              "status": "failed", "load_average_before": round(os.getloadavg()[0], 2)}
+    result: dict[str, Any] = {
+        "tool": tool,
+        "clients": clients,
+        "rounds": rounds,
+        "defense": defense,
+        "data": data,
+        "status": "failed",
+        "load_average_before": round(os.getloadavg()[0], 2),
+    }
     reason = refusal(clients, rounds, defense, data)
     if reason is not None:
         return {**result, "status": "refused", "error": reason}
@@ -625,16 +705,24 @@ def measure(tool: str, clients: int, rounds: int, timeout: float = 3600.0, inter
             raise RunFailed(f"{len(per_round)} of {rounds} rounds recorded")
         steady = per_round[1:]
         seconds = sum(steady) / len(steady)
-        result.update(status="ok", round_seconds=per_round, first_round_seconds=per_round[0],
-                      seconds_per_round=seconds, ms_per_client_step=1000 * seconds / clients,
-                      final_accuracy=rows[-1].get("accuracy"))
+        result.update(
+            status="ok",
+            round_seconds=per_round,
+            first_round_seconds=per_round[0],
+            seconds_per_round=seconds,
+            ms_per_client_step=1000 * seconds / clients,
+            final_accuracy=rows[-1].get("accuracy"),
+        )
     except RunFailed as failure:
         result["error"] = str(failure)
         print(f"[{tool}, {clients} clients] FAILED: {failure}\n{failure.log_tail}", file=sys.stderr, flush=True)
     except Exception as error:  # the benchmark goes on with the next run
         result["error"] = f"{type(error).__name__}: {error}"
-        print(f"[{tool}, {clients} clients] FAILED: {result['error']}\n{_tail(*folder.glob('*.log'))}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{tool}, {clients} clients] FAILED: {result['error']}\n{_tail(*folder.glob('*.log'))}",
+            file=sys.stderr,
+            flush=True,
+        )
     finally:
         result["wall_seconds"] = time.perf_counter() - began
         left = stop_leftovers(memory)
@@ -649,6 +737,7 @@ def measure(tool: str, clients: int, rounds: int, timeout: float = 3600.0, inter
 # Reporting
 # ------------------------------------------------------------------------------------------------------------
 
+
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """fedguard / bare, per N where both ran: step time, peak PSS sum (``memory``), peak RSS sum, and the largest
     process by PSS and by RSS."""
@@ -657,12 +746,16 @@ def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for clients in sorted({r["clients"] for r in results}):
         f, b = by.get(("fedguard", clients)), by.get(("bare", clients))
         if f and b:
-            rows.append({"clients": clients,
-                         "step_time": f["seconds_per_round"] / b["seconds_per_round"],
-                         "memory": f["peak_pss_sum_gb"] / b["peak_pss_sum_gb"],
-                         "memory_rss": f["peak_rss_sum_gb"] / b["peak_rss_sum_gb"],
-                         "largest_process": f["peak_pss_max_gb"] / b["peak_pss_max_gb"],
-                         "largest_process_rss": f["peak_rss_max_gb"] / b["peak_rss_max_gb"]})
+            rows.append(
+                {
+                    "clients": clients,
+                    "step_time": f["seconds_per_round"] / b["seconds_per_round"],
+                    "memory": f["peak_pss_sum_gb"] / b["peak_pss_sum_gb"],
+                    "memory_rss": f["peak_rss_sum_gb"] / b["peak_rss_sum_gb"],
+                    "largest_process": f["peak_pss_max_gb"] / b["peak_pss_max_gb"],
+                    "largest_process_rss": f["peak_rss_max_gb"] / b["peak_rss_max_gb"],
+                }
+            )
     return rows
 
 
@@ -675,21 +768,27 @@ def _setup(results: list[dict[str, Any]]) -> str:
 def table(results: list[dict[str, Any]], clients: int) -> str:
     """The table of one N."""
     mine = [r for r in results if r["clients"] == clients]
-    lines = [f"N = {clients} clients ({_setup(mine)})",
-             f"  {'tool':<10} {'s/round':>9} {'ms/client step':>15} {'peak PSS sum GB':>16} {'peak RSS sum GB':>16} "
-             f"{'largest PSS GB':>15} {'largest RSS GB':>15}  largest (PSS)"]
+    lines = [
+        f"N = {clients} clients ({_setup(mine)})",
+        f"  {'tool':<10} {'s/round':>9} {'ms/client step':>15} {'peak PSS sum GB':>16} {'peak RSS sum GB':>16} "
+        f"{'largest PSS GB':>15} {'largest RSS GB':>15}  largest (PSS)",
+    ]
     for r in mine:
         if r["status"] != "ok":
             lines.append(f"  {r['tool']:<10} {r['status'].upper():>9}  {r.get('error', '')[:200]}")
             continue
         note = "" if r.get("memory_measure", "PSS") == "PSS" else f"  [{r['memory_measure']}]"
-        lines.append(f"  {r['tool']:<10} {r['seconds_per_round']:>9.3f} {r['ms_per_client_step']:>15.2f} "
-                     f"{r['peak_pss_sum_gb']:>16.2f} {r['peak_rss_sum_gb']:>16.2f} {r['peak_pss_max_gb']:>15.2f} "
-                     f"{r['peak_rss_max_gb']:>15.2f}  {r['largest_process']}{note}")
+        lines.append(
+            f"  {r['tool']:<10} {r['seconds_per_round']:>9.3f} {r['ms_per_client_step']:>15.2f} "
+            f"{r['peak_pss_sum_gb']:>16.2f} {r['peak_rss_sum_gb']:>16.2f} {r['peak_pss_max_gb']:>15.2f} "
+            f"{r['peak_rss_max_gb']:>15.2f}  {r['largest_process']}{note}"
+        )
     for q in ratios(mine):
-        lines.append(f"  fedguard/bare: {q['step_time']:.2f}x step time, {q['memory']:.2f}x peak PSS sum "
-                     f"({q['memory_rss']:.2f}x RSS sum), {q['largest_process']:.2f}x largest process by PSS "
-                     f"({q['largest_process_rss']:.2f}x by RSS)")
+        lines.append(
+            f"  fedguard/bare: {q['step_time']:.2f}x step time, {q['memory']:.2f}x peak PSS sum "
+            f"({q['memory_rss']:.2f}x RSS sum), {q['largest_process']:.2f}x largest process by PSS "
+            f"({q['largest_process_rss']:.2f}x by RSS)"
+        )
     return "\n".join(lines)
 
 
@@ -701,8 +800,10 @@ def summary_lines(results: list[dict[str, Any]]) -> list[str]:
         mine = [r for r in results if r["clients"] == clients]
         q = done.get(clients)
         if q is not None:
-            lines.append(f"N = {clients:>6}: fedguard/bare {q['step_time']:5.2f}x ms per client step, "
-                         f"{q['memory']:5.2f}x peak PSS  ({_setup(mine)})")
+            lines.append(
+                f"N = {clients:>6}: fedguard/bare {q['step_time']:5.2f}x ms per client step, "
+                f"{q['memory']:5.2f}x peak PSS  ({_setup(mine)})"
+            )
         else:
             missing = ", ".join(f"{r['tool']} {r['status']}" for r in mine if r["status"] != "ok") or "one tool only"
             lines.append(f"N = {clients:>6}: no ratio ({missing})")
@@ -714,16 +815,28 @@ def environment() -> dict[str, Any]:
     for package in ("flwr", "ray", "torch"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)
-    memory = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
-                   if line.startswith("MemTotal:")), "0")
-    return {"python": platform.python_version(), "cpus": os.cpu_count(), "memory_gb": int(memory) * 1024 / GB,
-            "machine": platform.machine(), **versions}
+    memory = next(
+        (line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal:")),
+        "0",
+    )
+    return {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "memory_gb": int(memory) * 1024 / GB,
+        "machine": platform.machine(),
+        **versions,
+    }
 
 
 def write_json(path: Path, results: list[dict[str, Any]], settings: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "scale_clients", "settings": settings, "environment": environment(),
-               "results": results, "ratios": ratios(results)}
+    payload = {
+        "benchmark": "scale_clients",
+        "settings": settings,
+        "environment": environment(),
+        "results": results,
+        "ratios": ratios(results),
+    }
     temporary = path.with_suffix(path.suffix + ".tmp")
     temporary.write_text(json.dumps(payload, indent=2) + "\n")
     temporary.replace(path)
@@ -744,10 +857,15 @@ def plot(path: Path, results: list[dict[str, Any]]) -> None:
             continue
         xs = [r["clients"] for r in done]
         left.plot(xs, [r["seconds_per_round"] for r in done], marker=marker, color=color, label=tool)
-        right.plot(xs, [r["peak_pss_sum_gb"] for r in done], marker=marker, color=color,
-                   label=f"{tool}: all processes")
-        right.plot(xs, [r["peak_pss_max_gb"] for r in done], marker=marker, color=color, linestyle=":",
-                   label=f"{tool}: largest process")
+        right.plot(xs, [r["peak_pss_sum_gb"] for r in done], marker=marker, color=color, label=f"{tool}: all processes")
+        right.plot(
+            xs,
+            [r["peak_pss_max_gb"] for r in done],
+            marker=marker,
+            color=color,
+            linestyle=":",
+            label=f"{tool}: largest process",
+        )
     for axis, title in ((left, "seconds per round (rounds 2..)"), (right, "peak PSS (GB)")):
         axis.set_xscale("log")
         axis.set_xlabel("clients (all train every round)")
@@ -764,35 +882,56 @@ def plot(path: Path, results: list[dict[str, Any]]) -> None:
     plt.close(figure)
 
 
-def run_benchmark(clients: list[int], rounds: int, tools: tuple[str, ...], out: Path, plot_path: Path | None,
-                  timeout: float = 3600.0, interval: float = 0.2, defense: str = "dgp",
-                  data: str = DATA) -> dict[str, Any]:
+def run_benchmark(
+    clients: list[int],
+    rounds: int,
+    tools: tuple[str, ...],
+    out: Path,
+    plot_path: Path | None,
+    timeout: float = 3600.0,
+    interval: float = 0.2,
+    defense: str = "dgp",
+    data: str = DATA,
+) -> dict[str, Any]:
     """Every (N, tool) run, in order; the table of each N is printed as it completes, the JSON rewritten after
     every run, the plot drawn at the end. Returns the JSON's content."""
-    settings = {"clients": clients, "rounds": rounds, "tools": list(tools), "defense": defense, "data": data,
-                "timeout": timeout, "interval": interval,
-                "fedguard_set": fedguard_overrides("N", rounds, defense, data),
-                "bare_app": str(BARE_APP.relative_to(REPO)),
-                "bare_run_config": {"defense": defense, "data-name": data},
-                "memory": "peak of the sum of PSS (/proc/<pid>/smaps_rollup) over the run's processes; RSS where "
-                          "unreadable; RSS sum and largest process as secondary figures"}
+    settings = {
+        "clients": clients,
+        "rounds": rounds,
+        "tools": list(tools),
+        "defense": defense,
+        "data": data,
+        "timeout": timeout,
+        "interval": interval,
+        "fedguard_set": fedguard_overrides("N", rounds, defense, data),
+        "bare_app": str(BARE_APP.relative_to(REPO)),
+        "bare_run_config": {"defense": defense, "data-name": data},
+        "memory": "peak of the sum of PSS (/proc/<pid>/smaps_rollup) over the run's processes; RSS where "
+        "unreadable; RSS sum and largest process as secondary figures",
+    }
     results: list[dict[str, Any]] = []
     for n in clients:
         residuals = residual_gb(n, data) if defense == "dgp" else None
         for tool in tools:
             print(f"== {tool}, {n} clients, {rounds} rounds, defense {defense}, data {data}", flush=True)
             if residuals is not None and residuals >= 0.5 and refusal(n, rounds, defense, data) is None:
-                where = ("in Context.state, held by the flwr-simulation process" if tool == "bare"
-                         else "in files under the run's temporary folder")
+                where = (
+                    "in Context.state, held by the flwr-simulation process"
+                    if tool == "bare"
+                    else "in files under the run's temporary folder"
+                )
                 print(f"   DGP residuals: {residuals:.1f} GB in all ({where})", flush=True)
             result = measure(tool, n, rounds, timeout, interval, defense, data)
             if residuals is not None:
                 result["dgp_residuals_gb"] = residuals
             results.append(result)
             if result["status"] == "ok":
-                print(f"   {result['seconds_per_round']:.3f} s/round (round 1: {result['first_round_seconds']:.2f} s), "
-                      f"peak PSS {result['peak_pss_sum_gb']:.2f} GB (RSS {result['peak_rss_sum_gb']:.2f} GB), "
-                      f"{result['wall_seconds']:.0f} s in all", flush=True)
+                print(
+                    f"   {result['seconds_per_round']:.3f} s/round (round 1: {result['first_round_seconds']:.2f} s), "
+                    f"peak PSS {result['peak_pss_sum_gb']:.2f} GB (RSS {result['peak_rss_sum_gb']:.2f} GB), "
+                    f"{result['wall_seconds']:.0f} s in all",
+                    flush=True,
+                )
             elif result["status"] == "refused":
                 print(f"   refused: {result['error']}", flush=True)
             write_json(out, results, settings)
@@ -822,20 +961,36 @@ def _tools(text: str) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=_count_list, default=[10, 100, 1000],
-                        help="comma-separated numbers of clients (default 10,100,1000)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds per run, >= 2; the mean is over rounds 2.. (default 3)")
-    parser.add_argument("--defense", choices=DEFENSES, default="dgp",
-                        help="the clients' defense on both sides: fedguard's defense.name and the bare app's "
-                             "(default dgp: Dual Gradient Pruning with error feedback)")
-    parser.add_argument("--data", default=DATA,
-                        help=f"data set of both sides (fedguard's data.name; default {DATA}, 4,000 training "
-                             f"examples: at most 4,000 clients; {ROOMY_DATA} allows 60,000)")
+    parser.add_argument(
+        "--clients",
+        type=_count_list,
+        default=[10, 100, 1000],
+        help="comma-separated numbers of clients (default 10,100,1000)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds per run, >= 2; the mean is over rounds 2.. (default 3)"
+    )
+    parser.add_argument(
+        "--defense",
+        choices=DEFENSES,
+        default="dgp",
+        help="the clients' defense on both sides: fedguard's defense.name and the bare app's "
+        "(default dgp: Dual Gradient Pruning with error feedback)",
+    )
+    parser.add_argument(
+        "--data",
+        default=DATA,
+        help=f"data set of both sides (fedguard's data.name; default {DATA}, 4,000 training "
+        f"examples: at most 4,000 clients; {ROOMY_DATA} allows 60,000)",
+    )
     parser.add_argument("--tools", type=_tools, default=TOOLS, help="fedguard,bare (default both)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take (default 3600)")
-    parser.add_argument("--interval", type=float, default=0.2, help="seconds between memory samples (default 0.2; longer where a sample would "
-                             "take over 10%% of a core)")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=0.2,
+        help="seconds between memory samples (default 0.2; longer where a sample would take over 10%% of a core)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "scale_clients.json", help="JSON results")
     parser.add_argument("--plot", type=Path, help="plot (default: --out with .png)")
     args = parser.parse_args(argv)
@@ -846,8 +1001,9 @@ def main(argv: list[str] | None = None) -> int:
         if reason is not None:
             print(f"N = {n} clients cannot run: {reason}", file=sys.stderr, flush=True)
     plot_path = args.plot or args.out.with_suffix(".png")
-    payload = run_benchmark(args.clients, args.rounds, args.tools, args.out, plot_path, args.timeout, args.interval,
-                            args.defense, args.data)
+    payload = run_benchmark(
+        args.clients, args.rounds, args.tools, args.out, plot_path, args.timeout, args.interval, args.defense, args.data
+    )
     print("\n" + "\n\n".join(table(payload["results"], n) for n in args.clients))
     print("\nfedguard / bare, per N:\n" + "\n".join(summary_lines(payload["results"])))
     print(f"\nresults: {args.out}\nplot: {plot_path}")

@@ -97,8 +97,13 @@ HERE = Path(__file__).resolve().parent
 BREACHING = "0.1.2"
 DATA = "photos"
 WARM_UP_ITERATIONS = 2
-PEER_PINS = {"hydra-core": "1.3.2", "omegaconf": "2.3.0", "antlr4-python3-runtime": "4.9.3", "scipy": "1.17.1",
-             "lpips": "0.1.4"}
+PEER_PINS = {
+    "hydra-core": "1.3.2",
+    "omegaconf": "2.3.0",
+    "antlr4-python3-runtime": "4.9.3",
+    "scipy": "1.17.1",
+    "lpips": "0.1.4",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +136,16 @@ class Case:
 
 CASES = {
     "ig-lenet": Case("ig", "invertinggradients", "lenet", None, 2000, target=5.0),
-    "ig-convnet": Case("ig", "invertinggradients", "convnet", ConvNetParams(width=64), 500,
-                       fedguard_settings={"lr": 0.1, "tv": 2.0, "schedule": "cosine"}, quality_iterations=100,
-                       target=3.0),
+    "ig-convnet": Case(
+        "ig",
+        "invertinggradients",
+        "convnet",
+        ConvNetParams(width=64),
+        500,
+        fedguard_settings={"lr": 0.1, "tv": 2.0, "schedule": "cosine"},
+        quality_iterations=100,
+        target=3.0,
+    ),
     "dlg-lenet": Case("dlg", "deepleakage", "lenet", None, 2000, breaching_iterations=300, target=5.0),
 }
 BATCHED, ONE_AT_A_TIME, FEWER = "fedguard batched", "fedguard one at a time", "fedguard batched, fewer"
@@ -176,13 +188,25 @@ def missing_requirements() -> list[str]:
 def import_breaching(folder: Path) -> Any:
     """The breaching package from ``folder`` (installed there with pip on first use), last on ``sys.path``."""
     if not (folder / "breaching" / "__init__.py").is_file():
-        command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps", "--upgrade",
-                   "--target", str(folder), *missing_requirements()]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--upgrade",
+            "--target",
+            str(folder),
+            *missing_requirements(),
+        ]
         print(f"installing the peer: {shlex.join(command[3:])}", flush=True)
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            sys.exit(f"installing breaching into {folder} failed:\n{done.stderr.strip()[-3000:]}\n\n"
-                     f"Install it by hand into that folder, then run again:\n  {shlex.join(command)}")
+            sys.exit(
+                f"installing breaching into {folder} failed:\n{done.stderr.strip()[-3000:]}\n\n"
+                f"Install it by hand into that folder, then run again:\n  {shlex.join(command)}"
+            )
     sys.path.append(str(folder))
     with quiet():
         import breaching
@@ -197,8 +221,9 @@ def capture(case: Case, uploads: int, seed: int) -> Inputs:
     torch.manual_seed(seed)
     model = build_model(case.model, data.spec, params)
     arrays = get_arrays(model)
-    card = ModelCard(case.model, dataclasses.asdict(params), data.spec, tuple(model.state_dict()),
-                     tuple(trainable_mask(model)))
+    card = ModelCard(
+        case.model, dataclasses.asdict(params), data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
+    )
     state = {n: torch.tensor(a) for n, a in zip(card.names, arrays)}
     batch = case.batch
     truth, labels = data.test.batch([index * 7 for index in range(uploads * batch)])
@@ -208,8 +233,10 @@ def capture(case: Case, uploads: int, seed: int) -> Inputs:
         images = slice(index * batch, (index + 1) * batch)
         grads, _ = compute_gradients(model, truth[images], labels[images])
         after = iter(grads)
-        upload = [next(after).numpy() if t else a.detach().numpy().copy()
-                  for t, a in zip(card.trainable, model.state_dict().values())]
+        upload = [
+            next(after).numpy() if t else a.detach().numpy().copy()
+            for t, a in zip(card.trainable, model.state_dict().values())
+        ]
         observations.append(card.observe(1, index, "gradient", arrays, upload, batch, {"batch-size": batch}))
     model.load_state_dict(state)
     return Inputs(model.train(), data.spec, observations, truth, labels)
@@ -250,31 +277,42 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
 
 
-def fedguard_params(case: Case, iterations: int, compile_mode: str, precision: str,
-                    device: torch.device) -> Any:
+def fedguard_params(case: Case, iterations: int, compile_mode: str, precision: str, device: torch.device) -> Any:
     """The attack's default parameters with the case's settings, ``iterations`` and ``device``, ``compile`` and
     (where the attack has it) ``precision`` as given."""
-    params = dataclasses.replace(ATTACKS.get(case.fedguard).params(), iterations=iterations, device=device.type,
-                                 compile=compile_mode, **case.fedguard_settings)
+    params = dataclasses.replace(
+        ATTACKS.get(case.fedguard).params(),
+        iterations=iterations,
+        device=device.type,
+        compile=compile_mode,
+        **case.fedguard_settings,
+    )
     return dataclasses.replace(params, precision=precision) if hasattr(params, "precision") else params
 
 
 def compiled(params: Any) -> bool:
     """Whether fedguard's search with ``params`` compiles on its device."""
-    return compiles(params.compile, torch.device(params.device), params.iterations,
-                    precision=getattr(params, "precision", "float32"))
+    return compiles(
+        params.compile,
+        torch.device(params.device),
+        params.iterations,
+        precision=getattr(params, "precision", "float32"),
+    )
 
 
 def run_fedguard(name: str, params: Any, observations: list[Observation], batched: bool, seed: int) -> Timing:
     """All uploads in one ``reconstruct_many`` call, or one per call; the images (U, C, H, W)."""
     attack = build_attack(name, params)
     groups = [observations] if batched else [[o] for o in observations]
-    return timed(torch.device(params.device),
-                 lambda: [r.images for group in groups for r in attack.reconstruct_many(group, seed=seed)])
+    return timed(
+        torch.device(params.device),
+        lambda: [r.images for group in groups for r in attack.reconstruct_many(group, seed=seed)],
+    )
 
 
-def breaching_attacker(breaching: Any, case: Case, iterations: int, model: nn.Module,
-                       device: torch.device) -> tuple[Any, Any]:
+def breaching_attacker(
+    breaching: Any, case: Case, iterations: int, model: nn.Module, device: torch.device
+) -> tuple[Any, Any]:
     """(config, attacker): breaching's default config ``case.breaching`` with ``iterations``, on ``device``."""
     with quiet():
         cfg = breaching.get_attack_config(case.breaching, overrides=[f"optim.max_iterations={iterations}"])
@@ -289,12 +327,23 @@ def breaching_payload(obs: Observation, device: torch.device | str) -> tuple[dic
     from omegaconf import OmegaConf
 
     spec = obs.spec
-    data = OmegaConf.create(dict(modality="vision", task="classification", shape=list(spec.shape),
-                                 classes=spec.num_classes, mean=[0.0] * spec.channels, std=[1.0] * spec.channels))
+    data = OmegaConf.create(
+        dict(
+            modality="vision",
+            task="classification",
+            shape=list(spec.shape),
+            classes=spec.num_classes,
+            mean=[0.0] * spec.channels,
+            std=[1.0] * spec.channels,
+        )
+    )
     parameters = [torch.tensor(a, device=device) for a, t in zip(obs.global_arrays, obs.trainable) if t]
     gradients = [torch.tensor(a, device=device) for a, t in zip(obs.upload, obs.trainable) if t]
-    shared = dict(gradients=gradients, buffers=None,
-                  metadata=dict(num_data_points=obs.num_examples, labels=None, local_hyperparams=None))
+    shared = dict(
+        gradients=gradients,
+        buffers=None,
+        metadata=dict(num_data_points=obs.num_examples, labels=None, local_hyperparams=None),
+    )
     return dict(parameters=parameters, buffers=None, metadata=data), shared
 
 
@@ -304,8 +353,10 @@ def run_breaching(attacker: Any, observations: list[Observation], seed: int) -> 
     payloads = [breaching_payload(o, attacker.setup["device"]) for o in observations]
     torch.manual_seed(seed)
     with quiet():
-        return timed(attacker.setup["device"],
-                     lambda: [attacker.reconstruct([p], [s], {}, dryrun=False)[0]["data"] for p, s in payloads])
+        return timed(
+            attacker.setup["device"],
+            lambda: [attacker.reconstruct([p], [s], {}, dryrun=False)[0]["data"] for p, s in payloads],
+        )
 
 
 def check_layout(model: nn.Module, obs: Observation) -> None:
@@ -316,19 +367,39 @@ def check_layout(model: nn.Module, obs: Observation) -> None:
         raise ValueError(f"{obs.model}: parameter order differs from the state_dict's trainable entries")
 
 
-def score(tool: str, case: Case, attack: str, iterations: int, seconds: float, recon: torch.Tensor,
-          truth: torch.Tensor, peak_memory_gib: float | None = None) -> dict[str, Any]:
+def score(
+    tool: str,
+    case: Case,
+    attack: str,
+    iterations: int,
+    seconds: float,
+    recon: torch.Tensor,
+    truth: torch.Tensor,
+    peak_memory_gib: float | None = None,
+) -> dict[str, Any]:
     """One table row: mean PSNR (dB, capped), mean SSIM, leaked count and speed of ``recon`` vs ``truth``
     (both (U * batch, C, H, W), upload by upload; each upload's images matched to its true ones by MSE)."""
     recon = torch.nan_to_num(recon.float(), nan=0.5).clamp(0, 1)
-    order = [start + int(i) for start in range(0, len(truth), case.batch)
-             for i in match(recon[start : start + case.batch], truth[start : start + case.batch])]
+    order = [
+        start + int(i)
+        for start in range(0, len(truth), case.batch)
+        for i in match(recon[start : start + case.batch], truth[start : start + case.batch])
+    ]
     recon, uploads = recon[order], len(truth) // case.batch
     structure = ssim(recon, truth)
-    return {"tool": tool, "model": case.model_label, "attack": attack, "iterations": iterations,
-            "uploads": uploads, "psnr_db": float(clip_psnr(psnr(recon, truth)).mean()),
-            "ssim": float(structure.mean()), "ssim_over_0.9": int((structure > LEAK_SSIM).sum()),
-            "seconds": seconds, "recon_per_s": uploads / seconds, "peak_memory_gib": peak_memory_gib}
+    return {
+        "tool": tool,
+        "model": case.model_label,
+        "attack": attack,
+        "iterations": iterations,
+        "uploads": uploads,
+        "psnr_db": float(clip_psnr(psnr(recon, truth)).mean()),
+        "ssim": float(structure.mean()),
+        "ssim_over_0.9": int((structure > LEAK_SSIM).sum()),
+        "seconds": seconds,
+        "recon_per_s": uploads / seconds,
+        "peak_memory_gib": peak_memory_gib,
+    }
 
 
 def warm_up_fedguard(case: Case, params: Any, observations: list[Observation], seed: int) -> float:
@@ -346,9 +417,18 @@ def scaled(iterations: int, scale: float) -> int:
     return max(1, round(iterations * scale))
 
 
-def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, seed: int,
-             compile_mode: str, precision: str, device: torch.device,
-             fedguard_iterations: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_case(
+    breaching: Any,
+    name: str,
+    case: Case,
+    uploads: int,
+    scale: float,
+    seed: int,
+    compile_mode: str,
+    precision: str,
+    device: torch.device,
+    fedguard_iterations: int | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The case's rows (fedguard batched, fedguard one at a time, fedguard batched at the case's
     ``quality_iterations`` where it has them, breaching) and each tool's configuration; ``fedguard_iterations``:
     fedguard's count instead of the case's in every fedguard row (breaching keeps its own)."""
@@ -361,8 +441,9 @@ def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, 
     params = fedguard_params(case, iterations, compile_mode, precision, device)
     cfg, attacker = breaching_attacker(breaching, case, breaching_iterations, inputs.model, device)
     warm_up = warm_up_fedguard(case, params, inputs.observations, seed)
-    run_breaching(breaching_attacker(breaching, case, WARM_UP_ITERATIONS, inputs.model, device)[1],
-                  inputs.observations[:1], seed)
+    run_breaching(
+        breaching_attacker(breaching, case, WARM_UP_ITERATIONS, inputs.model, device)[1], inputs.observations[:1], seed
+    )
     runs = [(BATCHED, params, True, warm_up), (ONE_AT_A_TIME, params, False, warm_up)]
     if case.quality_iterations and not fedguard_iterations:
         fewer = dataclasses.replace(params, iterations=scaled(case.quality_iterations, scale))
@@ -370,23 +451,55 @@ def run_case(breaching: Any, name: str, case: Case, uploads: int, scale: float, 
     rows = []
     for tool, tool_params, batched, tool_warm_up in runs:
         run = run_fedguard(case.fedguard, tool_params, inputs.observations, batched, seed)
-        rows.append(score(tool, case, case.fedguard, tool_params.iterations, run.seconds, run.result, inputs.truth,
-                          run.peak_memory_gib))
-        rows[-1].update(compiled=compiled(tool_params), warm_up_s=tool_warm_up,
-                        precision=getattr(tool_params, "precision", "float32"))
+        rows.append(
+            score(
+                tool,
+                case,
+                case.fedguard,
+                tool_params.iterations,
+                run.seconds,
+                run.result,
+                inputs.truth,
+                run.peak_memory_gib,
+            )
+        )
+        rows[-1].update(
+            compiled=compiled(tool_params),
+            warm_up_s=tool_warm_up,
+            precision=getattr(tool_params, "precision", "float32"),
+        )
     run = run_breaching(attacker, inputs.observations, seed)
-    rows.append(score("breaching", case, f"{case.breaching}.yaml", breaching_iterations, run.seconds, run.result,
-                      inputs.truth, run.peak_memory_gib))
+    rows.append(
+        score(
+            "breaching",
+            case,
+            f"{case.breaching}.yaml",
+            breaching_iterations,
+            run.seconds,
+            run.result,
+            inputs.truth,
+            run.peak_memory_gib,
+        )
+    )
     for row in rows:
         row["case"], row["vs_breaching"] = name, row["recon_per_s"] / rows[-1]["recon_per_s"]
     config = {
-        "model": case.model, "model_params": dataclasses.asdict(case.model_params) if case.model_params else {},
+        "model": case.model,
+        "model_params": dataclasses.asdict(case.model_params) if case.model_params else {},
         "fedguard": {"attack": case.fedguard, "params": dataclasses.asdict(params)},
-        "breaching": {"config": f"breaching/config/attack/{case.breaching}.yaml",
-                      "attack": OmegaConf.to_container(cfg, resolve=True),
-                      "setup": {"device": device.type, "dtype": "float32", "loss": "torch.nn.CrossEntropyLoss()",
-                                "data": {"shape": list(inputs.spec.shape), "mean": 0.0, "std": 1.0},
-                                "labels": None, "buffers": None, "num_data_points": 1}},
+        "breaching": {
+            "config": f"breaching/config/attack/{case.breaching}.yaml",
+            "attack": OmegaConf.to_container(cfg, resolve=True),
+            "setup": {
+                "device": device.type,
+                "dtype": "float32",
+                "loss": "torch.nn.CrossEntropyLoss()",
+                "data": {"shape": list(inputs.spec.shape), "mean": 0.0, "std": 1.0},
+                "labels": None,
+                "buffers": None,
+                "num_data_points": 1,
+            },
+        },
     }
     return rows, config
 
@@ -402,17 +515,21 @@ def cpu_model() -> str:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The rows as plain aligned text."""
-    print(f"{'tool':23} {'model':11} {'attack':24} {'iters':>6} {'uploads':>7} {'PSNR dB':>8} {'SSIM':>6} "
-          f"{'>0.9':>4} {'seconds':>9} {'recon/s':>8} {'vs breaching':>12} {'compiled':>8} {'precision':>9} "
-          f"{'warm-up s':>9} {'peak GiB':>8}")
+    print(
+        f"{'tool':23} {'model':11} {'attack':24} {'iters':>6} {'uploads':>7} {'PSNR dB':>8} {'SSIM':>6} "
+        f"{'>0.9':>4} {'seconds':>9} {'recon/s':>8} {'vs breaching':>12} {'compiled':>8} {'precision':>9} "
+        f"{'warm-up s':>9} {'peak GiB':>8}"
+    )
     for r in rows:
         compiled_text = {True: "yes", False: "no"}.get(r.get("compiled"), "-")
         warm_up = f"{r['warm_up_s']:.1f}" if "warm_up_s" in r else "-"
         memory = "-" if r.get("peak_memory_gib") is None else f"{r['peak_memory_gib']:.2f}"
-        print(f"{r['tool']:23} {r['model']:11} {r['attack']:24} {r['iterations']:>6} {r['uploads']:>7} "
-              f"{r['psnr_db']:>8.2f} {r['ssim']:>6.3f} {r['ssim_over_0.9']:>4} {r['seconds']:>9.2f} "
-              f"{r['recon_per_s']:>8.3f} {r['vs_breaching']:>11.2f}x {compiled_text:>8} "
-              f"{r.get('precision', '-'):>9} {warm_up:>9} {memory:>8}")
+        print(
+            f"{r['tool']:23} {r['model']:11} {r['attack']:24} {r['iterations']:>6} {r['uploads']:>7} "
+            f"{r['psnr_db']:>8.2f} {r['ssim']:>6.3f} {r['ssim_over_0.9']:>4} {r['seconds']:>9.2f} "
+            f"{r['recon_per_s']:>8.3f} {r['vs_breaching']:>11.2f}x {compiled_text:>8} "
+            f"{r.get('precision', '-'):>9} {warm_up:>9} {memory:>8}"
+        )
 
 
 def verdicts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -428,11 +545,13 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         batched = [r for r in case_rows if r["tool"] in (BATCHED, FEWER) and r["ssim"] >= peer["ssim"]]
         best = max(batched, key=lambda r: r["vs_breaching"], default=None)
         alone = [r["vs_breaching"] for r in case_rows if r["tool"] == ONE_AT_A_TIME]
-        results[name] = {"target": case.target, "breaching_ssim": peer["ssim"],
-                         "best": None if best is None else {k: best[k] for k in ("tool", "iterations", "ssim",
-                                                                                  "vs_breaching")},
-                         "met": best is not None and best["vs_breaching"] >= case.target,
-                         "one_at_a_time_not_slower": all(ratio >= 1.0 for ratio in alone)}
+        results[name] = {
+            "target": case.target,
+            "breaching_ssim": peer["ssim"],
+            "best": None if best is None else {k: best[k] for k in ("tool", "iterations", "ssim", "vs_breaching")},
+            "met": best is not None and best["vs_breaching"] >= case.target,
+            "one_at_a_time_not_slower": all(ratio >= 1.0 for ratio in alone),
+        }
     return results
 
 
@@ -440,11 +559,17 @@ def print_verdicts(results: dict[str, dict[str, Any]]) -> None:
     """One line per case: the target, the best row at breaching's quality, met or not."""
     for name, v in results.items():
         best = v["best"]
-        found = ("no batched row reached it" if best is None else f"{best['vs_breaching']:.2f}x ({best['tool']}, "
-                 f"{best['iterations']} iterations, SSIM {best['ssim']:.3f})")
-        print(f"{name}: target {v['target']:g}x at SSIM >= breaching's {v['breaching_ssim']:.3f}: {found}: "
-              f"{'met' if v['met'] else 'NOT met'}; one upload at a time not slower than breaching: "
-              f"{'yes' if v['one_at_a_time_not_slower'] else 'NO'}")
+        found = (
+            "no batched row reached it"
+            if best is None
+            else f"{best['vs_breaching']:.2f}x ({best['tool']}, "
+            f"{best['iterations']} iterations, SSIM {best['ssim']:.3f})"
+        )
+        print(
+            f"{name}: target {v['target']:g}x at SSIM >= breaching's {v['breaching_ssim']:.3f}: {found}: "
+            f"{'met' if v['met'] else 'NOT met'}; one upload at a time not slower than breaching: "
+            f"{'yes' if v['one_at_a_time_not_slower'] else 'NO'}"
+        )
 
 
 def main() -> None:
@@ -452,15 +577,22 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     parser.add_argument("--uploads", type=int, default=TARGET_UPLOADS, help="batch-1 uploads attacked per case")
     parser.add_argument("--iterations-scale", type=float, default=1.0, help="multiplier of every case's iterations")
-    parser.add_argument("--fedguard-iterations", type=int,
-                        help="fedguard's iterations in every case instead of the case's; breaching keeps its own "
-                             "(the iterations fedguard needs for breaching's quality)")
+    parser.add_argument(
+        "--fedguard-iterations",
+        type=int,
+        help="fedguard's iterations in every case instead of the case's; breaching keeps its own "
+        "(the iterations fedguard needs for breaching's quality)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both tools")
     parser.add_argument("--seed", type=int, default=0, help="model weights and attack starting points")
     parser.add_argument("--device", default="auto", choices=DEVICES, help="both tools' device (auto: CUDA if any)")
     parser.add_argument("--compile", default="auto", choices=COMPILE_MODES, help="fedguard's compile parameter")
-    parser.add_argument("--precision", default="float32", choices=list(PRECISIONS),
-                        help="fedguard's precision parameter (attacks that have one)")
+    parser.add_argument(
+        "--precision",
+        default="float32",
+        choices=list(PRECISIONS),
+        help="fedguard's precision parameter (attacks that have one)",
+    )
     parser.add_argument("--peer-dir", type=Path, default=HERE / ".peers" / f"breaching-{BREACHING}")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "vs_breaching.json")
     args = parser.parse_args()
@@ -476,14 +608,26 @@ def main() -> None:
         parser.error(str(error))
     breaching = import_breaching(args.peer_dir.resolve())
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, breaching {BREACHING}, {args.threads} thread(s), {device_name(device)}, "
-          f"{args.uploads} uploads per case", flush=True)
+    print(
+        f"torch {torch.__version__}, breaching {BREACHING}, {args.threads} thread(s), {device_name(device)}, "
+        f"{args.uploads} uploads per case",
+        flush=True,
+    )
     rows: list[dict[str, Any]] = []
     configs: dict[str, Any] = {}
     for name in names:
-        case_rows, configs[name] = run_case(breaching, name, CASES[name], args.uploads, args.iterations_scale,
-                                            args.seed, args.compile, args.precision, device,
-                                            args.fedguard_iterations)
+        case_rows, configs[name] = run_case(
+            breaching,
+            name,
+            CASES[name],
+            args.uploads,
+            args.iterations_scale,
+            args.seed,
+            args.compile,
+            args.precision,
+            device,
+            args.fedguard_iterations,
+        )
         rows += case_rows
         print(f"{name}: done", flush=True)
     print_table(rows)
@@ -492,12 +636,23 @@ def main() -> None:
         print(f"(the targets are set for {TARGET_UPLOADS} uploads at the cases' own iterations; this run differs)")
     print_verdicts(targets)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"torch": torch.__version__, "breaching": BREACHING, "threads": args.threads,
-              "device": device_name(device), "cpu": cpu_model(),
-              "compile": args.compile, "precision": args.precision,
-              "uploads": args.uploads, "iterations_scale": args.iterations_scale,
-              "fedguard_iterations": args.fedguard_iterations, "seed": args.seed,
-              "data": DATA, "cases": configs, "rows": rows, "targets": targets}
+    report = {
+        "torch": torch.__version__,
+        "breaching": BREACHING,
+        "threads": args.threads,
+        "device": device_name(device),
+        "cpu": cpu_model(),
+        "compile": args.compile,
+        "precision": args.precision,
+        "uploads": args.uploads,
+        "iterations_scale": args.iterations_scale,
+        "fedguard_iterations": args.fedguard_iterations,
+        "seed": args.seed,
+        "data": DATA,
+        "cases": configs,
+        "rows": rows,
+        "targets": targets,
+    }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -70,8 +70,9 @@ class DefendedClient(NumPyClient):
         names it (``fedguard.client_app.truth_vault``); None: nowhere.
     """
 
-    def __init__(self, config: Config, client_id: int, state: ClientState | RecordDict,
-                 vault: Path | None = None) -> None:
+    def __init__(
+        self, config: Config, client_id: int, state: ClientState | RecordDict, vault: Path | None = None
+    ) -> None:
         if not 0 <= client_id < config.partition.num_clients:
             raise ValueError(f"client_id {client_id} outside [0, {config.partition.num_clients})")
         self.config = config
@@ -89,7 +90,9 @@ class DefendedClient(NumPyClient):
         set_arrays(model, arrays)
         return model
 
-    def fit(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+    def fit(
+        self, parameters_in: list[np.ndarray], config: dict[str, Any]
+    ) -> tuple[list[np.ndarray], int, dict[str, Any]]:
         """One round: local step, defense, upload.
 
         ``config['server-round']`` is the server round; in a targeted round the true batch is written to
@@ -118,12 +121,19 @@ class DefendedClient(NumPyClient):
             x, y = local.batch()
             trained = copy.deepcopy(model)
             mu = float(config.get(PROXIMAL_MU_KEY, 0.0))
-            steps, loss = local_sgd(trained, x, y, cfg.train.lr, cfg.train.local_epochs, cfg.train.batch_size, rng,
-                                    proximal_mu=mu)
+            steps, loss = local_sgd(
+                trained, x, y, cfg.train.lr, cfg.train.local_epochs, cfg.train.batch_size, rng, proximal_mu=mu
+            )
             grads = [(g - t).detach() for g, t in zip(parameters(model), parameters(trained))]
             _, buffers = split_by_mask(get_arrays(trained), mask)
-            declared.update({"batch-size": min(cfg.train.batch_size, len(y)), "local-epochs": cfg.train.local_epochs,
-                             "local-steps": steps, "loss": loss})
+            declared.update(
+                {
+                    "batch-size": min(cfg.train.batch_size, len(y)),
+                    "local-epochs": cfg.train.local_epochs,
+                    "local-steps": steps,
+                    "loss": loss,
+                }
+            )
             if mu > 0:
                 declared[PROXIMAL_MU_KEY] = mu
 
@@ -158,4 +168,3 @@ class DefendedClient(NumPyClient):
         x, y = _local_data(self.config.data, self.config.partition, self.config.run.seed, self.client_id).batch()
         loss, accuracy = evaluate(model, x, y)
         return loss, len(y), {"accuracy": accuracy, "client": self.client_id}
-

@@ -115,8 +115,10 @@ class FileState:
             with np.load(path, allow_pickle=False) as stored:
                 return {name: torch.from_numpy(stored[name].copy()) for name in stored.files}
         except (OSError, ValueError) as error:
-            raise ValueError(f"client state {path} cannot be read ({error}); delete the folder "
-                             f"{self.folder.parent} to start every client's state afresh") from None
+            raise ValueError(
+                f"client state {path} cannot be read ({error}); delete the folder "
+                f"{self.folder.parent} to start every client's state afresh"
+            ) from None
 
     def store(self, round_: int, tensors: dict[str, torch.Tensor]) -> None:
         if not tensors and self._read is None:  # stateless, and nothing before to supersede

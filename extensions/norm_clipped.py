@@ -42,13 +42,15 @@ class NormClippedFedAvg(FedAvg):
         self.clip = clip
         self._global: list[np.ndarray] = []
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         self._global = arrays.to_numpy_ndarrays()
         return super().configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         clipped = 0
         for reply in replies:
@@ -63,9 +65,12 @@ class NormClippedFedAvg(FedAvg):
                 scale = self.clip / norm
                 upload = [(g + scale * c).astype(u.dtype) for g, c, u in zip(self._global, change, upload)]
                 reply.content["arrays"] = ArrayRecord(
-                    array_dict={k: Array(np.asarray(a)) for k, a in zip(record.keys(), upload)})
-        print(f"norm-clipped-fedavg: round {server_round}: {clipped} of {len(replies)} uploads clipped to "
-              f"{self.clip}", flush=True)
+                    array_dict={k: Array(np.asarray(a)) for k, a in zip(record.keys(), upload)}
+                )
+        print(
+            f"norm-clipped-fedavg: round {server_round}: {clipped} of {len(replies)} uploads clipped to {self.clip}",
+            flush=True,
+        )
         return super().aggregate_train(server_round, replies)
 
 

@@ -32,8 +32,14 @@ class SmoothInversion(OptimizationAttack):
     """1 - cos(grad(x), g) + tv * TV(x), Adam with cosine decay, labels inferred unless granted."""
 
     def spec_of(self, params: SmoothInversionParams) -> SearchSpec:
-        return SearchSpec(params.iterations, params.restarts, params.device, distance="cosine",
-                          terms=(Term("tv", params.tv),), optimizer=OptimizerSpec("adam", params.lr, "cosine"))
+        return SearchSpec(
+            params.iterations,
+            params.restarts,
+            params.device,
+            distance="cosine",
+            terms=(Term("tv", params.tv),),
+            optimizer=OptimizerSpec("adam", params.lr, "cosine"),
+        )
 
 
 @register_attack("smooth-inversion", params=SmoothInversionParams, traits=class_traits(SmoothInversion))

@@ -27,8 +27,17 @@ import numpy as np
 from fedguard.config import Config, ConfigError, load_config
 from fedguard.report.run_dir import config_toml, resolve_run_dir
 from fedguard.report.run_status import read_status
-from fedguard.run_folder import (ATTACKS_FILE, CONFIG_FILE, REPORT_FILE, ROUNDS_FILE, RUNS_FILE, SUMMARY_FILE, SWEEP_FILE,
-                                 image_prefix, read_jsonl)
+from fedguard.run_folder import (
+    ATTACKS_FILE,
+    CONFIG_FILE,
+    REPORT_FILE,
+    ROUNDS_FILE,
+    RUNS_FILE,
+    SUMMARY_FILE,
+    SWEEP_FILE,
+    image_prefix,
+    read_jsonl,
+)
 from fedguard.vault import read_scored_images
 
 if TYPE_CHECKING:
@@ -88,8 +97,13 @@ class RunResults:
         ``client`` and those numbers; empty when no defense did."""
         import pandas as pd
 
-        return pd.DataFrame([{"round": row["round"], **upload} for row in read_jsonl(self.folder / ROUNDS_FILE)
-                             for upload in row.get("uploads", [])])
+        return pd.DataFrame(
+            [
+                {"round": row["round"], **upload}
+                for row in read_jsonl(self.folder / ROUNDS_FILE)
+                for upload in row.get("uploads", [])
+            ]
+        )
 
     @property
     def attacks(self) -> "pd.DataFrame":
@@ -104,10 +118,13 @@ class RunResults:
         batch), ``psnr``, ``ssim``, ``lpips``, ``mse``."""
         import pandas as pd
 
-        return pd.DataFrame([{"attack": row["attack"], "round": row["round"], "client": row["client"], "image": index,
-                              **scores}
-                             for row in read_jsonl(self.folder / ATTACKS_FILE)
-                             for index, scores in enumerate(row.get("per_image") or [])])
+        return pd.DataFrame(
+            [
+                {"attack": row["attack"], "round": row["round"], "client": row["client"], "image": index, **scores}
+                for row in read_jsonl(self.folder / ATTACKS_FILE)
+                for index, scores in enumerate(row.get("per_image") or [])
+            ]
+        )
 
     def images(self, attack: str, round: int, client: int) -> tuple[np.ndarray, np.ndarray]:
         """(truth, reconstruction) of one attacked upload, each (N, C, H, W) float32 in [0, 1], image i of the
@@ -115,10 +132,17 @@ class RunResults:
         uploads when this one was not attacked or not scored."""
         truth, recon = read_scored_images(self.folder, round, client, image_prefix(round, client, attack))
         if truth is None or recon is None:
-            scored = sorted({(r["attack"], r["round"], r["client"]) for r in read_jsonl(self.folder / ATTACKS_FILE)
-                             if r.get("status") == "ok" and r.get("images")})
-            raise KeyError(f"no scored reconstruction of attack {attack!r}, round {round}, client {client} in "
-                           f"{self.folder}; scored (attack, round, client): {scored or 'none'}")
+            scored = sorted(
+                {
+                    (r["attack"], r["round"], r["client"])
+                    for r in read_jsonl(self.folder / ATTACKS_FILE)
+                    if r.get("status") == "ok" and r.get("images")
+                }
+            )
+            raise KeyError(
+                f"no scored reconstruction of attack {attack!r}, round {round}, client {client} in "
+                f"{self.folder}; scored (attack, round, client): {scored or 'none'}"
+            )
         return truth, recon
 
 
@@ -140,8 +164,7 @@ class SweepResults:
     def runs(self) -> "pd.DataFrame":
         """One row per run (a seed of a cell): ``setting``, ``variant``, ``seed``, ``status``, ``accuracy``,
         ``folder``, ..."""
-        return _frame(read_jsonl(self.folder / RUNS_FILE), drop=("attacks", "by_round", "defense_report",
-                                                                 "privacy"))
+        return _frame(read_jsonl(self.folder / RUNS_FILE), drop=("attacks", "by_round", "defense_report", "privacy"))
 
     @property
     def leakage(self) -> "pd.DataFrame":
@@ -149,9 +172,13 @@ class SweepResults:
         ``ssim_mean``, ``ssim_ci95``, ``lpips_mean``, ``success_rate``, ... over the cell's seeds."""
         import pandas as pd
 
-        return pd.DataFrame([{"setting": cell["setting"], "variant": cell["variant"], **leak}
-                             for cell in read_jsonl(self.folder / SWEEP_FILE)
-                             for leak in (cell.get("privacy") or {}).get("by_attack", [])])
+        return pd.DataFrame(
+            [
+                {"setting": cell["setting"], "variant": cell["variant"], **leak}
+                for cell in read_jsonl(self.folder / SWEEP_FILE)
+                for leak in (cell.get("privacy") or {}).get("by_attack", [])
+            ]
+        )
 
     @property
     def summary(self) -> str:
@@ -162,14 +189,21 @@ class SweepResults:
         """One run of the sweep (``seed``: required where the sweep declares seeds); ``KeyError`` naming the
         runs there are."""
         rows = read_jsonl(self.folder / RUNS_FILE)
-        found = [r for r in rows if r["setting"] == setting and r["variant"] == variant
-                 and (seed is None or r.get("seed") == seed)]
+        found = [
+            r
+            for r in rows
+            if r["setting"] == setting and r["variant"] == variant and (seed is None or r.get("seed") == seed)
+        ]
         if len(found) != 1:
-            there = ", ".join(f"{r['setting']}/{r['variant']}" + (f" seed {r['seed']}" if r.get("seed") is not None
-                                                                 else "") for r in rows)
+            there = ", ".join(
+                f"{r['setting']}/{r['variant']}" + (f" seed {r['seed']}" if r.get("seed") is not None else "")
+                for r in rows
+            )
             need = " (give its seed)" if len(found) > 1 else ""
-            raise KeyError(f"no single run {setting}/{variant}{'' if seed is None else f' seed {seed}'}{need} in "
-                           f"{self.folder}; runs: {there}")
+            raise KeyError(
+                f"no single run {setting}/{variant}{'' if seed is None else f' seed {seed}'}{need} in "
+                f"{self.folder}; runs: {there}"
+            )
         return RunResults(Path(found[0]["folder"]))
 
 
@@ -181,8 +215,10 @@ def open_run(path: str | Path) -> RunResults | SweepResults:
         return SweepResults(folder)
     if (folder / ROUNDS_FILE).is_file():
         return RunResults(folder)
-    raise FileNotFoundError(f"{folder} holds no run ({ROUNDS_FILE}) and no sweep ({RUNS_FILE}); give the folder "
-                            f"that `fedguard run --out` or `fedguard sweep --out` wrote")
+    raise FileNotFoundError(
+        f"{folder} holds no run ({ROUNDS_FILE}) and no sweep ({RUNS_FILE}); give the folder "
+        f"that `fedguard run --out` or `fedguard sweep --out` wrote"
+    )
 
 
 def as_config(config: ConfigLike, overrides: Iterable[str] = ()) -> Config:
@@ -214,8 +250,12 @@ def _follow(command: list[str], progress: Callable[[str], None] | None) -> tuple
     return process.returncode, "\n".join(tail)
 
 
-def run(config: ConfigLike, out: str | Path | None = None, overrides: Iterable[str] = (),
-        progress: Callable[[str], None] | None = print) -> RunResults:
+def run(
+    config: ConfigLike,
+    out: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    progress: Callable[[str], None] | None = print,
+) -> RunResults:
     """Run one experiment to its end and open its folder.
 
     ``config``: a preset's path, a mapping of keys or a ``Config``; ``overrides``: ``key=value`` strings applied
@@ -225,7 +265,9 @@ def run(config: ConfigLike, out: str | Path | None = None, overrides: Iterable[s
     ``out`` (or ``out-dir``) already holds a run, ``RunFailed`` (with the folder) when the run fails."""
     resolved = as_config(config, overrides)
     if out is not None:
-        resolved = dataclasses.replace(resolved, run=dataclasses.replace(resolved.run, out_dir=str(Path(out).absolute())))
+        resolved = dataclasses.replace(
+            resolved, run=dataclasses.replace(resolved.run, out_dir=str(Path(out).absolute()))
+        )
     folder = resolve_run_dir(resolved)
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
@@ -238,9 +280,14 @@ def run(config: ConfigLike, out: str | Path | None = None, overrides: Iterable[s
     return RunResults(folder)
 
 
-def run_sweep(preset: str | Path, out: str | Path | None = None, overrides: Iterable[str] = (),
-              only: Iterable[str] = (), seeds: Iterable[int] | None = None,
-              progress: Callable[[str], None] | None = print) -> SweepResults:
+def run_sweep(
+    preset: str | Path,
+    out: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    only: Iterable[str] = (),
+    seeds: Iterable[int] | None = None,
+    progress: Callable[[str], None] | None = print,
+) -> SweepResults:
     """Run a sweep preset (each run not finished yet) and open its folder; the arguments are those of
     ``fedguard sweep`` (``only``: ``[SETTING/]VARIANT`` names; ``seeds``: instead of the preset's). Raises
     ``ConfigError`` before anything runs when a run's configuration is invalid, ``RunFailed`` when the sweep
@@ -250,7 +297,9 @@ def run_sweep(preset: str | Path, out: str | Path | None = None, overrides: Iter
     overrides, only, chosen = list(overrides), list(only), None if seeds is None else list(seeds)
     sweep = load_sweep(preset, None if out is None else Path(out), overrides, only, chosen)
     command = [sys.executable, "-m", "fedguard", "sweep", str(Path(preset).absolute()), "--out", str(sweep.folder)]
-    command += [arg for text in overrides for arg in ("--set", text)] + [arg for name in only for arg in ("--only", name)]
+    command += [arg for text in overrides for arg in ("--set", text)] + [
+        arg for name in only for arg in ("--only", name)
+    ]
     command += [] if chosen is None else ["--seeds", ",".join(str(seed) for seed in chosen)]
     code, tail = _follow(command, progress)
     if code != 0:

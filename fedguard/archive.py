@@ -18,7 +18,9 @@ import torch.nn as nn
 from fedguard.trained_files import FileKind, check_arrays
 
 
-def save_archive(path: Path | str, meta: dict[str, Any], arrays: dict[str, np.ndarray], compressed: bool = False) -> Path:
+def save_archive(
+    path: Path | str, meta: dict[str, Any], arrays: dict[str, np.ndarray], compressed: bool = False
+) -> Path:
     """Write ``arrays`` and ``meta`` (as JSON) to ``path`` atomically, creating its folder; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,15 +44,18 @@ def module_layout(module: nn.Module, prefix: str) -> dict[str, tuple[tuple[int, 
     return {f"{prefix}/{name}": (tuple(t.shape), t.detach().cpu().numpy().dtype) for name, t in entries}
 
 
-def load_module_arrays(module: nn.Module, arrays: dict[str, np.ndarray], prefix: str, path: Path, kind: FileKind,
-                       label: str) -> nn.Module:
+def load_module_arrays(
+    module: nn.Module, arrays: dict[str, np.ndarray], prefix: str, path: Path, kind: FileKind, label: str
+) -> nn.Module:
     """Load ``arrays`` (named ``<prefix>/<entry>``: every array of the file at ``path`` but its meta) into
     ``module``, built from the file's meta, after ``check_arrays`` against its ``state_dict`` (``label`` names
     them in its errors). Returns ``module``."""
     layout = module_layout(module, prefix)
     check_arrays(arrays, layout, path, kind, label)
-    module.load_state_dict({
-        name.removeprefix(f"{prefix}/"): torch.from_numpy(array.astype(layout[name][1], copy=False))
-        for name, array in arrays.items()
-    })
+    module.load_state_dict(
+        {
+            name.removeprefix(f"{prefix}/"): torch.from_numpy(array.astype(layout[name][1], copy=False))
+            for name, array in arrays.items()
+        }
+    )
     return module

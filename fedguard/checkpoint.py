@@ -46,14 +46,16 @@ def read_checkpoint(folder: Path) -> RoundCheckpoint:
     """The checkpoint in ``folder``; ``CheckpointError`` naming the file when it is missing or malformed."""
     path = Path(folder) / CHECKPOINT_FILE
     if not path.is_file():
-        raise CheckpointError(f"{path} does not exist: the run finished no round, or was started before runs "
-                              "kept checkpoints; start it again")
+        raise CheckpointError(
+            f"{path} does not exist: the run finished no round, or was started before runs "
+            "kept checkpoints; start it again"
+        )
     try:
         with np.load(path, allow_pickle=False) as stored:
             round_ = int(stored["round"])
             names = tuple(str(n) for n in stored["names"])
             arrays = [stored[f"{_MODEL}{i}"] for i in range(len(names))]
-            strategy = {k[len(_STRATEGY):]: stored[k] for k in stored.files if k.startswith(_STRATEGY)}
+            strategy = {k[len(_STRATEGY) :]: stored[k] for k in stored.files if k.startswith(_STRATEGY)}
     except (OSError, ValueError, KeyError, EOFError) as error:
         raise CheckpointError(f"{path} cannot be read ({type(error).__name__}: {error})") from None
     if round_ < 0:

@@ -21,19 +21,28 @@ from fedguard.mjolnir import DEFAULT_NOISE_RANGE, PRESETS, DDPMTrainOptions, Sur
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("preset", nargs="?", help="experiment preset, a TOML file (see experiments/)")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override one key, e.g. --set train.rounds=5 (repeatable; `fedguard config --keys` lists keys)",
     )
 
 
 def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default="mnist-5k", help="dataset name (default mnist-5k)")
-    parser.add_argument("--split", choices=SPLITS, default="test",
-                        help="'test' (default): the held-out split clients never train on")
+    parser.add_argument(
+        "--split", choices=SPLITS, default="test", help="'test' (default): the held-out split clients never train on"
+    )
     defaults = TrainOptions()
-    for flag, kind, meaning in (("epochs", int, "passes over the split"), ("latent-dim", int, "latent dimension"),
-                                ("batch-size", int, "minibatch size"), ("lr", float, "Adam learning rate"),
-                                ("seed", int, "seed of weights, shuffling and noise")):
+    for flag, kind, meaning in (
+        ("epochs", int, "passes over the split"),
+        ("latent-dim", int, "latent dimension"),
+        ("batch-size", int, "minibatch size"),
+        ("lr", float, "Adam learning rate"),
+        ("seed", int, "seed of weights, shuffling and noise"),
+    ):
         default = getattr(defaults, flag.replace("-", "_"))
         parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
     parser.add_argument("--out", type=Path, help="output .npz (default generators/<data>.npz)")
@@ -42,13 +51,18 @@ def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_evalnet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default="photos", help="dataset name (default photos; mnist-5k for digits)")
-    parser.add_argument("--split", choices=SPLITS, default="test",
-                        help="'test' (default): the held-out split clients never train on")
+    parser.add_argument(
+        "--split", choices=SPLITS, default="test", help="'test' (default): the held-out split clients never train on"
+    )
     defaults = EvalNetOptions()
-    for flag, kind, meaning in (("epochs", int, "passes over the split"), ("width", int, "channels of the first layer"),
-                                ("mixes", int, "noise mixes (Adam steps) per minibatch"),
-                                ("batch-size", int, "minibatch size"), ("lr", float, "Adam learning rate"),
-                                ("seed", int, "seed of weights, shuffling, ratios and noise")):
+    for flag, kind, meaning in (
+        ("epochs", int, "passes over the split"),
+        ("width", int, "channels of the first layer"),
+        ("mixes", int, "noise mixes (Adam steps) per minibatch"),
+        ("batch-size", int, "minibatch size"),
+        ("lr", float, "Adam learning rate"),
+        ("seed", int, "seed of weights, shuffling, ratios and noise"),
+    ):
         default = getattr(defaults, flag.replace("-", "_"))
         parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
     parser.add_argument("--out", type=Path, help="output .npz (default evalnets/<data>.npz)")
@@ -57,48 +71,91 @@ def _add_evalnet_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_mjolnir_arguments(parser: argparse.ArgumentParser) -> None:
     surrogate, training = SurrogateOptions(), DDPMTrainOptions()
-    parser.add_argument("--split", choices=SPLITS, default="test",
-                        help="the public split the surrogate trains on ('test' (default): no client trains on it)")
-    parser.add_argument("--surrogate-data", metavar="NAME",
-                        help="the dataset whose public split the surrogate trains on (default: the preset's "
-                             "data.name); its samples must have the run's shape and classes, e.g. fashion-mnist for "
-                             "an MNIST run")
+    parser.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="test",
+        help="the public split the surrogate trains on ('test' (default): no client trains on it)",
+    )
+    parser.add_argument(
+        "--surrogate-data",
+        metavar="NAME",
+        help="the dataset whose public split the surrogate trains on (default: the preset's "
+        "data.name); its samples must have the run's shape and classes, e.g. fashion-mnist for "
+        "an MNIST run",
+    )
     for flag, kind, default, meaning in (
         ("gradients", int, surrogate.gradients, "clean gradients recorded along the surrogate's training"),
         ("surrogate-epochs", int, surrogate.epochs, "passes of the surrogate over the public split"),
-        ("surrogate-lr", float, surrogate.lr, "SGD step of the surrogate (0: every gradient at its starting "
-                                              "weights, the run's round-1 global model under the preset's seed)"),
+        (
+            "surrogate-lr",
+            float,
+            surrogate.lr,
+            "SGD step of the surrogate (0: every gradient at its starting "
+            "weights, the run's round-1 global model under the preset's seed)",
+        ),
         ("epochs", int, training.epochs, "DDPM training epochs"),
         ("ddpm-batch-size", int, training.batch_size, "DDPM minibatch size"),
         ("lr", float, 1e-3, "DDPM Adam step"),
     ):
         parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
-    parser.add_argument("--seed", type=int, help="seed of the surrogate's initialization, the batches and the DDPM "
-                                                 "(default: the preset's seed, which initializes the global model)")
-    parser.add_argument("--at", type=Path, metavar="OBSERVATION",
-                        help="a captured upload (runs/<run>/observations/round-R_client-C.npz): the surrogate starts "
-                             "at the global model the server sent in that round (default: the seeded initialization)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        help="seed of the surrogate's initialization, the batches and the DDPM "
+        "(default: the preset's seed, which initializes the global model)",
+    )
+    parser.add_argument(
+        "--at",
+        type=Path,
+        metavar="OBSERVATION",
+        help="a captured upload (runs/<run>/observations/round-R_client-C.npz): the surrogate starts "
+        "at the global model the server sent in that round (default: the seeded initialization)",
+    )
     parser.add_argument("--unet", choices=sorted(PRESETS), default="cpu", help="denoiser size (default cpu)")
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                        help="where the denoiser trains (default cpu; auto: CUDA when available)")
-    parser.add_argument("--conditional", action="store_true",
-                        help="train the conditional denoiser (Mjölnir (Condition)): the UNet also sees the noisy "
-                             "gradient, learned from pairs of each clean gradient and a freshly noised copy; "
-                             "default output mjolnir/<data>-<model>-conditional.npz (default: the unconditional one)")
-    parser.add_argument("--noise-range", metavar="MIN,MAX",
-                        help="with --conditional: the noise levels M (noise std over the packing scale) of the "
-                             "training pairs, log-uniform on [MIN, MAX]; one value fixes M (default "
-                             f"{DEFAULT_NOISE_RANGE[0]:g},{DEFAULT_NOISE_RANGE[1]:g}: every level the M-adaptive "
-                             "start resolves)")
-    parser.add_argument("--out", type=Path, help="output .npz (default mjolnir/<data>-<model>.npz, <data> the "
-                                                 "surrogate's dataset; the training gradients go beside it, as "
-                                                 "<name>.gradients.npz)")
-    parser.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
-                        help="write the training state to <name>.checkpoint.npz beside the output after every N-th "
-                             "epoch and the last (default 1; 0: never)")
-    parser.add_argument("--resume", type=Path, metavar="CHECKPOINT",
-                        help="go on from a checkpoint of this run (same preset, --set and options; --epochs the "
-                             "total): the result equals one uninterrupted run")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "auto"),
+        default="cpu",
+        help="where the denoiser trains (default cpu; auto: CUDA when available)",
+    )
+    parser.add_argument(
+        "--conditional",
+        action="store_true",
+        help="train the conditional denoiser (Mjölnir (Condition)): the UNet also sees the noisy "
+        "gradient, learned from pairs of each clean gradient and a freshly noised copy; "
+        "default output mjolnir/<data>-<model>-conditional.npz (default: the unconditional one)",
+    )
+    parser.add_argument(
+        "--noise-range",
+        metavar="MIN,MAX",
+        help="with --conditional: the noise levels M (noise std over the packing scale) of the "
+        "training pairs, log-uniform on [MIN, MAX]; one value fixes M (default "
+        f"{DEFAULT_NOISE_RANGE[0]:g},{DEFAULT_NOISE_RANGE[1]:g}: every level the M-adaptive "
+        "start resolves)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="output .npz (default mjolnir/<data>-<model>.npz, <data> the "
+        "surrogate's dataset; the training gradients go beside it, as "
+        "<name>.gradients.npz)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="write the training state to <name>.checkpoint.npz beside the output after every N-th "
+        "epoch and the last (default 1; 0: never)",
+    )
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="go on from a checkpoint of this run (same preset, --set and options; --epochs the "
+        "total): the result equals one uninterrupted run",
+    )
 
 
 def _resolve(args: argparse.Namespace) -> Config:
@@ -123,13 +180,15 @@ def _resumed(args: argparse.Namespace) -> Config:
 
     folder: Path = args.resume.resolve()
     if args.preset is not None or args.out is not None:
-        raise ValueError(f"--resume {args.resume}: the run's own {CONFIG_FILE} and folder are used; drop the "
-                         f"preset and --out")
-    refused = [text for text in args.overrides
-               if not text.partition("=")[0].strip().startswith(RESUME_KEYS)]
+        raise ValueError(
+            f"--resume {args.resume}: the run's own {CONFIG_FILE} and folder are used; drop the preset and --out"
+        )
+    refused = [text for text in args.overrides if not text.partition("=")[0].strip().startswith(RESUME_KEYS)]
     if refused:
-        raise ValueError(f"--resume: {', '.join(refused)} would change what the rounds compute; a resumed run may "
-                         f"only set {', '.join(k + '*' if k.endswith('.') else k for k in RESUME_KEYS)}")
+        raise ValueError(
+            f"--resume: {', '.join(refused)} would change what the rounds compute; a resumed run may "
+            f"only set {', '.join(k + '*' if k.endswith('.') else k for k in RESUME_KEYS)}"
+        )
     if not (folder / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"--resume {args.resume}: no {CONFIG_FILE} there; give the folder of a run")
     config = load_config(folder / CONFIG_FILE, args.overrides)
@@ -238,8 +297,13 @@ def cmd_train_generator(args: argparse.Namespace) -> int:
     from fedguard.generators import default_generator_path, save_generator, train_generator
 
     options = TrainOptions(args.epochs, args.batch_size, args.lr, args.latent_dim, seed=args.seed)
-    trained = train_generator(args.data, args.split, options, SourceOptions(root=args.data_root),
-                              progress=lambda stats: print(f"fedguard: {stats}", flush=True))
+    trained = train_generator(
+        args.data,
+        args.split,
+        options,
+        SourceOptions(root=args.data_root),
+        progress=lambda stats: print(f"fedguard: {stats}", flush=True),
+    )
     print(f"fedguard: saved {save_generator(trained, args.out or default_generator_path(args.data))}")
     return 0
 
@@ -283,27 +347,45 @@ def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     resume = None if args.resume is None else load_checkpoint(args.resume)
     config = load_config(args.preset, args.overrides)
     seed = config.run.seed if args.seed is None else args.seed
-    surrogate = SurrogateOptions(args.surrogate_epochs, config.train.batch_size, args.surrogate_lr, args.gradients,
-                                 seed)
-    training = DDPMTrainOptions(args.epochs, args.ddpm_batch_size, args.lr, seed,
-                                noise_range=_training_noise_range(args))
+    surrogate = SurrogateOptions(
+        args.surrogate_epochs, config.train.batch_size, args.surrogate_lr, args.gradients, seed
+    )
+    training = DDPMTrainOptions(
+        args.epochs, args.ddpm_batch_size, args.lr, seed, noise_range=_training_noise_range(args)
+    )
     data = args.surrogate_data or config.data.name
     if data != config.data.name:
         check_surrogate_data(config.data.name, data, config.data.source_options())
     weights = None if args.at is None else global_weights_of(args.at, config)
     out = args.out or Path("mjolnir") / f"{data}-{config.model.name}{'-conditional' if args.conditional else ''}.npz"
     checkpoint = None if args.checkpoint_every == 0 else out.with_suffix(".checkpoint.npz")
-    print(f"fedguard: {args.gradients} surrogate gradients of {config.model.name} (batch {config.train.batch_size}) "
-          f"on the public {args.split} split of {data}, then a {args.unet} DDPM", flush=True)
+    print(
+        f"fedguard: {args.gradients} surrogate gradients of {config.model.name} (batch {config.train.batch_size}) "
+        f"on the public {args.split} split of {data}, then a {args.unet} DDPM",
+        flush=True,
+    )
     if resume is not None:
         print(f"fedguard: resuming {args.resume} after epoch {resume.state.epoch} of {args.epochs}", flush=True)
     trained, gradients = train_mjolnir(
-        config.model.name, config.model.params, data, surrogate, args.unet, training, args.split,
-        config.data.source_options(), on_epoch=lambda stats: print(f"fedguard: {stats}", flush=True), weights=weights,
-        checkpoint=checkpoint, checkpoint_every=args.checkpoint_every or 1, resume=resume,
-        device=device)
+        config.model.name,
+        config.model.params,
+        data,
+        surrogate,
+        args.unet,
+        training,
+        args.split,
+        config.data.source_options(),
+        on_epoch=lambda stats: print(f"fedguard: {stats}", flush=True),
+        weights=weights,
+        checkpoint=checkpoint,
+        checkpoint_every=args.checkpoint_every or 1,
+        resume=resume,
+        device=device,
+    )
     print(f"fedguard: saved {save_ddpm(trained, out)}")
-    print(f"fedguard: saved the training gradients to {save_gradient_set(gradients, out.with_suffix('.gradients.npz'))}")
+    print(
+        f"fedguard: saved the training gradients to {save_gradient_set(gradients, out.with_suffix('.gradients.npz'))}"
+    )
     if checkpoint is not None:
         print(f"fedguard: the training state to resume from is {checkpoint}")
     return 0
@@ -315,8 +397,13 @@ def cmd_train_evalnet(args: argparse.Namespace) -> int:
     from fedguard.evalnet import default_evalnet_path, save_evalnet, train_evalnet
 
     options = EvalNetOptions(args.epochs, args.batch_size, args.lr, args.width, args.mixes, args.seed)
-    trained = train_evalnet(args.data, args.split, options, SourceOptions(root=args.data_root),
-                            progress=lambda stats: print(f"fedguard: {stats}", flush=True))
+    trained = train_evalnet(
+        args.data,
+        args.split,
+        options,
+        SourceOptions(root=args.data_root),
+        progress=lambda stats: print(f"fedguard: {stats}", flush=True),
+    )
     print(f"fedguard: saved {save_evalnet(trained, args.out or default_evalnet_path(args.data))}")
     return 0
 
@@ -333,9 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(run)
     run.add_argument("--out", type=Path, help="output folder (default runs/<name>, or runs/<name>-N if taken)")
     run.add_argument("--verbose", action="store_true", help="show Flower's and Ray's own logs")
-    run.add_argument("--resume", type=Path, metavar="RUN_DIR",
-                     help="go on with a stopped run from its last completed round (its own config.toml; --set "
-                          "only train.rounds, sim.* or pool.*): the rounds equal one uninterrupted run's")
+    run.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="go on with a stopped run from its last completed round (its own config.toml; --set "
+        "only train.rounds, sim.* or pool.*): the rounds equal one uninterrupted run's",
+    )
     run.set_defaults(handler=cmd_run)
 
     config = commands.add_parser("config", help=cmd_config.__doc__, description=cmd_config.__doc__)
@@ -346,38 +437,72 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = commands.add_parser("sweep", help=cmd_sweep.__doc__, description=cmd_sweep.__doc__)
     sweep.add_argument("preset", type=Path, help="a sweep preset: a TOML file with a [sweep] table (see experiments/)")
     sweep.add_argument("--out", type=Path, help="folder of the sweep (default runs/<name>); finished runs are kept")
-    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override one key in every run, after the setting's and the variant's (repeatable), "
-                            "e.g. --set train.rounds=2 for a quick pass")
-    sweep.add_argument("--only", action="append", default=[], metavar="[SETTING/]VARIANT",
-                       help="run only this variant (in every setting, or in the one named); repeatable")
-    sweep.add_argument("--seeds", type=_seed_list, metavar="N[,N...]",
-                       help="run these seeds instead of the preset's [sweep] seeds, e.g. --seeds 0")
+    sweep.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key in every run, after the setting's and the variant's (repeatable), "
+        "e.g. --set train.rounds=2 for a quick pass",
+    )
+    sweep.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="[SETTING/]VARIANT",
+        help="run only this variant (in every setting, or in the one named); repeatable",
+    )
+    sweep.add_argument(
+        "--seeds",
+        type=_seed_list,
+        metavar="N[,N...]",
+        help="run these seeds instead of the preset's [sweep] seeds, e.g. --seeds 0",
+    )
     sweep.set_defaults(handler=cmd_sweep)
 
     attack = commands.add_parser("attack", help=cmd_attack.__doc__, description=cmd_attack.__doc__)
-    attack.add_argument("capture_dir", type=Path, metavar="CAPTURE_DIR",
-                        help="a run folder or its observations/ folder; the run's config.toml is the starting point")
-    attack.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="e.g. --set attack.name=ig --set attack.ig.iterations=500 (repeatable)")
+    attack.add_argument(
+        "capture_dir",
+        type=Path,
+        metavar="CAPTURE_DIR",
+        help="a run folder or its observations/ folder; the run's config.toml is the starting point",
+    )
+    attack.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="e.g. --set attack.name=ig --set attack.ig.iterations=500 (repeatable)",
+    )
     attack.set_defaults(handler=cmd_attack)
 
     report = commands.add_parser("report", help=cmd_report.__doc__, description=cmd_report.__doc__)
-    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder, e.g. runs/quickstart, or a sweep folder, e.g. runs/defenses")
+    report.add_argument(
+        "run_dir",
+        type=Path,
+        metavar="RUN_DIR",
+        help="a run folder, e.g. runs/quickstart, or a sweep folder, e.g. runs/defenses",
+    )
     report.set_defaults(handler=cmd_report)
 
-    generator = commands.add_parser("train-generator", help=cmd_train_generator.__doc__,
-                                    description=cmd_train_generator.__doc__)
+    generator = commands.add_parser(
+        "train-generator", help=cmd_train_generator.__doc__, description=cmd_train_generator.__doc__
+    )
     _add_generator_arguments(generator)
     generator.set_defaults(handler=cmd_train_generator)
 
-    mjolnir = commands.add_parser("train-mjolnir", help=cmd_train_mjolnir.__doc__, description=cmd_train_mjolnir.__doc__)
+    mjolnir = commands.add_parser(
+        "train-mjolnir", help=cmd_train_mjolnir.__doc__, description=cmd_train_mjolnir.__doc__
+    )
     _add_config_arguments(mjolnir)
     _add_mjolnir_arguments(mjolnir)
     mjolnir.set_defaults(handler=cmd_train_mjolnir)
 
-    evalnet = commands.add_parser("train-evalnet", help=cmd_train_evalnet.__doc__,
-                                  description=cmd_train_evalnet.__doc__)
+    evalnet = commands.add_parser(
+        "train-evalnet", help=cmd_train_evalnet.__doc__, description=cmd_train_evalnet.__doc__
+    )
     _add_evalnet_arguments(evalnet)
     evalnet.set_defaults(handler=cmd_train_evalnet)
     return parser

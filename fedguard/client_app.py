@@ -32,8 +32,15 @@ from fedguard.app_code import AppCode
 from fedguard.config import Config, ConfigError
 from fedguard.data import DatasetNotFoundError
 from fedguard.defenses.base import REPORT_PREFIX
-from fedguard.records import (ARRAYS, CONFIG, NUM_EXAMPLES, PARTITION_KEY, array_record, cannot_train_reason,
-                              reply_content)
+from fedguard.records import (
+    ARRAYS,
+    CONFIG,
+    NUM_EXAMPLES,
+    PARTITION_KEY,
+    array_record,
+    cannot_train_reason,
+    reply_content,
+)
 from fedguard.run_folder import CLIENT_STATE_DIR, VAULT_DIR, flwr_run_dir
 from fedguard.sparse import ENCODING_KEY, SPARSE
 from fedguard.trained_files import TrainedFileError
@@ -51,8 +58,7 @@ def partition_of(context: Context, config: Config, assigned: Any = None) -> int:
         num_partitions = int(context.node_config["num-partitions"])
     except KeyError as missing:
         raise ValueError(
-            f"node config lacks {missing}; start the SuperNode with "
-            "--node-config 'partition-id=<i> num-partitions=<n>'"
+            f"node config lacks {missing}; start the SuperNode with --node-config 'partition-id=<i> num-partitions=<n>'"
         ) from None
     if num_partitions != config.partition.num_clients:
         raise ValueError(
@@ -81,8 +87,10 @@ def node_vault(context: Context) -> Path | None:
     if root is None:
         return None
     if not isinstance(root, str) or not Path(root).is_absolute():
-        raise ValueError(f"node config {VAULT_DIR_KEY}={root!r}: give an absolute folder, e.g. "
-                         f"--node-config '... {VAULT_DIR_KEY}=\"/vault\"'")
+        raise ValueError(
+            f"node config {VAULT_DIR_KEY}={root!r}: give an absolute folder, e.g. "
+            f"--node-config '... {VAULT_DIR_KEY}=\"/vault\"'"
+        )
     return Path(root) / f"run-{context.run_id}"
 
 
@@ -111,8 +119,9 @@ def upload_reply(msg: Message, upload: list[np.ndarray], num_examples: int, metr
         names = [f"encoded-{i}" for i in range(len(upload))]
     else:
         names = list(msg.content[ARRAYS].keys())
-    content = reply_content(array_record(names, upload), num_examples, float(declared.get("loss", 0.0)),
-                            declared, reports)
+    content = reply_content(
+        array_record(names, upload), num_examples, float(declared.get("loss", 0.0)), declared, reports
+    )
     return Message(content=content, reply_to=msg)
 
 
@@ -144,8 +153,10 @@ def make_client_app(config: Config | None = None) -> ClientApp:
         arrays = msg.content[ARRAYS].to_numpy_ndarrays()
         loss, num_examples, metrics = client(context, msg.content[CONFIG]).evaluate(arrays, dict(msg.content[CONFIG]))
         record = MetricRecord({NUM_EXAMPLES: num_examples, "loss": loss, "accuracy": float(metrics["accuracy"])})
-        return Message(content=RecordDict({"metrics": record, "declared": ConfigRecord({"client": metrics["client"]})}),
-                       reply_to=msg)
+        return Message(
+            content=RecordDict({"metrics": record, "declared": ConfigRecord({"client": metrics["client"]})}),
+            reply_to=msg,
+        )
 
     return client_app
 

@@ -42,9 +42,22 @@ from fedguard.data.registry import dataset_spec
 from fedguard.data.sizes import samples_needed, split_sizes
 from fedguard.defenses import DEFENSES
 from fedguard.defenses.base import defense_traits
-from fedguard.limits import (INT64_MAX, INT64_MIN, MAX_CLIENTS, MAX_IMAGE_SIZE, MAX_LISTED, MAX_LOCAL_EPOCHS,
-                             MAX_PROCESSES, MAX_ROUNDS, RUN_FILES_RESERVE, finite_problem, name_problem,
-                             nesting_problem, path_problem, shown)
+from fedguard.limits import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_CLIENTS,
+    MAX_IMAGE_SIZE,
+    MAX_LISTED,
+    MAX_LOCAL_EPOCHS,
+    MAX_PROCESSES,
+    MAX_ROUNDS,
+    RUN_FILES_RESERVE,
+    finite_problem,
+    name_problem,
+    nesting_problem,
+    path_problem,
+    shown,
+)
 from fedguard.models import MODELS, build_model
 from fedguard.registry import NoParams, Registry, RequiredFile, field_help
 from fedguard.selection import Selection
@@ -74,18 +87,26 @@ def option(default: Scalar, help: str, **checks: Any) -> Any:
 @dataclass(frozen=True)
 class RunSection:
     name: str = option("fedguard", "run name; output goes to runs/<name> unless out-dir is set")
-    seed: int = option(0, "seed of partitioning, the clients sampled each round, their batches and model "
-                          "initialization", ge=0, le=INT64_MAX)
-    out_dir: str = option("", "output folder (empty: runs/<name>); relative to the folder the command runs in",
-                          path=True)
+    seed: int = option(
+        0,
+        "seed of partitioning, the clients sampled each round, their batches and model initialization",
+        ge=0,
+        le=INT64_MAX,
+    )
+    out_dir: str = option(
+        "", "output folder (empty: runs/<name>); relative to the folder the command runs in", path=True
+    )
     resume: bool = option(False, "continue the run in out-dir from its last completed round (fedguard run --resume)")
 
 
 @dataclass(frozen=True)
 class DataSection:
     name: str = option("mnist-5k", "dataset", choices=DATASETS.names)
-    root: str = option("", "local folder for datasets that do not ship with the packages; relative to the folder "
-                           "the command runs in", path=True)
+    root: str = option(
+        "",
+        "local folder for datasets that do not ship with the packages; relative to the folder the command runs in",
+        path=True,
+    )
     download: bool = option(False, "let torchvision download a missing dataset (needs the network)")
     test_fraction: float = option(0.2, "held-out share for datasets without an official test split", gt=0.0, lt=1.0)
     image_size: int = option(32, "side in pixels for the photos and imagefolder sources", ge=8, le=MAX_IMAGE_SIZE)
@@ -110,8 +131,11 @@ class PartitionSection:
 
 @dataclass(frozen=True)
 class TrainSection:
-    protocol: str = option("fedsgd", "fedsgd: one batch gradient per client; fedavg: local epochs, weights uploaded",
-                           choices=lambda: ["fedavg", "fedsgd"])
+    protocol: str = option(
+        "fedsgd",
+        "fedsgd: one batch gradient per client; fedavg: local epochs, weights uploaded",
+        choices=lambda: ["fedavg", "fedsgd"],
+    )
     rounds: int = option(20, "number of federated rounds", ge=1, le=MAX_ROUNDS)
     clients_per_round: int = option(10, "clients sampled in each round", ge=1, le=MAX_CLIENTS)
     batch_size: int = option(32, "samples per client batch", ge=1)
@@ -123,8 +147,11 @@ class TrainSection:
 class CaptureSection:
     rounds: str = option("1", "rounds whose uploads the server captures: 'all', 'none', '1,3,5-7'")
     clients: str = option("all", "client (partition) ids whose uploads are captured: 'all', 'none', '0,2-4'")
-    ground_truth: bool = option(True, "clients of targeted rounds write their true batch to the run's vault for "
-                                      "scoring (simulation; never shown to the attacker)")
+    ground_truth: bool = option(
+        True,
+        "clients of targeted rounds write their true batch to the run's vault for "
+        "scoring (simulation; never shown to the attacker)",
+    )
 
     def round_selection(self) -> Selection:
         return Selection.parse(self.rounds, "capture.rounds")
@@ -138,10 +165,14 @@ class ThreatSection:
     labels: bool = option(False, "the server knows the true labels of each batch (otherwise attacks infer them)")
     bn_statistics: bool = option(False, "the server knows the BatchNorm statistics of each batch")
     hyperparameters: bool = option(True, "the server may use the local hyper-parameters clients declare")
-    defense: bool = option(False, "the server knows the clients' defense and its parameters, not its randomness "
-                                  "(needed by EOT attacks)")
-    malicious: str = option("", "rounds in which a malicious server manipulates the model it sends, as "
-                                "round:manipulation pairs, e.g. '2:trap-weights, 3:imprint' ('': an honest server)")
+    defense: bool = option(
+        False, "the server knows the clients' defense and its parameters, not its randomness (needed by EOT attacks)"
+    )
+    malicious: str = option(
+        "",
+        "rounds in which a malicious server manipulates the model it sends, as "
+        "round:manipulation pairs, e.g. '2:trap-weights, 3:imprint' ('': an honest server)",
+    )
 
     def schedule(self) -> dict[int, str]:
         """Round -> manipulation name; raises ``ValueError`` naming a bad pair."""
@@ -149,8 +180,12 @@ class ThreatSection:
 
     def granted(self) -> set[str]:
         """The grants, named as attacks name their needs."""
-        flags = {"labels": self.labels, "bn-statistics": self.bn_statistics, "hyperparameters": self.hyperparameters,
-                 "defense": self.defense}
+        flags = {
+            "labels": self.labels,
+            "bn-statistics": self.bn_statistics,
+            "hyperparameters": self.hyperparameters,
+            "defense": self.defense,
+        }
         return {name for name, granted in flags.items() if granted}
 
 
@@ -165,8 +200,10 @@ def parse_schedule(text: str) -> dict[int, str]:
         if not name:
             raise ValueError(f"threat.malicious: {shown(piece)} is not round:manipulation (e.g. '2:trap-weights')")
         if name not in MANIPULATIONS:
-            raise ValueError(f"threat.malicious: manipulation {shown(name)} in {shown(piece)}: choose one of "
-                             f"{', '.join(MANIPULATIONS.names())}")
+            raise ValueError(
+                f"threat.malicious: manipulation {shown(name)} in {shown(piece)}: choose one of "
+                f"{', '.join(MANIPULATIONS.names())}"
+            )
         if round_ in schedule:
             raise ValueError(f"threat.malicious: round {round_} is manipulated twice")
         schedule[round_] = name
@@ -185,53 +222,77 @@ def _schedule_round(text: str, piece: str) -> int:
 
 @dataclass(frozen=True)
 class PoolSection:
-    workers: int = option(1, "attacker worker processes (one GPU each when CUDA is visible)", ge=1,
-                          le=MAX_PROCESSES)
+    workers: int = option(1, "attacker worker processes (one GPU each when CUDA is visible)", ge=1, le=MAX_PROCESSES)
     time_limit: float = option(900.0, "seconds one captured upload may take before its worker is restarted", gt=0.0)
     wait: float = option(1800.0, "seconds to wait after the last round for attacks still running", ge=0.0)
-    group: int = option(4, "most captured uploads of one shape a worker attacks in one batch", ge=1,
-                        le=MAX_PROCESSES)
+    group: int = option(4, "most captured uploads of one shape a worker attacks in one batch", ge=1, le=MAX_PROCESSES)
     threads: int = option(1, "torch threads of each CPU worker", ge=1, le=MAX_PROCESSES)
     address: str = option("", "Ray cluster to join when none is running ('' = the simulation's or a new local one)")
 
 
 @dataclass(frozen=True)
 class ServerSection:
-    strategy: str = option(AUTO_STRATEGY, "how the server aggregates: 'auto' (fedsgd for train.protocol = 'fedsgd', "
-                                          "fedavg for 'fedavg') or a registered strategy",
-                           choices=lambda: strategy_names())
-    connect_timeout: float = option(10.0, "seconds the server waits for one SuperNode per client before it stops "
-                                          "and says how to fix the federation", gt=0.0)
-    message_index: bool = option(True, "simulation: hand each client its messages through a per-node index of "
-                                       "Flower's in-memory message store (fedguard.message_index) instead of "
-                                       "Flower's scan of every stored message for every node, 10 times a second")
-    plugins: str = option("", "modules imported before the configuration is checked, comma-separated: they "
-                              "register strategies, defenses or attacks of your own")
-    plugin_params: str = option("", "parameters of plugins as space-separated key=value pairs, e.g. "
-                                    "'server.my-strategy.clip=0.5': flwr run passes only the keys pyproject.toml "
-                                    "declares, so undeclared keys travel here")
+    strategy: str = option(
+        AUTO_STRATEGY,
+        "how the server aggregates: 'auto' (fedsgd for train.protocol = 'fedsgd', "
+        "fedavg for 'fedavg') or a registered strategy",
+        choices=lambda: strategy_names(),
+    )
+    connect_timeout: float = option(
+        10.0,
+        "seconds the server waits for one SuperNode per client before it stops and says how to fix the federation",
+        gt=0.0,
+    )
+    message_index: bool = option(
+        True,
+        "simulation: hand each client its messages through a per-node index of "
+        "Flower's in-memory message store (fedguard.message_index) instead of "
+        "Flower's scan of every stored message for every node, 10 times a second",
+    )
+    plugins: str = option(
+        "",
+        "modules imported before the configuration is checked, comma-separated: they "
+        "register strategies, defenses or attacks of your own",
+    )
+    plugin_params: str = option(
+        "",
+        "parameters of plugins as space-separated key=value pairs, e.g. "
+        "'server.my-strategy.clip=0.5': flwr run passes only the keys pyproject.toml "
+        "declares, so undeclared keys travel here",
+    )
 
 
 @dataclass(frozen=True)
 class TrackSection:
-    tensorboard: bool = option(False, "write TensorBoard event files to <run>/tensorboard as the run goes: the "
-                                      "configuration, accuracy and loss per round, every attack's scores and "
-                                      "images (tensorboard --logdir runs)")
-    mlflow: bool = option(False, "log the same to MLflow: one MLflow run in track.mlflow-experiment at "
-                                 "track.mlflow-uri")
-    mlflow_uri: str = option("", "MLflow tracking URI, e.g. http://127.0.0.1:5000 ('' = a local store in the "
-                                 "run folder: mlflow.db and mlflow-artifacts/)")
+    tensorboard: bool = option(
+        False,
+        "write TensorBoard event files to <run>/tensorboard as the run goes: the "
+        "configuration, accuracy and loss per round, every attack's scores and "
+        "images (tensorboard --logdir runs)",
+    )
+    mlflow: bool = option(
+        False, "log the same to MLflow: one MLflow run in track.mlflow-experiment at track.mlflow-uri"
+    )
+    mlflow_uri: str = option(
+        "",
+        "MLflow tracking URI, e.g. http://127.0.0.1:5000 ('' = a local store in the "
+        "run folder: mlflow.db and mlflow-artifacts/)",
+    )
     mlflow_experiment: str = option("fedguard", "MLflow experiment the run is logged in (created when missing)")
 
 
 @dataclass(frozen=True)
 class SimSection:
     num_cpus: int = option(2, "CPU cores Ray may use", ge=1)
-    client_cpus: int = option(1, "CPU cores reserved for each simulated client (whole cores, as Flower's "
-                                 "client-resources-num-cpus)", ge=1)
+    client_cpus: int = option(
+        1, "CPU cores reserved for each simulated client (whole cores, as Flower's client-resources-num-cpus)", ge=1
+    )
     client_gpus: float = option(0.0, "GPU share reserved for each simulated client", ge=0.0)
-    address: str = option("", "Ray cluster to run the simulation on, e.g. 10.0.0.5:6379 ('' = a new local one; "
-                              "num-cpus is then the cluster's)")
+    address: str = option(
+        "",
+        "Ray cluster to run the simulation on, e.g. 10.0.0.5:6379 ('' = a new local one; "
+        "num-cpus is then the cluster's)",
+    )
 
 
 @dataclass(frozen=True)
@@ -385,7 +446,10 @@ def _check_type(key: str, value: Any, expected: type) -> tuple[Any, str | None]:
 
 
 BOUNDS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
-    "ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<"),
+    "ge": (operator.ge, ">="),
+    "gt": (operator.gt, ">"),
+    "le": (operator.le, "<="),
+    "lt": (operator.lt, "<"),
 }
 
 
@@ -421,8 +485,9 @@ def _check_range(key: str, value: Any, expected: type, meta: Mapping[str, Any]) 
 
 def _section_metadata() -> dict[str, Mapping[str, Any]]:
     """Key -> the field metadata (help, bounds, choices) of every section key."""
-    return {_key(prefix, f.name): f.metadata for prefix, section in SECTIONS.items()
-            for f in dataclasses.fields(section)}
+    return {
+        _key(prefix, f.name): f.metadata for prefix, section in SECTIONS.items() for f in dataclasses.fields(section)
+    }
 
 
 def schema() -> dict[str, tuple[type, Any, str]]:
@@ -458,8 +523,10 @@ def _import_plugin(module: str, value: str) -> str | None:
     """Import ``module``; why it cannot be, or None. A plugin runs its own code on import: whatever it raises
     is reported with the other problems."""
     if not all(part.isidentifier() for part in module.split(".")):
-        return (f"server.plugins = {shown(value)}: {shown(module)} is not a module name (dotted Python "
-                f"identifiers, e.g. extensions.norm_clipped)")
+        return (
+            f"server.plugins = {shown(value)}: {shown(module)} is not a module name (dotted Python "
+            f"identifiers, e.g. extensions.norm_clipped)"
+        )
     try:
         importlib.import_module(module)
     except Exception as error:  # noqa: BLE001 (a plugin's import error of any kind is a configuration problem)
@@ -512,8 +579,9 @@ def _build(flat: Mapping[str, Any]) -> Config:
     flat = {**plugin_params(flat, problems), **flat}
     values, invalid = _checked_values(flat, problems)
     sections: dict[str, Any] = {
-        prefix or "run": section(**{f.name: values.get(_key(prefix, f.name), f.default)
-                                    for f in dataclasses.fields(section)})
+        prefix or "run": section(
+            **{f.name: values.get(_key(prefix, f.name), f.default) for f in dataclasses.fields(section)}
+        )
         for prefix, section in SECTIONS.items()
     }
 
@@ -523,14 +591,16 @@ def _build(flat: Mapping[str, Any]) -> Config:
         names = [] if kind in LISTED_KINDS and names == [NO_ATTACK] else names
         for name in names:
             if name not in _choices(kind) or (kind in LISTED_KINDS and name == NO_ATTACK):
-                problems.append(f"{kind}.name = {shown(value)}: {shown(name)} is not one of "
-                                f"{', '.join(_choices(kind))}")
+                problems.append(
+                    f"{kind}.name = {shown(value)}: {shown(name)} is not one of {', '.join(_choices(kind))}"
+                )
         if len(set(names)) < len(names):
             problems.append(f"{kind}.name = {shown(value)}: names a component twice")
         params = _component_params(kind, registry, values, problems)
         chosen = tuple(Component(n, params.get(n)) for n in names if n in params)
-        sections[f"{kind}s" if kind in LISTED_KINDS else kind] = chosen if kind in LISTED_KINDS else (
-            chosen[0] if chosen else Component(value, None))
+        sections[f"{kind}s" if kind in LISTED_KINDS else kind] = (
+            chosen if kind in LISTED_KINDS else (chosen[0] if chosen else Component(value, None))
+        )
     try:
         scheduled = sorted(set(sections["threat"].schedule().values()))
     except ValueError as error:
@@ -584,13 +654,17 @@ def _unknown_key(key: str, keys: Mapping[str, Any]) -> str:
 PARAM_ERRORS = (ValueError, TypeError, ArithmeticError)
 
 
-def _component_params(kind: str, registry: Registry[Any], values: Mapping[str, Any],
-                      problems: list[str]) -> dict[str, Any]:
+def _component_params(
+    kind: str, registry: Registry[Any], values: Mapping[str, Any], problems: list[str]
+) -> dict[str, Any]:
     """Name -> parameter dataclass of every registered ``kind`` (invalid ones reported and left out)."""
     built: dict[str, Any] = {}
     for entry in registry.entries():
-        given = {f.name: values[_param_key(kind, entry.name, f.name)] for f in dataclasses.fields(entry.params)
-                 if _param_key(kind, entry.name, f.name) in values}
+        given = {
+            f.name: values[_param_key(kind, entry.name, f.name)]
+            for f in dataclasses.fields(entry.params)
+            if _param_key(kind, entry.name, f.name) in values
+        }
         try:
             params = entry.params(**given)
         except PARAM_ERRORS as error:
@@ -624,8 +698,10 @@ def _attributed(kind: str, entry: Any, given: Mapping[str, Any], error: Exceptio
             alone[name] = own
     if not alone:
         return [f"{kind}.{entry.name}: {error} ({_settings(kind, entry.name, given)})"]
-    return [f"{kind}.{entry.name}: {own} ({_settings(kind, entry.name, {field: given[field]})})"
-            for field, own in alone.items()]
+    return [
+        f"{kind}.{entry.name}: {own} ({_settings(kind, entry.name, {field: given[field]})})"
+        for field, own in alone.items()
+    ]
 
 
 def _derived_problem(kind: str, name: str, params: Any, given: Mapping[str, Any]) -> str | None:
@@ -637,8 +713,10 @@ def _derived_problem(kind: str, name: str, params: Any, given: Mapping[str, Any]
         try:
             getattr(params, attribute)
         except PARAM_ERRORS as error:
-            return (f"{kind}.{name}: its {_dash(attribute)} cannot be computed from {_settings(kind, name, given)} "
-                    f"({type(error).__name__}: {error}); choose values of a usable size")
+            return (
+                f"{kind}.{name}: its {_dash(attribute)} cannot be computed from {_settings(kind, name, given)} "
+                f"({type(error).__name__}: {error}); choose values of a usable size"
+            )
     return None
 
 
@@ -666,8 +744,10 @@ def _cross_checks(sections: dict[str, Any], invalid: set[str]) -> list[str]:
     """Problems between keys, each checked when the keys it reads hold valid values."""
     problems = []
     train, partition = sections["train"], sections["partition"]
-    if (_usable(invalid, "train.clients-per-round", "partition.num-clients")
-            and train.clients_per_round > partition.num_clients):
+    if (
+        _usable(invalid, "train.clients-per-round", "partition.num-clients")
+        and train.clients_per_round > partition.num_clients
+    ):
         problems.append(
             f"train.clients-per-round = {train.clients_per_round}: must be <= partition.num-clients "
             f"({partition.num_clients})"
@@ -682,9 +762,11 @@ def _cross_checks(sections: dict[str, Any], invalid: set[str]) -> list[str]:
         schedule = None  # reported with the components
     if schedule is not None and captured is not None:
         for round_ in sorted(r for r in schedule if r not in captured):
-            problems.append(f"threat.malicious manipulates round {round_}, which is not a captured round of "
-                            f"this run (capture.rounds = {shown(sections['capture'].rounds)}, "
-                            f"train.rounds = {train.rounds})")
+            problems.append(
+                f"threat.malicious manipulates round {round_}, which is not a captured round of "
+                f"this run (capture.rounds = {shown(sections['capture'].rounds)}, "
+                f"train.rounds = {train.rounds})"
+            )
     defense = sections["defense"]
     problems += _chosen_by("defense", defense.name, _defense_problems(defense, train.protocol, sections))
     attack_names = ",".join(a.name for a in sections["attacks"])
@@ -699,24 +781,45 @@ def _chosen_by(kind: str, names: str, problems: list[str]) -> list[str]:
     return [p if key in p else f"{p} ({key} = {shown(names)})" for p in problems]
 
 
-def _capture_problems(capture: CaptureSection, train: TrainSection, partition: PartitionSection,
-                      invalid: set[str]) -> tuple[CapturedRounds | None, list[str]]:
+def _capture_problems(
+    capture: CaptureSection, train: TrainSection, partition: PartitionSection, invalid: set[str]
+) -> tuple[CapturedRounds | None, list[str]]:
     """The captured rounds (None when ``train.rounds`` is invalid) and what is wrong with ``capture.rounds`` and
     ``capture.clients``: unreadable, too long to expand, naming rounds or clients the run does not have, or
     capturing rounds of no client. Counted on intervals: nothing is expanded."""
     problems: list[str] = []
     rounds_known = _usable(invalid, "train.rounds")
     clients_known = _usable(invalid, "partition.num-clients")
-    rounds = _read_spans(capture.rounds, "capture.rounds", 1, train.rounds if rounds_known else None,
-                         f"this run's rounds are 1-{train.rounds} (train.rounds = {train.rounds})", problems)
+    rounds = _read_spans(
+        capture.rounds,
+        "capture.rounds",
+        1,
+        train.rounds if rounds_known else None,
+        f"this run's rounds are 1-{train.rounds} (train.rounds = {train.rounds})",
+        problems,
+    )
     last = partition.num_clients - 1
-    clients = _read_spans(capture.clients, "capture.clients", 0, last if clients_known else None,
-                          f"client ids are 0-{last} (partition.num-clients = {partition.num_clients})", problems)
-    if (rounds is not None and clients is not None and rounds_known and clients_known
-            and rounds.count(1, train.rounds) and clients.is_empty()):
-        problems.append(f"capture.clients = {shown(capture.clients)} selects no client, so capture.rounds = "
-                        f"{shown(capture.rounds)} captures nothing: choose client ids among 0-"
-                        f"{partition.num_clients - 1}, or set capture.rounds = 'none'")
+    clients = _read_spans(
+        capture.clients,
+        "capture.clients",
+        0,
+        last if clients_known else None,
+        f"client ids are 0-{last} (partition.num-clients = {partition.num_clients})",
+        problems,
+    )
+    if (
+        rounds is not None
+        and clients is not None
+        and rounds_known
+        and clients_known
+        and rounds.count(1, train.rounds)
+        and clients.is_empty()
+    ):
+        problems.append(
+            f"capture.clients = {shown(capture.clients)} selects no client, so capture.rounds = "
+            f"{shown(capture.rounds)} captures nothing: choose client ids among 0-"
+            f"{partition.num_clients - 1}, or set capture.rounds = 'none'"
+        )
     if not rounds_known:
         return None, problems
     every = Spans.parse("all", "capture.rounds")  # an unusable capture.rounds was reported: do not blame attacks
@@ -736,14 +839,19 @@ def _read_spans(spec: str, key: str, low: int, high: int | None, valid: str, pro
         problems.append(f"{key} = {shown(spec)}: {describe(outside)} not in this run; {valid}")
         return None
     if spans.listed > MAX_LISTED:
-        problems.append(f"{key} = {shown(spec)}: lists {spans.listed} integers (repeats counted); at most "
-                        f"{MAX_LISTED}")
+        problems.append(f"{key} = {shown(spec)}: lists {spans.listed} integers (repeats counted); at most {MAX_LISTED}")
         return None
     return spans
 
 
-DATA_KEYS = ("data.name", "data.test-fraction", "data.image-size", "partition.name", "partition.num-clients",
-             "partition.classes-per-client")
+DATA_KEYS = (
+    "data.name",
+    "data.test-fraction",
+    "data.image-size",
+    "partition.name",
+    "partition.num-clients",
+    "partition.classes-per-client",
+)
 
 
 def _data_problems(data: DataSection, partition: PartitionSection, invalid: set[str]) -> list[str]:
@@ -755,22 +863,29 @@ def _data_problems(data: DataSection, partition: PartitionSection, invalid: set[
     sizes = split_sizes(data.name, data.source_options())
     if sizes is None:
         return problems
-    setting = ", ".join([f"data.name = {data.name!r}",
-                         *(f"{key} = {getattr(data, key.split('.')[1].replace('-', '_'))!r}"
-                           for key in sizes.depends_on)])
+    setting = ", ".join(
+        [
+            f"data.name = {data.name!r}",
+            *(f"{key} = {getattr(data, key.split('.')[1].replace('-', '_'))!r}" for key in sizes.depends_on),
+        ]
+    )
     if sizes.train + sizes.test == 0:
         return problems + [f"{setting}: the data set holds no samples at these settings"]
     if sizes.test == 0:
-        problems.append(f"{setting}: leaves the test split empty, and the server evaluates the global model on "
-                        f"it: choose a larger data.test-fraction")
+        problems.append(
+            f"{setting}: leaves the test split empty, and the server evaluates the global model on "
+            f"it: choose a larger data.test-fraction"
+        )
     needed = samples_needed(partition.name, partition.num_clients)
     if sizes.train < needed:
         per_client = needed // partition.num_clients
         remedies = [f"at most {sizes.train // per_client} clients"] if sizes.train >= per_client else []
         remedies += ["a smaller data.test-fraction"] if "data.test-fraction" in sizes.depends_on else []
-        problems.append(f"{setting} leaves {sizes.train} training samples for partition.num-clients = "
-                        f"{partition.num_clients}, and partition.name = {partition.name!r} needs {per_client} per "
-                        f"client: choose {' or '.join(remedies) or 'another data set'}")
+        problems.append(
+            f"{setting} leaves {sizes.train} training samples for partition.num-clients = "
+            f"{partition.num_clients}, and partition.name = {partition.name!r} needs {per_client} per "
+            f"client: choose {' or '.join(remedies) or 'another data set'}"
+        )
     return problems
 
 
@@ -779,8 +894,10 @@ def _classes_problems(data: DataSection, partition: PartitionSection) -> list[st
     spec = dataset_spec(data.name, data.source_options()) if partition.name == "classes" else None
     if spec is None or partition.classes_per_client <= spec.num_classes:
         return []
-    return [f"partition.classes-per-client = {partition.classes_per_client}: data.name = {data.name!r} has "
-            f"{spec.num_classes} classes; choose 1 to {spec.num_classes}"]
+    return [
+        f"partition.classes-per-client = {partition.classes_per_client}: data.name = {data.name!r} has "
+        f"{spec.num_classes} classes; choose 1 to {spec.num_classes}"
+    ]
 
 
 def _path_problems(run: RunSection, data: DataSection) -> list[str]:
@@ -805,15 +922,16 @@ def _defense_problems(defense: Component, protocol: str, sections: dict[str, Any
     traits = defense_traits(defense.name, defense.params)
     problems = _file_problems("defense", defense, traits.files)
     if traits.protocols is not None and protocol not in traits.protocols:
-        problems.append(f"defense.name = {defense.name!r} works on {' and '.join(sorted(traits.protocols))} "
-                        f"uploads only; train.protocol = {protocol!r}")
+        problems.append(
+            f"defense.name = {defense.name!r} works on {' and '.join(sorted(traits.protocols))} "
+            f"uploads only; train.protocol = {protocol!r}"
+        )
     if traits.check_model is not None:
         problems += _model_problems(defense.name, traits.check_model, sections["model"], sections["data"])
     return problems
 
 
-def _model_problems(defense: str, check_model: Callable[[Any], None], model: Component,
-                    data: DataSection) -> list[str]:
+def _model_problems(defense: str, check_model: Callable[[Any], None], model: Component, data: DataSection) -> list[str]:
     """``check_model`` on the run's model, built for the data set's static spec (the data are not loaded)."""
     spec = dataset_spec(data.name, data.source_options()) if data.name in DATASETS else None
     if spec is None or model.params is None:
@@ -841,12 +959,15 @@ def _simulation_problems(attack: str, traits: AttackTraits, defense: Component) 
     """An attack that simulates the clients' defense (EOT) against one that cannot simulate itself."""
     if not traits.simulates_defense or defense.params is None or defense_traits(defense.name, defense.params).simulated:
         return []  # an invalid defense was reported already
-    return [f"attack.{attack}: EOT needs a defense that can be simulated; defense.name = {defense.name!r} cannot "
-            f"(set attack.{attack}.eot = 0)"]
+    return [
+        f"attack.{attack}: EOT needs a defense that can be simulated; defense.name = {defense.name!r} cannot "
+        f"(set attack.{attack}.eot = 0)"
+    ]
 
 
-def _attack_problems(attack: Component, sections: dict[str, Any], schedule: dict[int, str] | None,
-                     captured: CapturedRounds | None) -> list[str]:
+def _attack_problems(
+    attack: Component, sections: dict[str, Any], schedule: dict[int, str] | None, captured: CapturedRounds | None
+) -> list[str]:
     """Why ``attack`` cannot run in this configuration, from its traits (nothing is built, no file is loaded):
     files, protocol, threat-model grants, the defense it simulates, manipulation (when the schedule and the
     captured rounds are known)."""
@@ -867,10 +988,15 @@ def _attack_problems(attack: Component, sections: dict[str, Any], schedule: dict
     problems += _simulation_problems(attack.name, traits, sections["defense"])
     needed = required_manipulation(traits)
     if schedule is not None and captured is not None and not _captures(captured, schedule, needed):
-        where = ("a captured round the server does not manipulate" if needed == HONEST
-                 else f"a captured round manipulated with {needed!r} (e.g. threat.malicious = '1:{needed}')")
-        problems.append(f"attack {attack.name!r} needs {where}; threat.malicious = "
-                        f"{shown(sections['threat'].malicious)}, capture.rounds = {shown(sections['capture'].rounds)}")
+        where = (
+            "a captured round the server does not manipulate"
+            if needed == HONEST
+            else f"a captured round manipulated with {needed!r} (e.g. threat.malicious = '1:{needed}')"
+        )
+        problems.append(
+            f"attack {attack.name!r} needs {where}; threat.malicious = "
+            f"{shown(sections['threat'].malicious)}, capture.rounds = {shown(sections['capture'].rounds)}"
+        )
     return problems
 
 
@@ -947,15 +1073,21 @@ def read_preset(preset: Path) -> dict[str, Any]:
     it describes a sweep."""
     document = read_toml(preset)
     if "sweep" in document:
-        raise ConfigError([f"preset {shown(str(preset))} describes a sweep of several runs ([sweep] table): run it "
-                           f"with `fedguard sweep {preset}`"])
+        raise ConfigError(
+            [
+                f"preset {shown(str(preset))} describes a sweep of several runs ([sweep] table): run it "
+                f"with `fedguard sweep {preset}`"
+            ]
+        )
     return flatten(document)
 
 
 def _section_paths() -> dict[str, list[str]]:
     """Section attribute ('run', 'data', ...) -> its fields that name a file or folder (``path=True``)."""
-    paths = {prefix or "run": [f.name for f in dataclasses.fields(section) if f.metadata.get("path")]
-             for prefix, section in SECTIONS.items()}
+    paths = {
+        prefix or "run": [f.name for f in dataclasses.fields(section) if f.metadata.get("path")]
+        for prefix, section in SECTIONS.items()
+    }
     return {section: names for section, names in paths.items() if names}
 
 
@@ -971,8 +1103,11 @@ def path_values(config: Config) -> dict[str, str]:
     """Key -> value of every set key that names a file or folder: ``out-dir``, ``data.root`` and each file a
     chosen defense or attack loads (``defense.refiner.evalnet``, ``attack.ggl.generator``, Mjölnir's
     ``denoiser``, a plugin's declared files)."""
-    values = {_key("" if section == "run" else section, name): getattr(getattr(config, section), name)
-              for section, names in _section_paths().items() for name in names}
+    values = {
+        _key("" if section == "run" else section, name): getattr(getattr(config, section), name)
+        for section, names in _section_paths().items()
+        for name in names
+    }
     for kind in ("defense", "attack"):
         for component in config.components(kind):
             for file in _file_params(kind, component):
@@ -988,31 +1123,48 @@ def resolve_paths(config: Config, base: Path) -> Config:
     def absolute(value: str) -> str:
         return str(Path(base, Path(value).expanduser()).absolute()) if value else value
 
-    sections = {section: dataclasses.replace(getattr(config, section), **{
-        name: absolute(getattr(getattr(config, section), name)) for name in names})
-        for section, names in _section_paths().items()}
+    sections = {
+        section: dataclasses.replace(
+            getattr(config, section), **{name: absolute(getattr(getattr(config, section), name)) for name in names}
+        )
+        for section, names in _section_paths().items()
+    }
 
     def with_files(kind: str, component: Component) -> Component:
         files = {file.param: absolute(file.path) for file in _file_params(kind, component)}
-        return dataclasses.replace(component, params=dataclasses.replace(component.params, **files)) if files \
+        return (
+            dataclasses.replace(component, params=dataclasses.replace(component.params, **files))
+            if files
             else component
+        )
 
-    return dataclasses.replace(config, **sections, defense=with_files("defense", config.defense),
-                               attacks=tuple(with_files("attack", a) for a in config.attacks))
+    return dataclasses.replace(
+        config,
+        **sections,
+        defense=with_files("defense", config.defense),
+        attacks=tuple(with_files("attack", a) for a in config.attacks),
+    )
 
 
 def relative_path_problems(config: Config) -> list[str]:
     """The files and data folder of ``config`` given as relative paths (``out-dir`` aside, which has a meaning of
     its own there): under ``flwr run`` the app's processes start in the SuperLink's folder, not where the command
     was typed."""
-    return [f"{key} = {value!r} is a relative path: under `flwr run` the ServerApp and ClientApps start in the "
-            f"SuperLink's folder ({os.getcwd()}), not where you typed it; give an absolute path, or start the run "
-            f"with `fedguard run`, which resolves paths against the folder it runs in"
-            for key, value in path_values(config).items() if key != "out-dir" and not Path(value).is_absolute()]
+    return [
+        f"{key} = {value!r} is a relative path: under `flwr run` the ServerApp and ClientApps start in the "
+        f"SuperLink's folder ({os.getcwd()}), not where you typed it; give an absolute path, or start the run "
+        f"with `fedguard run`, which resolves paths against the folder it runs in"
+        for key, value in path_values(config).items()
+        if key != "out-dir" and not Path(value).is_absolute()
+    ]
 
 
-def load_config(preset: Path | str | None = None, overrides: list[str] | tuple[str, ...] = (),
-                base: Path | None = None, keys: Mapping[str, Any] | None = None) -> Config:
+def load_config(
+    preset: Path | str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    base: Path | None = None,
+    keys: Mapping[str, Any] | None = None,
+) -> Config:
     """Defaults, then the preset TOML file (if any), then ``keys`` (a mapping, flat or nested as in a preset),
     then ``key=value`` overrides; raises one ``ConfigError`` listing the problems of all of them (the keys are
     checked together once the preset could be read).

@@ -78,16 +78,20 @@ def clean_gradient(obs: Observation, images: torch.Tensor, labels: torch.Tensor)
     return grads
 
 
-def gradient_scores(obs: Observation, gradient: list[np.ndarray], images: torch.Tensor,
-                    labels: torch.Tensor) -> dict[str, float]:
+def gradient_scores(
+    obs: Observation, gradient: list[np.ndarray], images: torch.Tensor, labels: torch.Tensor
+) -> dict[str, float]:
     """Cosine similarity and PSNR (dB, +inf clipped at ``PSNR_CAP_DB`` like image PSNR) to the clean gradient of
     the upload as sent (``_before``) and of the gradient the attack inverted (``_after``, e.g. denoised)."""
     clean = clean_gradient(obs, images, labels)
     sent = [torch.tensor(a) for a, t in zip(obs.upload, obs.trainable) if t]
     used = [torch.tensor(np.asarray(a)) for a in gradient]
-    return {"cosine_before": cosine_similarity(sent, clean), "cosine_after": cosine_similarity(used, clean),
-            "psnr_before": min(gradient_psnr(sent, clean), PSNR_CAP_DB),
-            "psnr_after": min(gradient_psnr(used, clean), PSNR_CAP_DB)}
+    return {
+        "cosine_before": cosine_similarity(sent, clean),
+        "cosine_after": cosine_similarity(used, clean),
+        "psnr_before": min(gradient_psnr(sent, clean), PSNR_CAP_DB),
+        "psnr_after": min(gradient_psnr(used, clean), PSNR_CAP_DB),
+    }
 
 
 def describe_row(row: dict[str, Any]) -> str:
@@ -98,9 +102,11 @@ def describe_row(row: dict[str, Any]) -> str:
         return f"{where}: {row.get('status')} ({row.get('seconds', 0):.1f} s) {detail[0]}".rstrip()
     floor = (row.get("floor") or {}).get("psnr")
     against = f" (flat-image floor {floor:.1f} dB)" if floor is not None else ""
-    return (f"{where}: {row['status']} ({row['seconds']:.1f} s) PSNR {row['psnr']:.2f} dB{against}, "
-            f"SSIM {row['ssim']:.3f}, {row.get('leaked_images', 0)} of {len(row.get('per_image') or [])} images "
-            f"above SSIM {LEAK_SSIM:g}")
+    return (
+        f"{where}: {row['status']} ({row['seconds']:.1f} s) PSNR {row['psnr']:.2f} dB{against}, "
+        f"SSIM {row['ssim']:.3f}, {row.get('leaked_images', 0)} of {len(row.get('per_image') or [])} images "
+        f"above SSIM {LEAK_SSIM:g}"
+    )
 
 
 class Evaluator:
@@ -110,8 +116,13 @@ class Evaluator:
     parameters, seed, ...); each of ``listeners`` is given each row once it is in the file (a tracker).
     """
 
-    def __init__(self, run_dir: Path, contexts: dict[str, dict[str, Any]], lpips_net: str = "alex",
-                 listeners: Sequence[Callable[[dict[str, Any]], None]] = ()) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        contexts: dict[str, dict[str, Any]],
+        lpips_net: str = "alex",
+        listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.contexts = contexts
         self.lpips_net = lpips_net
@@ -150,14 +161,20 @@ class Evaluator:
             "status": outcome.status,
             "error": outcome.error,
             "seconds": round(outcome.seconds, 3),
-            "mse": None, "psnr": None, "ssim": None, "lpips": None, "label_accuracy": None, "images": None,
+            "mse": None,
+            "psnr": None,
+            "ssim": None,
+            "lpips": None,
+            "label_accuracy": None,
+            "images": None,
         }
 
     def _scores(self, obs: Observation, rec: Reconstruction, context: dict[str, Any]) -> dict[str, Any]:
         """What scoring adds to the row of a successful attack: its stats, the scores against the vault's
         true batch and the grids' prefix (a note instead when the vault has no batch for the upload)."""
         added: dict[str, Any] = {
-            "stats": {k: v for k, v in rec.stats.items() if isinstance(v, (int, float, str, bool, list))}}
+            "stats": {k: v for k, v in rec.stats.items() if isinstance(v, (int, float, str, bool, list))}
+        }
         truth = read_truth(self.run_dir / VAULT_DIR, obs.round, obs.client)
         if truth is None:
             return {**added, "error": "no ground truth in the vault for this upload; not scored"}

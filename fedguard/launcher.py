@@ -90,8 +90,9 @@ class Interrupted(RuntimeError):
         if status is None:
             super().__init__(f"stopped by {name} before the run started")
         else:
-            super().__init__(f"stopped by {name} after {status['rounds']} rounds; the results so far and the report "
-                             f"are in {folder}")
+            super().__init__(
+                f"stopped by {name} after {status['rounds']} rounds; the results so far and the report are in {folder}"
+            )
 
 
 def _free_port() -> int:
@@ -104,15 +105,17 @@ def _wait_for_port(port: int, process: subprocess.Popen, timeout: float, log_fil
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and stop.signum is None:
         if process.poll() is not None:
-            raise LaunchError(f"the private SuperLink exited with code {process.returncode}:\n"
-                              f"{log_file.read_text()[-2000:]}")
+            raise LaunchError(
+                f"the private SuperLink exited with code {process.returncode}:\n{log_file.read_text()[-2000:]}"
+            )
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.2)
     if stop.signum is None:
-        raise LaunchError(f"the private SuperLink did not listen on 127.0.0.1:{port} within {timeout:.0f} s; "
-                          f"its log: {log_file}")
+        raise LaunchError(
+            f"the private SuperLink did not listen on 127.0.0.1:{port} within {timeout:.0f} s; its log: {log_file}"
+        )
 
 
 class SignalStop:
@@ -151,8 +154,10 @@ class SignalStop:
             self._first_at = time.monotonic()
             with contextlib.suppress(OSError):  # a failed write must not raise inside whatever was interrupted
                 self.stop_file.write_text(name)
-            _say(f"{name}: stopping the run: the attacks still running are recorded as interrupted and the "
-                 "report is written (send the signal again to stop at once)")
+            _say(
+                f"{name}: stopping the run: the attacks still running are recorded as interrupted and the "
+                "report is written (send the signal again to stop at once)"
+            )
         elif len(self.signals) == 2:
             _say(f"{name} again: stopping at once")
 
@@ -182,8 +187,13 @@ def _supervised(plan: Launch, lock: int) -> int | None:
     """Run ``plan`` under a watcher (``fedguard.supervisor``) that holds ``lock`` too and stops the run should
     this process die; returns the signal that stopped the run, or None."""
     token = secrets.token_hex(16)
-    watcher = subprocess.Popen([sys.executable, "-m", "fedguard.supervisor", plan.out_dir, token, str(os.getpid())],
-                               stdin=subprocess.PIPE, env=plan.env, pass_fds=(lock,), start_new_session=True)
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "fedguard.supervisor", plan.out_dir, token, str(os.getpid())],
+        stdin=subprocess.PIPE,
+        env=plan.env,
+        pass_fds=(lock,),
+        start_new_session=True,
+    )
     assert watcher.stdin is not None
     try:
         return _run(plan, {**plan.env, RUN_TOKEN_ENV: token})
@@ -201,21 +211,42 @@ def _run(plan: Launch, env: dict[str, str]) -> int | None:
     port = _free_port()
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-        f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+        f'address = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
     log_file = home / "superlink.log"
-    command = ["flower-superlink", "--insecure", "--simulation", "--disable-runtime-dependency-installation",
-               "--host", "127.0.0.1", "--port", str(port), "--database", str(home / "state.db")]
+    command = [
+        "flower-superlink",
+        "--insecure",
+        "--simulation",
+        "--disable-runtime-dependency-installation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--database",
+        str(home / "state.db"),
+    ]
     tracker = ProcessTracker()
     with SignalStop(Path(env[STOP_FILE_ENV])) as stop:
         with open(log_file, "w") as log:
-            superlink = subprocess.Popen(command, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            superlink = subprocess.Popen(
+                command, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         tracker.watch(superlink.pid)
         try:
             _wait_for_port(port, superlink, 60, log_file, stop)
             if stop.signum is None:
-                run = ["flwr", "run", plan.app_dir, CONNECTION, "--federation-config", plan.federation,
-                       "--run-config", str(home / "run-config.toml"), "--stream"]
+                run = [
+                    "flwr",
+                    "run",
+                    plan.app_dir,
+                    CONNECTION,
+                    "--federation-config",
+                    plan.federation,
+                    "--run-config",
+                    str(home / "run-config.toml"),
+                    "--stream",
+                ]
                 _stream(run, env, home, plan.verbose, stop, tracker)
         finally:
             _shut_down(superlink, tracker, stop)
@@ -234,13 +265,22 @@ def _ending(folder: Path, signum: int | None) -> Path:
     return folder
 
 
-def _stream(command: list[str], env: dict[str, str], cwd: Path, verbose: bool, stop: SignalStop,
-            tracker: ProcessTracker) -> None:
+def _stream(
+    command: list[str], env: dict[str, str], cwd: Path, verbose: bool, stop: SignalStop, tracker: ProcessTracker
+) -> None:
     """Run ``command`` (in its own session: signals reach it through the stop request only), printing its
     output (Flower's own INFO lines only when ``verbose``) and noting the processes the run starts, until it
     ends or ``stop`` is hurried."""
-    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, bufsize=1, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
     tracker.watch(process.pid)
     assert process.stdout is not None
     printer = threading.Thread(target=_print_output, args=(process.stdout, verbose), daemon=True)

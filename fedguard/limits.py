@@ -70,8 +70,10 @@ def nesting_problem(table: Mapping[str, Any], limit: int = MAX_NESTING) -> str |
                 continue
             if len(path) + 1 > limit:
                 dotted = ".".join((*path, str(name)))
-                return (f"table {shown(dotted)} is nested more than {limit} deep, deeper than any key (keys "
-                        f"have three parts, e.g. defense.dp.epsilon)")
+                return (
+                    f"table {shown(dotted)} is nested more than {limit} deep, deeper than any key (keys "
+                    f"have three parts, e.g. defense.dp.epsilon)"
+                )
             stack.append((value, (*path, str(name))))
     return None
 
@@ -87,14 +89,18 @@ def path_problem(key: str, path: str, reserve: int = 0, under: str = "") -> str 
         return f"{key} = {shown(path)}: cannot be written as a file name on this system"
     path_max = _pathconf(os.getcwd(), "PC_PATH_MAX")
     if path_max is not None and len(absolute) + reserve >= path_max:
-        return (f"{key} = {shown(path)}: its absolute path has {len(absolute)} bytes; this file system takes "
-                f"fewer than {path_max - reserve} (PC_PATH_MAX {path_max}"
-                f"{f', less {reserve} for the files inside' if reserve else ''})")
+        return (
+            f"{key} = {shown(path)}: its absolute path has {len(absolute)} bytes; this file system takes "
+            f"fewer than {path_max - reserve} (PC_PATH_MAX {path_max}"
+            f"{f', less {reserve} for the files inside' if reserve else ''})"
+        )
     name_max = _pathconf(_nearest_folder(absolute), "PC_NAME_MAX")
     longest = max(absolute.split(b"/"), key=len)
     if name_max is not None and len(longest) > name_max:
-        return (f"{key} = {shown(path)}: the name {shown(os.fsdecode(longest))} has {len(longest)} bytes; this "
-                f"file system takes at most {name_max} (PC_NAME_MAX)")
+        return (
+            f"{key} = {shown(path)}: the name {shown(os.fsdecode(longest))} has {len(longest)} bytes; this "
+            f"file system takes at most {name_max} (PC_NAME_MAX)"
+        )
     return None
 
 
@@ -107,8 +113,10 @@ def name_problem(key: str, name: str) -> str | None:
     letters, digits, '.', '_' and '-', and neither '.' nor '..'; ``--out`` chooses any other folder."""
     if RUN_NAME.fullmatch(name) and name not in (".", ".."):
         return None
-    return (f"{key} = {shown(name)}: a run name is one folder name of letters, digits, '.', '_' and '-' (not "
-            f"'.' or '..'), e.g. 'photos-lenet'; to write the run elsewhere, use --out DIR or out-dir")
+    return (
+        f"{key} = {shown(name)}: a run name is one folder name of letters, digits, '.', '_' and '-' (not "
+        f"'.' or '..'), e.g. 'photos-lenet'; to write the run elsewhere, use --out DIR or out-dir"
+    )
 
 
 def _nearest_folder(absolute: bytes) -> bytes:

@@ -47,8 +47,17 @@ from fedguard.run_card import initial_model, model_card, upload_rules
 from fedguard.run_folder import upload_file_name
 from fedguard.trained_files import READ_ERRORS, NonFiniteMeta, reject_constant
 from fedguard.training import get_arrays
-from strategies.upload_checks import (NPY_HEADERS, Layout, UploadRefused, UploadRules, check_declared, expect_equal,
-                                      is_integer, is_real, nonfinite_problem)
+from strategies.upload_checks import (
+    NPY_HEADERS,
+    Layout,
+    UploadRefused,
+    UploadRules,
+    check_declared,
+    expect_equal,
+    is_integer,
+    is_real,
+    nonfinite_problem,
+)
 
 FILE_NAME = re.compile(r"round-\d+_client-\d+\.npz")
 COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)  # what np.savez and np.savez_compressed write
@@ -78,9 +87,14 @@ class RunExpectations:
         model = initial_model(config)
         card = model_card(config, model)
         mu = getattr(config.strategy.params, "proximal_mu", None)
-        return cls(card, Layout.of(card.names, get_arrays(model)),
-                   "gradient" if config.train.protocol == "fedsgd" else "weights", config.train.rounds,
-                   upload_rules(config, card), {} if mu is None else {PROXIMAL_MU_KEY: mu})
+        return cls(
+            card,
+            Layout.of(card.names, get_arrays(model)),
+            "gradient" if config.train.protocol == "fedsgd" else "weights",
+            config.train.rounds,
+            upload_rules(config, card),
+            {} if mu is None else {PROXIMAL_MU_KEY: mu},
+        )
 
 
 def read_observation(path: Path, run_dir: Path, expected: RunExpectations) -> Observation:
@@ -107,8 +121,9 @@ def _open_inside(path: Path, run_dir: Path) -> IO[bytes]:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         if path.is_symlink():
-            raise ObservationRefused("a symbolic link; observations are read only from files in the run "
-                                     "folder") from None
+            raise ObservationRefused(
+                "a symbolic link; observations are read only from files in the run folder"
+            ) from None
         raise
     handle = os.fdopen(fd, "rb")
     if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -123,13 +138,17 @@ def _read(name: str, handle: IO[bytes], expected: RunExpectations) -> Observatio
         members = _members(archive, len(expected.card.names))
         meta = _read_meta(archive, members[META])
         fields = _described(name, meta, expected)
-        arrays = {key: _read_array(archive, info, _layout_entry(key, expected.layout))
-                  for key, info in members.items() if key != META}
+        arrays = {
+            key: _read_array(archive, info, _layout_entry(key, expected.layout))
+            for key, info in members.items()
+            if key != META
+        }
     count = len(expected.card.names)
     global_arrays = [arrays[f"global/{i}"] for i in range(count)]
     upload = [arrays[f"upload/{i}"] for i in range(count)]
-    problem = nonfinite_problem([f"global/{i}" for i in range(count)] + [f"upload/{i}" for i in range(count)],
-                                global_arrays + upload)
+    problem = nonfinite_problem(
+        [f"global/{i}" for i in range(count)] + [f"upload/{i}" for i in range(count)], global_arrays + upload
+    )
     if problem is not None:
         raise ObservationRefused(problem)
     return Observation(**fields, global_arrays=global_arrays, upload=upload)
@@ -146,12 +165,16 @@ def _members(archive: zipfile.ZipFile, count: int) -> dict[str, zipfile.ZipInfo]
     if set(found) != expected:
         odd = sorted(set(found) - expected)[:3]
         missing = sorted(expected - set(found))[:3]
-        raise ObservationRefused(f"the archive holds other members than meta, global/<i> and upload/<i> for the "
-                                 f"model's {count} entries (unexpected {shown(odd)}, missing {shown(missing)})")
+        raise ObservationRefused(
+            f"the archive holds other members than meta, global/<i> and upload/<i> for the "
+            f"model's {count} entries (unexpected {shown(odd)}, missing {shown(missing)})"
+        )
     for info in infos:
         if info.compress_type not in COMPRESSIONS:
-            raise ObservationRefused(f"member {info.filename!r} uses compression method {info.compress_type}; "
-                                     "expected stored or deflated (np.savez, np.savez_compressed)")
+            raise ObservationRefused(
+                f"member {info.filename!r} uses compression method {info.compress_type}; "
+                "expected stored or deflated (np.savez, np.savez_compressed)"
+            )
     return dict(zip(found, infos))
 
 
@@ -171,8 +194,9 @@ def _header(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple[int,
         return tuple(shape), dtype, stream.tell() + math.prod(shape) * dtype.itemsize
 
 
-def _checked_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, shape: tuple[int, ...],
-                    dtype: np.dtype | str) -> None:
+def _checked_header(
+    archive: zipfile.ZipFile, info: zipfile.ZipInfo, shape: tuple[int, ...], dtype: np.dtype | str
+) -> None:
     """The member's header names ``shape`` and ``dtype`` (a string: a dtype of that kind, e.g. ``"U"``), and
     its declared size (``file_size``) is exactly the bytes that header says."""
     found_shape, found_dtype, size = _header(archive, info)
@@ -181,12 +205,15 @@ def _checked_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, shape: tupl
     if found_shape != shape:
         raise ObservationRefused(f"member {info.filename!r} has shape {shown(found_shape)}, expected {shape}")
     if info.file_size != size:
-        raise ObservationRefused(f"member {info.filename!r} declares {info.file_size} bytes, but its header "
-                                 f"({found_dtype} {found_shape}) makes {size}")
+        raise ObservationRefused(
+            f"member {info.filename!r} declares {info.file_size} bytes, but its header "
+            f"({found_dtype} {found_shape}) makes {size}"
+        )
 
 
-def _read_array(archive: zipfile.ZipFile, info: zipfile.ZipInfo,
-                expected: tuple[tuple[int, ...], np.dtype]) -> np.ndarray:
+def _read_array(
+    archive: zipfile.ZipFile, info: zipfile.ZipInfo, expected: tuple[tuple[int, ...], np.dtype]
+) -> np.ndarray:
     """A model array member, once its header and size are the model's."""
     shape, dtype = expected
     _checked_header(archive, info, shape, dtype)
@@ -197,8 +224,9 @@ def _read_array(archive: zipfile.ZipFile, info: zipfile.ZipInfo,
 def _read_meta(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> dict[str, Any]:
     """The JSON object of the ``meta`` member, at most ``MAX_META_BYTES``, every number finite."""
     if info.file_size > MAX_META_BYTES:
-        raise ObservationRefused(f"its meta declares {info.file_size} bytes, more than the {MAX_META_BYTES} a "
-                                 "meta may hold")
+        raise ObservationRefused(
+            f"its meta declares {info.file_size} bytes, more than the {MAX_META_BYTES} a meta may hold"
+        )
     _checked_header(archive, info, (), "U")
     with archive.open(info) as stream:
         text = str(npy.read_array(stream, allow_pickle=False))
@@ -235,27 +263,52 @@ def _described(name: str, meta: dict[str, Any], expected: RunExpectations) -> di
     round_ = _integer_in(meta, "round", 1, expected.rounds, "train.rounds")
     client = _integer_in(meta, "client", 0, len(rules.partition_sizes) - 1, "partition.num-clients")
     if name != upload_file_name(round_, client):
-        raise ObservationRefused(f"its meta declares round {round_}, client {client}, whose file is "
-                                 f"{upload_file_name(round_, client)}")
-    _field(meta, "kind", meta.get("kind") == expected.kind,
-           f"{expected.kind!r}, the upload of train.protocol = {rules.protocol!r} (of {', '.join(UPLOAD_KINDS)})")
-    model = {"model": card.model, "model_params": card.model_params,
-             "spec": [card.spec.channels, card.spec.height, card.spec.width, card.spec.num_classes],
-             "names": list(card.names), "trainable": list(card.trainable)}
+        raise ObservationRefused(
+            f"its meta declares round {round_}, client {client}, whose file is {upload_file_name(round_, client)}"
+        )
+    _field(
+        meta,
+        "kind",
+        meta.get("kind") == expected.kind,
+        f"{expected.kind!r}, the upload of train.protocol = {rules.protocol!r} (of {', '.join(UPLOAD_KINDS)})",
+    )
+    model = {
+        "model": card.model,
+        "model_params": card.model_params,
+        "spec": [card.spec.channels, card.spec.height, card.spec.width, card.spec.num_classes],
+        "names": list(card.names),
+        "trainable": list(card.trainable),
+    }
     for key, value in model.items():
         _field(meta, key, _same_json(meta.get(key), value), f"{shown(value)}, the run's")
     manipulations = [HONEST, *MANIPULATIONS.names()]
     manipulation = meta.get("manipulation", HONEST)
     if not isinstance(manipulation, str) or manipulation not in manipulations:
-        raise ObservationRefused(f"meta manipulation = {shown(manipulation)}: expected one of "
-                                 f"{', '.join(manipulations)}")
-    num_examples = _integer_in(meta, "num_examples", 1, rules.partition_sizes[client],
-                               f"client {client} holds {rules.partition_sizes[client]} samples")
+        raise ObservationRefused(
+            f"meta manipulation = {shown(manipulation)}: expected one of {', '.join(manipulations)}"
+        )
+    num_examples = _integer_in(
+        meta,
+        "num_examples",
+        1,
+        rules.partition_sizes[client],
+        f"client {client} holds {rules.partition_sizes[client]} samples",
+    )
     declared = _field(meta, "declared", isinstance(meta.get("declared"), dict), "a JSON object")
     _check_declared(rules, client, num_examples, declared, expected)
-    return {"round": round_, "client": client, "kind": expected.kind, "model": card.model,
-            "model_params": card.model_params, "spec": card.spec, "names": card.names, "trainable": card.trainable,
-            "num_examples": num_examples, "declared": declared, "manipulation": manipulation}
+    return {
+        "round": round_,
+        "client": client,
+        "kind": expected.kind,
+        "model": card.model,
+        "model_params": card.model_params,
+        "spec": card.spec,
+        "names": card.names,
+        "trainable": card.trainable,
+        "num_examples": num_examples,
+        "declared": declared,
+        "manipulation": manipulation,
+    }
 
 
 def _same_json(found: Any, expected: Any) -> bool:
@@ -263,14 +316,14 @@ def _same_json(found: Any, expected: Any) -> bool:
     return json.dumps(found, sort_keys=True) == json.dumps(expected, sort_keys=True)
 
 
-def _check_declared(rules: UploadRules, client: int, num_examples: int, declared: dict[str, Any],
-                    expected: RunExpectations) -> None:
+def _check_declared(
+    rules: UploadRules, client: int, num_examples: int, declared: dict[str, Any], expected: RunExpectations
+) -> None:
     """What the client declared, checked as the server checks a live upload, and the types of what the server
     records besides."""
     check_declared(rules, client, num_examples, declared, expected.instruction)
     if "loss" in declared and not is_real(declared["loss"]):
         raise ObservationRefused(f"declared loss = {shown(declared['loss'])}: expected a number")
     if "upload-bytes" in declared and not (is_integer(declared["upload-bytes"]) and declared["upload-bytes"] >= 0):
-        raise ObservationRefused(f"declared upload-bytes = {shown(declared['upload-bytes'])}: expected an "
-                                 "integer >= 0")
+        raise ObservationRefused(f"declared upload-bytes = {shown(declared['upload-bytes'])}: expected an integer >= 0")
     expect_equal(declared, "dense-bytes", expected.layout.nbytes, "the model's bytes, dense")

@@ -22,6 +22,7 @@ from fedguard.observation_files import ObservationRefused, RunExpectations, read
 from fedguard.report.html import build_report
 from fedguard.run_folder import ATTACKS_FILE, CONFIG_FILE, OBSERVATIONS_DIR, UPLOAD_GLOB
 
+
 def locate(capture_dir: Path) -> tuple[Path, Path]:
     """(run folder, observations folder) for a run folder or its ``observations`` folder."""
     capture_dir = Path(capture_dir)
@@ -37,13 +38,18 @@ def offline_config(run_dir: Path, overrides: list[str]) -> Config:
     preset = run_dir / CONFIG_FILE
     config = load_config(preset if preset.is_file() else None, overrides)
     if not config.attacks:
-        raise ConfigError([f"attack.name = 'none': choose attacks, e.g. --set attack.name=ig,dlg "
-                           f"(choices: {', '.join(ATTACKS.names())})"])
+        raise ConfigError(
+            [
+                f"attack.name = 'none': choose attacks, e.g. --set attack.name=ig,dlg "
+                f"(choices: {', '.join(ATTACKS.names())})"
+            ]
+        )
     return config
 
 
-def readable_observations(folder: Path, run_dir: Path, expected: RunExpectations,
-                          progress: Callable[[str], None]) -> tuple[list[Observation], int]:
+def readable_observations(
+    folder: Path, run_dir: Path, expected: RunExpectations, progress: Callable[[str], None]
+) -> tuple[list[Observation], int]:
     """(every observation in ``folder``, of the run in ``run_dir``, that fits ``expected``, how many did not);
     each one skipped is named with its reason through ``progress``."""
     observations, skipped = [], 0
@@ -77,18 +83,29 @@ def attack_capture(
         for _, same_shape in groupby(ordered, key=lambda o: repr(shape_key(o))):
             batch = list(same_shape)
             for start in range(0, len(batch), config.pool.group):
-                rows += _attack_group(component.name, attack, batch[start : start + config.pool.group], evaluator,
-                                      config.run.seed, progress)
+                rows += _attack_group(
+                    component.name,
+                    attack,
+                    batch[start : start + config.pool.group],
+                    evaluator,
+                    config.run.seed,
+                    progress,
+                )
     if skipped:
-        progress(f"fedguard: {skipped} observation{'s' if skipped != 1 else ''} of {skipped + len(observations)} "
-                 "skipped (unreadable, or not of this run)")
-    progress(f"fedguard: {len(rows)} rows ({status_counts(rows)}) appended to {run_dir / ATTACKS_FILE}; "
-             f"report {build_report(run_dir)}")
+        progress(
+            f"fedguard: {skipped} observation{'s' if skipped != 1 else ''} of {skipped + len(observations)} "
+            "skipped (unreadable, or not of this run)"
+        )
+    progress(
+        f"fedguard: {len(rows)} rows ({status_counts(rows)}) appended to {run_dir / ATTACKS_FILE}; "
+        f"report {build_report(run_dir)}"
+    )
     return run_dir, rows
 
 
-def _attack_group(name: str, attack: Any, group: list[Observation], evaluator: Evaluator, seed: int,
-                  progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def _attack_group(
+    name: str, attack: Any, group: list[Observation], evaluator: Evaluator, seed: int, progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
     """Attack ``group`` as one batch, score and write a row per observation; when the batch raises, each
     observation is attacked alone, so that only those the attack fails on end as 'error'."""
     rows = []
@@ -106,7 +123,7 @@ def _outcomes(name: str, attack: Any, group: list[Observation], seed: int) -> li
         recons = list(attack.reconstruct_many(group, seed))
         missing = f"the attack returned {len(recons)} reconstructions for {len(group)} observations"
         outcomes = [AttackOutcome(obs, "ok", rec, attack=name) for obs, rec in zip(group, recons)]
-        outcomes += [AttackOutcome(obs, "error", error=missing, attack=name) for obs in group[len(recons):]]
+        outcomes += [AttackOutcome(obs, "error", error=missing, attack=name) for obs in group[len(recons) :]]
     except Exception as error:
         if len(group) > 1:
             return [outcome for obs in group for outcome in _outcomes(name, attack, [obs], seed)]

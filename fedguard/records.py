@@ -60,19 +60,25 @@ def array_record(names: list[str] | tuple[str, ...], arrays: list[np.ndarray]) -
     if len(names) != len(arrays):
         raise ValueError(f"{len(arrays)} arrays for {len(names)} names")
     arrays = [np.asarray(a) for a in arrays]  # numpy scalars (0-d results) become arrays
-    return ArrayRecord(array_dict={name: Array(a if a.flags.c_contiguous else np.ascontiguousarray(a))
-                                   for name, a in zip(names, arrays)})
+    return ArrayRecord(
+        array_dict={
+            name: Array(a if a.flags.c_contiguous else np.ascontiguousarray(a)) for name, a in zip(names, arrays)
+        }
+    )
 
 
-def reply_content(arrays: ArrayRecord, num_examples: int, loss: float, declared: dict[str, Any],
-                  reports: dict[str, Any]) -> RecordDict:
+def reply_content(
+    arrays: ArrayRecord, num_examples: int, loss: float, declared: dict[str, Any], reports: dict[str, Any]
+) -> RecordDict:
     """A client's train reply."""
-    return RecordDict({
-        ARRAYS: arrays,
-        METRICS: MetricRecord({NUM_EXAMPLES: int(num_examples), LOSS_KEY: float(loss)}),
-        DECLARED: ConfigRecord(declared),
-        DEFENSE: ConfigRecord(reports),
-    })
+    return RecordDict(
+        {
+            ARRAYS: arrays,
+            METRICS: MetricRecord({NUM_EXAMPLES: int(num_examples), LOSS_KEY: float(loss)}),
+            DECLARED: ConfigRecord(declared),
+            DEFENSE: ConfigRecord(reports),
+        }
+    )
 
 
 @dataclass(frozen=True)

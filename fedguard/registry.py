@@ -76,7 +76,7 @@ def field_help(params: type, name: str) -> str:
     marks = [m for m in _FIELD_MARK.finditer(doc) if m.group(1) in fields]
     for mark, after in zip(marks, marks[1:] + [None]):
         if mark.group(1) == name:
-            return _plain(doc[mark.end():after.start() if after else len(doc)], fields)
+            return _plain(doc[mark.end() : after.start() if after else len(doc)], fields)
     return _plain(doc.strip().split("\n")[0], fields)
 
 
@@ -112,9 +112,7 @@ class Registry(Generic[F]):
         try:
             return self._entries[name]
         except KeyError:
-            raise ValueError(
-                f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}"
-            ) from None
+            raise ValueError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}") from None
 
     def build(self, name: str, *args: Any, params: Any = None) -> Any:
         """Call the factory of ``name`` with ``args`` and ``params`` (its defaults when None)."""

@@ -47,8 +47,10 @@ def _keep_rows(path: Path, round_: int) -> int:
 def rewind(folder: Path, round_: int) -> dict[str, int]:
     """Remove from the run in ``folder`` what rounds after ``round_`` left; returns what went, by kind."""
     folder = Path(folder)
-    removed = {"round rows": _keep_rows(folder / ROUNDS_FILE, round_),
-               "attack rows": _keep_rows(folder / ATTACKS_FILE, round_)}
+    removed = {
+        "round rows": _keep_rows(folder / ROUNDS_FILE, round_),
+        "attack rows": _keep_rows(folder / ATTACKS_FILE, round_),
+    }
     for kind, sub in (("uploads", OBSERVATIONS_DIR), ("true batches", VAULT_DIR), ("images", IMAGES_DIR)):
         later = _later_uploads(folder / sub, round_)
         for path in later:
@@ -62,6 +64,8 @@ def resume_point(folder: Path, total_rounds: int) -> RoundCheckpoint:
     """The checkpoint the run in ``folder`` resumes from; ``ValueError`` when there is nothing left to run."""
     checkpoint = read_checkpoint(folder)
     if checkpoint.round >= total_rounds:
-        raise ValueError(f"{folder}: the run completed all {total_rounds} rounds (checkpoint at round "
-                         f"{checkpoint.round}); to run more, resume with --set train.rounds=<more>")
+        raise ValueError(
+            f"{folder}: the run completed all {total_rounds} rounds (checkpoint at round "
+            f"{checkpoint.round}); to run more, resume with --set train.rounds=<more>"
+        )
     return checkpoint

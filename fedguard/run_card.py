@@ -36,7 +36,19 @@ def model_card(config: Config, model: torch.nn.Module) -> ModelCard:
 
 def upload_rules(config: Config, card: ModelCard) -> UploadRules:
     """What the run lets a client declare: its ``train.*`` settings, the classes and each partition's size."""
-    held = partitions(config.data.name, config.data.source_options(), config.partition.name,
-                      config.partition.options(), config.partition.num_clients, config.run.seed)
-    return UploadRules(config.train.protocol, config.train.lr, config.train.batch_size, config.train.local_epochs,
-                       card.spec.num_classes, tuple(len(p) for p in held))
+    held = partitions(
+        config.data.name,
+        config.data.source_options(),
+        config.partition.name,
+        config.partition.options(),
+        config.partition.num_clients,
+        config.run.seed,
+    )
+    return UploadRules(
+        config.train.protocol,
+        config.train.lr,
+        config.train.batch_size,
+        config.train.local_epochs,
+        card.spec.num_classes,
+        tuple(len(p) for p in held),
+    )

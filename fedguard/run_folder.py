@@ -87,6 +87,7 @@ def warn(message: str) -> None:
 # Names
 # ----------------------------------------------------------------------------------------------
 
+
 def runs_home() -> Path:
     """Where runs started by ``flwr run`` go when ``out-dir`` is empty or relative: ``$FEDGUARD_RUNS``, else
     ``~/fedguard-runs`` (the ServerApp's working directory is wherever Flower's SuperLink was started)."""
@@ -141,6 +142,7 @@ def inside(run_dir: Path, name: str) -> Path:
 # Strict JSON
 # ----------------------------------------------------------------------------------------------
 
+
 def _pointer_token(key: Any) -> str:
     return str(key).replace("~", "~0").replace("/", "~1")
 
@@ -180,6 +182,7 @@ def _restore(row: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 # Writing
 # ----------------------------------------------------------------------------------------------
+
 
 def write_atomic(path: Path, data: bytes | str) -> Path:
     """Write ``data`` (text as UTF-8) to ``path``: a temporary file in the same folder, flushed and synced,
@@ -250,7 +253,7 @@ class JsonlAppender:
         """Write ``row`` as one strict JSON line."""
         data = (encode_row(row) + "\n").encode("utf-8")
         while data:  # a regular file takes it in one write; the loop only finishes a short one
-            data = data[os.write(self._fd, data):]
+            data = data[os.write(self._fd, data) :]
 
     def close(self) -> None:
         """Close the file."""
@@ -259,8 +262,9 @@ class JsonlAppender:
     def __enter__(self) -> JsonlAppender:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self.close()
 
 

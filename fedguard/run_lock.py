@@ -31,9 +31,11 @@ def hold(folder: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise RunFolderBusy(f"{folder} is being written by fedguard run (process {holder}); wait for it to end, "
-                            f"or stop it (kill -INT {holder}), before resuming it or starting another run "
-                            "there") from None
+        raise RunFolderBusy(
+            f"{folder} is being written by fedguard run (process {holder}); wait for it to end, "
+            f"or stop it (kill -INT {holder}), before resuming it or starting another run "
+            "there"
+        ) from None
     except BaseException:
         os.close(fd)
         raise

@@ -60,9 +60,14 @@ from strategies.upload_checks import NonFiniteModel, Rejection, nonfinite_proble
 log = logging.getLogger(__name__)
 
 
-def central_evaluation(config: Config, card: ModelCard, recorder: RoundRecorder, latest: dict[str, Any],
-                       checkpoint: Callable[[int, list[str], list[Any]], None], rounds_done: int = 0,
-                       ) -> Callable[[int, ArrayRecord], MetricRecord | None]:
+def central_evaluation(
+    config: Config,
+    card: ModelCard,
+    recorder: RoundRecorder,
+    latest: dict[str, Any],
+    checkpoint: Callable[[int, list[str], list[Any]], None],
+    rounds_done: int = 0,
+) -> Callable[[int, ArrayRecord], MetricRecord | None]:
     """``evaluate_fn`` of ``Strategy.start``: scores the global model on the held-out split after every
     round, writes the round's row (with what ``latest`` holds of its uploads), then ``checkpoint``s the round.
     A global model holding a NaN or an infinity stops the run with ``NonFiniteModel``, its row saying why
@@ -82,8 +87,7 @@ def central_evaluation(config: Config, card: ModelCard, recorder: RoundRecorder,
         stopped = {} if problem is None else {"stopped": f"the global model's {problem}"}
         recorder.record(server_round, loss, accuracy, **(latest if server_round > 0 else {}), **stopped)
         if problem is not None:
-            raise NonFiniteModel(f"round {server_round}: after aggregation the global model's {problem}; "
-                                 "the run stops")
+            raise NonFiniteModel(f"round {server_round}: after aggregation the global model's {problem}; the run stops")
         checkpoint(server_round, list(arrays.keys()), values)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
@@ -112,8 +116,7 @@ def starting_point(config: Config) -> tuple[Path, RoundCheckpoint | None]:
         print(f"fedguard: resuming after round {point.round} of {config.train.rounds}{gone}", flush=True)
     else:
         folder = resolve_run_dir(config)
-    prepare_run_dir(dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder),
-                                                                        resume=False)))
+    prepare_run_dir(dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder), resume=False)))
     return folder, point
 
 
@@ -121,9 +124,11 @@ def resumed_arrays(card: ModelCard, point: RoundCheckpoint, model: torch.nn.Modu
     """The checkpoint's global model, checked against the run's model."""
     expected = get_arrays(model)
     if point.names != card.names or any(a.shape != e.shape for a, e in zip(point.arrays, expected)):
-        raise ValueError(f"the checkpoint of round {point.round} holds another model than {card.model} "
-                         f"({len(point.names)} arrays, the run's has {len(card.names)}); resume with the run's "
-                         "own config.toml")
+        raise ValueError(
+            f"the checkpoint of round {point.round} holds another model than {card.model} "
+            f"({len(point.names)} arrays, the run's has {len(card.names)}); resume with the run's "
+            "own config.toml"
+        )
     return point.arrays
 
 
@@ -132,8 +137,11 @@ def build_attack_pool(config: Config, folder: Path, stop: StopRequest, trackers:
     (each row also to ``trackers``); they stop taking work once ``stop`` is requested."""
     defense = (config.defense.name, config.defense.params)
     specs = [
-        AttackSpec(a.name, functools.partial(build_attack, a.name, a.params, defense),
-                   required_manipulation(attack_traits(a.name, a.params)))
+        AttackSpec(
+            a.name,
+            functools.partial(build_attack, a.name, a.params, defense),
+            required_manipulation(attack_traits(a.name, a.params)),
+        )
         for a in config.attacks
     ]
     evaluator = Evaluator(folder, attack_contexts(config), listeners=[trackers.attack])
@@ -172,8 +180,9 @@ def capture_strategy(config: Config, inner: Strategy, sink: Any, card: ModelCard
 def aggregating_strategy(config: Config, card: ModelCard) -> Strategy:
     """The configured ``server.strategy`` for the run's protocol; a strategy that aggregates models runs
     FedSGD through ``GradientStep``; any but FedSGD behind ``SparseUploads``."""
-    context = StrategyContext(config.train.clients_per_round, config.partition.num_clients, config.train.lr,
-                              card.trainable)
+    context = StrategyContext(
+        config.train.clients_per_round, config.partition.num_clients, config.train.lr, card.trainable
+    )
     name, protocol = config.server.strategy, config.train.protocol
     strategy = build_strategy(name, protocol, context, config.strategy.params)
     if protocol == "fedsgd" and resolve(name, protocol) not in GRADIENT_NATIVE:
@@ -214,8 +223,9 @@ def round_accounting(recorder_extra: dict[str, Any]) -> Any:
 
     def on_replies(server_round: int, uploads: list[Upload], errors: list[str], rejected: list[Rejection]) -> None:
         recorder_extra.clear()
-        reports = aggregate_reports([{**u.reports, **({"client": u.client} if u.client is not None else {})}
-                                     for u in uploads])
+        reports = aggregate_reports(
+            [{**u.reports, **({"client": u.client} if u.client is not None else {})} for u in uploads]
+        )
         if reports.totals:
             recorder_extra["defense"] = reports.totals
         if reports.uploads:
@@ -264,8 +274,16 @@ def announce_attacks(folder: Path) -> None:
     print(f"fedguard: attacks: {status_counts(rows)}; results in {folder / ATTACKS_FILE}", flush=True)
 
 
-def finish_run(folder: Path, config: Config, recorder: RoundRecorder, outcome: tuple[str, str],
-               sink: FanOut | None, pool: AttackPool | None, stop: StopRequest, trackers: Trackers) -> None:
+def finish_run(
+    folder: Path,
+    config: Config,
+    recorder: RoundRecorder,
+    outcome: tuple[str, str],
+    sink: FanOut | None,
+    pool: AttackPool | None,
+    stop: StopRequest,
+    trackers: Trackers,
+) -> None:
     """The ending of every run, however it stopped: ``status.json`` ('interrupted' too when a stop came while
     the attacks ran), the round log, the captured uploads and a row for every attack, the report, the
     trackers' ending. A step that fails does not keep the next ones from running."""
@@ -278,8 +296,10 @@ def finish_run(folder: Path, config: Config, recorder: RoundRecorder, outcome: t
         _attempt("closing the capture", lambda: close_capture(sink, pool, config.pool.wait, folder))
         reason = stop.reason()
         if outcome[0] == "completed" and reason is not None:
-            _attempt("writing status.json",
-                     lambda: write_status(folder, "interrupted", rounds, f"{reason} while the attacks ran"))
+            _attempt(
+                "writing status.json",
+                lambda: write_status(folder, "interrupted", rounds, f"{reason} while the attacks ran"),
+            )
             ending = "interrupted"
     if pool is not None:
         _attempt("counting the attack rows", lambda: announce_attacks(folder))
@@ -308,9 +328,13 @@ def run_server(grid: Grid, config: Config) -> Path:
     card = model_card(config, model)
     strategy = aggregating_strategy(config, card)
     trackers = open_trackers(config, folder)
-    recorder = RoundRecorder(folder / ROUNDS_FILE, config.train.rounds, config.train.clients_per_round,
-                             previous=read_jsonl(folder / ROUNDS_FILE) if point is not None else (),
-                             listeners=[trackers.round])
+    recorder = RoundRecorder(
+        folder / ROUNDS_FILE,
+        config.train.rounds,
+        config.train.clients_per_round,
+        previous=read_jsonl(folder / ROUNDS_FILE) if point is not None else (),
+        listeners=[trackers.round],
+    )
     latest: dict[str, Any] = {}
     rounds, clients = config.capture.round_selection(), config.capture.client_selection()
     sink: FanOut | None = None
@@ -325,8 +349,9 @@ def run_server(grid: Grid, config: Config) -> Path:
                 sinks.append(pool)
             sink = FanOut(sinks)
             strategy = capture_strategy(config, strategy, sink, card)
-        strategy = RoundGuard(strategy, round_accounting(latest),
-                              upload_rules(config, card), seed=config.run.seed, rounds_done=done)
+        strategy = RoundGuard(
+            strategy, round_accounting(latest), upload_rules(config, card), seed=config.run.seed, rounds_done=done
+        )
         arrays = get_arrays(model) if point is None else resumed_arrays(card, point, model)
         if point is not None:
             restore_strategy_state(strategy, point.strategy)
@@ -334,8 +359,7 @@ def run_server(grid: Grid, config: Config) -> Path:
             grid,
             initial_arrays=array_record(card.names, arrays),
             num_rounds=config.train.rounds - done,
-            evaluate_fn=central_evaluation(config, card, recorder, latest,
-                                           round_checkpoints(folder, strategy), done),
+            evaluate_fn=central_evaluation(config, card, recorder, latest, round_checkpoints(folder, strategy), done),
         )
         outcome = ("completed", "")
     except RunInterrupted as interruption:

@@ -39,8 +39,10 @@ def app_config_keys(app_dir: Path = APP_DIR) -> dict[str, Any]:
     """The run-config keys the app declares (``[tool.flwr.app.config]``), flat, with their defaults."""
     pyproject = app_dir / "pyproject.toml"
     if not pyproject.is_file():
-        raise LaunchError(f"{app_dir} holds no pyproject.toml: `fedguard run` needs the source checkout that "
-                          "`make install` installs from (the Flower app is that folder)")
+        raise LaunchError(
+            f"{app_dir} holds no pyproject.toml: `fedguard run` needs the source checkout that "
+            "`make install` installs from (the Flower app is that folder)"
+        )
     return flatten(tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"])
 
 
@@ -101,8 +103,10 @@ def _address_problem(address: str, source: str) -> str | None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_SECONDS).close()
     except OSError as error:
-        return (f"{source} = {address!r}: no Ray cluster answers at {host}:{port} ({error.strerror or error}); "
-                f"start one there (ray start --head --port={port}) or leave sim.address empty for a local one")
+        return (
+            f"{source} = {address!r}: no Ray cluster answers at {host}:{port} ({error.strerror or error}); "
+            f"start one there (ray start --head --port={port}) or leave sim.address empty for a local one"
+        )
     return None
 
 
@@ -122,25 +126,34 @@ def resource_problems(config: Config) -> list[str]:
         return [problem] if (problem := _address_problem(address, source)) else []
     sim, problems = config.sim, []
     if sim.client_cpus > sim.num_cpus:
-        problems.append(f"sim.client-cpus = {sim.client_cpus}: each client would reserve more CPU cores than the "
-                        f"simulation's Ray cluster has (sim.num-cpus = {sim.num_cpus}; this machine has "
-                        f"{os.cpu_count()}); set it to at most {sim.num_cpus}")
+        problems.append(
+            f"sim.client-cpus = {sim.client_cpus}: each client would reserve more CPU cores than the "
+            f"simulation's Ray cluster has (sim.num-cpus = {sim.num_cpus}; this machine has "
+            f"{os.cpu_count()}); set it to at most {sim.num_cpus}"
+        )
     gpus = _visible_gpus() if sim.client_gpus > 0 else 0
     if sim.client_gpus > gpus:
         hint = "" if gpus else " (0: clients train on CPUs)"
-        problems.append(f"sim.client-gpus = {sim.client_gpus:g}: each client would reserve more GPUs than are "
-                        f"visible ({gpus}); set it to at most {gpus}{hint}")
+        problems.append(
+            f"sim.client-gpus = {sim.client_gpus:g}: each client would reserve more GPUs than are "
+            f"visible ({gpus}); set it to at most {gpus}{hint}"
+        )
     return problems
 
 
 def _environment(home: Path, config: Config) -> dict[str, str]:
-    env = {**os.environ, "FLWR_HOME": str(home), "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
-           STOP_FILE_ENV: str(home / "stop-request"),
-           "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
-           # Ray starts one idle worker per CPU for the first driver; the clients' actors never use them (0.1 GB).
-           "RAY_prestart_worker_first_driver": "0",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+        STOP_FILE_ENV: str(home / "stop-request"),
+        "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        # Ray starts one idle worker per CPU for the first driver; the clients' actors never use them (0.1 GB).
+        "RAY_prestart_worker_first_driver": "0",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     # A plugin module in the working directory (server.plugins) imports in the simulation's processes too.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     address = joins_cluster(config)
@@ -168,8 +181,15 @@ def prepare(config: Config, verbose: bool = False) -> Launch:
     overrides = run_config(config, app_config_keys())
     home = Path(tempfile.mkdtemp(prefix="fedguard-flwr-"))
     (home / "run-config.toml").write_text(tomli_w.dumps(unflatten(overrides)))
-    return Launch(str(APP_DIR), str(config.run.out_dir), str(home), _environment(home, config),
-                  federation_config(config), verbose, time.time())
+    return Launch(
+        str(APP_DIR),
+        str(config.run.out_dir),
+        str(home),
+        _environment(home, config),
+        federation_config(config),
+        verbose,
+        time.time(),
+    )
 
 
 def simulate(config: Config, verbose: bool = False) -> Path:

@@ -75,8 +75,10 @@ def _piece(part: str, spec: str, key: str) -> Interval:
         else:
             low = high = int(part)
     except ValueError:
-        raise ValueError(f"{key} = {shown(spec)}: cannot read {shown(part)}; write 'all', 'none' or integers "
-                         f"and ranges like '1,3,5-7'") from None
+        raise ValueError(
+            f"{key} = {shown(spec)}: cannot read {shown(part)}; write 'all', 'none' or integers "
+            f"and ranges like '1,3,5-7'"
+        ) from None
     if low < 0:
         raise ValueError(f"{key} = {shown(spec)}: {shown(part)} is negative")
     return low, high

@@ -79,8 +79,9 @@ def decode(where: np.ndarray, values: np.ndarray, shape: np.ndarray) -> np.ndarr
         flags = mask_flags(where, size)
         marked = int(np.count_nonzero(flags))
         if marked != len(values):
-            raise ValueError(f"expected as many values as marked entries, got {len(values)} values for {marked} "
-                             f"entries")
+            raise ValueError(
+                f"expected as many values as marked entries, got {len(values)} values for {marked} entries"
+            )
         dense[flags] = values
     else:
         check_positions(where, size, len(values))
@@ -130,6 +131,8 @@ def nonzero_count(array: np.ndarray) -> int:
 def byte_counts(arrays: Sequence[np.ndarray]) -> ByteCounts:
     """Bytes of ``arrays`` encoded by ``encode_arrays`` and dense, counted without encoding."""
     arrays = [np.asarray(a) for a in arrays]
-    encoded = sum(position_bytes(a.size, count) + count * a.dtype.itemsize + a.ndim * SHAPE.itemsize
-                  for a, count in ((a, nonzero_count(a)) for a in arrays))
+    encoded = sum(
+        position_bytes(a.size, count) + count * a.dtype.itemsize + a.ndim * SHAPE.itemsize
+        for a, count in ((a, nonzero_count(a)) for a in arrays)
+    )
     return ByteCounts(encoded, sum(a.nbytes for a in arrays))

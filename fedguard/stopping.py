@@ -66,8 +66,9 @@ def stop_on_flower_exit(stop: StopRequest) -> None:
     """When Flower ends the simulation process (on SIGINT), request the stop, so that the run's ending runs
     while Flower exits. Not waited for here: Flower's handler runs on the main thread, which may hold what the
     run's ending needs."""
-    add_exit_handler(lambda: stop.request("stopped by Flower (the simulation process was asked to exit)"),
-                     run_before_force_exit=True)
+    add_exit_handler(
+        lambda: stop.request("stopped by Flower (the simulation process was asked to exit)"), run_before_force_exit=True
+    )
 
 
 class StoppableGrid(Grid):
@@ -85,8 +86,9 @@ class StoppableGrid(Grid):
     def run(self) -> Run:
         return self.grid.run
 
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
         return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
 
     def get_node_ids(self) -> Iterable[int]:

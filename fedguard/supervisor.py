@@ -77,12 +77,20 @@ def watch(folder: Path, token: str, launcher: int) -> int:
     count = stop_run(token)
     ending = ""
     if _identity(status) == before:
-        write_status(folder, "interrupted", rounds_done(folder),
-                     f"fedguard run (process {launcher}) ended without stopping the run")
+        write_status(
+            folder,
+            "interrupted",
+            rounds_done(folder),
+            f"fedguard run (process {launcher}) ended without stopping the run",
+        )
         ending = f"; {status}: interrupted"
     try:
-        print(f"fedguard: fedguard run (process {launcher}) ended without stopping its run: stopped its {count} "
-              f"processes in {time.monotonic() - start:.1f} s{ending}", file=sys.stderr, flush=True)
+        print(
+            f"fedguard: fedguard run (process {launcher}) ended without stopping its run: stopped its {count} "
+            f"processes in {time.monotonic() - start:.1f} s{ending}",
+            file=sys.stderr,
+            flush=True,
+        )
     except OSError:  # the terminal went with the launcher
         pass
     return 0
@@ -92,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m fedguard.supervisor RUN_DIR TOKEN LAUNCHER_PID`` (started by ``fedguard.launcher``)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or not args[2].isdigit():
-        print("usage: python -m fedguard.supervisor RUN_DIR TOKEN LAUNCHER_PID (started by fedguard run)",
-              file=sys.stderr)
+        print(
+            "usage: python -m fedguard.supervisor RUN_DIR TOKEN LAUNCHER_PID (started by fedguard run)", file=sys.stderr
+        )
         return 2
     return watch(Path(args[0]), args[1], int(args[2]))
 

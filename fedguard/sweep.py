@@ -48,8 +48,16 @@ from fedguard.report.run_dir import config_toml
 from fedguard.report.run_status import read_status
 from fedguard.report.sweep_html import build_sweep_page
 from fedguard.report.statistics import over_seeds
-from fedguard.run_folder import (ATTACKS_FILE, ROUNDS_FILE, RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, read_jsonl,
-                                 write_atomic, write_jsonl)
+from fedguard.run_folder import (
+    ATTACKS_FILE,
+    ROUNDS_FILE,
+    RUNS_FILE,
+    SUMMARY_FILE,
+    SWEEP_FILE,
+    read_jsonl,
+    write_atomic,
+    write_jsonl,
+)
 
 SETTING_KINDS = ("diagnostic", "realistic")
 """What a setting is (EVALUATION.md, point 7): diagnostic finds worst cases (batch 1, untrained model, known
@@ -96,8 +104,11 @@ def _table(sweep: dict[str, Any], key: str, path: Path) -> dict[str, dict[str, A
 def _kinds(settings: dict[str, dict[str, Any]], path: Path) -> dict[str, str]:
     """Each setting's ``kind``, popped from its overrides (a reserved key, not a configuration key)."""
     kinds = {name: keys.pop("kind", SETTING_KINDS[0]) for name, keys in settings.items()}
-    bad = [f"{path}: sweep.settings.{name}.kind = {kind!r}: choose {' or '.join(SETTING_KINDS)}"
-           for name, kind in kinds.items() if kind not in SETTING_KINDS]
+    bad = [
+        f"{path}: sweep.settings.{name}.kind = {kind!r}: choose {' or '.join(SETTING_KINDS)}"
+        for name, kind in kinds.items()
+        if kind not in SETTING_KINDS
+    ]
     if bad:
         raise ConfigError(bad)
     return kinds
@@ -107,34 +118,53 @@ def _setting_variants(settings: dict[str, dict[str, Any]], variants: list[str], 
     """Each setting's ``variants`` (every variant when it names none), popped from its overrides; ``ConfigError``
     for a name that is not a variant of the sweep."""
     chosen = {name: keys.pop("variants", variants) for name, keys in settings.items()}
-    bad = [f"{path}: sweep.settings.{name}.variants = {names!r}: give a list of variants of this sweep "
-           f"({', '.join(variants)})" for name, names in chosen.items()
-           if not (isinstance(names, list) and names and set(names) <= set(variants))]
+    bad = [
+        f"{path}: sweep.settings.{name}.variants = {names!r}: give a list of variants of this sweep "
+        f"({', '.join(variants)})"
+        for name, names in chosen.items()
+        if not (isinstance(names, list) and names and set(names) <= set(variants))
+    ]
     if bad:
         raise ConfigError(bad)
     return chosen
 
 
-def _seeds(sweep: dict[str, Any], keys: dict[str, dict[str, Any]], given: dict[str, Any], path: Path) -> list[int] | None:
+def _seeds(
+    sweep: dict[str, Any], keys: dict[str, dict[str, Any]], given: dict[str, Any], path: Path
+) -> list[int] | None:
     """The declared ``[sweep] seeds`` (None when not declared); ``ConfigError`` for a list that is not distinct
     whole numbers >= 0, or for a setting, variant or ``--set`` that sets the seed the list sets."""
     if "seeds" not in sweep:
         return None
     seeds = sweep["seeds"]
-    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                      for s in seeds) and len(set(seeds)) == len(seeds)):
-        raise ConfigError([f"{path}: sweep.seeds = {seeds!r}: give a list of distinct whole numbers >= 0, "
-                           "e.g. [0, 1, 2]"])
+    if not (
+        isinstance(seeds, list)
+        and seeds
+        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+        and len(set(seeds)) == len(seeds)
+    ):
+        raise ConfigError(
+            [f"{path}: sweep.seeds = {seeds!r}: give a list of distinct whole numbers >= 0, e.g. [0, 1, 2]"]
+        )
     setters = [f"[sweep.{where}]" for where, overrides in keys.items() if "seed" in overrides]
     setters += ["--set seed"] if "seed" in given else []
     if setters:
-        raise ConfigError([f"{path}: sweep.seeds = {seeds} sets each run's seed; remove seed from "
-                           f"{', '.join(setters)} (or change sweep.seeds)"])
+        raise ConfigError(
+            [
+                f"{path}: sweep.seeds = {seeds} sets each run's seed; remove seed from "
+                f"{', '.join(setters)} (or change sweep.seeds)"
+            ]
+        )
     return seeds
 
 
-def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-               only: list[str] | tuple[str, ...] = (), seeds: list[int] | None = None) -> Sweep:
+def load_sweep(
+    preset: Path | str,
+    out: Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    only: list[str] | tuple[str, ...] = (),
+    seeds: list[int] | None = None,
+) -> Sweep:
     """Read and validate every run of the sweep ``preset``; all problems of all runs are reported at once.
 
     ``overrides`` (``key=value``) apply to every run, after its setting's and variant's keys; ``only`` keeps the
@@ -151,8 +181,12 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
         raise ConfigError([f"{path}: no [sweep] table; run a single experiment with `fedguard run {path}`"])
     unknown = sorted(set(sweep) - {"baseline", "seeds", "settings", "variants", "paper"})
     if unknown:
-        raise ConfigError([f"{path}: unknown key(s) in [sweep]: {', '.join(unknown)} "
-                           "(choose baseline, seeds, settings, variants, paper)"])
+        raise ConfigError(
+            [
+                f"{path}: unknown key(s) in [sweep]: {', '.join(unknown)} "
+                "(choose baseline, seeds, settings, variants, paper)"
+            ]
+        )
     if seeds is not None:
         sweep["seeds"] = seeds
     variants = _table(sweep, "variants", path)
@@ -168,8 +202,12 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
     name = str(base.get("name", path.stem))
     folder = (Path(out) if out is not None else Path(str(base.get("out-dir") or "runs")) / name).absolute()
     given = dict(parse_override(text) for text in overrides)
-    run_seeds = _seeds(sweep, {**{f"settings.{k}": v for k, v in settings.items()},
-                           **{f"variants.{k}": v for k, v in variants.items()}}, given, path)
+    run_seeds = _seeds(
+        sweep,
+        {**{f"settings.{k}": v for k, v in settings.items()}, **{f"variants.{k}": v for k, v in variants.items()}},
+        given,
+        path,
+    )
     chosen = _chosen_runs(only, setting_variants, path)
     runs, problems = [], []
     for setting, setting_keys in settings.items():
@@ -189,15 +227,18 @@ def load_sweep(preset: Path | str, out: Path | None = None, overrides: list[str]
                 runs.append(SweepRun(setting, variant, config, where, kinds[setting]))
     paper = None
     if "paper" in sweep:
-        paper, paper_problems = parse_paper_table(sweep["paper"], {f"{s}/{v}" for s in settings for v in variants}, str(path))
+        paper, paper_problems = parse_paper_table(
+            sweep["paper"], {f"{s}/{v}" for s in settings for v in variants}, str(path)
+        )
         problems += paper_problems
     if problems:
         raise ConfigError(problems)
     return Sweep(name, folder, baseline, tuple(runs), paper, None if run_seeds is None else tuple(run_seeds))
 
 
-def _chosen_runs(only: list[str] | tuple[str, ...], setting_variants: dict[str, list[str]],
-                 path: Path) -> set[tuple[str, str]]:
+def _chosen_runs(
+    only: list[str] | tuple[str, ...], setting_variants: dict[str, list[str]], path: Path
+) -> set[tuple[str, str]]:
     """The (setting, variant) pairs ``only`` names among those each setting runs (every one when ``only`` is
     empty); ``ConfigError`` for a name that is no setting/variant or variant of the sweep."""
     pairs = {(s, v) for s, names in setting_variants.items() for v in names}
@@ -209,8 +250,12 @@ def _chosen_runs(only: list[str] | tuple[str, ...], setting_variants: dict[str, 
         setting, _, variant = name.rpartition("/")
         matched = {(s, v) for s, v in pairs if v == variant and setting in ("", s)}
         if not matched:
-            raise ConfigError([f"--only {name!r}: {path} has no such run; choose a variant ({', '.join(variants)}) "
-                               f"or setting/variant with a setting of {', '.join(settings)}"])
+            raise ConfigError(
+                [
+                    f"--only {name!r}: {path} has no such run; choose a variant ({', '.join(variants)}) "
+                    f"or setting/variant with a setting of {', '.join(settings)}"
+                ]
+            )
         chosen |= matched
     return chosen
 
@@ -242,22 +287,40 @@ def raw_uploads(runs: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]) -
     Algorithm 1 fallback), over ``runs`` (each its trained rounds and its scored attack rows): ``raw_fraction``
     over every upload, and ``raw_attacked`` of ``attacked_uploads`` among the (round, client) uploads that attack
     rows scored. Empty when no upload reported it."""
-    flags = {(index, r["round"], u.get("client")): u["raw"] for index, (rounds, _) in enumerate(runs)
-             for r in rounds for u in r.get("uploads", []) if "raw" in u}
+    flags = {
+        (index, r["round"], u.get("client")): u["raw"]
+        for index, (rounds, _) in enumerate(runs)
+        for r in rounds
+        for u in r.get("uploads", [])
+        if "raw" in u
+    }
     if not flags:
         return {}
-    targets = dict.fromkeys((index, a.get("round"), a.get("client")) for index, (_, attacked) in enumerate(runs)
-                            for a in attacked)
-    return {"raw_fraction": sum(flags.values()) / len(flags), "attacked_uploads": len(targets),
-            "raw_attacked": sum(int(flags.get(t, 0) > 0) for t in targets)}
+    targets = dict.fromkeys(
+        (index, a.get("round"), a.get("client")) for index, (_, attacked) in enumerate(runs) for a in attacked
+    )
+    return {
+        "raw_fraction": sum(flags.values()) / len(flags),
+        "attacked_uploads": len(targets),
+        "raw_attacked": sum(int(flags.get(t, 0) > 0) for t in targets),
+    }
 
 
 def failed_row(run: SweepRun, error: str, log: Path) -> dict[str, Any]:
     """The ``runs.jsonl`` row of a run that did not complete: ``status`` 'failed', the ``error`` that stopped
     it and its ``log``; no figure, so that no verdict is drawn from what it did before it stopped."""
-    return {"setting": run.setting, "variant": run.variant, "seed": run.seed, "defense": run.config.defense.name,
-            "status": "failed", "error": error, "log": str(log), "folder": str(run.folder), "accuracy": None,
-            "setting_kind": run.kind}
+    return {
+        "setting": run.setting,
+        "variant": run.variant,
+        "seed": run.seed,
+        "defense": run.config.defense.name,
+        "status": "failed",
+        "error": error,
+        "log": str(log),
+        "folder": str(run.folder),
+        "accuracy": None,
+        "setting_kind": run.kind,
+    }
 
 
 def failure_reason(run: SweepRun, code: int, log: Path) -> str:
@@ -276,7 +339,9 @@ def _mean_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """The defense reports of several seeds as one: numbers averaged, anything else the first seed's."""
     if len(reports) == 1:
         return reports[0]
-    numbers = {key for key, value in reports[0].items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    numbers = {
+        key for key, value in reports[0].items() if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
     return {key: _mean([r.get(key) for r in reports]) if key in numbers else value for key, value in reports[0].items()}
 
 
@@ -293,26 +358,37 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
     trained = [[r for r in rounds if r["round"] > 0] for _, rounds, _ in logs]
     scored_by_run = [[a for a in attacks if a.get("status") == "ok"] for _, _, attacks in logs]
     scored = [a for rows in scored_by_run for a in rows]
-    per_attack = {name: attack_scores([a for a in scored if a.get("attack") == name])
-                  for name in dict.fromkeys(str(a.get("attack")) for a in scored)}
+    per_attack = {
+        name: attack_scores([a for a in scored if a.get("attack") == name])
+        for name in dict.fromkeys(str(a.get("attack")) for a in scored)
+    }
     strongest = max(per_attack, key=lambda name: per_attack[name]["ssim"] or 0.0, default=None)
     reports = [rounds[-1].get("defense", {}) if rounds else {} for rounds in trained]
     report = _mean_report(reports)
     by_round = {}
     if strongest:
-        for round_ in sorted({a["round"] for a in scored if a.get("attack") == strongest and isinstance(a.get("round"), int)}):
-            by_round[str(round_)] = attack_scores([a for a in scored if a.get("attack") == strongest
-                                                   and a.get("round") == round_])
+        for round_ in sorted(
+            {a["round"] for a in scored if a.get("attack") == strongest and isinstance(a.get("round"), int)}
+        ):
+            by_round[str(round_)] = attack_scores(
+                [a for a in scored if a.get("attack") == strongest and a.get("round") == round_]
+            )
     sizes = [(r["upload_bytes"], r["dense_bytes"]) for rounds in trained for r in rounds if r.get("dense_bytes")]
     accuracy = over_seeds([rounds[-1]["accuracy"] if rounds else None for _, rounds, _ in logs])
     seconds = [_mean([r["seconds"] for r in rounds[1:]] or [r["seconds"] for r in rounds]) for rounds in trained]
     adaptive = {a.name: attack_traits(a.name, a.params).adaptive for a in runs[0].config.attacks}
     folder = Path(os.path.commonpath([run.folder for run in runs]))
     return {
-        "setting": runs[0].setting, "variant": runs[0].variant, "defense": runs[0].config.defense.name,
-        "status": "ok", "setting_kind": runs[0].kind, "folder": str(folder), "seeds": [run.seed for run in runs],
+        "setting": runs[0].setting,
+        "variant": runs[0].variant,
+        "defense": runs[0].config.defense.name,
+        "status": "ok",
+        "setting_kind": runs[0].kind,
+        "folder": str(folder),
+        "seeds": [run.seed for run in runs],
         "rounds": len(trained[0]),
-        "accuracy": accuracy.mean, "accuracy_ci95": accuracy.ci95,
+        "accuracy": accuracy.mean,
+        "accuracy_ci95": accuracy.ci95,
         "seconds_per_round": _mean(seconds),
         "defense_report": report,
         "epsilon": report.get("epsilon"),
@@ -335,8 +411,13 @@ def cell_row(runs: list[SweepRun], rows: list[dict[str, Any]]) -> dict[str, Any]
         return {**summarize_runs(completed), "failed_seeds": [row["seed"] for row in failed]}
     error = failed[0]["error"] if len(failed) == 1 else "; ".join(f"seed {r['seed']}: {r['error']}" for r in failed)
     first = {key: value for key, value in failed[0].items() if key != "seed"}
-    return {**first, "folder": os.path.commonpath([row["folder"] for row in failed]), "error": error,
-            "seeds": [], "failed_seeds": [row["seed"] for row in failed]}
+    return {
+        **first,
+        "folder": os.path.commonpath([row["folder"] for row in failed]),
+        "error": error,
+        "seeds": [],
+        "failed_seeds": [row["seed"] for row in failed],
+    }
 
 
 def cell_rows(runs: tuple[SweepRun, ...], rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
@@ -382,8 +463,14 @@ def _attack_cells(leak: dict[str, Any]) -> list[str]:
     interval = leak["ssim_ci95"]
     ssim = "-" if interval is None else f"{leak['ssim_mean']:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
     rate = leak["success_rate"]
-    return [attack, images, _cell(leak["psnr_mean"], 1), ssim, _cell(leak["lpips_mean"], 3),
-            _cell(None if rate is None else 100 * rate, 0, "%")]
+    return [
+        attack,
+        images,
+        _cell(leak["psnr_mean"], 1),
+        ssim,
+        _cell(leak["lpips_mean"], 3),
+        _cell(None if rate is None else 100 * rate, 0, "%"),
+    ]
 
 
 def _accuracy_cell(row: dict[str, Any]) -> str:
@@ -414,10 +501,17 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
     header, rule = ["variant"], ["---"]
 
     def columns_of(setting: str) -> list[str]:
-        return (["attack, round", "images", "PSNR (dB)", "SSIM [95% CI]", "LPIPS", f"SSIM > {SUCCESS_SSIM:g}"]
-                if setting in attacked else []) + (
-            ["accuracy", "% of baseline"] if setting in trained else []) + (
-            ["epsilon"] if setting in private else []) + (["raw uploads"] if setting in raw else []) + ["s/round"]
+        return (
+            (
+                ["attack, round", "images", "PSNR (dB)", "SSIM [95% CI]", "LPIPS", f"SSIM > {SUCCESS_SSIM:g}"]
+                if setting in attacked
+                else []
+            )
+            + (["accuracy", "% of baseline"] if setting in trained else [])
+            + (["epsilon"] if setting in private else [])
+            + (["raw uploads"] if setting in raw else [])
+            + ["s/round"]
+        )
 
     for setting in settings:
         columns = columns_of(setting)
@@ -449,8 +543,10 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
 def failures_note(rows: list[dict[str, Any]]) -> str:
     """Markdown lines naming each failed run (``runs.jsonl`` rows) and why it failed (empty when none did)."""
     failed = [r for r in rows if r.get("status") == "failed"]
-    return "".join(f"\n- `{r['setting']}/{r['variant']}` seed {r['seed']} **failed**: {r['error']} (log {r['log']})"
-                   for r in failed) + ("\n" if failed else "")
+    return "".join(
+        f"\n- `{r['setting']}/{r['variant']}` seed {r['seed']} **failed**: {r['error']} (log {r['log']})"
+        for r in failed
+    ) + ("\n" if failed else "")
 
 
 STOP_WAIT = 90.0  # seconds a stopped run gets to record its attacks and stop its processes (it takes 60 at most)
@@ -482,7 +578,9 @@ def _stop_run(process: subprocess.Popen, signum: int) -> None:
         process.wait()
 
 
-def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: float | None = None) -> list[dict[str, Any]]:
+def run_sweep(
+    sweep: Sweep, progress: Callable[[str], None] = print, timeout: float | None = None
+) -> list[dict[str, Any]]:
     """Run every run of ``sweep`` that is not finished yet, one process each; write ``runs.jsonl`` (a row per
     run), ``sweep.jsonl`` (a row per cell) and ``summary.md``; returns the cells' rows."""
     sweep.folder.mkdir(parents=True, exist_ok=True)
@@ -497,7 +595,9 @@ def run_sweep(sweep: Sweep, progress: Callable[[str], None] = print, timeout: fl
         run.folder.mkdir(parents=True, exist_ok=True)
         preset, log = run.folder.with_suffix(".toml"), run.folder.with_suffix(".log")
         write_atomic(preset, config_toml(run.config))
-        progress(f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}")
+        progress(
+            f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}"
+        )
         code = run_one([sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)], log, timeout)
         if code != 0:
             rows.append(failed_row(run, failure_reason(run, code, log), log))

@@ -28,8 +28,16 @@ NPY_MAGIC = b"\x93NUMPY"
 """How a single ``.npy`` array starts."""
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 """How a zip archive (``.npz``) starts: a first entry, or the end record of an empty archive."""
-READ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError,
-               MemoryError)
+READ_ERRORS = (
+    OSError,
+    EOFError,
+    ValueError,
+    zipfile.BadZipFile,
+    zlib.error,
+    NotImplementedError,
+    RuntimeError,
+    MemoryError,
+)
 """What numpy and zipfile raise on a damaged ``.npz`` archive (MemoryError: a header claiming a huge array)."""
 META_ERRORS = (KeyError, TypeError, ValueError, AttributeError, RuntimeError)
 """What building an object from a meta that lacks a field or holds an invalid one raises."""

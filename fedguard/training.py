@@ -104,7 +104,9 @@ def set_arrays(model: nn.Module, arrays: list[np.ndarray]) -> None:
     new_state = {}
     for (name, current), array in zip(state.items(), arrays):
         if tuple(array.shape) != tuple(current.shape):
-            raise ValueError(f"array for {name!r} has shape {tuple(array.shape)}, the model needs {tuple(current.shape)}")
+            raise ValueError(
+                f"array for {name!r} has shape {tuple(array.shape)}, the model needs {tuple(current.shape)}"
+            )
         new_state[name] = torch.as_tensor(np.asarray(array), dtype=current.dtype)
     model.load_state_dict(new_state)
 

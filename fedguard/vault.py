@@ -53,8 +53,9 @@ def read_truth(vault: Path, round_: int, client: int) -> tuple[torch.Tensor, tor
     return None if batch is None else (torch.from_numpy(batch[0]), torch.from_numpy(batch[1]))
 
 
-def read_scored_images(run_dir: Path, round_: int, client: int, prefix: str) -> tuple[np.ndarray | None,
-                                                                                      np.ndarray | None]:
+def read_scored_images(
+    run_dir: Path, round_: int, client: int, prefix: str
+) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(truth, reconstruction) images of the attack whose grids are named ``prefix`` on the upload of ``client``
     in ``round_``, each (N, C, H, W) float32 in [0, 1], image i of one matched to image i of the other; None
     where ``run_dir`` does not hold it."""

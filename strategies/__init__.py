@@ -12,6 +12,16 @@ from strategies.sparse_uploads import SparseUploads
 from strategies.wrapper import StrategyWrapper
 
 __all__ = [
-    "STRATEGIES", "AllClientsFailed", "FedSGD", "GradientStep", "HonestButCurious", "Malicious", "RoundGuard",
-    "SparseUploads", "StrategyContext", "StrategyWrapper", "build_strategy", "register_strategy",
+    "STRATEGIES",
+    "AllClientsFailed",
+    "FedSGD",
+    "GradientStep",
+    "HonestButCurious",
+    "Malicious",
+    "RoundGuard",
+    "SparseUploads",
+    "StrategyContext",
+    "StrategyWrapper",
+    "build_strategy",
+    "register_strategy",
 ]

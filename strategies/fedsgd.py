@@ -46,14 +46,16 @@ class FedSGD(FedAvg):
     def __repr__(self) -> str:
         return f"FedSGD(lr={self.lr})"
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """Remember the global model, then sample nodes as FedAvg does."""
         self._current = {server_round: arrays}
         return super().configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """One SGD step on the uniform mean of the uploaded gradients (in client order, so that a run
         repeats bit for bit)."""
         # Flower's check wants the same array keys in every reply; a pruned upload travels coordinate-encoded
@@ -70,14 +72,17 @@ class FedSGD(FedAvg):
         for reply in order:  # one upload's arrays at a time: memory does not grow with the clients
             upload = read_upload(reply)
             if len(upload.arrays) != len(self.trainable):
-                raise ValueError(f"node {upload.node} uploaded {len(upload.arrays)} arrays, "
-                                 f"the model has {len(self.trainable)}")
+                raise ValueError(
+                    f"node {upload.node} uploaded {len(upload.arrays)} arrays, the model has {len(self.trainable)}"
+                )
             if not sums:  # float16 adds in float32, as numpy's mean does
                 sums = [a.astype(np.float32) if a.dtype == np.float16 else a.copy() for a in upload.arrays]
             else:
                 sums = [np.add(s, a, out=s) for s, a in zip(sums, upload.arrays)]
-        updated = [fedsgd_step(now, total / len(order), self.lr, is_param)
-                   for now, total, is_param in zip(arrays, sums, self.trainable)]
+        updated = [
+            fedsgd_step(now, total / len(order), self.lr, is_param)
+            for now, total, is_param in zip(arrays, sums, self.trainable)
+        ]
         metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
         return array_record(names, updated), metrics
 

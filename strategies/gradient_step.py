@@ -44,13 +44,15 @@ class GradientStep(StrategyWrapper):
     def __repr__(self) -> str:
         return f"GradientStep({self.strategy!r}, lr={self.lr})"
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         self._current = {server_round: arrays}
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Step each gradient upload from the global model, then aggregate as ``strategy`` does."""
         replies = list(replies)
         current = self._current.pop(server_round)
@@ -60,9 +62,12 @@ class GradientStep(StrategyWrapper):
                 continue
             grads = reply.content[ARRAYS].to_numpy_ndarrays()
             if len(grads) != len(theta):
-                raise ValueError(f"node {reply.metadata.src_node_id} uploaded {len(grads)} arrays, "
-                                 f"the model has {len(theta)}")
-            stepped = [(t - self.lr * g).astype(t.dtype) if is_param else g
-                       for t, g, is_param in zip(theta, grads, self.trainable)]
+                raise ValueError(
+                    f"node {reply.metadata.src_node_id} uploaded {len(grads)} arrays, the model has {len(theta)}"
+                )
+            stepped = [
+                (t - self.lr * g).astype(t.dtype) if is_param else g
+                for t, g, is_param in zip(theta, grads, self.trainable)
+            ]
             reply.content[ARRAYS] = array_record(names, stepped)
         return self.strategy.aggregate_train(server_round, replies)

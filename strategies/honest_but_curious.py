@@ -84,15 +84,17 @@ class HonestButCurious(StrategyWrapper):
         ``reports``. By default: the uploads of the targeted clients."""
         return upload.client is not None and upload.client in self.clients
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """Keep the global model of targeted rounds, then configure as ``strategy`` does."""
         if self.targets_round(server_round):
             self.sent[server_round] = (arrays.to_numpy_ndarrays(), HONEST)
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Hand the chosen uploads to the sink, then aggregate as ``strategy`` does."""
         replies = list(replies)
         sent = self.sent.pop(server_round, None)
@@ -105,13 +107,22 @@ class HonestButCurious(StrategyWrapper):
     def capture(self, server_round: int, sent: list[np.ndarray], manipulation: str, upload: Upload) -> None:
         """Submit an ``Observation`` of ``upload`` when ``should_capture`` says so."""
         if upload.client is None:
-            log.warning("round %d: an upload from node %d declares no %r; not captured",
-                        server_round, upload.node, CLIENT_KEY)
+            log.warning(
+                "round %d: an upload from node %d declares no %r; not captured", server_round, upload.node, CLIENT_KEY
+            )
             return
         if not self.should_capture(server_round, upload):
             return
         declared = {k: v for k, v in upload.declared.items() if k != CLIENT_KEY}
-        obs = self.card.observe(server_round, upload.client, self.upload_kind, [a.copy() for a in sent],
-                                upload.arrays, upload.num_examples, declared, manipulation)
+        obs = self.card.observe(
+            server_round,
+            upload.client,
+            self.upload_kind,
+            [a.copy() for a in sent],
+            upload.arrays,
+            upload.num_examples,
+            declared,
+            manipulation,
+        )
         self.sink.submit(obs)
         self.captured += 1

@@ -73,8 +73,9 @@ class Malicious(HonestButCurious):
             raise ValueError(f"manipulation {name!r} changed the model's layout; it may only change values")
         return sent
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """In a scheduled round, configure as ``strategy`` does with the honest model, then send the
         manipulated one in its place."""
         if server_round not in self.schedule:
@@ -91,8 +92,9 @@ class Malicious(HonestButCurious):
                 message.content[key] = payload
         return messages
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Capture and aggregate; after a manipulated round of weight uploads, move the honest model by
         the clients' change."""
         aggregated, metrics = super().aggregate_train(server_round, replies)

@@ -59,8 +59,9 @@ STRATEGIES: Registry[StrategyBuilder] = Registry("strategy")
 _PROTOCOLS: dict[str, frozenset[str]] = {}
 
 
-def register_strategy(name: str, params: type = NoParams,
-                      protocols: Iterable[str] = PROTOCOLS) -> Callable[[StrategyBuilder], StrategyBuilder]:
+def register_strategy(
+    name: str, params: type = NoParams, protocols: Iterable[str] = PROTOCOLS
+) -> Callable[[StrategyBuilder], StrategyBuilder]:
     """Register a strategy builder ``(context, params) -> Strategy`` under ``name``, aggregating the uploads of
     ``protocols`` ('fedavg': models; 'fedsgd': gradients, through ``GradientStep`` unless the entry is in
     ``GRADIENT_NATIVE``)."""
@@ -96,10 +97,14 @@ def protocol_problem(name: str, protocol: str) -> str | None:
     resolved = resolve(name, protocol)
     if resolved not in _PROTOCOLS or protocol in _PROTOCOLS[resolved]:
         return None
-    why = {"fedprox": "its proximal term has no gradient at the global model, where a FedSGD client computes "
-                      "its one gradient, so it would be FedAvg under another name"}.get(resolved, "")
-    return (f"server.strategy = {name!r} aggregates {' and '.join(sorted(_PROTOCOLS[resolved]))} uploads only, "
-            f"but train.protocol = {protocol!r}" + (f": {why}" if why else ""))
+    why = {
+        "fedprox": "its proximal term has no gradient at the global model, where a FedSGD client computes "
+        "its one gradient, so it would be FedAvg under another name"
+    }.get(resolved, "")
+    return (
+        f"server.strategy = {name!r} aggregates {' and '.join(sorted(_PROTOCOLS[resolved]))} uploads only, "
+        f"but train.protocol = {protocol!r}" + (f": {why}" if why else "")
+    )
 
 
 @register_strategy("fedsgd", protocols=("fedsgd",))
@@ -122,17 +127,23 @@ def _fedmedian(context: StrategyContext, _: NoParams) -> Strategy:
 
 def _flower_params(name: str, fields: dict[str, tuple[type, Any, str]], doc: str) -> type:
     """A frozen parameter dataclass for one of Flower's strategies (field name -> (type, default, help))."""
+
     def check(self: Any) -> None:
         for field_name in fields:
             value = getattr(self, field_name)
             low, high = _BOUNDS.get(field_name, (0.0, float("inf")))
             if not low <= value < high or (field_name in _POSITIVE and value == 0):
-                bound = f"in [{low}, {high})" if high != float("inf") else ("> 0" if field_name in _POSITIVE else ">= 0")
+                bound = (
+                    f"in [{low}, {high})" if high != float("inf") else ("> 0" if field_name in _POSITIVE else ">= 0")
+                )
                 raise ValueError(f"{field_name.replace('_', '-')} = {value!r}: must be {bound}")
 
     params = dataclasses.make_dataclass(
-        name, [(f, t, dataclasses.field(default=d, metadata={"help": h})) for f, (t, d, h) in fields.items()],
-        frozen=True, namespace={"__post_init__": check})
+        name,
+        [(f, t, dataclasses.field(default=d, metadata={"help": h})) for f, (t, d, h) in fields.items()],
+        frozen=True,
+        namespace={"__post_init__": check},
+    )
     params.__doc__ = doc
     return params
 
@@ -148,26 +159,53 @@ _OPT = {
     "tau": (float, 1e-3, "degree of adaptability"),
 }
 FLOWER_STRATEGIES: dict[str, tuple[type, dict[str, tuple[type, Any, str]], str]] = {
-    "fedadagrad": (flower.FedAdagrad, {k: _OPT[k] for k in ("eta", "tau")},
-                   "Flower's FedAdagrad: adaptive server step on the mean model change"),
+    "fedadagrad": (
+        flower.FedAdagrad,
+        {k: _OPT[k] for k in ("eta", "tau")},
+        "Flower's FedAdagrad: adaptive server step on the mean model change",
+    ),
     "fedadam": (flower.FedAdam, dict(_OPT), "Flower's FedAdam: Adam server step on the mean model change"),
-    "fedyogi": (flower.FedYogi, {**_OPT, "eta": (float, 0.01, "server-side learning rate")},
-                "Flower's FedYogi: Yogi server step on the mean model change"),
-    "fedavgm": (flower.FedAvgM, {"server_learning_rate": (float, 1.0, "server-side learning rate"),
-                                 "server_momentum": (float, 0.0, "server-side momentum")},
-                "Flower's FedAvgM: FedAvg with server momentum"),
-    "fedprox": (flower.FedProx, {"proximal_mu": (float, 0.01, "weight mu of the clients' proximal term "
-                                                               "mu/2 ||w - w_global||^2")},
-                "Flower's FedProx: FedAvg whose clients add a proximal term"),
-    "krum": (flower.Krum, {"num_malicious_nodes": (int, 0, "Byzantine nodes tolerated")},
-             "Flower's Krum: the model closest to its neighbours"),
-    "multikrum": (flower.MultiKrum, {"num_malicious_nodes": (int, 0, "Byzantine nodes tolerated"),
-                                     "num_nodes_to_select": (int, 1, "models averaged")},
-                  "Flower's MultiKrum: mean of the models closest to their neighbours"),
-    "bulyan": (flower.Bulyan, {"num_malicious_nodes": (int, 0, "Byzantine nodes tolerated")},
-               "Flower's Bulyan: Krum selection, then a trimmed mean"),
-    "fedtrimmedavg": (flower.FedTrimmedAvg, {"beta": (float, 0.2, "share cut from each end, in [0, 0.5)")},
-                      "Flower's FedTrimmedAvg: coordinate-wise trimmed mean of the models"),
+    "fedyogi": (
+        flower.FedYogi,
+        {**_OPT, "eta": (float, 0.01, "server-side learning rate")},
+        "Flower's FedYogi: Yogi server step on the mean model change",
+    ),
+    "fedavgm": (
+        flower.FedAvgM,
+        {
+            "server_learning_rate": (float, 1.0, "server-side learning rate"),
+            "server_momentum": (float, 0.0, "server-side momentum"),
+        },
+        "Flower's FedAvgM: FedAvg with server momentum",
+    ),
+    "fedprox": (
+        flower.FedProx,
+        {"proximal_mu": (float, 0.01, "weight mu of the clients' proximal term mu/2 ||w - w_global||^2")},
+        "Flower's FedProx: FedAvg whose clients add a proximal term",
+    ),
+    "krum": (
+        flower.Krum,
+        {"num_malicious_nodes": (int, 0, "Byzantine nodes tolerated")},
+        "Flower's Krum: the model closest to its neighbours",
+    ),
+    "multikrum": (
+        flower.MultiKrum,
+        {
+            "num_malicious_nodes": (int, 0, "Byzantine nodes tolerated"),
+            "num_nodes_to_select": (int, 1, "models averaged"),
+        },
+        "Flower's MultiKrum: mean of the models closest to their neighbours",
+    ),
+    "bulyan": (
+        flower.Bulyan,
+        {"num_malicious_nodes": (int, 0, "Byzantine nodes tolerated")},
+        "Flower's Bulyan: Krum selection, then a trimmed mean",
+    ),
+    "fedtrimmedavg": (
+        flower.FedTrimmedAvg,
+        {"beta": (float, 0.2, "share cut from each end, in [0, 0.5)")},
+        "Flower's FedTrimmedAvg: coordinate-wise trimmed mean of the models",
+    ),
 }
 
 

@@ -69,8 +69,14 @@ class RoundGuard(StrategyWrapper):
         Rounds completed before this strategy starts (a resumed run); Flower's round r is round rounds_done + r.
     """
 
-    def __init__(self, strategy: Strategy, on_replies: Callable[[int, list[Upload], list[str], list[Rejection]], None],
-                 rules: UploadRules, seed: int = 0, rounds_done: int = 0) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        on_replies: Callable[[int, list[Upload], list[str], list[Rejection]], None],
+        rules: UploadRules,
+        seed: int = 0,
+        rounds_done: int = 0,
+    ) -> None:
         super().__init__(strategy)
         self.on_replies = on_replies
         self.rules = rules
@@ -81,8 +87,9 @@ class RoundGuard(StrategyWrapper):
         self._layout = Layout((), (), ())
         self._instructions: dict[int, ConfigRecord] = {}
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """Configure as ``strategy`` does (sampling seeded by the round) and tell each node its client."""
         server_round += self.rounds_done
         if not self.clients:
@@ -96,8 +103,11 @@ class RoundGuard(StrategyWrapper):
             random.setstate(outside)
         strangers = [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in self.clients]
         if strangers:
-            log.warning("round %d: nodes %s joined after the clients were assigned; they are sent nothing",
-                        server_round, strangers)
+            log.warning(
+                "round %d: nodes %s joined after the clients were assigned; they are sent nothing",
+                server_round,
+                strangers,
+            )
         messages = [self.addressed(m) for m in messages if m.metadata.dst_node_id in self.clients]
         self._instructions = {m.metadata.dst_node_id: m.content[CONFIG] for m in messages}
         return messages
@@ -109,8 +119,9 @@ class RoundGuard(StrategyWrapper):
         message.content = RecordDict({**message.content, CONFIG: config})
         return message
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Check and count the replies, stop when all failed, aggregate the accepted uploads as ``strategy``
         does, keep the dtypes."""
         server_round += self.rounds_done
@@ -123,17 +134,22 @@ class RoundGuard(StrategyWrapper):
         permanent = [m for m in failed if cannot_train(m.error.reason)]
         if permanent:
             node = permanent[0].metadata.src_node_id
-            raise AllClientsFailed(f"round {server_round}: client {self.clients.get(node, '?')} (node {node}) "
-                                   f"{permanent[0].error.reason} ({len(permanent)} of {len(replies)} clients)")
+            raise AllClientsFailed(
+                f"round {server_round}: client {self.clients.get(node, '?')} (node {node}) "
+                f"{permanent[0].error.reason} ({len(permanent)} of {len(replies)} clients)"
+            )
         if not accepted and not rejected:
             reasons = "; ".join(errors[:3]) + (f"; ... ({len(errors) - 3} more)" if len(errors) > 3 else "")
-            raise AllClientsFailed(f"round {server_round}: every one of {len(errors)} clients failed "
-                                   f"({reasons or 'no node replied'})")
+            raise AllClientsFailed(
+                f"round {server_round}: every one of {len(errors)} clients failed ({reasons or 'no node replied'})"
+            )
         aggregated, metrics = self.strategy.aggregate_train(server_round, failed + accepted)
         if aggregated is None:
             return None, metrics
-        arrays = [np.rint(a).astype(d) if np.issubdtype(d, np.integer) and a.dtype != d else a.astype(d, copy=False)
-                  for a, d in zip(aggregated.to_numpy_ndarrays(), self._layout.dtypes)]
+        arrays = [
+            np.rint(a).astype(d) if np.issubdtype(d, np.integer) and a.dtype != d else a.astype(d, copy=False)
+            for a, d in zip(aggregated.to_numpy_ndarrays(), self._layout.dtypes)
+        ]
         return array_record(list(aggregated.keys()), arrays), metrics
 
     def screen(self, replies: list[Message]) -> tuple[list[Message], list[Rejection]]:
@@ -146,8 +162,9 @@ class RoundGuard(StrategyWrapper):
             node = reply.metadata.src_node_id
             instruction = instructions.pop(node, None)
             if instruction is None:
-                rejected.append(Rejection(self.clients.get(node),
-                                          f"node {node} sent an upload it was not asked for this round"))
+                rejected.append(
+                    Rejection(self.clients.get(node), f"node {node} sent an upload it was not asked for this round")
+                )
                 continue
             problem = upload_problem(reply, self.clients[node], self._layout, self.rules, instruction)
             if problem is None:
@@ -156,8 +173,9 @@ class RoundGuard(StrategyWrapper):
                 rejected.append(Rejection(self.clients[node], problem))
         return accepted, rejected
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """No node evaluates: the server scores the global model on the held-out split."""
         return []
 

@@ -24,13 +24,15 @@ class SparseUploads(StrategyWrapper):
 
     _names: tuple[str, ...] = ()
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         self._names = tuple(arrays.keys())
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode the sparse uploads, then aggregate as ``strategy`` does."""
         replies = list(replies)
         for reply in replies:

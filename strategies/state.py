@@ -89,13 +89,17 @@ def restore_strategy_state(strategy: Any, state: dict[str, np.ndarray]) -> None:
         elif attribute in STATE_ATTRIBUTES and hasattr(members[depth], attribute):
             _set(nested.setdefault((depth, attribute), {}), path, array)
         else:
-            raise ValueError(f"checkpointed strategy state {name!r}: {type(members[depth]).__name__} has no "
-                             f"attribute {attribute!r}; was the run resumed with another server.strategy?")
+            raise ValueError(
+                f"checkpointed strategy state {name!r}: {type(members[depth]).__name__} has no "
+                f"attribute {attribute!r}; was the run resumed with another server.strategy?"
+            )
     for depth, arrays in own.items():
         loader = getattr(members[depth], "load_state_arrays", None)
         if not callable(loader):
-            raise ValueError(f"checkpointed strategy state for {type(members[depth]).__name__}, which has no "
-                             "load_state_arrays(arrays)")
+            raise ValueError(
+                f"checkpointed strategy state for {type(members[depth]).__name__}, which has no "
+                "load_state_arrays(arrays)"
+            )
         loader(arrays)
     for (depth, attribute), tree in nested.items():
         setattr(members[depth], attribute, _build(tree))

@@ -99,8 +99,9 @@ class UploadRules:
     partition_sizes: tuple[int, ...]
 
 
-def upload_problem(reply: Message, client: int, layout: Layout, rules: UploadRules,
-                   instruction: Mapping[str, Any]) -> str | None:
+def upload_problem(
+    reply: Message, client: int, layout: Layout, rules: UploadRules, instruction: Mapping[str, Any]
+) -> str | None:
     """Why the server refuses ``reply`` (a successful train reply of the node assigned ``client``, answering
     the train config ``instruction``), or None to accept it."""
     try:
@@ -122,8 +123,7 @@ def check_records(content: RecordDict) -> None:
     if list(content.array_records) != [ARRAYS]:
         raise UploadRefused(f"holds the array records {shown(sorted(content.array_records))}, expected [{ARRAYS!r}]")
     if list(content.metric_records) != [METRICS]:
-        raise UploadRefused(f"holds the metric records {shown(sorted(content.metric_records))}, "
-                            f"expected [{METRICS!r}]")
+        raise UploadRefused(f"holds the metric records {shown(sorted(content.metric_records))}, expected [{METRICS!r}]")
     if not isinstance(content.get(DECLARED), ConfigRecord):
         raise UploadRefused(f"lacks the ConfigRecord {DECLARED!r}")
     if DEFENSE in content:
@@ -136,8 +136,9 @@ def check_reports(reports: Any) -> None:
         raise UploadRefused(f"{DEFENSE!r} is a {type(reports).__name__}, expected a ConfigRecord")
     for key, value in reports.items():
         if not key.startswith(REPORT_PREFIX) or not is_real(value):
-            raise UploadRefused(f"defense report {shown(key)} = {shown(value)}: expected a number "
-                                f"named {REPORT_PREFIX}<name>")
+            raise UploadRefused(
+                f"defense report {shown(key)} = {shown(value)}: expected a number named {REPORT_PREFIX}<name>"
+            )
 
 
 def check_identity(client: int, declared: Mapping[str, Any]) -> None:
@@ -151,7 +152,9 @@ def check_metrics(metrics: MetricRecord) -> int:
     """The reply's metrics are exactly ``num-examples`` (an integer >= 1) and ``loss`` (a number: a manipulated
     model may give an infinite one); returns the number of examples."""
     if set(metrics) != {NUM_EXAMPLES, LOSS_KEY}:
-        raise UploadRefused(f"reports the metrics {shown(sorted(metrics))}, expected {sorted((NUM_EXAMPLES, LOSS_KEY))}")
+        raise UploadRefused(
+            f"reports the metrics {shown(sorted(metrics))}, expected {sorted((NUM_EXAMPLES, LOSS_KEY))}"
+        )
     num_examples, loss = metrics[NUM_EXAMPLES], metrics[LOSS_KEY]
     if not is_integer(num_examples) or num_examples < 1:
         raise UploadRefused(f"{NUM_EXAMPLES} = {shown(num_examples)}: expected an integer >= 1")
@@ -160,8 +163,9 @@ def check_metrics(metrics: MetricRecord) -> int:
     return int(num_examples)
 
 
-def check_declared(rules: UploadRules, client: int, num_examples: int, declared: Mapping[str, Any],
-                   instruction: Mapping[str, Any]) -> None:
+def check_declared(
+    rules: UploadRules, client: int, num_examples: int, declared: Mapping[str, Any], instruction: Mapping[str, Any]
+) -> None:
     """The sizes and hyper-parameters declared agree with the run, the client's partition and each other."""
     if not 0 <= client < len(rules.partition_sizes):
         raise UploadRefused(f"client {client} holds no partition of the run's {len(rules.partition_sizes)}")
@@ -169,16 +173,22 @@ def check_declared(rules: UploadRules, client: int, num_examples: int, declared:
     if num_examples > holds:
         raise UploadRefused(f"{NUM_EXAMPLES} = {num_examples}: client {client} holds {holds} samples")
     if rules.protocol == "fedsgd" and num_examples > rules.batch_size:
-        raise UploadRefused(f"{NUM_EXAMPLES} = {num_examples}: a FedSGD upload is one batch of at most "
-                            f"train.batch-size = {rules.batch_size}")
+        raise UploadRefused(
+            f"{NUM_EXAMPLES} = {num_examples}: a FedSGD upload is one batch of at most "
+            f"train.batch-size = {rules.batch_size}"
+        )
     expect_equal(declared, "protocol", rules.protocol, "the run's train.protocol")
     expect_equal(declared, "lr", rules.lr, "the run's train.lr")
     expect_equal(declared, "local-epochs", rules.local_epochs, "the run's train.local-epochs")
     expect_equal(declared, PROXIMAL_MU_KEY, instruction.get(PROXIMAL_MU_KEY), "the value the server sent")
     batch = check_batch_size(rules, num_examples, declared)
     if "local-steps" in declared:
-        expect_equal(declared, "local-steps", rules.local_epochs * math.ceil(num_examples / batch),
-                     f"{rules.local_epochs} epochs of {math.ceil(num_examples / batch)} batches")
+        expect_equal(
+            declared,
+            "local-steps",
+            rules.local_epochs * math.ceil(num_examples / batch),
+            f"{rules.local_epochs} epochs of {math.ceil(num_examples / batch)} batches",
+        )
     if "labels" in declared:
         check_labels(declared["labels"], num_examples, rules.num_classes)
     if ENCODING_KEY in declared and declared[ENCODING_KEY] != SPARSE:
@@ -199,12 +209,16 @@ def check_batch_size(rules: UploadRules, num_examples: int, declared: Mapping[st
     ``train.batch-size`` and the examples, and equals the examples of a FedSGD upload; returns it."""
     batch = declared.get("batch-size", min(rules.batch_size, num_examples))
     if not is_integer(batch) or not 1 <= batch <= min(rules.batch_size, num_examples):
-        raise UploadRefused(f"declares batch-size = {shown(batch)}, expected an integer in [1, "
-                            f"{min(rules.batch_size, num_examples)}] (train.batch-size = {rules.batch_size}, "
-                            f"{NUM_EXAMPLES} = {num_examples})")
+        raise UploadRefused(
+            f"declares batch-size = {shown(batch)}, expected an integer in [1, "
+            f"{min(rules.batch_size, num_examples)}] (train.batch-size = {rules.batch_size}, "
+            f"{NUM_EXAMPLES} = {num_examples})"
+        )
     if rules.protocol == "fedsgd" and batch != num_examples:
-        raise UploadRefused(f"declares batch-size = {batch}, but a FedSGD upload of {num_examples} examples is "
-                            f"one batch of {num_examples}")
+        raise UploadRefused(
+            f"declares batch-size = {batch}, but a FedSGD upload of {num_examples} examples is "
+            f"one batch of {num_examples}"
+        )
     return int(batch)
 
 
@@ -220,8 +234,10 @@ def check_labels(labels: Any, num_examples: int, num_classes: int) -> None:
 def check_dense(layout: Layout, record: ArrayRecord) -> int:
     """A dense upload: the model's arrays by name, shape and dtype, finite. Returns the bytes sent."""
     if list(record) != list(layout.names):
-        raise UploadRefused(f"uploads {len(record)} arrays {shown(list(record))}, expected the model's "
-                            f"{len(layout.names)} {shown(list(layout.names))}")
+        raise UploadRefused(
+            f"uploads {len(record)} arrays {shown(list(record))}, expected the model's "
+            f"{len(layout.names)} {shown(list(layout.names))}"
+        )
     sent = 0
     for name, shape, dtype in zip(layout.names, layout.shapes, layout.dtypes):
         check_header(name, record[name], shape, dtype)
@@ -238,8 +254,9 @@ def check_sparse(layout: Layout, record: ArrayRecord) -> int:
     sent."""
     parts = list(record.values())
     if len(parts) != PARTS * len(layout.names):
-        raise UploadRefused(f"uploads {len(parts)} encoded arrays, expected {PARTS} per model array: "
-                            f"{PARTS * len(layout.names)}")
+        raise UploadRefused(
+            f"uploads {len(parts)} encoded arrays, expected {PARTS} per model array: {PARTS * len(layout.names)}"
+        )
     sent = 0
     for i, (name, shape, dtype) in enumerate(zip(layout.names, layout.shapes, layout.dtypes)):
         where, values, encoded_shape = parts[PARTS * i : PARTS * (i + 1)]
@@ -265,8 +282,10 @@ def encoded_count(name: str, where: Array, size: int) -> int:
         except ValueError as error:
             raise UploadRefused(f"array {name!r} is encoded with a bad mask: {error}") from None
     if dtype != INDEX or len(shape) != 1 or shape[0] > size:
-        raise UploadRefused(f"array {name!r} is encoded with positions {dtype} {shape}, expected {INDEX} "
-                            f"(k,) with k <= {size} or a {MASK} mask ({mask_bytes(size)},)")
+        raise UploadRefused(
+            f"array {name!r} is encoded with positions {dtype} {shape}, expected {INDEX} "
+            f"(k,) with k <= {size} or a {MASK} mask ({mask_bytes(size)},)"
+        )
     check_positions(name, load(name, where), size)
     return int(shape[0])
 
@@ -276,8 +295,9 @@ def check_positions(name: str, indices: np.ndarray, size: int) -> None:
     try:
         positions_in_range(indices, size, len(indices))
     except ValueError:
-        raise UploadRefused(f"array {name!r} is encoded with positions that are not strictly increasing "
-                            f"in [0, {size})") from None
+        raise UploadRefused(
+            f"array {name!r} is encoded with positions that are not strictly increasing in [0, {size})"
+        ) from None
 
 
 def check_header(name: str, array: Array, shape: tuple[int, ...], dtype: np.dtype) -> None:

@@ -22,13 +22,25 @@ from fedguard.records import ROUND_KEY, array_record
 
 FASHION_MNIST = (DEBIAN_FASHION_MNIST / "t10k-images-idx3-ubyte.gz").is_file()
 needs_fashion_mnist = pytest.mark.skipif(
-    not FASHION_MNIST, reason="Debian package dataset-fashion-mnist not installed (.ci/run installs it where apt-get may)")
+    not FASHION_MNIST,
+    reason="Debian package dataset-fashion-mnist not installed (.ci/run installs it where apt-get may)",
+)
 
 
 def config(*overrides: str) -> Config:
     """A small config on scikit-learn digits with an MLP, plus ``key=value`` overrides."""
-    return load_config(None, ["data.name=digits", "model.name=mlp", "model.mlp.hidden=16", "partition.num-clients=4",
-                              "train.clients-per-round=3", "train.batch-size=8", *overrides])
+    return load_config(
+        None,
+        [
+            "data.name=digits",
+            "model.name=mlp",
+            "model.mlp.hidden=16",
+            "partition.num-clients=4",
+            "train.clients-per-round=3",
+            "train.batch-size=8",
+            *overrides,
+        ],
+    )
 
 
 def context(partition_id: int, num_partitions: int) -> Context:
@@ -80,23 +92,36 @@ def reply(to: Message, arrays: list[np.ndarray], num_examples: int, declared: di
     return message
 
 
-def train_round(strategy: Strategy, server_round: int, names: list[str], arrays: list[np.ndarray],
-                uploads: list[tuple[list[np.ndarray], int, dict[str, Any]]]
-                ) -> tuple[ArrayRecord | None, MetricRecord | None, list[Message]]:
+def train_round(
+    strategy: Strategy,
+    server_round: int,
+    names: list[str],
+    arrays: list[np.ndarray],
+    uploads: list[tuple[list[np.ndarray], int, dict[str, Any]]],
+) -> tuple[ArrayRecord | None, MetricRecord | None, list[Message]]:
     """One round of ``strategy`` on ``len(uploads)`` nodes answering ``uploads`` (node order): the aggregate,
     its metrics and the instructions sent."""
-    sent = sorted(strategy.configure_train(server_round, array_record(names, arrays), ConfigRecord(),
-                                           Nodes(len(uploads))), key=lambda m: m.metadata.dst_node_id)
+    sent = sorted(
+        strategy.configure_train(server_round, array_record(names, arrays), ConfigRecord(), Nodes(len(uploads))),
+        key=lambda m: m.metadata.dst_node_id,
+    )
     replies = [reply(m, *upload) for m, upload in zip(sent, uploads)]
     aggregated, metrics = strategy.aggregate_train(server_round, replies)
     return aggregated, metrics, sent
 
 
-def client_fit(cfg: Config, client: int, arrays: list[np.ndarray], round_: int, state: RecordDict | None = None,
-               **instructions: Any):
+def client_fit(
+    cfg: Config,
+    client: int,
+    arrays: list[np.ndarray],
+    round_: int,
+    state: RecordDict | None = None,
+    **instructions: Any,
+):
     """(upload, num_examples, declared) of one client's fit."""
     return DefendedClient(cfg, client, state if state is not None else RecordDict()).fit(
-        arrays, {ROUND_KEY: round_, **instructions})
+        arrays, {ROUND_KEY: round_, **instructions}
+    )
 
 
 class ListSink:

@@ -22,8 +22,13 @@ class LocalGrid(Nodes):
         self.fail = set(fail)
         self.pending: dict[str, Message] = {}
         self.contexts = {
-            node: Context(run_id=1, node_id=node, state=RecordDict(), run_config={},
-                          node_config={"partition-id": i, "num-partitions": num_nodes})
+            node: Context(
+                run_id=1,
+                node_id=node,
+                state=RecordDict(),
+                run_config={},
+                node_config={"partition-id": i, "num-partitions": num_nodes},
+            )
             for i, node in enumerate(self.get_node_ids())
         }
 

@@ -33,7 +33,7 @@ def project_frames(frame: FrameType | None) -> list[str]:
         parts = Path(frame.f_code.co_filename).parts
         found = [i for i, part in enumerate(parts) if part in PACKAGES]
         if found:
-            files.append("/".join(parts[found[-1]:]))
+            files.append("/".join(parts[found[-1] :]))
         frame = frame.f_back
     return files
 
@@ -59,8 +59,9 @@ class Watch:
         if event == "open":
             path = opened_path(args)
             if path is not None and path.startswith(self.folder):
-                self.note({"pid": os.getpid(), "path": path, "mode": str(args[1]),
-                           "stack": project_frames(sys._getframe(1))})
+                self.note(
+                    {"pid": os.getpid(), "path": path, "mode": str(args[1]), "stack": project_frames(sys._getframe(1))}
+                )
         elif event == "pickle.find_class" and not self.worker and tuple(args) in WORKER_CLASSES:
             self.worker = True
             self.note({"pid": os.getpid(), "worker": True})

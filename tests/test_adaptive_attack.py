@@ -24,8 +24,10 @@ def attacked(defense: str, params: object) -> dict[str, tuple[np.ndarray, np.nda
     observations, x, _ = uploads(defense, params)
     adaptive = AdaptiveInvertingGradients(PARAMS)
     adaptive.know_defense(build_defense(defense, params))
-    return {"plain": scores(InvertingGradients(PARAMS).reconstruct_many(observations[:2], 0), x[:2]),
-            "adaptive": scores(adaptive.reconstruct_many(observations[:2], 0), x[:2])}
+    return {
+        "plain": scores(InvertingGradients(PARAMS).reconstruct_many(observations[:2], 0), x[:2]),
+        "adaptive": scores(adaptive.reconstruct_many(observations[:2], 0), x[:2]),
+    }
 
 
 def test_matching_only_the_sent_entries_beats_plain_ig_on_pruned_uploads() -> None:

@@ -43,6 +43,7 @@ Truths = dict[str, np.ndarray]  # "<vault file>:images" / ":labels" -> the array
 
 # --- the checks -------------------------------------------------------------------------------------
 
+
 def vault_truths(vault: Path) -> Truths:
     """Every true batch in ``vault``, images and labels apart."""
     truths: Truths = {}
@@ -73,8 +74,12 @@ def holds(field: np.ndarray, truth: np.ndarray) -> bool:
 
 def leaks(obs: Observation, truths: Truths, vault: Path) -> list[str]:
     """What of the vault ``obs`` holds: '<field> holds <truth>', or the vault's path in its metadata."""
-    found = [f"{name} holds {key}" for name, array in observation_arrays(obs)
-             for key, truth in truths.items() if holds(array, truth)]
+    found = [
+        f"{name} holds {key}"
+        for name, array in observation_arrays(obs)
+        for key, truth in truths.items()
+        if holds(array, truth)
+    ]
     if str(vault) in json.dumps(obs.meta()):
         found.append("its metadata names the vault")
     return found
@@ -162,7 +167,8 @@ def test_a_truth_put_in_an_observation_is_caught(captured: tuple[Path, list[Obse
     padded = np.concatenate([obs.global_arrays[0].ravel(), images.ravel()])
     planted = {
         "images as float64 rows": dataclasses.replace(
-            obs, upload=[images.astype(np.float64).reshape(len(images), -1), *obs.upload[1:]]),
+            obs, upload=[images.astype(np.float64).reshape(len(images), -1), *obs.upload[1:]]
+        ),
         "image bytes inside an array": dataclasses.replace(obs, global_arrays=[padded, *obs.global_arrays[1:]]),
         "labels declared": dataclasses.replace(obs, declared={**obs.declared, "batch": labels.tolist()}),
         "the vault's path": dataclasses.replace(obs, declared={**obs.declared, "from": str(vault)}),
@@ -198,10 +204,21 @@ def test_a_process_handed_attack_work_is_marked_an_attack_worker(captured: tuple
 
 # --- a real run -------------------------------------------------------------------------------------
 
-REAL_RUN = ["data.name=digits", "model.name=mlp", "model.mlp.hidden=16", "partition.num-clients=2",
-            "train.clients-per-round=2", "train.rounds=2", "train.batch-size=8", "capture.rounds=1",
-            "capture.clients=all", "attack.name=idlg", "attack.idlg.iterations=20", "attack.idlg.device=cpu",
-            "pool.wait=120"]
+REAL_RUN = [
+    "data.name=digits",
+    "model.name=mlp",
+    "model.mlp.hidden=16",
+    "partition.num-clients=2",
+    "train.clients-per-round=2",
+    "train.rounds=2",
+    "train.batch-size=8",
+    "capture.rounds=1",
+    "capture.clients=all",
+    "attack.name=idlg",
+    "attack.idlg.iterations=20",
+    "attack.idlg.device=cpu",
+    "pool.wait=120",
+]
 
 
 def watched_run(tmp_path: Path) -> tuple[Path, list[dict[str, Any]]]:
@@ -210,8 +227,12 @@ def watched_run(tmp_path: Path) -> tuple[Path, list[dict[str, Any]]]:
     out, hooks, log = tmp_path / "run", tmp_path / "hooks", tmp_path / "opens.jsonl"
     hooks.mkdir()
     shutil.copy(open_log_hook.__file__, hooks / "sitecustomize.py")
-    env = {**os.environ, open_log_hook.WATCH_DIR_ENV: str(out / VAULT_DIR), open_log_hook.WATCH_LOG_ENV: str(log),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        open_log_hook.WATCH_DIR_ENV: str(out / VAULT_DIR),
+        open_log_hook.WATCH_LOG_ENV: str(log),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])),
+    }
     command = [sys.executable, "-m", "fedguard", "run", "--out", str(out)]
     for override in REAL_RUN:
         command += ["--set", override]

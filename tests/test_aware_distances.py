@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attackers.engine.aware import (aware_distance, band_distance, clipped_distance, levels_distance,
-                                    orthogonal_distance, radius_distance)
+from attackers.engine.aware import (
+    aware_distance,
+    band_distance,
+    clipped_distance,
+    levels_distance,
+    orthogonal_distance,
+    radius_distance,
+)
 from attackers.engine.terms import cosine_distance
 from fedguard.defenses import build_defense
 from fedguard.defenses.censor import CensorParams
@@ -15,15 +21,25 @@ from fedguard.defenses.dgp import DGPParams
 from fedguard.defenses.dp_update import UpdateDPParams
 from fedguard.defenses.pruning import PruneParams
 from fedguard.defenses.quantization import QuantizeParams
-from fedguard.defenses.revealed import (AlteredLayer, ClippedNoise, OrthogonalPerTensor, QuantizedLevels, SentBand,
-                                        Unchanged, WithinRadius, revealed_by)
+from fedguard.defenses.revealed import (
+    AlteredLayer,
+    ClippedNoise,
+    OrthogonalPerTensor,
+    QuantizedLevels,
+    SentBand,
+    Unchanged,
+    WithinRadius,
+    revealed_by,
+)
 
 
 def gradient(seed: int = 0, jobs: int = 1) -> list[torch.Tensor]:
     """A (J, ...) gradient of three tensors with entries of varied magnitudes."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn((jobs, *shape), generator=generator) * scale
-            for shape, scale in (((6, 5), 1.0), ((6,), 0.3), ((4, 6), 2.0))]
+    return [
+        torch.randn((jobs, *shape), generator=generator) * scale
+        for shape, scale in (((6, 5), 1.0), ((6,), 0.3), ((4, 6), 2.0))
+    ]
 
 
 def simulated(defense: str, params: object, g: list[torch.Tensor], seed: int = 1) -> list[torch.Tensor]:
@@ -66,8 +82,10 @@ def test_the_radius_distance_accepts_exactly_the_ball_the_defense_allows() -> No
     direction = gradient(seed=3, jobs=2)
     dnorm = torch.sqrt(sum((x.flatten(1) ** 2).sum(1) for x in direction))
     for scale, inside in ((0.99, True), (3.0, False)):  # the bound r <= eps ||t|| / (1 - eps) admits up to 2x
-        t = [x + scale * 0.25 * (n / dn).reshape(-1, *[1] * (x.dim() - 1)) * d
-             for x, d, n, dn in zip(g, direction, [norm] * 3, [dnorm] * 3)]
+        t = [
+            x + scale * 0.25 * (n / dn).reshape(-1, *[1] * (x.dim() - 1)) * d
+            for x, d, n, dn in zip(g, direction, [norm] * 3, [dnorm] * 3)
+        ]
         value = radius_distance(0.25, relative=True)(g, t)
         assert bool((value == 0).all()) is inside, (scale, value)
     t = [x + 0.05 for x in g]
@@ -81,8 +99,9 @@ def test_the_orthogonal_distance_is_zero_for_a_censor_candidate_and_two_for_the_
     assert torch.allclose(orthogonal_distance(g, t), torch.zeros(2), atol=1e-5)
     assert torch.allclose(orthogonal_distance(g, g), torch.ones(2), atol=1e-5), "cos^2 = 1, norms equal"
     either = aware_distance(OrthogonalPerTensor(raw_fallback=True))
-    assert torch.allclose(either(g, t), torch.zeros(2), atol=1e-5) and torch.allclose(either(g, g), torch.zeros(2),
-                                                                                      atol=1e-5), "raw or orthogonal"
+    assert torch.allclose(either(g, t), torch.zeros(2), atol=1e-5) and torch.allclose(
+        either(g, g), torch.zeros(2), atol=1e-5
+    ), "raw or orthogonal"
     assert (either(gradient(seed=9, jobs=2), t) > 0.1).all()
 
 

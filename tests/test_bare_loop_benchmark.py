@@ -26,8 +26,18 @@ def _benchmark() -> ModuleType:
 
 def test_the_bare_loop_and_the_engine_reach_the_same_images_from_the_same_starts(tmp_path: Path) -> None:
     benchmark = _benchmark()
-    args = argparse.Namespace(device="cpu", model="lenet", uploads=2, iterations=200, lr=0.1, tv=0.01, threads=1,
-                              seed=0, compile="off", out=tmp_path / "report.json")
+    args = argparse.Namespace(
+        device="cpu",
+        model="lenet",
+        uploads=2,
+        iterations=200,
+        lr=0.1,
+        tv=0.01,
+        threads=1,
+        seed=0,
+        compile="off",
+        out=tmp_path / "report.json",
+    )
     report = benchmark.run(args)
     fedguard, bare = report["rows"]
     assert fedguard["labels_exact"]

@@ -30,8 +30,15 @@ def global_arrays(round_: int) -> list[np.ndarray]:
 def uploads(round_: int) -> list:
     rng = np.random.default_rng(round_)
     return [
-        ([rng.normal(size=(2, 4)).astype(np.float32), rng.normal(size=2).astype(np.float32),
-          np.array(round_, np.int64)], 8, {"client": c, "batch-size": 8, "lr": 0.1, "labels": [c, 1]})
+        (
+            [
+                rng.normal(size=(2, 4)).astype(np.float32),
+                rng.normal(size=2).astype(np.float32),
+                np.array(round_, np.int64),
+            ],
+            8,
+            {"client": c, "batch-size": 8, "lr": 0.1, "labels": [c, 1]},
+        )
         for c in range(4)
     ]
 
@@ -80,8 +87,11 @@ def test_the_capture_hook_chooses_what_is_captured() -> None:
 
 def test_nothing_captured_outside_selection() -> None:
     sink = ListSink()
-    run_rounds(HonestButCurious(FedAvg(min_train_nodes=4), sink, CARD, "weights", Selection.parse("none"),
-                                Selection.parse("all")))
+    run_rounds(
+        HonestButCurious(
+            FedAvg(min_train_nodes=4), sink, CARD, "weights", Selection.parse("none"), Selection.parse("all")
+        )
+    )
     assert sink.items == []
 
 

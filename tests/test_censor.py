@@ -23,9 +23,17 @@ from attackers.inverting_gradients import InvertingGradients, InvertingGradients
 from fedguard.config import ConfigError, load_config
 from fedguard.data import load_dataset
 from fedguard.defenses import DEFENSES, LocalStep, build_defense
-from fedguard.defenses.censor import (FALLBACKS_KEY, RAW_KEY, STEPS_KEY, Censor, CensorParams, choose_candidate,
-                                      orthogonal_rescaled, probe_losses,
-                                      published_orthogonal_rescaled)  # the import registers "censor"
+from fedguard.defenses.censor import (
+    FALLBACKS_KEY,
+    RAW_KEY,
+    STEPS_KEY,
+    Censor,
+    CensorParams,
+    choose_candidate,
+    orthogonal_rescaled,
+    probe_losses,
+    published_orthogonal_rescaled,
+)  # the import registers "censor"
 from fedguard.metrics import psnr
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
@@ -144,7 +152,7 @@ def test_the_published_projection_is_the_codes_formula(scale: float) -> None:
     if scale == 1.0:
         assert float((out @ g.T).abs().max()) < 1e-12
     else:
-        assert float((out @ g.T).abs().max()) > 1e-3 * scale ** 2
+        assert float((out @ g.T).abs().max()) > 1e-3 * scale**2
 
 
 def test_the_projection_option_selects_the_candidates_formula(photos, batch) -> None:
@@ -153,8 +161,11 @@ def test_the_projection_option_selects_the_candidates_formula(photos, batch) -> 
     step = step_of(model, x, y)
     exact = censor(trials=3).candidates(step.grads, torch.Generator().manual_seed(1))
     published = censor(trials=3, projection="published").candidates(step.grads, torch.Generator().manual_seed(1))
-    noises = [torch.randn((3, g.numel()), generator=gen, dtype=g.dtype)
-              for gen in [torch.Generator().manual_seed(1)] for g in step.grads]
+    noises = [
+        torch.randn((3, g.numel()), generator=gen, dtype=g.dtype)
+        for gen in [torch.Generator().manual_seed(1)]
+        for g in step.grads
+    ]
     for g, e, p, r in zip(step.grads, exact, published, noises):
         torch.testing.assert_close(p, published_orthogonal_rescaled(g.reshape(1, -1), r).reshape(p.shape))
         assert max(abs(cosine(c, g)) for c in e) < 1e-5
@@ -338,21 +349,26 @@ def test_simulate_draws_one_differentiable_orthogonal_proposal_per_job() -> None
 # ----------------------------------------------------------------------------------------------- parameters
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("trials", 0, r"trials must be >= 1, got 0"),
-    ("probe_lr", 0.0, r"probe-lr must be finite and > 0, got 0\.0"),
-    ("probe_lr", float("inf"), r"probe-lr must be finite and > 0, got inf"),
-    ("temperature", -0.5, r"temperature must be finite and >= 0, got -0\.5"),
-    ("temperature", float("nan"), r"temperature must be finite and >= 0, got nan"),
-    ("active_rounds", -1, r"active-rounds must be >= 0 \(0 = every round\), got -1"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("trials", 0, r"trials must be >= 1, got 0"),
+        ("probe_lr", 0.0, r"probe-lr must be finite and > 0, got 0\.0"),
+        ("probe_lr", float("inf"), r"probe-lr must be finite and > 0, got inf"),
+        ("temperature", -0.5, r"temperature must be finite and >= 0, got -0\.5"),
+        ("temperature", float("nan"), r"temperature must be finite and >= 0, got nan"),
+        ("active_rounds", -1, r"active-rounds must be >= 0 \(0 = every round\), got -1"),
+    ],
+)
 def test_bad_parameters_are_rejected_naming_the_value_and_the_range(field: str, value, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         CensorParams(**{field: value})
 
 
-@pytest.mark.parametrize(("field", "value", "choices"), [
-    ("fallback", "original", "raw, best, zero"), ("projection", "code", "exact, published")])
+@pytest.mark.parametrize(
+    ("field", "value", "choices"),
+    [("fallback", "original", "raw, best, zero"), ("projection", "code", "exact, published")],
+)
 def test_an_unknown_choice_is_rejected_naming_the_choices(field: str, value: str, choices: str) -> None:
     with pytest.raises(ValueError) as error:
         CensorParams(**{field: value})
@@ -361,10 +377,19 @@ def test_an_unknown_choice_is_rejected_naming_the_choices(field: str, value: str
 
 def test_censor_is_registered_and_configurable() -> None:
     assert DEFENSES.get("censor").params is CensorParams
-    assert CensorParams() == CensorParams(trials=20, probe_lr=0.5, temperature=0.0, fallback="raw",
-                                          projection="exact", active_rounds=0)
-    config = load_config(None, ["defense.name=censor", "defense.censor.trials=5", "defense.censor.probe-lr=0.1",
-                                "defense.censor.fallback=zero", "defense.censor.projection=published"])
+    assert CensorParams() == CensorParams(
+        trials=20, probe_lr=0.5, temperature=0.0, fallback="raw", projection="exact", active_rounds=0
+    )
+    config = load_config(
+        None,
+        [
+            "defense.name=censor",
+            "defense.censor.trials=5",
+            "defense.censor.probe-lr=0.1",
+            "defense.censor.fallback=zero",
+            "defense.censor.projection=published",
+        ],
+    )
     assert config.defense.params == CensorParams(trials=5, probe_lr=0.1, fallback="zero", projection="published")
     with pytest.raises(ConfigError, match="raw, best, zero"):
         load_config(None, ["defense.name=censor", "defense.censor.fallback=leak"])
@@ -389,8 +414,9 @@ def test_inverting_gradients_fails_on_orthogonal_uploads_and_succeeds_on_raw_one
     torch.manual_seed(0)
     model = build_model("mlp", photos.spec)
     arrays = get_arrays(model)
-    card = ModelCard("mlp", {"hidden": 256, "depth": 2}, photos.spec, tuple(model.state_dict()),
-                     tuple(trainable_mask(model)))
+    card = ModelCard(
+        "mlp", {"hidden": 256, "depth": 2}, photos.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
+    )
     x, y = photos.test.batch(IMAGES)
     attack = InvertingGradients(InvertingGradientsParams(iterations=150, restarts=1, lr=0.025, tv=1e-4, device="cpu"))
     scores, raw = {}, {}
@@ -402,8 +428,11 @@ def test_inverting_gradients_fails_on_orthogonal_uploads_and_succeeds_on_raw_one
             state: dict[str, torch.Tensor] = {}
             sent = protect(step, state)
             raw[name].append(bool(params) and protect.report(state)["upload.raw"] == 1.0)
-            observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in sent], 1,
-                                             {"batch-size": 1, "labels": [int(y[i])]}))  # the labels granted
+            observations.append(
+                card.observe(
+                    1, i, "gradient", arrays, [g.numpy() for g in sent], 1, {"batch-size": 1, "labels": [int(y[i])]}
+                )
+            )  # the labels granted
         images = torch.cat([r.images for r in attack.reconstruct_many(observations, 0)])
         scores[name] = psnr(images, x)
     floor = psnr(x.mean((2, 3), keepdim=True).expand_as(x), x)
@@ -439,9 +468,19 @@ def test_algorithm_1_trains_the_mlp_and_reports_its_raw_uploads() -> None:
 
     scores = {}
     for fallback, rounds in (("raw", 100), ("best", 30)):
-        cfg = load_config(None, ["data.name=mnist-5k", "model.name=mlp", "partition.num-clients=10",
-                                 "train.clients-per-round=10", "train.batch-size=32", "train.lr=0.5",
-                                 "defense.name=censor", f"defense.censor.fallback={fallback}"])
+        cfg = load_config(
+            None,
+            [
+                "data.name=mnist-5k",
+                "model.name=mlp",
+                "partition.num-clients=10",
+                "train.clients-per-round=10",
+                "train.batch-size=32",
+                "train.lr=0.5",
+                "defense.name=censor",
+                f"defense.censor.fallback={fallback}",
+            ],
+        )
         torch.manual_seed(cfg.run.seed)
         model = build_model("mlp", load_dataset("mnist-5k").spec)
         arrays = get_arrays(model)

@@ -57,17 +57,30 @@ def wait_for_rounds(out: Path, rounds: int, process: subprocess.Popen, timeout: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
-                         ids=["sigint-to-the-terminal-group", "sigterm-to-the-process"])
+@pytest.mark.parametrize(
+    "signum, to_group",
+    [(signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["sigint-to-the-terminal-group", "sigterm-to-the-process"],
+)
 def test_one_signal_stops_the_run_with_every_result_kept(tmp_path: Path, signum: int, to_group: bool) -> None:
     out, tag = tmp_path / "run", uuid.uuid4().hex
     command = [sys.executable, "-m", "fedguard", "run", QUICKSTART, "--out", str(out)] + [
-        arg for override in ("train.rounds=500", "partition.num-clients=3", "train.clients-per-round=3",
-                             "capture.rounds=1-2", "capture.clients=0-2", "attack.ig.iterations=1000000",
-                             "attack.ig.restarts=1") for arg in ("--set", override)]
+        arg
+        for override in (
+            "train.rounds=500",
+            "partition.num-clients=3",
+            "train.clients-per-round=3",
+            "capture.rounds=1-2",
+            "capture.clients=0-2",
+            "attack.ig.iterations=1000000",
+            "attack.ig.restarts=1",
+        )
+        for arg in ("--set", override)
+    ]
     with open(tmp_path / "output.log", "w") as output:
-        process = subprocess.Popen(command, env={**os.environ, TAG: tag}, stdout=output, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # a terminal's foreground group of its own
+        process = subprocess.Popen(
+            command, env={**os.environ, TAG: tag}, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )  # a terminal's foreground group of its own
     try:
         wait_for_rounds(out, 4, process)
         sent = time.monotonic()
@@ -117,8 +130,10 @@ def refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str], *overrides: str)
 
 def test_clients_reserving_more_cpus_than_the_cluster_has_are_refused(tmp_path: Path, capsys) -> None:
     err = refusal(tmp_path, capsys, "sim.client-cpus=64")
-    assert f"sim.client-cpus = 64: each client would reserve more CPU cores than the simulation's Ray cluster " \
-           f"has (sim.num-cpus = 2; this machine has {os.cpu_count()}); set it to at most 2" in err
+    assert (
+        f"sim.client-cpus = 64: each client would reserve more CPU cores than the simulation's Ray cluster "
+        f"has (sim.num-cpus = 2; this machine has {os.cpu_count()}); set it to at most 2" in err
+    )
 
 
 def test_clients_reserving_a_gpu_where_none_is_visible_are_refused(tmp_path: Path, capsys) -> None:
@@ -127,8 +142,10 @@ def test_clients_reserving_a_gpu_where_none_is_visible_are_refused(tmp_path: Pat
     if torch.cuda.device_count():
         pytest.skip("a GPU is visible here")
     err = refusal(tmp_path, capsys, "sim.client-gpus=1")
-    assert "sim.client-gpus = 1: each client would reserve more GPUs than are visible (0); set it to at most 0 " \
-           "(0: clients train on CPUs)" in err
+    assert (
+        "sim.client-gpus = 1: each client would reserve more GPUs than are visible (0); set it to at most 0 "
+        "(0: clients train on CPUs)" in err
+    )
 
 
 def test_a_cluster_address_where_nothing_answers_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -137,7 +154,8 @@ def test_a_cluster_address_where_nothing_answers_is_refused(tmp_path: Path, caps
     assert f"sim.address = '127.0.0.1:{port}': no Ray cluster answers at 127.0.0.1:{port}" in err
     assert "leave sim.address empty" in err
     assert "not a Ray cluster address; write host:port, ray://host:port or auto" in refusal(
-        tmp_path, capsys, "sim.address=head-node")
+        tmp_path, capsys, "sim.address=head-node"
+    )
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     assert f"RAY_ADDRESS (environment) = '127.0.0.1:{port}': no Ray cluster answers" in refusal(tmp_path, capsys)
 
@@ -163,8 +181,10 @@ def test_a_stop_request_ends_a_round_that_waits_for_replies(tmp_path: Path) -> N
 
 
 def test_processes_that_lost_their_parent_are_still_stopped() -> None:
-    orphan_maker = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
-                    "time.sleep(120)']); time.sleep(1.5)")
+    orphan_maker = (
+        "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
+        "time.sleep(120)']); time.sleep(1.5)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", orphan_maker])
     tracker = ProcessTracker()
     tracker.watch(parent.pid)

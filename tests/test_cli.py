@@ -17,10 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_help_documents_every_command() -> None:
-    out = subprocess.run([sys.executable, "-m", "fedguard", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "fedguard", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for command in ("run", "config"):
         assert command in out
-    run_help = subprocess.run([sys.executable, "-m", "fedguard", "run", "--help"], capture_output=True, text=True).stdout
+    run_help = subprocess.run(
+        [sys.executable, "-m", "fedguard", "run", "--help"], capture_output=True, text=True
+    ).stdout
     assert "--set" in run_help and "--out" in run_help and "preset" in run_help
 
 
@@ -55,7 +59,22 @@ def test_config_prints_resolved_keys(capsys: pytest.CaptureFixture[str]) -> None
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent")
 def test_train_mjolnir_refuses_cuda_where_there_is_none(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code = main(["train-mjolnir", "--set", "data.name=digits", "--set", "model.name=mlp", "--gradients", "4",
-                 "--epochs", "1", "--device", "cuda", "--out", str(tmp_path / "d.npz")])
+    code = main(
+        [
+            "train-mjolnir",
+            "--set",
+            "data.name=digits",
+            "--set",
+            "model.name=mlp",
+            "--gradients",
+            "4",
+            "--epochs",
+            "1",
+            "--device",
+            "cuda",
+            "--out",
+            str(tmp_path / "d.npz"),
+        ]
+    )
     assert code == 2 and "device 'cuda' asked for, but CUDA is not available here" in capsys.readouterr().err
     assert not (tmp_path / "d.npz").exists()

@@ -186,8 +186,10 @@ def test_fedprox_proximal_term_reaches_the_clients_local_training() -> None:
     arrays = start_arrays(cfg)
     plain, _, declared_plain = client_fit(cfg, 0, arrays, round_=1)
     prox, _, declared = client_fit(cfg, 0, arrays, round_=1, **{"proximal-mu": 1.0})
-    distance = [sum(float(np.sum((u - a) ** 2)) for u, a, m in zip(up, arrays, mask) if m)
-                for up, mask in ((plain, trainable_mask_of(cfg)), (prox, trainable_mask_of(cfg)))]
+    distance = [
+        sum(float(np.sum((u - a) ** 2)) for u, a, m in zip(up, arrays, mask) if m)
+        for up, mask in ((plain, trainable_mask_of(cfg)), (prox, trainable_mask_of(cfg)))
+    ]
     assert distance[1] < 0.8 * distance[0], "the proximal term keeps the local model closer to the global one"
     assert declared["proximal-mu"] == 1.0 and "proximal-mu" not in declared_plain
 

@@ -120,6 +120,7 @@ def test_a_program_that_fails_to_compile_runs_eager_under_auto_and_raises_under_
     def broken(fn, **_):
         def call(*args):
             raise RuntimeError("C++ compile error\nmore")
+
         return call
 
     monkeypatch.setenv(compiled.ENV, "auto")

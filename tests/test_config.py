@@ -48,16 +48,22 @@ def test_every_preset_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     decoder, losses = train_vae(torch.rand(8, 1, 28, 28), DataSpec(1, 28, 28, 10), TrainOptions(epochs=1, width=8))
     generator = save_generator(TrainedGenerator(decoder, "mnist-5k", "test", tuple(losses)), tmp_path / "g.npz")
     for dataset in ("photos", "mnist-5k"):
-        save_evalnet(train_evalnet(dataset, "test", EvalNetOptions(epochs=1, width=2, mixes=1)),
-                     tmp_path / default_evalnet_path(dataset))
+        save_evalnet(
+            train_evalnet(dataset, "test", EvalNetOptions(epochs=1, width=2, mixes=1)),
+            tmp_path / default_evalnet_path(dataset),
+        )
     surrogate = SurrogateOptions(epochs=1, gradients=4)
     digits = "fashion-mnist" if FASHION_MNIST else "mnist-5k"  # the same 1x28x28 shape: the checks see no difference
-    for model, params, dataset in (("lenet", None, "photos"), ("mlp", {"hidden": 64}, "digits"),
-                                   ("lenet", None, digits)):
+    for model, params, dataset in (
+        ("lenet", None, "photos"),
+        ("mlp", {"hidden": 64}, "digits"),
+        ("lenet", None, digits),
+    ):
         denoiser, _ = train_mjolnir(model, params, dataset, surrogate, "cpu", DDPMTrainOptions(epochs=1, batch_size=4))
         save_ddpm(denoiser, tmp_path / "mjolnir" / f"{dataset.replace('mnist-5k', 'fashion-mnist')}-{model}.npz")
-    conditional, _ = train_mjolnir("lenet", None, digits, surrogate, "cpu",
-                                   DDPMTrainOptions(epochs=1, batch_size=4, noise_range=(0.01, 100.0)))
+    conditional, _ = train_mjolnir(
+        "lenet", None, digits, surrogate, "cpu", DDPMTrainOptions(epochs=1, batch_size=4, noise_range=(0.01, 100.0))
+    )
     save_ddpm(conditional, tmp_path / "mjolnir" / "fashion-mnist-lenet-conditional.npz")
     monkeypatch.chdir(tmp_path)
     presets = sorted((ROOT / "experiments").rglob("*.toml"))
@@ -126,7 +132,9 @@ def test_override_parsing_uses_schema_types() -> None:
 
 def test_preset_then_overrides(tmp_path: Path) -> None:
     preset = tmp_path / "p.toml"
-    preset.write_text('name = "p"\n[train]\nrounds = 7\nlr = 0.2\n[model]\nname = "convnet"\n[model.convnet]\nwidth = 8\n')
+    preset.write_text(
+        'name = "p"\n[train]\nrounds = 7\nlr = 0.2\n[model]\nname = "convnet"\n[model.convnet]\nwidth = 8\n'
+    )
     config = load_config(preset, ["train.rounds=9"])
     assert (config.run.name, config.train.rounds, config.train.lr) == ("p", 9, 0.2)
     assert config.model.name == "convnet" and config.model.params.width == 8
@@ -257,22 +265,33 @@ def test_several_attacks_with_their_own_parameters() -> None:
     assert Config.from_flat({"attack.name": "none"}).attacks == ()
 
 
-@pytest.mark.parametrize("names, fragment", [("ig,ig", "twice"), ("ig,none", "'none' is not one of"),
-                                             ("ig,dl", "'dl' is not one of")])
+@pytest.mark.parametrize(
+    "names, fragment", [("ig,ig", "twice"), ("ig,none", "'none' is not one of"), ("ig,dl", "'dl' is not one of")]
+)
 def test_bad_attack_lists(names: str, fragment: str) -> None:
     [problem] = problems_of({"attack.name": names})
     assert fragment in problem and repr(names) in problem
 
 
 def test_malicious_schedule_is_parsed_and_checked() -> None:
-    config = Config.from_flat({"threat.malicious": "2:trap-weights, 3:imprint", "capture.rounds": "1-3",
-                               "train.rounds": 3, "manipulation.imprint.bins": 32})
+    config = Config.from_flat(
+        {
+            "threat.malicious": "2:trap-weights, 3:imprint",
+            "capture.rounds": "1-3",
+            "train.rounds": 3,
+            "manipulation.imprint.bins": 32,
+        }
+    )
     assert config.threat.schedule() == {2: "trap-weights", 3: "imprint"}
     assert [m.name for m in config.manipulations] == ["imprint", "trap-weights"]
     assert config.manipulation("imprint").params.bins == 32
     assert Config.from_flat(config.to_flat()) == config
-    for text, fragment in [("2", "round:manipulation"), ("x:imprint", "round:manipulation"),
-                           ("2:imprnt", "choose one of"), ("2:imprint,2:trap-weights", "twice")]:
+    for text, fragment in [
+        ("2", "round:manipulation"),
+        ("x:imprint", "round:manipulation"),
+        ("2:imprnt", "choose one of"),
+        ("2:imprint,2:trap-weights", "twice"),
+    ]:
         [problem] = problems_of({"threat.malicious": text, "capture.rounds": "all"})
         assert fragment in problem, problem
     [problem] = problems_of({"threat.malicious": "2:imprint", "capture.rounds": "1"})

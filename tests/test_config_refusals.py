@@ -89,16 +89,29 @@ def test_every_int_key_refuses_integers_beyond_64_bits_naming_the_range() -> Non
     for key in INT_KEYS:
         for value in (2**64, -(2**64)):
             problems = problems_of([f"{key}={value}"])
-            assert any(p.startswith(f"{key} = {value}: must be >= ") and " and <= " in p for p in problems), \
-                (key, problems)
+            assert any(p.startswith(f"{key} = {value}: must be >= ") and " and <= " in p for p in problems), (
+                key,
+                problems,
+            )
     [problem] = problems_of([f"attack.dlg.iterations={2**64}"])
-    assert problem == (f"attack.dlg.iterations = {2**64}: must be >= {INT64_MIN} and <= {INT64_MAX} "
-                       f"(flwr run carries integers in 64 bits)")
+    assert problem == (
+        f"attack.dlg.iterations = {2**64}: must be >= {INT64_MIN} and <= {INT64_MAX} "
+        f"(flwr run carries integers in 64 bits)"
+    )
 
 
-@pytest.mark.parametrize(("key", "limit"), [("train.rounds", MAX_ROUNDS), ("partition.num-clients", 100_000),
-                                            ("train.local-epochs", 10_000), ("data.image-size", 1024),
-                                            ("pool.workers", 1024), ("pool.threads", 1024), ("pool.group", 1024)])
+@pytest.mark.parametrize(
+    ("key", "limit"),
+    [
+        ("train.rounds", MAX_ROUNDS),
+        ("partition.num-clients", 100_000),
+        ("train.local-epochs", 10_000),
+        ("data.image-size", 1024),
+        ("pool.workers", 1024),
+        ("pool.threads", 1024),
+        ("pool.group", 1024),
+    ],
+)
 def test_counts_have_upper_bounds(key: str, limit: int) -> None:
     problems = problems_of([f"{key}={limit + 1}"])
     assert any(p.startswith(f"{key} = {limit + 1}: must be >= ") and p.endswith(f"<= {limit}") for p in problems)
@@ -119,23 +132,32 @@ def test_a_huge_capture_range_is_refused_without_expanding_it() -> None:
     finally:
         tracemalloc.stop()
     assert time.perf_counter() - started < 10 and peak < 200 * 2**20
-    assert rounds == ("capture.rounds = '1-1000000000': 21-1000000000 not in this run; this run's rounds are 1-20 "
-                      "(train.rounds = 20)")
+    assert rounds == (
+        "capture.rounds = '1-1000000000': 21-1000000000 not in this run; this run's rounds are 1-20 (train.rounds = 20)"
+    )
     assert clients.startswith("capture.clients = '0-999999999999': 10-999999999999 not in this run; client ids are 0-9")
     assert listed.startswith("capture.rounds = '1-20,1-20,") and f"; at most {MAX_LISTED}" in listed
     assert huge == f"train.rounds = {10**12}: must be >= 1 and <= {MAX_ROUNDS}"
 
 
 @settings(max_examples=200, deadline=None, database=None)
-@given(st.lists(st.one_of(st.integers(0, 30).map(str),
-                          st.tuples(st.integers(0, 30), st.integers(0, 30)).map(lambda p: f"{min(p)}-{max(p)}")),
-                min_size=1, max_size=6).map(",".join))
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(0, 30).map(str),
+            st.tuples(st.integers(0, 30), st.integers(0, 30)).map(lambda p: f"{min(p)}-{max(p)}"),
+        ),
+        min_size=1,
+        max_size=6,
+    ).map(",".join)
+)
 def test_spans_choose_exactly_what_the_run_expands(spec: str) -> None:
     spans, selection = Spans.parse(spec, "capture.rounds"), Selection.parse(spec, "capture.rounds")
     assert [n for n in range(-2, 40) if n in spans] == [n for n in range(-2, 40) if n in selection]
     assert spans.count(3, 17) == sum(1 for n in range(3, 18) if n in selection)
-    assert [n for a, b in spans.outside(3, 17) for n in range(a, b + 1)] == \
-           [n for n in range(0, 40) if n in selection and not 3 <= n <= 17]
+    assert [n for a, b in spans.outside(3, 17) for n in range(a, b + 1)] == [
+        n for n in range(0, 40) if n in selection and not 3 <= n <= 17
+    ]
 
 
 @pytest.mark.parametrize("spec", ["a", "3-1", "1,,x", "-2", "1-2-3", "9" * 5000])
@@ -170,12 +192,15 @@ def test_overlong_and_impossible_paths_are_refused(tmp_path: Path) -> None:
     assert load_config(None, [f"out-dir={tmp_path / ('a' * 200)}"]).run.out_dir.endswith("a" * 200)
 
 
-@pytest.mark.parametrize("text", [
-    "[" + ".".join(["a"] * 1000) + "]\nx = 1\n",
-    ".".join(["a"] * 1000) + " = 1\n",
-    "a = " + "{a = " * 1000 + "1" + "}" * 1000 + "\n",
-    "a = " + "[" * 1000 + "1" + "]" * 1000 + "\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" + ".".join(["a"] * 1000) + "]\nx = 1\n",
+        ".".join(["a"] * 1000) + " = 1\n",
+        "a = " + "{a = " * 1000 + "1" + "}" * 1000 + "\n",
+        "a = " + "[" * 1000 + "1" + "]" * 1000 + "\n",
+    ],
+)
 def test_deeply_nested_presets_are_refused(tmp_path: Path, text: str) -> None:
     preset = tmp_path / "deep.toml"
     preset.write_text(text)
@@ -206,8 +231,7 @@ def test_nested_values_and_unreadable_presets_are_refused(tmp_path: Path) -> Non
 
 def test_capturing_a_client_that_does_not_exist_is_refused() -> None:
     [problem] = problems_of([*FOUR_CLIENTS, "capture.clients=99"])
-    assert problem == ("capture.clients = '99': 99 not in this run; client ids are 0-3 "
-                       "(partition.num-clients = 4)")
+    assert problem == ("capture.clients = '99': 99 not in this run; client ids are 0-3 (partition.num-clients = 4)")
     [problem] = problems_of([*FOUR_CLIENTS, "capture.clients=none"])
     assert problem.startswith("capture.clients = 'none' selects no client") and "0-3" in problem
     assert load_config(None, [*FOUR_CLIENTS, "capture.clients=none", "capture.rounds=none"]).capture.clients == "none"
@@ -230,11 +254,13 @@ def test_a_bad_train_rounds_is_not_blamed_on_the_capture() -> None:
 
 def test_a_test_fraction_that_leaves_clients_no_training_data_is_refused() -> None:
     [problem] = problems_of(["data.test-fraction=0.9999"])
-    assert problem.startswith("data.name = 'mnist-5k', data.test-fraction = 0.9999 leaves 0 training samples for "
-                              "partition.num-clients = 10")
+    assert problem.startswith(
+        "data.name = 'mnist-5k', data.test-fraction = 0.9999 leaves 0 training samples for partition.num-clients = 10"
+    )
     assert problem.endswith("choose a smaller data.test-fraction")
-    [problem] = problems_of(["data.name=digits", "data.test-fraction=0.99", "partition.num-clients=21",
-                             "train.clients-per-round=5"])
+    [problem] = problems_of(
+        ["data.name=digits", "data.test-fraction=0.99", "partition.num-clients=21", "train.clients-per-round=5"]
+    )
     assert "leaves 20 training samples" in problem and "at most 20 clients or a smaller data.test-fraction" in problem
     [problem] = problems_of(["data.test-fraction=0.0001"])
     assert problem.startswith("data.name = 'mnist-5k', data.test-fraction = 0.0001: leaves the test split empty")
@@ -242,8 +268,9 @@ def test_a_test_fraction_that_leaves_clients_no_training_data_is_refused() -> No
 
 def test_the_largest_accepted_partition_gives_every_client_data() -> None:
     """The arithmetic limit is the real one: at 20 training samples, 20 clients each hold one, and 21 are refused."""
-    config = load_config(None, ["data.name=digits", "data.test-fraction=0.99", "partition.num-clients=20",
-                                "train.clients-per-round=5"])
+    config = load_config(
+        None, ["data.name=digits", "data.test-fraction=0.99", "partition.num-clients=20", "train.clients-per-round=5"]
+    )
     parts = partitions("digits", config.data.source_options(), "iid", PartitionOptions(), 20, 0)
     assert sorted(len(p) for p in parts) == [1] * 20
 
@@ -257,8 +284,10 @@ def test_the_dirichlet_partition_needs_two_samples_per_client() -> None:
 
 def test_photos_larger_than_their_tiles_and_too_many_classes_are_refused() -> None:
     [problem] = problems_of(["data.name=photos", "data.image-size=300"])
-    assert problem == ("data.name = 'photos', data.test-fraction = 0.2, data.image-size = 300: the data set holds "
-                       "no samples at these settings")
+    assert problem == (
+        "data.name = 'photos', data.test-fraction = 0.2, data.image-size = 300: the data set holds "
+        "no samples at these settings"
+    )
     [problem] = problems_of(["partition.name=classes", "partition.classes-per-client=11"])
     assert problem == "partition.classes-per-client = 11: data.name = 'mnist-5k' has 10 classes; choose 1 to 10"
 
@@ -285,12 +314,31 @@ def test_photo_sizes_known_without_loading_match_the_loaded_tiles(size: int) -> 
 
 
 def test_every_problem_is_reported_together_naming_key_and_value(tmp_path: Path) -> None:
-    problems = problems_of(["train.rounds=x", "bogus=1", "train.lr=nan", f"seed={2**64}", *FOUR_CLIENTS,
-                            "capture.clients=7", "data.test-fraction=0.9999", "defense.name=dp", "defense.dp.epsilon=-1",
-                            "server.plugin-params='"])
+    problems = problems_of(
+        [
+            "train.rounds=x",
+            "bogus=1",
+            "train.lr=nan",
+            f"seed={2**64}",
+            *FOUR_CLIENTS,
+            "capture.clients=7",
+            "data.test-fraction=0.9999",
+            "defense.name=dp",
+            "defense.dp.epsilon=-1",
+            "server.plugin-params='",
+        ]
+    )
     assert len(problems) == 8, problems
-    for fragment in ("train.rounds = 'x'", "'bogus'", "train.lr = nan", f"seed = {2**64}", "capture.clients = '7'",
-                     "data.test-fraction = 0.9999", "defense.dp.epsilon = -1.0", "server.plugin-params = \"'\""):
+    for fragment in (
+        "train.rounds = 'x'",
+        "'bogus'",
+        "train.lr = nan",
+        f"seed = {2**64}",
+        "capture.clients = '7'",
+        "data.test-fraction = 0.9999",
+        "defense.dp.epsilon = -1.0",
+        'server.plugin-params = "\'"',
+    ):
         assert sum(fragment in p for p in problems) == 1, (fragment, problems)
     broken = tmp_path / "broken.toml"
     broken.write_text("name = \n")
@@ -307,9 +355,18 @@ def _text_of(value: Any) -> str:
 
 
 VALUES = st.recursive(
-    st.one_of(st.integers(), st.integers(min_value=2**62, max_value=2**80), st.integers(max_value=-(2**62)),
-              st.floats(), st.sampled_from([math.nan, math.inf, -math.inf, 1e308, 5e-324]), st.booleans(),
-              st.text(max_size=30), st.text(max_size=3000), st.just(""), st.sampled_from(["1-1000000000", "all"])),
+    st.one_of(
+        st.integers(),
+        st.integers(min_value=2**62, max_value=2**80),
+        st.integers(max_value=-(2**62)),
+        st.floats(),
+        st.sampled_from([math.nan, math.inf, -math.inf, 1e308, 5e-324]),
+        st.booleans(),
+        st.text(max_size=30),
+        st.text(max_size=3000),
+        st.just(""),
+        st.sampled_from(["1-1000000000", "all"]),
+    ),
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
     max_leaves=8,
 )
@@ -337,7 +394,12 @@ def test_fedguard_run_refuses_a_name_that_leaves_the_runs_folder_before_writing_
     import sys
 
     for name in ("..", ".", str(tmp_path / "abs"), "a\nb"):
-        result = subprocess.run([sys.executable, "-m", "fedguard", "run", "--set", f"name={name}"], cwd=tmp_path,
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-m", "fedguard", "run", "--set", f"name={name}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 2 and "name = " in result.stderr and "one folder name" in result.stderr
     assert list(tmp_path.iterdir()) == [], "nothing is written"

@@ -202,8 +202,15 @@ def test_imagefolder_train_test(tmp_path: Path) -> None:
     assert (len(data.train), len(data.test), data.spec.num_classes) == (9, 3, 3)
 
 
-@pytest.mark.parametrize(("name", "expected"), [("cifar10", "cifar-10-batches-py"), ("cifar100", "cifar-100-python"),
-                                                ("svhn", "train_32x32.mat"), ("mnist", "MNIST/raw")])
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("cifar10", "cifar-10-batches-py"),
+        ("cifar100", "cifar-100-python"),
+        ("svhn", "train_32x32.mat"),
+        ("mnist", "MNIST/raw"),
+    ],
+)
 def test_missing_local_dataset_says_where_it_looked(tmp_path: Path, name: str, expected: str) -> None:
     with pytest.raises(DatasetNotFoundError) as caught:
         uncached(name, SourceOptions(root=str(tmp_path)))

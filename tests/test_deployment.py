@@ -28,9 +28,7 @@ KEYS_SCRIPT = ROOT / "docker" / "keys" / "generate.sh"
 CONNECTION = "fedguard-deploy"
 
 # Small enough for two CPU cores: 2 rounds of a 16-unit MLP on the bundled digits.
-SMALL_RUN = (
-    "data.name='digits' model.name='mlp' model.mlp.hidden=16 train.rounds=2 train.batch-size=16 pool.wait=120.0"
-)
+SMALL_RUN = "data.name='digits' model.name='mlp' model.mlp.hidden=16 train.rounds=2 train.batch-size=16 pool.wait=120.0"
 IG = "attack.name='ig' attack.ig.iterations=20 attack.ig.restarts=1 attack.ig.device='cpu'"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -55,8 +53,9 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed: docker/certs/generate.sh needs it")
     folder = tmp_path_factory.mktemp("certs")
-    subprocess.run(["bash", str(CERTS_SCRIPT), "127.0.0.1,localhost", str(folder)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        ["bash", str(CERTS_SCRIPT), "127.0.0.1,localhost", str(folder)], check=True, capture_output=True, timeout=120
+    )
     return folder
 
 
@@ -64,8 +63,13 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Four SuperNode key pairs: supernode-1 ... supernode-4."""
     folder = tmp_path_factory.mktemp("keys")
-    subprocess.run(["bash", str(KEYS_SCRIPT), "4", str(folder)], check=True, capture_output=True,
-                   timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    subprocess.run(
+        ["bash", str(KEYS_SCRIPT), "4", str(folder)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     return folder
 
 
@@ -84,8 +88,12 @@ class Deployment:
             f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\n'
             f'root-certificates = "{certs / "ca.crt"}"\n'
         )
-        self.env = {**os.environ, "FLWR_HOME": str(self.home), "FLWR_TELEMETRY_ENABLED": "0",
-                    "PATH": f"{BIN}:{os.environ['PATH']}"}
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(self.home),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "PATH": f"{BIN}:{os.environ['PATH']}",
+        }
         self.procs: dict[str, subprocess.Popen] = {}
         self._files: list[IO[str]] = []
 
@@ -95,22 +103,39 @@ class Deployment:
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         out = open(self.log(name), "w")
         self._files.append(out)
-        proc = subprocess.Popen(args, env=env or self.env, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            args,
+            env=env or self.env,
+            cwd=self.tmp,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.procs[name] = proc
         return proc
 
     def start_superlink(self) -> None:
-        self.spawn("superlink", [
-            str(BIN / "flower-superlink"),
-            "--ssl-ca-certfile", str(self.certs / "ca.crt"),
-            "--ssl-certfile", str(self.certs / "server.pem"),
-            "--ssl-keyfile", str(self.certs / "server.key"),
-            "--enable-supernode-auth",
-            "--disable-runtime-dependency-installation",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--database", str(self.tmp / "superlink.db"),
-        ])
+        self.spawn(
+            "superlink",
+            [
+                str(BIN / "flower-superlink"),
+                "--ssl-ca-certfile",
+                str(self.certs / "ca.crt"),
+                "--ssl-certfile",
+                str(self.certs / "server.pem"),
+                "--ssl-keyfile",
+                str(self.certs / "server.key"),
+                "--enable-supernode-auth",
+                "--disable-runtime-dependency-installation",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--database",
+                str(self.tmp / "superlink.db"),
+            ],
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.procs["superlink"].poll() is not None:
@@ -121,8 +146,9 @@ class Deployment:
         raise TimeoutError("the SuperLink did not start within 60 s")
 
     def flwr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run([str(BIN / "flwr"), *args], env=self.env, cwd=self.tmp, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            [str(BIN / "flwr"), *args], env=self.env, cwd=self.tmp, capture_output=True, text=True, timeout=timeout
+        )
 
     def register(self, public_key: Path) -> str:
         result = self.flwr("supernode", "register", str(public_key), CONNECTION, "--format", "json")
@@ -135,23 +161,36 @@ class Deployment:
         assert result.returncode == 0, result.stdout + result.stderr
         return {str(n["node-id"]): n["status"] for n in json.loads(result.stdout)["nodes"]}
 
-    def start_supernode(self, name: str, private_key: Path, partition_id: int, num_partitions: int,
-                        vault: Path | None = None) -> None:
+    def start_supernode(
+        self, name: str, private_key: Path, partition_id: int, num_partitions: int, vault: Path | None = None
+    ) -> None:
         """A SuperNode; with ``vault``, its node config opts in to keeping ground truth there."""
         home = self.tmp / f"{name}-home"
         home.mkdir()
         node_config = f"partition-id={partition_id} num-partitions={num_partitions}"
         if vault is not None:
             node_config += f' vault-dir="{vault}"'
-        self.spawn(name, [
-            str(BIN / "flower-supernode"),
-            "--superlink", f"127.0.0.1:{self.port}",
-            "--root-certificates", str(self.certs / "ca.crt"),
-            "--auth-supernode-private-key", str(private_key),
-            "--node-config", node_config,
-            "--host", "127.0.0.1", "--port", str(free_port()),
-            "--max-retries", "3",
-        ], env={**self.env, "FLWR_HOME": str(home)})
+        self.spawn(
+            name,
+            [
+                str(BIN / "flower-supernode"),
+                "--superlink",
+                f"127.0.0.1:{self.port}",
+                "--root-certificates",
+                str(self.certs / "ca.crt"),
+                "--auth-supernode-private-key",
+                str(private_key),
+                "--node-config",
+                node_config,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(free_port()),
+                "--max-retries",
+                "3",
+            ],
+            env={**self.env, "FLWR_HOME": str(home)},
+        )
 
     def wait_online(self, node_ids: set[str], timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
@@ -164,9 +203,18 @@ class Deployment:
 
     def run(self, overrides: str, name: str = "flwr-run") -> subprocess.Popen:
         """Start `flwr run` on the app; its output goes to logs/<name>.log."""
-        return self.spawn(name, [
-            str(BIN / "flwr"), "run", str(ROOT), CONNECTION, "--run-config", overrides, "--stream",
-        ])
+        return self.spawn(
+            name,
+            [
+                str(BIN / "flwr"),
+                "run",
+                str(ROOT),
+                CONNECTION,
+                "--run-config",
+                overrides,
+                "--stream",
+            ],
+        )
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
@@ -236,13 +284,16 @@ def test_two_authenticated_supernodes_over_tls_run_the_app(deployment: Deploymen
     ids = {dep.register(keys / f"supernode-{i}.pub") for i in (1, 2)}
     vaults = [tmp_path / f"vault-{i}" for i in (1, 2)]
     for i, vault in zip((1, 2), vaults):
-        dep.start_supernode(f"supernode-{i}", keys / f"supernode-{i}", partition_id=i - 1, num_partitions=2,
-                            vault=vault)
+        dep.start_supernode(
+            f"supernode-{i}", keys / f"supernode-{i}", partition_id=i - 1, num_partitions=2, vault=vault
+        )
     dep.wait_online(ids)
 
     out = tmp_path / "run"
-    dep.run(f"{SMALL_RUN} {IG} partition.num-clients=2 train.clients-per-round=2 capture.rounds='1-2' "
-            f"capture.clients='0' out-dir='{out}'")
+    dep.run(
+        f"{SMALL_RUN} {IG} partition.num-clients=2 train.clients-per-round=2 capture.rounds='1-2' "
+        f"capture.clients='0' out-dir='{out}'"
+    )
     assert wait_finished(dep, "flwr-run", 240) == 0
 
     rounds = read_rows(out / "rounds.jsonl", 3)
@@ -291,8 +342,10 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployme
     dep.wait_online(ids)
 
     out = tmp_path / "run"
-    dep.run(f"{SMALL_RUN} attack.name='none' partition.num-clients=3 train.clients-per-round=2 "
-            f"capture.rounds='1' capture.clients='all' out-dir='{out}'")
+    dep.run(
+        f"{SMALL_RUN} attack.name='none' partition.num-clients=3 train.clients-per-round=2 "
+        f"capture.rounds='1' capture.clients='all' out-dir='{out}'"
+    )
 
     # Kill (SIGKILL, process group: SuperNode and its ClientApp) the first SuperNode that receives
     # round 1's instructions, while its ClientApp is still training.

@@ -24,8 +24,15 @@ SHAPES = [(256, 3072), (256,), (10, 256), (10,)]  # the MLP on 32x32 photos, red
 
 def step_of(grads: list[torch.Tensor], round_: int = 0) -> LocalStep:
     """A local step carrying ``grads``; the model and batch are irrelevant to DGP."""
-    return LocalStep(nn.Linear(2, 2), torch.zeros(1, 1, 1, 2), torch.zeros(1, dtype=torch.long), grads,
-                     F.cross_entropy, torch.Generator().manual_seed(0), round_)
+    return LocalStep(
+        nn.Linear(2, 2),
+        torch.zeros(1, 1, 1, 2),
+        torch.zeros(1, dtype=torch.long),
+        grads,
+        F.cross_entropy,
+        torch.Generator().manual_seed(0),
+        round_,
+    )
 
 
 def update(seed: int) -> list[torch.Tensor]:
@@ -47,15 +54,18 @@ def ranks(values: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- counts and band
 
 
-@pytest.mark.parametrize(("size", "rounding", "expected"), [
-    (10, "protective", (1, 7)),     # the 10-entry bias: ceil(0.5) = 1 removed from the top, 2 sent
-    (10, "floor", (0, 7)),          # floor would send its largest entry
-    (2560, "protective", (128, 1920)),
-    (786432, "protective", (39322, 589824)),  # ceil(39321.6)
-    (1, "protective", (0, 0)),      # a single entry is sent
-    (2, "protective", (1, 0)),
-    (0, "protective", (0, 0)),
-])
+@pytest.mark.parametrize(
+    ("size", "rounding", "expected"),
+    [
+        (10, "protective", (1, 7)),  # the 10-entry bias: ceil(0.5) = 1 removed from the top, 2 sent
+        (10, "floor", (0, 7)),  # floor would send its largest entry
+        (2560, "protective", (128, 1920)),
+        (786432, "protective", (39322, 589824)),  # ceil(39321.6)
+        (1, "protective", (0, 0)),  # a single entry is sent
+        (2, "protective", (1, 0)),
+        (0, "protective", (0, 0)),
+    ],
+)
 def test_per_layer_counts(size: int, rounding: str, expected: tuple[int, int]) -> None:
     assert dgp(rounding=rounding).counts(size) == expected
 
@@ -197,14 +207,17 @@ def test_simulate_is_the_first_round_defense_job_by_job_and_differentiable() -> 
 # ----------------------------------------------------------------------------------------------- parameters
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"k1": -0.1}, r"k1 must be in \[0, 1\), got -0\.1"),
-    ({"k2": 1.0}, r"k2 must be in \[0, 1\), got 1\.0"),
-    ({"k1": float("nan")}, r"k1 must be in \[0, 1\), got nan"),
-    ({"k1": 0.25, "k2": 0.75}, r"k1 \+ k2 must be < 1.*0\.25 \+ 0\.75"),
-    ({"ef_scope": "top"}, r"ef-scope 'top': choose one of all, bottom"),
-    ({"rounding": "ceil"}, r"rounding 'ceil': choose one of protective, floor"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"k1": -0.1}, r"k1 must be in \[0, 1\), got -0\.1"),
+        ({"k2": 1.0}, r"k2 must be in \[0, 1\), got 1\.0"),
+        ({"k1": float("nan")}, r"k1 must be in \[0, 1\), got nan"),
+        ({"k1": 0.25, "k2": 0.75}, r"k1 \+ k2 must be < 1.*0\.25 \+ 0\.75"),
+        ({"ef_scope": "top"}, r"ef-scope 'top': choose one of all, bottom"),
+        ({"rounding": "ceil"}, r"rounding 'ceil': choose one of protective, floor"),
+    ],
+)
 def test_bad_parameters_are_rejected(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DGPParams(**fields)
@@ -212,8 +225,16 @@ def test_bad_parameters_are_rejected(fields: dict, message: str) -> None:
 
 def test_registered_and_configurable() -> None:
     assert DEFENSES.get("dgp").params is DGPParams
-    config = load_config(None, ["defense.name=dgp", "defense.dgp.k1=0.1", "defense.dgp.k2=0.7",
-                                "defense.dgp.error-feedback=false", "defense.dgp.ef-scope=bottom"])
+    config = load_config(
+        None,
+        [
+            "defense.name=dgp",
+            "defense.dgp.k1=0.1",
+            "defense.dgp.k2=0.7",
+            "defense.dgp.error-feedback=false",
+            "defense.dgp.ef-scope=bottom",
+        ],
+    )
     assert config.defense.params == DGPParams(k1=0.1, k2=0.7, error_feedback=False, ef_scope="bottom")
     with pytest.raises(ConfigError, match="k1 \\+ k2"):
         load_config(None, ["defense.name=dgp", "defense.dgp.k1=0.5", "defense.dgp.k2=0.5"])
@@ -228,16 +249,18 @@ def ig_scores(defense: str) -> tuple[np.ndarray, np.ndarray]:
     torch.manual_seed(0)
     model = build_model("mlp", data.spec)
     arrays = get_arrays(model)
-    card = ModelCard("mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()),
-                     tuple(trainable_mask(model)))
+    card = ModelCard(
+        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
+    )
     x, y = data.test.batch([3, 40])
     protect = build_defense(defense)
     observations = []
     for i in range(2):
         grads, _ = compute_gradients(model, x[i : i + 1], y[i : i + 1])
         step = LocalStep(model, x[i : i + 1], y[i : i + 1], grads, loss_fn, torch.Generator().manual_seed(i), 1, i)
-        observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in protect(step, {})], 1,
-                                         {"batch-size": 1}))
+        observations.append(
+            card.observe(1, i, "gradient", arrays, [g.numpy() for g in protect(step, {})], 1, {"batch-size": 1})
+        )
     params = InvertingGradientsParams(iterations=150, restarts=1, lr=0.025, tv=1e-4, device="cpu")
     images = torch.cat([r.images for r in InvertingGradients(params).reconstruct_many(observations, 0)])
     return psnr(images, x).numpy(), ssim(images, x).numpy()

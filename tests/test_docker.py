@@ -62,6 +62,7 @@ APP_USER = "10001:10001"
 
 # --- helpers --------------------------------------------------------------------------------
 
+
 def instructions(dockerfile: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined and comment lines dropped."""
     result: list[tuple[str, str]] = []
@@ -154,8 +155,11 @@ def stage(dockerfile: Path, name: str) -> list[tuple[str, str]]:
 def venv_stage(dockerfile: Path, target: str) -> list[tuple[str, str]]:
     """The stage whose environment ``target`` copies in (COPY --from=...), or ``target`` itself."""
     instructions_ = stage(dockerfile, target)
-    sources = [re.search(r"--from=(\S+)", rest).group(1) for w, rest in instructions_
-               if w == "COPY" and "/opt/venv" in rest and "--from=" in rest]
+    sources = [
+        re.search(r"--from=(\S+)", rest).group(1)
+        for w, rest in instructions_
+        if w == "COPY" and "/opt/venv" in rest and "--from=" in rest
+    ]
     return stage(dockerfile, sources[0]) if sources else instructions_
 
 
@@ -179,7 +183,9 @@ def pip_installs(instructions_: list[tuple[str, str]]) -> list[list[str]]:
 
 
 def arg_default(instructions_: list[tuple[str, str]], name: str) -> str | None:
-    values = [rest.partition("=")[2].strip('"') for w, rest in instructions_ if w == "ARG" and rest.partition("=")[0] == name]
+    values = [
+        rest.partition("=")[2].strip('"') for w, rest in instructions_ if w == "ARG" and rest.partition("=")[0] == name
+    ]
     return values[-1] if values else None
 
 
@@ -259,8 +265,10 @@ def published(port: str | dict) -> tuple[str, str]:
 def proxy_locations() -> dict[str, list[str]]:
     """The Fleet proxy's ``location`` blocks: path -> their directives."""
     text = re.sub(r"#[^\n]*", "", PROXY_CONF.read_text())
-    return {path: [d.strip() for d in body.split(";") if d.strip()]
-            for path, body in re.findall(r"location\s+(\S+)\s*\{([^}]*)\}", text)}
+    return {
+        path: [d.strip() for d in body.split(";") if d.strip()]
+        for path, body in re.findall(r"location\s+(\S+)\s*\{([^}]*)\}", text)
+    }
 
 
 def proxy_server_directives() -> list[str]:
@@ -271,17 +279,22 @@ def proxy_server_directives() -> list[str]:
 
 # --- schema and linter -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
 def test_compose_file_follows_the_compose_specification(path: Path) -> None:
     jsonschema = pytest.importorskip("jsonschema")
     try:
         schema_file = Path(str(distribution("docker-compose").locate_file("compose/config/compose_spec.json")))
     except PackageNotFoundError:
-        pytest.skip("the Compose Specification schema ships in docker-compose's wheel: "
-                    "pip install --no-deps docker-compose==1.29.2")
+        pytest.skip(
+            "the Compose Specification schema ships in docker-compose's wheel: "
+            "pip install --no-deps docker-compose==1.29.2"
+        )
     schema = json.loads(schema_file.read_text())
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in jsonschema.Draft7Validator(schema).iter_errors(compose(path))]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in jsonschema.Draft7Validator(schema).iter_errors(compose(path))
+    ]
     assert not errors, "\n".join(errors)
 
 
@@ -305,19 +318,32 @@ def test_compose_cli_accepts_the_files_when_one_is_installed() -> None:
     else:
         pytest.skip("no Compose v2 CLI (docker compose, or docker-compose v2) on PATH")
     files = [arg for path in COMPOSE_FILES for arg in ("-f", str(path))]
-    result = subprocess.run([*candidate, *files, "--env-file", str(ENV_EXAMPLE), "config", "--quiet"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [*candidate, *files, "--env-file", str(ENV_EXAMPLE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
 
 
 # --- what the files name exists ---------------------------------------------------------------
 
+
 def test_one_image_is_built_here_and_the_superlink_and_supernodes_are_flowers() -> None:
     assert [p.name for p in DOCKERFILES] == [SUPEREXEC.name]
-    assert sorted(p.name for p in DOCKER.glob("*.dockerignore")) == sorted(f"{p.name}.dockerignore" for p in DOCKERFILES)
+    assert sorted(p.name for p in DOCKER.glob("*.dockerignore")) == sorted(
+        f"{p.name}.dockerignore" for p in DOCKERFILES
+    )
     nodes = sorted(supernode_services())
     assert nodes, "no SuperNode services"
-    assert set(services()) == {"superlink", "fleet", SERVERAPP, *nodes, *(f"{CLIENTAPP_PREFIX}{n.removeprefix('supernode-')}" for n in nodes)}
+    assert set(services()) == {
+        "superlink",
+        "fleet",
+        SERVERAPP,
+        *nodes,
+        *(f"{CLIENTAPP_PREFIX}{n.removeprefix('supernode-')}" for n in nodes),
+    }
     for name, service in services().items():
         if name == "superlink" or name in nodes:
             repository = service["image"].rpartition(":")[0]
@@ -353,12 +379,15 @@ def test_superexec_image_is_built_from_flowers_superexec_image_of_the_pinned_ver
     publishes no base for, runs the same entrypoint."""
     repository, _, tag = from_image(SUPEREXEC, "cpu").rpartition(":")
     assert repository == SUPEREXEC_BASE
-    python = re.fullmatch(r">=(3\.\d+),<3\.\d+",
-                          tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]).group(1)
+    python = re.fullmatch(
+        r">=(3\.\d+),<3\.\d+", tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    ).group(1)
     assert tag.startswith(f"{pins()['flwr']}-py{python}-"), f"{tag}: not Flower {pins()['flwr']} on Python {python}"
     assert not from_image(SUPEREXEC, "cuda").startswith("flwr/")
-    entries = {target: [exec_form(r) for w, r in stage(SUPEREXEC, target) if w == "ENTRYPOINT"][-1]
-               for target in ("cpu", "cuda")}
+    entries = {
+        target: [exec_form(r) for w, r in stage(SUPEREXEC, target) if w == "ENTRYPOINT"][-1]
+        for target in ("cpu", "cuda")
+    }
     assert entries["cpu"] == entries["cuda"] == ["flower-superexec"], entries
     # The app goes into the image's own environment; flwr itself is never named, so the image's stays.
     calls = pip_installs(stage(SUPEREXEC, "cpu"))
@@ -395,10 +424,19 @@ def test_copy_sources_exist_and_reach_the_build_context(dockerfile: Path) -> Non
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_no_data_keys_or_runs_can_enter_an_image(dockerfile: Path) -> None:
-    for path in ("runs/x/vault/round-0001_client-0000.npz", "docker/vault/run-1/round-0001_client-0000.npz",
-                 "data", "docker/certs/server.key",
-                 "docker/keys/supernode-1", "docker/secrets/superexec.secret", "generators/mnist-5k.npz",
-                 "evalnets/photos.npz", "mjolnir/photos-lenet.npz", ".venv", "docker/.env"):
+    for path in (
+        "runs/x/vault/round-0001_client-0000.npz",
+        "docker/vault/run-1/round-0001_client-0000.npz",
+        "data",
+        "docker/certs/server.key",
+        "docker/keys/supernode-1",
+        "docker/secrets/superexec.secret",
+        "generators/mnist-5k.npz",
+        "evalnets/photos.npz",
+        "mjolnir/photos-lenet.npz",
+        ".venv",
+        "docker/.env",
+    ):
         assert ignored(dockerfile, path), f"{dockerfile.name}'s .dockerignore lets {path} in"
 
 
@@ -454,7 +492,9 @@ def test_builds_name_existing_dockerfiles_targets_and_contexts() -> None:
             assert dockerfile.is_file(), f"{name}: {dockerfile} missing"
             target = interpolate(str(build.get("target", base.get("target", ""))))
             if target:
-                names = {rest.split()[-1] for w, rest in instructions(dockerfile) if w == "FROM" and " AS " in rest.upper()}
+                names = {
+                    rest.split()[-1] for w, rest in instructions(dockerfile) if w == "FROM" and " AS " in rest.upper()
+                }
                 assert target in names, f"{name}: {dockerfile.name} has no stage {target}"
 
 
@@ -510,15 +550,26 @@ def test_bind_mounts_come_from_documented_host_folders() -> None:
 
 def test_tls_and_supernode_authentication_are_on_by_default() -> None:
     command = superlink()["command"]
-    for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--enable-supernode-auth",
-                 "--disable-runtime-dependency-installation"):
+    for flag in (
+        "--ssl-ca-certfile",
+        "--ssl-certfile",
+        "--ssl-keyfile",
+        "--enable-supernode-auth",
+        "--disable-runtime-dependency-installation",
+    ):
         assert flag in command
     for path in [*COMPOSE_FILES, *DOCKERFILES, ENV_EXAMPLE]:
         assert "--insecure" not in path.read_text(), f"{path.name} has an insecure variant"
     for name, service in supernode_services().items():
         command = service["command"]
-        for flag in ("--root-certificates", "--auth-supernode-private-key",  # to the SuperLink
-                     "--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--superexec-auth-secret-file"):  # Runtime API
+        for flag in (
+            "--root-certificates",
+            "--auth-supernode-private-key",  # to the SuperLink
+            "--ssl-ca-certfile",
+            "--ssl-certfile",
+            "--ssl-keyfile",
+            "--superexec-auth-secret-file",
+        ):  # Runtime API
             assert flag in command, f"{name}: no {flag}"
     for name, service in superexec_services().items():
         for flag in ("--root-certificates", "--superexec-auth-secret-file"):
@@ -546,7 +597,9 @@ def test_each_supernode_serves_its_runtime_api_over_tls_to_its_own_clientapp_sup
     the certificate `docker/certs/generate.sh --supernode supernode-I` issues; superexec-clientapp-I, and only it,
     connects there, checks that certificate against the same CA, and shows the secret the SuperNode expects."""
     nodes, clientapps = supernode_services(), clientapp_services()
-    assert sorted(clientapps) == sorted(name.removeprefix("supernode-") for name in nodes), "one ClientApp SuperExec per SuperNode"
+    assert sorted(clientapps) == sorted(name.removeprefix("supernode-") for name in nodes), (
+        "one ClientApp SuperExec per SuperNode"
+    )
     certs = env_example()["FEDGUARD_CERTS_DIR"]
     for name, node in nodes.items():
         number = name.removeprefix("supernode-")
@@ -559,7 +612,10 @@ def test_each_supernode_serves_its_runtime_api_over_tls_to_its_own_clientapp_sup
         assert node_mounts[option(node, "--ssl-certfile")][0] == f"{certs}/{name}.pem"
         assert node_mounts[option(node, "--ssl-keyfile")][0] == f"{certs}/{name}.key"
         assert option(clientapp, "--runtime-api-address") == f"{name}:{option(node, '--port')}"
-        assert bind_mounts(clientapp)[option(clientapp, "--root-certificates")] == node_mounts[option(node, "--ssl-ca-certfile")]
+        assert (
+            bind_mounts(clientapp)[option(clientapp, "--root-certificates")]
+            == node_mounts[option(node, "--ssl-ca-certfile")]
+        )
         secret = option(node, "--superexec-auth-secret-file")
         assert secret in secret_files(node) and option(clientapp, "--superexec-auth-secret-file") == secret
         assert secret_files(clientapp) == {secret}, f"{CLIENTAPP_PREFIX}{number} holds other secrets"
@@ -595,7 +651,9 @@ def test_clientapps_keep_no_ground_truth_and_share_no_run_folder_by_default() ->
     for name, service in services().items():
         if name in supernode_services() or name.startswith(CLIENTAPP_PREFIX):
             for target, (source, _) in bind_mounts(service).items():
-                assert source not in run_folders and target not in ("/runs", "/vault"), f"{name} mounts {source} at {target}"
+                assert source not in run_folders and target not in ("/runs", "/vault"), (
+                    f"{name} mounts {source} at {target}"
+                )
     # The ClientApp trains where it runs: the data is mounted there, read-only, and not in the SuperNodes.
     data = bind_mounts(services()[SERVERAPP])["/data"][0]
     for number, service in clientapp_services().items():
@@ -636,8 +694,11 @@ def test_the_fleet_proxy_forwards_the_fleet_api_alone() -> None:
     assert all(v.endswith(":ro") for v in volumes), volumes
     mounts = {interpolate(v).split(":")[1]: interpolate(v).split(":")[0] for v in volumes}
     superlink_mounts = {interpolate(v).split(":")[1]: interpolate(v).split(":")[0] for v in superlink()["volumes"]}
-    for file, flag in ((server["ssl_certificate"], "--ssl-certfile"), (server["ssl_certificate_key"], "--ssl-keyfile"),
-                       (fleet["proxy_ssl_trusted_certificate"], "--ssl-ca-certfile")):
+    for file, flag in (
+        (server["ssl_certificate"], "--ssl-certfile"),
+        (server["ssl_certificate_key"], "--ssl-keyfile"),
+        (fleet["proxy_ssl_trusted_certificate"], "--ssl-ca-certfile"),
+    ):
         assert mounts[file] == superlink_mounts[command[command.index(flag) + 1]], f"{file} is not the SuperLink's"
     assert mounts["/etc/nginx/conf.d/default.conf"] == f"./{PROXY_CONF.name}"
     assert services()["fleet"]["user"] == APP_USER
@@ -656,7 +717,9 @@ def test_superlink_gets_what_its_command_names() -> None:
         path = command[command.index(flag) + 1]
         assert path in mounts and mounts[path] == ["ro"], f"{flag} {path} is not a read-only mount"
     database = Path(command[command.index("--database") + 1])
-    assert str(database.parent) in mounts and mounts[str(database.parent)] == [], "--database is not on a writable mount"
+    assert str(database.parent) in mounts and mounts[str(database.parent)] == [], (
+        "--database is not on a writable mount"
+    )
     secret = command[command.index("--superexec-auth-secret-file") + 1]
     assert secret in secret_files(service), f"{secret} is not one of its secrets"
     assert service["environment"]["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"
@@ -685,7 +748,10 @@ def test_superexec_cpu_target_installs_torch_from_the_cpu_index_before_the_proje
     assert len(torch_calls) == 1 and len(project_calls) == 1, calls
     torch_args, project_args = calls[torch_calls[0]], calls[project_calls[0]]
     assert torch_args[torch_args.index("--index-url") + 1] == "${TORCH_INDEX_URL}"
-    assert {a for a in torch_args if "==" in a} == {f"torch=={pins()['torch']}", f"torchvision=={pins()['torchvision']}"}
+    assert {a for a in torch_args if "==" in a} == {
+        f"torch=={pins()['torch']}",
+        f"torchvision=={pins()['torchvision']}",
+    }
     # Torch first; the project install then keeps it only as long as pip may leave installed
     # distributions alone (see the last test) and is not told to take everything from PyPI anew.
     assert torch_calls[0] < project_calls[0]
@@ -740,7 +806,9 @@ def test_certs_script_issues_each_supernode_its_runtime_api_certificate_from_the
         run("openssl", "verify", "-CAfile", ca, str(cert))
         san = run("openssl", "x509", "-in", str(cert), "-noout", "-ext", "subjectAltName")
         assert re.findall(r"(?:DNS|IP Address):([^,\s]+)", san) == [name], san
-        assert run("openssl", "x509", "-in", str(cert), "-noout", "-pubkey") == run("openssl", "pkey", "-in", str(key), "-pubout")
+        assert run("openssl", "x509", "-in", str(cert), "-noout", "-pubkey") == run(
+            "openssl", "pkey", "-in", str(key), "-pubout"
+        )
         assert key.stat().st_mode & 0o777 == 0o600, f"{key.name} is readable by others"
 
 

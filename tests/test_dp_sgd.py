@@ -230,8 +230,12 @@ def test_epsilon_edge_cases_and_monotonicity() -> None:
     base = epsilon_spent(1.0, 0.1, 100)
     assert epsilon_spent(1.0, 0.1, 200) > base > epsilon_spent(1.0, 0.05, 100) > 0
     assert epsilon_spent(2.0, 0.1, 100) < base < epsilon_spent(1.0, 0.1, 100, delta=1e-8)
-    for bad, match in [({"sample_rate": 0.0}, "sample rate"), ({"steps": -1}, "steps"), ({"delta": 1.0}, "delta"),
-                       ({"noise_multiplier": -1.0}, "noise multiplier")]:
+    for bad, match in [
+        ({"sample_rate": 0.0}, "sample rate"),
+        ({"steps": -1}, "steps"),
+        ({"delta": 1.0}, "delta"),
+        ({"noise_multiplier": -1.0}, "noise multiplier"),
+    ]:
         with pytest.raises(ValueError, match=match):
             epsilon_spent(**{"noise_multiplier": 1.0, "sample_rate": 0.5, "steps": 1, **bad})
 
@@ -313,7 +317,9 @@ def test_bad_parameters_are_rejected_naming_the_value(field: dict, match: str) -
 def test_a_batch_larger_than_the_dataset_is_rejected(photos) -> None:
     model = model_of("mlp", photos)
     x, y = photos.test.batch(BATCH)
-    with pytest.raises(ValueError, match=r"a batch of 8 samples exceeds the data set size 5 \(defense.dp-sgd.dataset-size\)"):
+    with pytest.raises(
+        ValueError, match=r"a batch of 8 samples exceeds the data set size 5 \(defense.dp-sgd.dataset-size\)"
+    ):
         build_defense("dp-sgd", DPSGDParams(dataset_size=5))(step_of(model, x, y), {})
 
 
@@ -332,7 +338,9 @@ def test_dp_sgd_brings_inverting_gradients_down(photos) -> None:
     images = [3, 150]
     model = model_of("mlp", photos)
     arrays = get_arrays(model)
-    card = ModelCard("mlp", {"hidden": 256, "depth": 2}, photos.spec, tuple(model.state_dict()), tuple(trainable_mask(model)))
+    card = ModelCard(
+        "mlp", {"hidden": 256, "depth": 2}, photos.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
+    )
     x, y = photos.test.batch(images)
     attack = InvertingGradients(InvertingGradientsParams(iterations=150, restarts=1, lr=0.025, tv=1e-4, device="cpu"))
 

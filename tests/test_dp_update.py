@@ -60,8 +60,11 @@ def dp(clip: float = 1.0, noise_multiplier: float = 0.0, mechanism: str = "gauss
 def update(seed: int, scale: float = 1.0) -> list[torch.Tensor]:
     """A small update of three tensors of different shapes."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(4, 5, generator=g) * scale, torch.randn(5, generator=g) * scale,
-            torch.randn(2, 3, 3, generator=g) * scale]
+    return [
+        torch.randn(4, 5, generator=g) * scale,
+        torch.randn(5, generator=g) * scale,
+        torch.randn(2, 3, 3, generator=g) * scale,
+    ]
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -131,7 +134,8 @@ def test_the_clip_bound_is_exact_at_the_boundary_and_for_a_zero_update() -> None
 @given(
     arrays=st.lists(
         st.lists(st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False, width=32), min_size=1, max_size=20),
-        min_size=1, max_size=4,
+        min_size=1,
+        max_size=4,
     ),
     clip=st.floats(1e-3, 1e3, allow_nan=False),
 )
@@ -217,8 +221,10 @@ def test_epsilon_with_laplace_noise_or_with_a_noise_multiplier_is_rejected() -> 
 
 
 # Mjölnir's published code: M = 2 * lr * C / m * sqrt(2 ln(1.25 / delta)) / epsilon, lr 1e-3, C 10, m 1.
-@pytest.mark.parametrize(("epsilon", "delta", "std"), [(1.0, 1e-4, 0.08687), (1.0, 1e-5, 0.09690),
-                                                       (5.0, 1e-4, 0.017374), (10.0, 1e-5, 0.009690)])
+@pytest.mark.parametrize(
+    ("epsilon", "delta", "std"),
+    [(1.0, 1e-4, 0.08687), (1.0, 1e-5, 0.09690), (5.0, 1e-4, 0.017374), (10.0, 1e-5, 0.009690)],
+)
 def test_the_mjolnir_code_calibration_sets_the_published_codes_std_whatever_the_clip(
     epsilon: float, delta: float, std: float
 ) -> None:
@@ -226,8 +232,9 @@ def test_the_mjolnir_code_calibration_sets_the_published_codes_std_whatever_the_
     assert mjolnir_code_sigma(epsilon, delta) == expected == pytest.approx(std, rel=1e-4)
     assert expected == pytest.approx(classical_gaussian_sigma(epsilon, delta, 0.02), rel=1e-15)
     for clip in (0.01, 1.0, 40.0):
-        defense = build_defense("dp", UpdateDPParams(clip=clip, epsilon=epsilon, delta=delta,
-                                                     calibration="mjolnir-code"))
+        defense = build_defense(
+            "dp", UpdateDPParams(clip=clip, epsilon=epsilon, delta=delta, calibration="mjolnir-code")
+        )
         assert defense.noise_scale == expected
         assert defense.noise_multiplier == expected / clip
 
@@ -243,8 +250,10 @@ def test_the_mjolnir_code_report_is_the_epsilon_its_std_spends_for_the_clip() ->
     sigma = mjolnir_code_sigma(1.0, 1e-4)
     spent = {}
     for clip in (10.0, 0.01):
-        defense, state = build_defense("dp", UpdateDPParams(clip=clip, epsilon=1.0, delta=1e-4,
-                                                            calibration="mjolnir-code")), {}
+        defense, state = (
+            build_defense("dp", UpdateDPParams(clip=clip, epsilon=1.0, delta=1e-4, calibration="mjolnir-code")),
+            {},
+        )
         defense(step_of(update(0)), state)
         spent[clip] = defense.report(state)["epsilon"]
         assert defense.report(state) == {"epsilon": epsilon_after(1, sigma / clip, 2.0, 1e-4), "delta": 1e-4}
@@ -262,8 +271,10 @@ def test_the_calibration_is_checked() -> None:
         UpdateDPParams(epsilon=1.0, calibration="mjolnir-code", mechanism="laplace")
     with pytest.raises(ValueError, match=r"noise-multiplier \(0.5\) or epsilon \(1.0\), not both"):
         UpdateDPParams(noise_multiplier=0.5, epsilon=1.0, calibration="mjolnir-code")
-    config = load_config(None, ["defense.name=dp", "defense.dp.epsilon=5", "defense.dp.delta=1e-4",
-                                "defense.dp.calibration=mjolnir-code"])
+    config = load_config(
+        None,
+        ["defense.name=dp", "defense.dp.epsilon=5", "defense.dp.delta=1e-4", "defense.dp.calibration=mjolnir-code"],
+    )
     assert build_defense(config.defense.name, config.defense.params).noise_scale == mjolnir_code_sigma(5.0, 1e-4)
 
 

@@ -47,7 +47,9 @@ def fedavg_uploads() -> list:
     torch.manual_seed(0)
     model = build_model("mlp", data.spec)
     arrays = get_arrays(model)
-    card = ModelCard("mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model)))
+    card = ModelCard(
+        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
+    )
     observations = []
     for client, pair in enumerate(([3, 150], [10, 200])):
         x, y = data.test.batch(pair)
@@ -78,7 +80,9 @@ def test_lbfgs_never_freezes_a_job_whose_first_step_overshoots() -> None:
         return (scale * (0.5 * curvature * z**2 - b * z)).sum(1)
 
     spec = OptimizerSpec("lbfgs", lr=1.0, box=False)
-    z, resets = lbfgs(torch.zeros(2, 3), lambda progress: losses, 60, spec, lambda z: None, lambda jobs: torch.zeros(2, 3))
+    z, resets = lbfgs(
+        torch.zeros(2, 3), lambda progress: losses, 60, spec, lambda z: None, lambda jobs: torch.zeros(2, 3)
+    )
     assert torch.allclose(z, b / curvature, atol=1e-4), z
     assert resets.tolist() == [0, 0]
 
@@ -90,7 +94,9 @@ def test_dlg_with_an_overshooting_step_still_lowers_every_restarts_loss() -> Non
     params = DLGParams(iterations=40, restarts=4, lr=1e4, device=ATTACK_DEVICE)
     later = DeepLeakage(params, infer=True).reconstruct_many(observations[:1], 0)[0]
     assert all(b < 0.5 * a for a, b in zip(start.stats["restart_losses"], later.stats["restart_losses"])), (
-        start.stats["restart_losses"], later.stats["restart_losses"])
+        start.stats["restart_losses"],
+        later.stats["restart_losses"],
+    )
 
 
 def test_distances_and_the_group_prior() -> None:
@@ -155,8 +161,14 @@ def test_the_docs_own_attack_is_this_module_and_it_reconstructs(tmp_path) -> Non
     source = (root / "extensions" / "smooth_inversion.py").read_text()
     page = root / "docs" / "how-to" / "attack-plugin.md"
     assert f"```python\n{source}```" in page.read_text(), "the docs' example differs from the module"
-    config = Config.from_flat({"server.plugins": "extensions.smooth_inversion", "attack.name": "smooth-inversion",
-                               "attack.smooth-inversion.iterations": 300, "attack.smooth-inversion.device": "cpu"})
+    config = Config.from_flat(
+        {
+            "server.plugins": "extensions.smooth_inversion",
+            "attack.name": "smooth-inversion",
+            "attack.smooth-inversion.iterations": 300,
+            "attack.smooth-inversion.device": "cpu",
+        }
+    )
     from attackers.base import build_attack
 
     attack = build_attack(config.attacks[0].name, config.attacks[0].params)
@@ -167,11 +179,14 @@ def test_the_docs_own_attack_is_this_module_and_it_reconstructs(tmp_path) -> Non
     assert bool((got > torch.tensor(floor(x[:2])[0]) + 6).all())
 
 
-@pytest.mark.parametrize("schedule, expected", [
-    ("step", [0.1, 0.1, 0.1, 0.01, 0.01, 0.001, 0.001, 0.0001]),
-    ("cosine", [0.05 * (1 + np.cos(np.pi * i / 8)) for i in range(8)]),
-    ("none", [0.1] * 8),
-])
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [
+        ("step", [0.1, 0.1, 0.1, 0.01, 0.01, 0.001, 0.001, 0.0001]),
+        ("cosine", [0.05 * (1 + np.cos(np.pi * i / 8)) for i in range(8)]),
+        ("none", [0.1] * 8),
+    ],
+)
 def test_learning_rate_schedules(schedule: str, expected: list[float]) -> None:
     """The learning rate used at each of 8 steps: step decay at 3/8, 5/8, 7/8; a half cosine towards 0."""
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)

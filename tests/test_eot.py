@@ -17,8 +17,9 @@ from tests.test_inverting_gradients import uploads
 
 def defended(defense, job: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
     """What a client with ``defense`` uploads for the update ``job``, its generator seeded with ``seed``."""
-    step = LocalStep(torch.nn.Identity(), torch.zeros(1), torch.zeros(1), job, loss_fn,
-                     torch.Generator().manual_seed(seed))
+    step = LocalStep(
+        torch.nn.Identity(), torch.zeros(1), torch.zeros(1), job, loss_fn, torch.Generator().manual_seed(seed)
+    )
     return defense(step, {})
 
 

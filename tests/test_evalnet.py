@@ -47,8 +47,10 @@ def test_network_regresses_the_noise_ratio_of_held_out_images(trained: TrainedEv
     with torch.no_grad():
         mixed, ratios = blend(held_out, torch.Generator().manual_seed(7))
         mse = float((trained.net(mixed) - ratios).pow(2).mean())
-        levels = [float(trained.net((1 - r) * held_out + r * torch.rand(held_out.shape)).mean())
-                  for r in (0.0, 0.25, 0.5, 0.75, 1.0)]
+        levels = [
+            float(trained.net((1 - r) * held_out + r * torch.rand(held_out.shape)).mean())
+            for r in (0.0, 0.25, 0.5, 0.75, 1.0)
+        ]
     print("held-out ratio mse", mse, "mean D at ratios 0..1", levels, "training losses", trained.losses)
     assert mse < UNIFORM_VARIANCE / 8, mse
     assert all(a < b for a, b in zip(levels, levels[1:])), levels
@@ -103,8 +105,11 @@ def test_missing_mismatched_and_other_shape_files_give_clear_errors(tmp_path: Pa
         load_evalnet(tmp_path / "none.npz")
     small = TrainedEvalNet(EvalNet(DataSpec(1, 8, 8, 10), 2), "digits", "test", (0.1,))
     path = save_evalnet(small, tmp_path / "d.npz")
-    with pytest.raises(ValueError, match=r"d\.npz was trained on images of shape \(1, 8, 8\) \(digits\), but these "
-                                         r"images have shape \(3, 32, 32\).*fedguard train-evalnet --data <dataset>"):
+    with pytest.raises(
+        ValueError,
+        match=r"d\.npz was trained on images of shape \(1, 8, 8\) \(digits\), but these "
+        r"images have shape \(3, 32, 32\).*fedguard train-evalnet --data <dataset>",
+    ):
         load_evalnet(path).check_shape((3, 32, 32), path)
     load_evalnet(path).check_shape((1, 8, 8), path)
     rewrite(path, width=3)
@@ -139,7 +144,12 @@ def test_command_trains_and_writes_a_network(
     assert "epoch 1/2: ratio mse" in out and "epoch 2/2: ratio mse" in out and "saved evalnets/digits.npz" in out
     meta = load_evalnet(tmp_path / "evalnets" / "digits.npz").meta()
     assert (meta["dataset"], meta["split"], meta["epochs"], meta["width"], meta["spec"]) == (
-        "digits", "test", 2, 2, [1, 8, 8, 10])
+        "digits",
+        "test",
+        2,
+        2,
+        [1, 8, 8, 10],
+    )
 
 
 def test_command_rejects_a_bad_dataset_or_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,14 +40,14 @@ def make_run(tmp_path: Path, batch: int = 2, clients: int = 2) -> Path:
     torch.manual_seed(0)
     model = build_model("mlp", data.spec, config.model.params)
     arrays, mask = get_arrays(model), trainable_mask(model)
-    card = ModelCard("mlp", dataclasses.asdict(config.model.params), data.spec, tuple(model.state_dict()),
-                     tuple(mask))
+    card = ModelCard("mlp", dataclasses.asdict(config.model.params), data.spec, tuple(model.state_dict()), tuple(mask))
     for client in range(clients):
         x, y = data.test.batch(np.arange(batch) + 50 * client)
         grads, _ = compute_gradients(model, x, y)
         upload = merge_by_mask([g.numpy() for g in grads], split_by_mask(arrays, mask)[1], mask)
-        save_observation(card.observe(1, client, "gradient", arrays, upload, batch, {"batch-size": batch}),
-                         folder / OBSERVATIONS_DIR)
+        save_observation(
+            card.observe(1, client, "gradient", arrays, upload, batch, {"batch-size": batch}), folder / OBSERVATIONS_DIR
+        )
         write_truth(folder / VAULT_DIR, 1, client, x, y)
     (folder / "rounds.jsonl").write_text('{"round": 0, "accuracy": 0.1, "loss": 2.3, "seconds": 0.1}\n')
     return folder
@@ -81,8 +81,21 @@ def test_evaluator_scores_after_matching_and_writes_grids(tmp_path: Path) -> Non
     assert failed["psnr"] is None and failed["error"] == "no result within 5 s"
     rows = [json.loads(line) for line in (folder / ATTACKS_FILE).read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok", "ok", "timeout"]
-    assert {"round", "client", "attack", "defense", "batch_size", "mse", "psnr", "ssim", "lpips",
-            "label_accuracy", "seconds", "seed", "status"} <= rows[0].keys()
+    assert {
+        "round",
+        "client",
+        "attack",
+        "defense",
+        "batch_size",
+        "mse",
+        "psnr",
+        "ssim",
+        "lpips",
+        "label_accuracy",
+        "seconds",
+        "seed",
+        "status",
+    } <= rows[0].keys()
 
 
 def test_missing_ground_truth_is_reported_not_scored(tmp_path: Path) -> None:
@@ -91,15 +104,28 @@ def test_missing_ground_truth_is_reported_not_scored(tmp_path: Path) -> None:
     from fedguard.observation import load_observations
 
     [obs] = load_observations(folder / OBSERVATIONS_DIR)
-    row = Evaluator(folder, {"ig": {"attack": "ig"}})(AttackOutcome(
-        obs, "ok", Reconstruction(torch.rand(1, 3, 32, 32), torch.tensor([0])), attack="ig"))
+    row = Evaluator(folder, {"ig": {"attack": "ig"}})(
+        AttackOutcome(obs, "ok", Reconstruction(torch.rand(1, 3, 32, 32), torch.tensor([0])), attack="ig")
+    )
     assert row["psnr"] is None and "no ground truth" in row["error"]
 
 
 def test_attack_command_on_a_capture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = make_run(tmp_path, batch=1)
-    code = main(["attack", str(folder / OBSERVATIONS_DIR), "--set", "attack.name=ig",
-                 "--set", "attack.ig.iterations=150", "--set", "attack.ig.restarts=1", "--set", "attack.ig.device=cpu"])
+    code = main(
+        [
+            "attack",
+            str(folder / OBSERVATIONS_DIR),
+            "--set",
+            "attack.name=ig",
+            "--set",
+            "attack.ig.iterations=150",
+            "--set",
+            "attack.ig.restarts=1",
+            "--set",
+            "attack.ig.device=cpu",
+        ]
+    )
     assert code == 0
     rows = [json.loads(line) for line in (folder / ATTACKS_FILE).read_text().splitlines()]
     assert len(rows) == 2 and all(r["status"] == "ok" and r["source"] == "offline" for r in rows)
@@ -109,7 +135,8 @@ def test_attack_command_on_a_capture(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_attack_command_names_missing_attack_files_before_any_attack_runs(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = make_run(tmp_path, batch=1, clients=1)
     absent = tmp_path / "no-generator.npz"
     code = main(["attack", str(folder), "--set", "attack.name=ig,ggl", "--set", f"attack.ggl.generator={absent}"])

@@ -89,12 +89,16 @@ def test_coordinate_encoded_and_dense_uploads_aggregate_alike() -> None:
     from fedguard.sparse import ENCODING_KEY, SPARSE, encode_arrays
 
     rng = np.random.default_rng(1)
-    uploads = [[np.where(rng.random((8, 5)) < 0.2, rng.standard_normal((8, 5)), 0).astype(np.float32)]
-               for _ in range(3)]
+    uploads = [
+        [np.where(rng.random((8, 5)) < 0.2, rng.standard_normal((8, 5)), 0).astype(np.float32)] for _ in range(3)
+    ]
     current = [np.ones((8, 5), dtype=np.float32)]
-    dense, _, _ = train_round(FedSGD(lr=0.5, trainable=[True]), 1, ["w"], current,
-                              [(u, 1, {"client": i}) for i, u in enumerate(uploads)])
-    mixed = [(encode_arrays(u), 1, {"client": i, ENCODING_KEY: SPARSE}) if i != 1 else (u, 1, {"client": i})
-             for i, u in enumerate(uploads)]
+    dense, _, _ = train_round(
+        FedSGD(lr=0.5, trainable=[True]), 1, ["w"], current, [(u, 1, {"client": i}) for i, u in enumerate(uploads)]
+    )
+    mixed = [
+        (encode_arrays(u), 1, {"client": i, ENCODING_KEY: SPARSE}) if i != 1 else (u, 1, {"client": i})
+        for i, u in enumerate(uploads)
+    ]
     got, _, _ = train_round(FedSGD(lr=0.5, trainable=[True]), 1, ["w"], current, mixed)
     assert np.array_equal(got.to_numpy_ndarrays()[0], dense.to_numpy_ndarrays()[0])

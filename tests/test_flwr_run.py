@@ -47,9 +47,22 @@ def local_superlink(tmp_path: Path, cwd: Path, env: dict[str, str]) -> Iterator[
     )
     env = {**env, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "PATH": f"{BIN}:{os.environ['PATH']}"}
     superlink = subprocess.Popen(
-        [str(BIN / "flower-superlink"), "--insecure", "--simulation", "--disable-runtime-dependency-installation",
-         "--host", "127.0.0.1", "--port", str(port), "--database", str(tmp_path / "state.db")],
-        env=env, cwd=cwd, stdout=open(tmp_path / "superlink.log", "w"), stderr=subprocess.STDOUT,
+        [
+            str(BIN / "flower-superlink"),
+            "--insecure",
+            "--simulation",
+            "--disable-runtime-dependency-installation",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--database",
+            str(tmp_path / "state.db"),
+        ],
+        env=env,
+        cwd=cwd,
+        stdout=open(tmp_path / "superlink.log", "w"),
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:
@@ -69,9 +82,22 @@ def test_flwr_run_with_a_local_superlink(tmp_path: Path) -> None:
     with local_superlink(tmp_path, tmp_path, dict(os.environ)) as env:
         overrides = f"partition.num-clients=4 train.clients-per-round=4 train.rounds=3 out-dir='{out}'"
         result = subprocess.run(
-            [str(BIN / "flwr"), "run", str(ROOT), "fedguard", "--federation-config", "num-supernodes=4",
-             "--run-config", overrides, "--stream"],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+            [
+                str(BIN / "flwr"),
+                "run",
+                str(ROOT),
+                "fedguard",
+                "--federation-config",
+                "num-supernodes=4",
+                "--run-config",
+                overrides,
+                "--stream",
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         rows_file = out / "rounds.jsonl"
@@ -82,6 +108,7 @@ def test_flwr_run_with_a_local_superlink(tmp_path: Path) -> None:
         assert [r["round"] for r in rows] == [0, 1, 2, 3]
         assert rows[-1]["accuracy"] > rows[0]["accuracy"]
         assert (out / "config.toml").is_file() and list((out / "observations").glob("*.npz"))
+
 
 def stop_local_superlink(port: int) -> None:
     """Stop the local SuperLink ``flwr run`` started on ``port`` (and its process group), none other."""
@@ -100,10 +127,16 @@ def flower_home(tmp_path_factory: pytest.TempPathFactory):
     SuperLink on ports of its own, stopped at the end."""
     home = tmp_path_factory.mktemp("flwr-home")
     http_port, control_port = free_port(), free_port()
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0",
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FEDGUARD_RUNS": str(home / "runs"),
-           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port), "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
-           "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FEDGUARD_RUNS": str(home / "runs"),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+    }
     yield home, env
     stop_local_superlink(http_port)
 
@@ -112,8 +145,14 @@ def flower_home(tmp_path_factory: pytest.TempPathFactory):
 def test_flwr_run_on_flowers_default_federation_stops_and_says_how_to_fix_it(flower_home) -> None:
     home, env = flower_home
     start = time.monotonic()
-    result = subprocess.run([str(BIN / "flwr"), "run", ".", "--stream", "--run-config", "train.rounds=2"],
-                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(BIN / "flwr"), "run", ".", "--stream", "--run-config", "train.rounds=2"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     output = result.stdout + result.stderr
     assert "2 SuperNodes are connected after 10 s, but partition.num-clients = 10" in output, output[-3000:]
@@ -127,12 +166,29 @@ def test_flwr_run_on_flowers_default_federation_stops_and_says_how_to_fix_it(flo
 @pytest.mark.slow
 def test_flwr_run_selects_a_user_strategy_from_outside_the_package(flower_home) -> None:
     home, env = flower_home
-    overrides = ("data.name='digits' partition.num-clients=4 train.clients-per-round=4 train.rounds=2 "
-                 "capture.rounds='none' out-dir='user-strategy' server.plugins='extensions.norm_clipped' "
-                 "server.strategy='norm-clipped-fedavg' "
-                 "server.plugin-params='server.norm-clipped-fedavg.clip=0.001'")
-    result = subprocess.run([str(BIN / "flwr"), "run", ".", "--stream", "--federation-config", "num-supernodes=4",
-                             "--run-config", overrides], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    overrides = (
+        "data.name='digits' partition.num-clients=4 train.clients-per-round=4 train.rounds=2 "
+        "capture.rounds='none' out-dir='user-strategy' server.plugins='extensions.norm_clipped' "
+        "server.strategy='norm-clipped-fedavg' "
+        "server.plugin-params='server.norm-clipped-fedavg.clip=0.001'"
+    )
+    result = subprocess.run(
+        [
+            str(BIN / "flwr"),
+            "run",
+            ".",
+            "--stream",
+            "--federation-config",
+            "num-supernodes=4",
+            "--run-config",
+            overrides,
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert "norm-clipped-fedavg: round 2: 4 of 4 uploads clipped to 0.001" in output, output[-3000:]
     folder = home / "runs" / "user-strategy"
@@ -144,11 +200,34 @@ def test_flwr_run_selects_a_user_strategy_from_outside_the_package(flower_home) 
 def test_fedguard_run_selects_a_user_strategy_through_flwr_run(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = subprocess.run(
-        [str(BIN / "fedguard"), "run", "--set", "data.name=digits", "--set", "partition.num-clients=3",
-         "--set", "train.clients-per-round=3", "--set", "train.rounds=2", "--set", "capture.rounds=none",
-         "--set", "server.plugins=extensions.norm_clipped", "--set", "server.strategy=norm-clipped-fedavg",
-         "--set", "server.norm-clipped-fedavg.clip=0.002", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
+        [
+            str(BIN / "fedguard"),
+            "run",
+            "--set",
+            "data.name=digits",
+            "--set",
+            "partition.num-clients=3",
+            "--set",
+            "train.clients-per-round=3",
+            "--set",
+            "train.rounds=2",
+            "--set",
+            "capture.rounds=none",
+            "--set",
+            "server.plugins=extensions.norm_clipped",
+            "--set",
+            "server.strategy=norm-clipped-fedavg",
+            "--set",
+            "server.norm-clipped-fedavg.clip=0.002",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"},
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "norm-clipped-fedavg: round 1: 3 of 3 uploads clipped to 0.002" in output
@@ -158,8 +237,14 @@ def test_fedguard_run_selects_a_user_strategy_through_flwr_run(tmp_path: Path) -
 @pytest.mark.slow
 def test_flwr_run_with_an_unknown_key_is_refused_and_the_superlink_log_names_it(flower_home) -> None:
     home, env = flower_home
-    result = subprocess.run([str(BIN / "flwr"), "run", ".", "--run-config", "train.roundz=2"],
-                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(BIN / "flwr"), "run", ".", "--run-config", "train.roundz=2"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "Invalid run configuration" in result.stdout + result.stderr
     assert "train.roundz" in (home / "local-superlink" / "superlink.log").read_text()
@@ -186,8 +271,16 @@ def marked_copy(folder: Path, tag: str, log: Path) -> Path:
     """A copy of this checkout's files (git's tracked and untracked, none ignored) whose ``fedguard`` and
     ``attackers`` packages write ``tag`` and the process id to ``log`` when imported, and whose ``build_attack``
     does so when called (only attacker workers build attacks)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         if (ROOT / name).is_file():
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
@@ -208,12 +301,27 @@ def test_flwr_run_runs_the_submitted_apps_code_in_every_process(tmp_path: Path) 
     stale, app = marked_copy(tmp_path / "stale", "stale", log), marked_copy(tmp_path / "app", "app", log)
     out = tmp_path / "run"
     with local_superlink(tmp_path, stale, {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}) as env:
-        overrides = (f"data.name='digits' partition.num-clients=2 train.clients-per-round=2 train.rounds=1 "
-                     f"attack.name='dlg' attack.dlg.iterations=2 out-dir='{out}'")
+        overrides = (
+            f"data.name='digits' partition.num-clients=2 train.clients-per-round=2 train.rounds=1 "
+            f"attack.name='dlg' attack.dlg.iterations=2 out-dir='{out}'"
+        )
         result = subprocess.run(
-            [str(BIN / "flwr"), "run", ".", "fedguard", "--federation-config", "num-supernodes=2",
-             "--run-config", overrides, "--stream"],
-            env=env, cwd=app, capture_output=True, text=True, timeout=300,
+            [
+                str(BIN / "flwr"),
+                "run",
+                ".",
+                "fedguard",
+                "--federation-config",
+                "num-supernodes=2",
+                "--run-config",
+                overrides,
+                "--stream",
+            ],
+            env=env,
+            cwd=app,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         status = out / "status.json"

@@ -31,9 +31,12 @@ def test_the_profile_stays_a_probability_at_huge_epsilons(epsilon: float) -> Non
         assert 0.0 <= privacy_profile(factor * math.sqrt(2 * epsilon), epsilon) <= 1.0
 
 
-@pytest.mark.parametrize(("epsilon", "delta", "sensitivity"), [(0.5, 1e-5, 1.0), (1.0, 1e-5, 2.0), (8.0, 1e-6, 3.0),
-                                                               (200.0, 1e-5, 2.0)])
-def test_the_calibrated_sigma_is_the_smallest_that_meets_delta(epsilon: float, delta: float, sensitivity: float) -> None:
+@pytest.mark.parametrize(
+    ("epsilon", "delta", "sensitivity"), [(0.5, 1e-5, 1.0), (1.0, 1e-5, 2.0), (8.0, 1e-6, 3.0), (200.0, 1e-5, 2.0)]
+)
+def test_the_calibrated_sigma_is_the_smallest_that_meets_delta(
+    epsilon: float, delta: float, sensitivity: float
+) -> None:
     sigma = gaussian_sigma(epsilon, delta, sensitivity)
     assert privacy_profile(sensitivity / sigma, epsilon) <= delta
     assert privacy_profile(sensitivity / (sigma * (1 - 1e-6)), epsilon) > delta
@@ -66,8 +69,10 @@ def test_no_release_spends_nothing_and_no_noise_spends_everything() -> None:
     assert epsilon_after(3, 0.0, 2.0, 1e-5) == math.inf
 
 
-@pytest.mark.parametrize(("epsilon", "delta", "message"), [(0.0, 1e-5, "epsilon"), (math.inf, 1e-5, "epsilon"),
-                                                           (1.0, 0.0, "delta"), (1.0, 1.5, "delta")])
+@pytest.mark.parametrize(
+    ("epsilon", "delta", "message"),
+    [(0.0, 1e-5, "epsilon"), (math.inf, 1e-5, "epsilon"), (1.0, 0.0, "delta"), (1.0, 1.5, "delta")],
+)
 def test_bad_parameters_are_rejected_naming_them(epsilon: float, delta: float, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         gaussian_sigma(epsilon, delta)

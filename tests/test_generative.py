@@ -51,13 +51,16 @@ def uploads(batch: int) -> tuple[list[Observation], list[torch.Tensor], list[tor
     torch.manual_seed(0)
     model = build_model("mlp", data.spec)
     arrays = get_arrays(model)
-    card = ModelCard("mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model)))
+    card = ModelCard(
+        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
+    )
     observations, images, labels = [], [], []
     for start in range(0, len(DIGITS), batch):
         x, y = data.train.batch(DIGITS[start : start + batch])
         grads, _ = compute_gradients(model, x, y)
-        observations.append(card.observe(1, start, "gradient", arrays, [g.numpy() for g in grads], batch,
-                                         {"batch-size": batch}))
+        observations.append(
+            card.observe(1, start, "gradient", arrays, [g.numpy() for g in grads], batch, {"batch-size": batch})
+        )
         images.append(x)
         labels.append(y)
     return observations, images, labels
@@ -107,7 +110,11 @@ def test_save_and_load_round_trip_exactly(tmp_path: Path) -> None:
     z = torch.randn(3, 8)
     assert torch.equal(loaded.decoder(z), decoder(z))
     assert loaded.meta() == TrainedGenerator(decoder, "mnist-5k", "test", tuple(losses)).meta()
-    assert loaded.meta()["epochs"] == 1 and loaded.meta()["loss"] == losses[-1] and loaded.meta()["spec"] == [1, 28, 28, 10]
+    assert (
+        loaded.meta()["epochs"] == 1
+        and loaded.meta()["loss"] == losses[-1]
+        and loaded.meta()["spec"] == [1, 28, 28, 10]
+    )
     assert [p.name for p in path.parent.iterdir()] == ["g.npz"], "no partial file may remain"
 
 
@@ -123,8 +130,9 @@ def test_missing_and_mismatched_files_give_clear_errors(tmp_path: Path) -> None:
     missing = tmp_path / "none.npz"
     with pytest.raises(FileNotFoundError, match=r"none\.npz.*fedguard train-generator"):
         load_generator(missing)
-    path = save_generator(TrainedGenerator(Decoder(DataSpec(1, 8, 8, 10), 4, 4), "digits", "test", (1.0,)),
-                          tmp_path / "g.npz")
+    path = save_generator(
+        TrainedGenerator(Decoder(DataSpec(1, 8, 8, 10), 4, 4), "digits", "test", (1.0,)), tmp_path / "g.npz"
+    )
     rewrite(path, latent_dim=5)
     with pytest.raises(ValueError, match=r"g\.npz: decoder arrays .* do not match its meta"):
         load_generator(path)
@@ -165,20 +173,23 @@ def test_attack_needs_a_generator_file_and_valid_params(tmp_path: Path) -> None:
         GenerativeParams(distance="l1")
     with pytest.raises(ValueError, match="kl must be >= 0"):
         GenerativeParams(kl=-1.0)
-    path = save_generator(TrainedGenerator(Decoder(DataSpec(1, 28, 28, 10), 4, 4), "mnist-5k", "test", (1.0,)),
-                          tmp_path / "g.npz")
+    path = save_generator(
+        TrainedGenerator(Decoder(DataSpec(1, 28, 28, 10), 4, 4), "mnist-5k", "test", (1.0,)), tmp_path / "g.npz"
+    )
     built = build_attack("ggl", GenerativeParams(generator=str(path)))
     assert (built.needs, built.uploads, built.manipulation) == (frozenset(), frozenset({"gradient"}), "none")
 
 
 def test_attack_rejects_a_generator_of_another_shape_and_weight_uploads(tmp_path: Path) -> None:
     observations, _, _ = uploads(1)
-    small = save_generator(TrainedGenerator(Decoder(DataSpec(1, 8, 8, 10), 4, 4), "digits", "test", (1.0,)),
-                           tmp_path / "digits.npz")
+    small = save_generator(
+        TrainedGenerator(Decoder(DataSpec(1, 8, 8, 10), 4, 4), "digits", "test", (1.0,)), tmp_path / "digits.npz"
+    )
     with pytest.raises(ValueError, match=r"shape \(1, 8, 8\).*shape \(1, 28, 28\).*fedguard train-generator"):
         attack(small, iterations=1).reconstruct_many([observations[0]], 0)[0]
-    fitting = save_generator(TrainedGenerator(Decoder(DataSpec(1, 28, 28, 10), 4, 4), "mnist-5k", "test", (1.0,)),
-                             tmp_path / "mnist.npz")
+    fitting = save_generator(
+        TrainedGenerator(Decoder(DataSpec(1, 28, 28, 10), 4, 4), "mnist-5k", "test", (1.0,)), tmp_path / "mnist.npz"
+    )
     weights = Observation(**{**observations[0].__dict__, "kind": "weights"})
     with pytest.raises(ValueError, match="needs FedSGD gradients"):
         attack(fitting, iterations=1).reconstruct_many([weights], 0)[0]

@@ -38,9 +38,11 @@ def _gone(pid: int, within_s: float) -> bool:
 def test_a_part_past_its_limit_is_stopped_with_the_process_it_started(tmp_path: Path) -> None:
     check = _benchmark("gpu_check")
     child = tmp_path / "child.pid"
-    script = ("import subprocess, sys, time; "
-              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
-              f"open({str(child)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(120)")
+    script = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(child)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(120)"
+    )
     part = check.Part("hang", "a part that never ends", [sys.executable, "-c", script], 60)
     log = tmp_path / "gpu-check.log"
     start = time.perf_counter()
@@ -54,9 +56,11 @@ def test_the_summary_lists_every_part_with_its_status_and_figures(tmp_path: Path
     check = _benchmark("gpu_check")
     parts = check.plan("cpu", True, {}, tmp_path)
     assert tuple(p.name for p in parts) == check.PART_NAMES
-    outcomes = [check.Outcome(parts[0], "ok", 12.5, ["58 passed in 12.00s"], []),
-                check.Outcome(parts[1], "failed (exit 1)", 3.0, [], ["RuntimeError: CUDA error"]),
-                check.Outcome(parts[2], "skipped: the budget of 330 s is spent", 0.0, [], [])]
+    outcomes = [
+        check.Outcome(parts[0], "ok", 12.5, ["58 passed in 12.00s"], []),
+        check.Outcome(parts[1], "failed (exit 1)", 3.0, [], ["RuntimeError: CUDA error"]),
+        check.Outcome(parts[2], "skipped: the budget of 330 s is spent", 0.0, [], []),
+    ]
     text = check.summary({"error": "timed out after 90 s"}, outcomes, "cuda", 330.0, False)
     assert "| tests | ok | 12.5 |" in text and "58 passed in 12.00s" in text
     assert "| throughput | failed (exit 1) | 3.0 |" in text and "RuntimeError: CUDA error" in text
@@ -79,4 +83,5 @@ def test_rays_repacked_wheel_leaves_out_the_named_folders_and_keeps_the_rest(tmp
         assert all(item.compress_type == zipfile.ZIP_LZMA for item in archive.infolist())
         assert all(archive.read(name) == data for name, data in kept.items())
         assert archive.read("ray-2.55.1.dist-info/RECORD").decode().splitlines() == [
-            f"{name},sha256=x,1" for name in kept]
+            f"{name},sha256=x,1" for name in kept
+        ]

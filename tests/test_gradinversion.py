@@ -46,6 +46,7 @@ def observe(model: nn.Module, name: str, params: dict, data, x: torch.Tensor, y:
             h = inputs[0].detach()
             dims = [0, *range(2, h.dim())]
             true[layer] = (h.mean(dims), h.var(dims, correction=0))
+
         return hook
 
     handles = [m.register_forward_hook(record(n)) for n, m in batch_norm_layers(model).items()]
@@ -132,21 +133,43 @@ def test_gradinversion_reconstructs_a_batch_norm_batch(reconstructions) -> None:
     rec, _, x, y = reconstructions
     scores = score_batch(rec.images, x, rec.labels, y)
     per_image = np.array([s["psnr"] for s in scores["per_image"]])
-    print("GradInversion psnr", per_image, "floor", floor(x), "bn distance", rec.stats["bn_term"],
-          "seconds", rec.stats["seconds"])
+    print(
+        "GradInversion psnr",
+        per_image,
+        "floor",
+        floor(x),
+        "bn distance",
+        rec.stats["bn_term"],
+        "seconds",
+        rec.stats["seconds"],
+    )
     assert (per_image > floor(x) + 8).all(), (per_image, floor(x))
     assert scores["ssim"] > 0.9 and scores["label_accuracy"] == 1.0
     assert rec.images.shape == x.shape and 0 <= float(rec.images.min()) and float(rec.images.max()) <= 1
-    assert set(rec.stats) >= {"loss", "restart_losses", "bn_term", "iterations", "restarts", "batched_jobs",
-                              "seconds", "labels_inferred"}
+    assert set(rec.stats) >= {
+        "loss",
+        "restart_losses",
+        "bn_term",
+        "iterations",
+        "restarts",
+        "batched_jobs",
+        "seconds",
+        "labels_inferred",
+    }
     assert rec.stats["loss"] == min(rec.stats["restart_losses"]) and rec.stats["labels_inferred"] is True
 
 
 def test_the_batch_norm_prior_is_what_makes_it_work(reconstructions) -> None:
     with_bn, without_bn, x, _ = reconstructions
     psnr_with, psnr_without = score_batch(with_bn.images, x)["psnr"], score_batch(without_bn.images, x)["psnr"]
-    print("psnr with / without the BN prior", psnr_with, psnr_without,
-          "bn distance", with_bn.stats["bn_term"], without_bn.stats["bn_term"])
+    print(
+        "psnr with / without the BN prior",
+        psnr_with,
+        psnr_without,
+        "bn distance",
+        with_bn.stats["bn_term"],
+        without_bn.stats["bn_term"],
+    )
     assert with_bn.stats["bn_term"] < without_bn.stats["bn_term"] / 4
     assert psnr_with > psnr_without + 6
 
@@ -177,9 +200,14 @@ def test_an_upload_without_batch_norm_is_refused() -> None:
 
 
 def test_params_name_the_bad_value() -> None:
-    for bad, pattern in [({"bn": -1.0}, "bn must be >= 0, got -1.0"), ({"tv": -0.1}, "tv must be >= 0"),
-                         ({"group_start": 1.5}, "group_start .* got 1.5"), ({"restarts": 0}, "restarts"),
-                         ({"lr": 0.0}, "lr must be > 0"), ({"device": "tpu"}, "'tpu'.*auto, cpu, cuda")]:
+    for bad, pattern in [
+        ({"bn": -1.0}, "bn must be >= 0, got -1.0"),
+        ({"tv": -0.1}, "tv must be >= 0"),
+        ({"group_start": 1.5}, "group_start .* got 1.5"),
+        ({"restarts": 0}, "restarts"),
+        ({"lr": 0.0}, "lr must be > 0"),
+        ({"device": "tpu"}, "'tpu'.*auto, cpu, cuda"),
+    ]:
         with pytest.raises(ValueError, match=pattern):
             GradInversionParams(**bad)
 
@@ -194,11 +222,31 @@ def test_registered_with_its_threat_model() -> None:
 def test_mlp_batch_norm_option() -> None:
     spec = load_dataset("digits").spec
     plain = build_model("mlp", spec, MLPParams(hidden=5, depth=3))
-    assert list(plain.state_dict()) == ["1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias",
-                                        "7.weight", "7.bias"]
+    assert list(plain.state_dict()) == [
+        "1.weight",
+        "1.bias",
+        "3.weight",
+        "3.bias",
+        "5.weight",
+        "5.bias",
+        "7.weight",
+        "7.bias",
+    ]
     with_bn = build_model("mlp", spec, MLPParams(hidden=5, depth=3, batch_norm=True))
     kinds = [type(m).__name__ for m in with_bn]
-    assert kinds == ["Flatten", "Linear", "ReLU", "Linear", "BatchNorm1d", "ReLU", "Linear", "BatchNorm1d", "ReLU",
-                     "Linear"]
-    assert build_model("mlp", spec, MLPParams(depth=1, batch_norm=True)).state_dict().keys() == \
-        build_model("mlp", spec, MLPParams(depth=1)).state_dict().keys()
+    assert kinds == [
+        "Flatten",
+        "Linear",
+        "ReLU",
+        "Linear",
+        "BatchNorm1d",
+        "ReLU",
+        "Linear",
+        "BatchNorm1d",
+        "ReLU",
+        "Linear",
+    ]
+    assert (
+        build_model("mlp", spec, MLPParams(depth=1, batch_norm=True)).state_dict().keys()
+        == build_model("mlp", spec, MLPParams(depth=1)).state_dict().keys()
+    )

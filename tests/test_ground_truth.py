@@ -43,13 +43,15 @@ def train_round(cfg: Config, server_sent: Path, node_config: dict[str, str] | No
     model = build_model(cfg.model.name, load_dataset(cfg.data.name).spec, cfg.model.params)
     instruction = ConfigRecord({SERVER_SENT_KEY: str(server_sent)})
     messages = FedAvg(min_train_nodes=4).configure_train(
-        1, array_record(list(model.state_dict()), get_arrays(model)), instruction, grid)
+        1, array_record(list(model.state_dict()), get_arrays(model)), instruction, grid
+    )
     replies = list(grid.send_and_receive(messages))
     assert replies and not any(m.has_error() for m in replies), [m.error for m in replies if m.has_error()]
 
 
-def test_a_node_that_opted_in_writes_under_its_own_folder_never_the_servers(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_node_that_opted_in_writes_under_its_own_folder_never_the_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     mine, theirs = tmp_path / "mine", tmp_path / "server-named"
     train_round(config("capture.clients=0,2"), theirs, {VAULT_DIR_KEY: str(mine)})
@@ -58,8 +60,9 @@ def test_a_node_that_opted_in_writes_under_its_own_folder_never_the_servers(tmp_
     assert files_under(tmp_path) == [f"mine/{name}" for name in files_under(mine)]
 
 
-def test_outside_simulation_a_node_that_did_not_opt_in_writes_nothing(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_outside_simulation_a_node_that_did_not_opt_in_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     cfg = config("capture.ground-truth=true", f"out-dir={tmp_path / 'run'}")
     train_round(cfg, tmp_path / "server-named")
@@ -67,8 +70,9 @@ def test_outside_simulation_a_node_that_did_not_opt_in_writes_nothing(tmp_path: 
     assert files_under(tmp_path) == []
 
 
-def test_in_simulation_the_truth_goes_to_the_run_folder_out_dir_names(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_in_simulation_the_truth_goes_to_the_run_folder_out_dir_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(client_app, "in_simulation", lambda: True)
     run, theirs = tmp_path / "run", tmp_path / "server-named"
@@ -77,8 +81,7 @@ def test_in_simulation_the_truth_goes_to_the_run_folder_out_dir_names(tmp_path: 
     assert files_under(tmp_path) == ["run/vault/round-0001_client-0001.npz"]
 
 
-def test_in_simulation_the_clients_resolve_the_servers_folder(monkeypatch: pytest.MonkeyPatch,
-                                                               tmp_path: Path) -> None:
+def test_in_simulation_the_clients_resolve_the_servers_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(client_app, "in_simulation", lambda: True)
     monkeypatch.setenv("FEDGUARD_RUNS", str(tmp_path))
     client = context(0, 4)
@@ -89,8 +92,9 @@ def test_in_simulation_the_clients_resolve_the_servers_folder(monkeypatch: pytes
 
 
 def test_ground_truth_off_writes_nowhere_even_for_a_node_that_opted_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    opted_in = Context(run_id=7, node_id=1, node_config={VAULT_DIR_KEY: "/vault"}, state=context(0, 4).state,
-                       run_config={})
+    opted_in = Context(
+        run_id=7, node_id=1, node_config={VAULT_DIR_KEY: "/vault"}, state=context(0, 4).state, run_config={}
+    )
     assert truth_vault(opted_in, config()) == Path("/vault/run-7")
     assert truth_vault(opted_in, config("capture.ground-truth=false")) is None
     monkeypatch.setattr(client_app, "in_simulation", lambda: True)
@@ -99,7 +103,6 @@ def test_ground_truth_off_writes_nowhere_even_for_a_node_that_opted_in(monkeypat
 
 @pytest.mark.parametrize("root", ["vault", "./runs", 3])
 def test_a_vault_dir_that_is_not_an_absolute_folder_is_refused(root: object) -> None:
-    node = Context(run_id=1, node_id=1, node_config={VAULT_DIR_KEY: root}, state=context(0, 4).state,
-                   run_config={})
+    node = Context(run_id=1, node_id=1, node_config={VAULT_DIR_KEY: root}, state=context(0, 4).state, run_config={})
     with pytest.raises(ValueError, match="absolute folder"):
         truth_vault(node, config())

@@ -31,7 +31,14 @@ from fedguard.sparse import ENCODING_KEY, SPARSE, encode_arrays
 from strategies import FedSGD, HonestButCurious, RoundGuard, SparseUploads
 from strategies.round_guard import assign_clients
 from strategies.upload_checks import (
-    Layout, NonFiniteModel, UploadRefused, UploadRules, check_declared, check_header, check_positions, check_sparse,
+    Layout,
+    NonFiniteModel,
+    UploadRefused,
+    UploadRules,
+    check_declared,
+    check_header,
+    check_positions,
+    check_sparse,
     nonfinite_problem,
 )
 from tests.helpers import ListSink, Nodes, config, reply
@@ -54,18 +61,27 @@ def upload(client: Any, value: float = 1.0, **declared: Any) -> tuple[list[np.nd
     return arrays, 8, {"client": client, "batch-size": 8, "lr": 0.1, **declared}
 
 
-def play(uploads: list[tuple[list[np.ndarray], int, dict[str, Any]]],
-         extra: Callable[[list[Message]], list[Message]] = lambda replies: replies):
+def play(
+    uploads: list[tuple[list[np.ndarray], int, dict[str, Any]]],
+    extra: Callable[[list[Message]], list[Message]] = lambda replies: replies,
+):
     """Round 1 of the guarded, capturing FedSGD server on ``len(uploads)`` nodes answering ``uploads`` in node
     order (``extra`` may add replies): the new model's arrays (None when skipped), the round's row entries,
     the observations."""
     sink, row = ListSink(), {}
-    capture = HonestButCurious(FedSGD(lr=0.1, trainable=CARD.trainable, min_train_nodes=len(uploads),
-                                      min_available_nodes=len(uploads)),
-                               sink, CARD, "gradient", Selection.parse("all"), Selection.parse("all"))
+    capture = HonestButCurious(
+        FedSGD(lr=0.1, trainable=CARD.trainable, min_train_nodes=len(uploads), min_available_nodes=len(uploads)),
+        sink,
+        CARD,
+        "gradient",
+        Selection.parse("all"),
+        Selection.parse("all"),
+    )
     guard = RoundGuard(SparseUploads(capture), round_accounting(row), RULES)
-    sent = sorted(guard.configure_train(1, array_record(NAMES, model()), ConfigRecord(), Nodes(len(uploads))),
-                  key=lambda m: m.metadata.dst_node_id)
+    sent = sorted(
+        guard.configure_train(1, array_record(NAMES, model()), ConfigRecord(), Nodes(len(uploads))),
+        key=lambda m: m.metadata.dst_node_id,
+    )
     aggregated, _ = guard.aggregate_train(1, extra([reply(m, *u) for m, u in zip(sent, uploads)]))
     return None if aggregated is None else aggregated.to_numpy_ndarrays(), row, sink.items
 
@@ -80,7 +96,10 @@ def test_clients_are_assigned_in_node_order_and_each_instruction_names_its_own()
     guard = RoundGuard(FedSGD(lr=0.1, trainable=CARD.trainable, min_train_nodes=3), lambda *a: None, RULES)
     sent = guard.configure_train(1, array_record(NAMES, model()), ConfigRecord(), Nodes(3))
     assert sorted((m.metadata.dst_node_id, m.content["config"]["partition-id"]) for m in sent) == [
-        (100, 0), (101, 1), (102, 2)]
+        (100, 0),
+        (101, 1),
+        (102, 2),
+    ]
 
 
 def test_honest_uploads_are_all_accepted() -> None:
@@ -89,15 +108,29 @@ def test_honest_uploads_are_all_accepted() -> None:
     assert [o.client for o in observations] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("names, bad, reason", [
-    (NAMES, [np.ones((4, 2), np.float32), np.ones(2, np.float32), np.array(1)],
-     "array 'w' has shape (4, 2), expected (2, 4)"),
-    (NAMES, [np.ones((2, 4), np.float64), np.ones(2, np.float32), np.array(1)], "array 'w' is float64, expected float32"),
-    (NAMES[:2], [np.ones((2, 4), np.float32), np.ones(2, np.float32)],
-     "uploads 2 arrays ['w', 'b'], expected the model's 3 ['w', 'b', 'n']"),
-])
-def test_a_malformed_upload_is_rejected_and_the_round_goes_on(names: tuple[str, ...], bad: list[np.ndarray],
-                                                              reason: str) -> None:
+@pytest.mark.parametrize(
+    "names, bad, reason",
+    [
+        (
+            NAMES,
+            [np.ones((4, 2), np.float32), np.ones(2, np.float32), np.array(1)],
+            "array 'w' has shape (4, 2), expected (2, 4)",
+        ),
+        (
+            NAMES,
+            [np.ones((2, 4), np.float64), np.ones(2, np.float32), np.array(1)],
+            "array 'w' is float64, expected float32",
+        ),
+        (
+            NAMES[:2],
+            [np.ones((2, 4), np.float32), np.ones(2, np.float32)],
+            "uploads 2 arrays ['w', 'b'], expected the model's 3 ['w', 'b', 'n']",
+        ),
+    ],
+)
+def test_a_malformed_upload_is_rejected_and_the_round_goes_on(
+    names: tuple[str, ...], bad: list[np.ndarray], reason: str
+) -> None:
     # Before: a wrong shape aborted the run in round 1 with a message naming neither client nor array.
     def malformed(replies: list[Message]) -> list[Message]:
         replies[1].content[ARRAYS] = array_record(names, bad)
@@ -143,13 +176,19 @@ def test_a_second_upload_from_one_node_is_rejected() -> None:
     assert [o.client for o in observations] == [0, 1]
 
 
-@pytest.mark.parametrize("num_examples, declared, reason", [
-    (8, {"batch-size": 10**7}, "declares batch-size = 10000000, expected an integer in [1, 8] "
-                                "(train.batch-size = 8, num-examples = 8)"),
-    (10**7, {"batch-size": 10**7}, "num-examples = 10000000: client 1 holds 20 samples"),
-    (8, {"labels": list(range(10**4))}, "declares labels [0, 1, 2, 3, 4, 5, ...], expected a list of 8 classes"),
-    (8, {"lr": 100.0}, "declares lr = 100.0, expected 0.1 (the run's train.lr)"),
-])
+@pytest.mark.parametrize(
+    "num_examples, declared, reason",
+    [
+        (
+            8,
+            {"batch-size": 10**7},
+            "declares batch-size = 10000000, expected an integer in [1, 8] (train.batch-size = 8, num-examples = 8)",
+        ),
+        (10**7, {"batch-size": 10**7}, "num-examples = 10000000: client 1 holds 20 samples"),
+        (8, {"labels": list(range(10**4))}, "declares labels [0, 1, 2, 3, 4, 5, ...], expected a list of 8 classes"),
+        (8, {"lr": 100.0}, "declares lr = 100.0, expected 0.1 (the run's train.lr)"),
+    ],
+)
 def test_absurd_declared_sizes_are_rejected(num_examples: int, declared: dict[str, Any], reason: str) -> None:
     # Before: a declared batch of 10**7 stalled every attack grouped with the upload.
     arrays, _, honest = upload(1)
@@ -176,13 +215,17 @@ def test_a_sparse_upload_is_checked_against_the_formats_invariants() -> None:
     padded = [*parts[:3], np.array([0b1110_0000], np.uint8), np.ones(3, np.float32), *parts[5:]]
     overcounted = [*parts[:3], parts[3], np.ones(3, np.float32), *parts[5:]]
     long_mask = [*parts[:3], np.array([0b1100_0000, 0], np.uint8), *parts[4:]]
-    for bad, reason in [(wrong_shape, "array 'w' is encoded with the shape (4, 2), expected (2, 4)"),
-                        (beyond, "array 'w' is encoded with positions that are not strictly increasing in [0, 8)"),
-                        (padded, "array 'b' is encoded with a bad mask: the mask's padding bits past entry 2 must be zero"),
-                        (overcounted, "array 'b (values)' has shape (3,), expected (2,)"),
-                        (long_mask, "array 'b' is encoded with positions uint8 (2,), expected int32 (k,) with k <= 2 "
-                                    "or a uint8 mask (1,)"),
-                        (parts[:-1], "uploads 8 encoded arrays, expected 3 per model array: 9")]:
+    for bad, reason in [
+        (wrong_shape, "array 'w' is encoded with the shape (4, 2), expected (2, 4)"),
+        (beyond, "array 'w' is encoded with positions that are not strictly increasing in [0, 8)"),
+        (padded, "array 'b' is encoded with a bad mask: the mask's padding bits past entry 2 must be zero"),
+        (overcounted, "array 'b (values)' has shape (3,), expected (2,)"),
+        (
+            long_mask,
+            "array 'b' is encoded with positions uint8 (2,), expected int32 (k,) with k <= 2 or a uint8 mask (1,)",
+        ),
+        (parts[:-1], "uploads 8 encoded arrays, expected 3 per model array: 9"),
+    ]:
         _, row, _ = play([upload(0), (bad, n, {**declared, ENCODING_KEY: SPARSE})])
         assert row["rejected"] == [{"client": 1, "reason": reason}]
 
@@ -215,8 +258,10 @@ def test_a_local_schedule_must_be_the_runs() -> None:
 
 
 def test_nonfinite_problem_names_the_array() -> None:
-    assert nonfinite_problem(["a", "b"], [np.ones(2), np.array([1, np.nan, np.inf])]) == \
-        "array 'b' holds 2 NaN or infinite entries of 3"
+    assert (
+        nonfinite_problem(["a", "b"], [np.ones(2), np.array([1, np.nan, np.inf])])
+        == "array 'b' holds 2 NaN or infinite entries of 3"
+    )
     assert nonfinite_problem(["a"], [np.ones(2)]) is None
 
 
@@ -239,8 +284,9 @@ def run_with(tmp_path: Path, nodes: set[int], fill: float) -> Path:
     """A run of 2 rounds of 4 clients in which the float arrays uploaded by ``nodes`` are all ``fill``."""
     cfg = config("train.rounds=2", "train.clients-per-round=4", "capture.rounds=none", f"out-dir={tmp_path / 'run'}")
     grid = LocalGrid(make_client_app(cfg), cfg.partition.num_clients)
-    run_server(hostile(grid, nodes, lambda arrays: [np.full_like(a, fill) if a.dtype.kind == "f" else a
-                                                    for a in arrays]), cfg)
+    run_server(
+        hostile(grid, nodes, lambda arrays: [np.full_like(a, fill) if a.dtype.kind == "f" else a for a in arrays]), cfg
+    )
     return tmp_path / "run"
 
 
@@ -274,12 +320,26 @@ def test_a_global_model_turning_non_finite_stops_the_run(tmp_path: Path) -> None
 def test_fedguard_run_exits_non_zero_when_the_global_model_turns_non_finite(tmp_path: Path) -> None:
     out = tmp_path / "run"
     command = [str(Path(sys.executable).parent / "fedguard"), "run", "--out", str(out)]
-    for setting in ("data.name=digits", "model.name=mlp", "model.mlp.hidden=16", "partition.num-clients=2",
-                    "train.clients-per-round=2", "train.rounds=2", "capture.rounds=none",
-                    "server.plugins=tests.hostile_defense", "defense.name=overflow"):
+    for setting in (
+        "data.name=digits",
+        "model.name=mlp",
+        "model.mlp.hidden=16",
+        "partition.num-clients=2",
+        "train.clients-per-round=2",
+        "train.rounds=2",
+        "capture.rounds=none",
+        "server.plugins=tests.hostile_defense",
+        "defense.name=overflow",
+    ):
         command += ["--set", setting]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
+    result = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"},
+    )
     assert result.returncode != 0, (result.stdout + result.stderr)[-3000:]
     status = read_status(out)
     assert status["status"] == "failed" and "NonFiniteModel: round 1" in status["error"], status

@@ -24,8 +24,16 @@ from fedguard.observation_files import ObservationRefused, RunExpectations, read
 from fedguard.run_folder import ATTACKS_FILE, OBSERVATIONS_DIR, REPORT_FILE, read_jsonl, upload_file_name
 from tests.test_evaluation import make_run
 
-IG = ["--set", "attack.name=ig", "--set", "attack.ig.iterations=5", "--set", "attack.ig.restarts=1",
-      "--set", "attack.ig.device=cpu"]
+IG = [
+    "--set",
+    "attack.name=ig",
+    "--set",
+    "attack.ig.iterations=5",
+    "--set",
+    "attack.ig.restarts=1",
+    "--set",
+    "attack.ig.device=cpu",
+]
 BOMB_BYTES = 256 * 2**20  # what the deflated meta of the zip bomb declares (about 0.25 MB on disk)
 
 
@@ -43,6 +51,7 @@ def rewrite(source: Path, target: Path, edit: Callable[[dict[str, Any]], None]) 
 def moved_to(client: int) -> Callable[[dict[str, Any]], None]:
     def edit(meta: dict[str, Any]) -> None:
         meta["client"] = client
+
     return edit
 
 
@@ -90,11 +99,13 @@ def hostile_run(tmp_path: Path) -> tuple[Path, dict[str, str]]:
         return rewrite(good, scratch / f"{client}.npz", moved_to(client))
 
     bad = {
-        upload_file_name(1, 3): with_member(moved(3), observations / upload_file_name(1, 3), "upload/0.npy",
-                                            huge_header),
+        upload_file_name(1, 3): with_member(
+            moved(3), observations / upload_file_name(1, 3), "upload/0.npy", huge_header
+        ),
         upload_file_name(1, 4): with_member(moved(4), observations / upload_file_name(1, 4), "meta.npy", zip_bomb),
-        upload_file_name(1, 5): rewrite(good, observations / upload_file_name(1, 5),
-                                        lambda meta: meta.update(client=5, declared=[1, 2])),
+        upload_file_name(1, 5): rewrite(
+            good, observations / upload_file_name(1, 5), lambda meta: meta.update(client=5, declared=[1, 2])
+        ),
     }
     outside = tmp_path / "elsewhere"
     outside.mkdir()
@@ -104,7 +115,7 @@ def hostile_run(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     reasons = {
         upload_file_name(1, 3): "member 'upload/0.npy' has shape (1000000, 1000000), expected (32, 3072)",
         upload_file_name(1, 4): f"its meta declares {BOMB_BYTES + 128} bytes, more than the {MAX_META_BYTES} a "
-                                "meta may hold",
+        "meta may hold",
         upload_file_name(1, 5): "meta declared = [1, 2]: expected a JSON object",
         upload_file_name(1, 6): "a symbolic link; observations are read only from files in the run folder",
         "round-1_client-0.npz": "its meta declares round 1, client 0, whose file is round-0001_client-0000.npz",
@@ -114,7 +125,8 @@ def hostile_run(tmp_path: Path) -> tuple[Path, dict[str, str]]:
 
 
 def test_attack_skips_each_bad_observation_with_its_reason_and_attacks_the_good_ones(
-        hostile_run: tuple[Path, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:
+    hostile_run: tuple[Path, dict[str, str]], capsys: pytest.CaptureFixture[str]
+) -> None:
     folder, reasons = hostile_run
     start = time.monotonic()
     assert main(["attack", str(folder), *IG]) == 0
@@ -165,28 +177,36 @@ def edited(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
         for key in parents:
             node = node[key]
         node[leaf] = value
+
     return edit
 
 
-@pytest.mark.parametrize("path, value, reason", [
-    ("round", "1", "meta round = '1': expected an integer in [1, 20] (train.rounds)"),
-    ("round", 21, "meta round = 21: expected an integer in [1, 20] (train.rounds)"),
-    ("client", 10, "meta client = 10: expected an integer in [0, 9] (partition.num-clients)"),
-    ("client", True, "meta client = True: expected an integer in [0, 9]"),
-    ("num_examples", 10**9, "meta num_examples = 1000000000: expected an integer in [1, "),
-    ("declared/batch-size", "lots", "declares batch-size = 'lots', expected an integer in [1, 1]"),
-    ("declared/batch-size", 10**7, "declares batch-size = 10000000, expected an integer in [1, 1]"),
-    ("declared/labels", [0, 1], "declares labels [0, 1], expected a list of 1 classes"),
-    ("declared/lr", "fast", "declares lr = 'fast', expected 0.5 (the run's train.lr)"),
-    ("declared/loss", [1], "declared loss = [1]: expected a number"),
-    ("model_params/hidden", 10**6, "meta model_params = {'batch_norm': False, 'depth': 2, 'hidden': 1000000}: "
-                                   "expected {'batch_norm': False, 'depth': 2, 'hidden': 32}, the run's"),
-    ("model_params/depth", 2.0, "meta model_params = "),
-    ("kind", "weights", "meta kind = 'weights': expected 'gradient', the upload of train.protocol = 'fedsgd'"),
-    ("names", ["a"], "meta names = ['a']: expected "),
-    ("spec", [3, 10**5, 10**5, 10], "meta spec = [3, 100000, 100000, 10]: expected [3, 32, 32, 10], the run's"),
-    ("manipulation", 7, "meta manipulation = 7: expected one of none, "),
-])
+@pytest.mark.parametrize(
+    "path, value, reason",
+    [
+        ("round", "1", "meta round = '1': expected an integer in [1, 20] (train.rounds)"),
+        ("round", 21, "meta round = 21: expected an integer in [1, 20] (train.rounds)"),
+        ("client", 10, "meta client = 10: expected an integer in [0, 9] (partition.num-clients)"),
+        ("client", True, "meta client = True: expected an integer in [0, 9]"),
+        ("num_examples", 10**9, "meta num_examples = 1000000000: expected an integer in [1, "),
+        ("declared/batch-size", "lots", "declares batch-size = 'lots', expected an integer in [1, 1]"),
+        ("declared/batch-size", 10**7, "declares batch-size = 10000000, expected an integer in [1, 1]"),
+        ("declared/labels", [0, 1], "declares labels [0, 1], expected a list of 1 classes"),
+        ("declared/lr", "fast", "declares lr = 'fast', expected 0.5 (the run's train.lr)"),
+        ("declared/loss", [1], "declared loss = [1]: expected a number"),
+        (
+            "model_params/hidden",
+            10**6,
+            "meta model_params = {'batch_norm': False, 'depth': 2, 'hidden': 1000000}: "
+            "expected {'batch_norm': False, 'depth': 2, 'hidden': 32}, the run's",
+        ),
+        ("model_params/depth", 2.0, "meta model_params = "),
+        ("kind", "weights", "meta kind = 'weights': expected 'gradient', the upload of train.protocol = 'fedsgd'"),
+        ("names", ["a"], "meta names = ['a']: expected "),
+        ("spec", [3, 10**5, 10**5, 10], "meta spec = [3, 100000, 100000, 10]: expected [3, 32, 32, 10], the run's"),
+        ("manipulation", 7, "meta manipulation = 7: expected one of none, "),
+    ],
+)
 def test_each_meta_field_is_checked_against_the_run(tmp_path: Path, path: str, value: Any, reason: str) -> None:
     folder = make_run(tmp_path, batch=1, clients=1)
     target = folder / OBSERVATIONS_DIR / upload_file_name(1, 0)

@@ -34,7 +34,9 @@ def uploads(defense: str = "none", params=None) -> tuple[list[Observation], torc
     torch.manual_seed(0)
     model = build_model("mlp", data.spec)
     arrays = get_arrays(model)
-    card = ModelCard("mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model)))
+    card = ModelCard(
+        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
+    )
     x, y = data.test.batch(IMAGES)
     protect = build_defense(defense, params)
     observations = []
@@ -124,8 +126,9 @@ def test_rejects_weight_uploads_without_hyperparameters_and_bad_params() -> None
     obs = observations[0]
     weights = Observation(**{**obs.__dict__, "kind": "weights", "declared": {"lr": 0.1}})
     with pytest.raises(ValueError, match="local-epochs"):
-        InvertingGradients(InvertingGradientsParams(iterations=1, device=ATTACK_DEVICE)).reconstruct_many(
-            [weights], 0)[0]
+        InvertingGradients(InvertingGradientsParams(iterations=1, device=ATTACK_DEVICE)).reconstruct_many([weights], 0)[
+            0
+        ]
     with pytest.raises(ValueError, match="restarts"):
         InvertingGradientsParams(restarts=0)
     with pytest.raises(ValueError, match="auto, cpu, cuda"):
@@ -147,7 +150,9 @@ def test_fedavg_weight_updates_leak_through_replayed_local_steps() -> None:
     torch.manual_seed(0)
     model = build_model("mlp", data.spec)
     arrays = get_arrays(model)
-    card = ModelCard("mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model)))
+    card = ModelCard(
+        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
+    )
     x, y = data.test.batch([3, 150])
     from fedguard.training import local_sgd, set_arrays
 
@@ -179,21 +184,30 @@ def test_skipping_the_layers_a_defense_altered_restores_the_attack() -> None:
     rng = np.random.default_rng(0)
     altered = []
     for obs in observations:
-        upload = [10 * rng.normal(size=a.shape).astype(a.dtype) if name.startswith("5.") else a
-                  for name, a in zip(obs.names, obs.upload)]
+        upload = [
+            10 * rng.normal(size=a.shape).astype(a.dtype) if name.startswith("5.") else a
+            for name, a in zip(obs.names, obs.upload)
+        ]
         # the noisy last layer hides the labels: grant them to both attacks
-        altered.append(Observation(**{**obs.__dict__, "upload": upload,
-                                      "declared": {**obs.declared, "labels": [int(y[len(altered)])]}}))
+        altered.append(
+            Observation(
+                **{**obs.__dict__, "upload": upload, "declared": {**obs.declared, "labels": [int(y[len(altered)])]}}
+            )
+        )
     plain = InvertingGradients(PARAMS).reconstruct_many(altered[:2], 0)
     adaptive = InvertingGradients(InvertingGradientsParams(**{**PARAMS.__dict__, "skip": "5."})).reconstruct_many(
-        altered[:2], 0)
+        altered[:2], 0
+    )
     plain_psnr, _ = scores(plain, x[:2])
     adaptive_psnr, adaptive_ssim = scores(adaptive, x[:2])
     print("plain", plain_psnr, "adaptive", adaptive_psnr, adaptive_ssim)
     assert adaptive_psnr.mean() > plain_psnr.mean() + 5
     with pytest.raises(ValueError, match="leaves no parameter"):
-        InvertingGradients(InvertingGradientsParams(iterations=1, skip="", device=ATTACK_DEVICE).__class__(
-            iterations=1, device=ATTACK_DEVICE, skip="0,1,2,3,4,5")).reconstruct_many([observations[0]], 0)[0]
+        InvertingGradients(
+            InvertingGradientsParams(iterations=1, skip="", device=ATTACK_DEVICE).__class__(
+                iterations=1, device=ATTACK_DEVICE, skip="0,1,2,3,4,5"
+            )
+        ).reconstruct_many([observations[0]], 0)[0]
 
 
 def test_declared_labels_are_used_instead_of_inferred_ones() -> None:

@@ -41,8 +41,12 @@ def gradients(model: nn.Module, spec: DataSpec, labels: list[int], seed: int) ->
 
 def no_bias_model(spec: DataSpec) -> nn.Module:
     """A small MLP whose last linear layer has no bias: the signal is the weight gradient's row sums."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(spec.channels * spec.height * spec.width, 32), nn.ReLU(),
-                         nn.Linear(32, spec.num_classes, bias=False))
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(spec.channels * spec.height * spec.width, 32),
+        nn.ReLU(),
+        nn.Linear(32, spec.num_classes, bias=False),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -291,8 +295,14 @@ def test_attacks_read_the_read_only_arrays_of_an_upload_without_a_warning() -> N
     """An attacker worker gets an upload's arrays read-only (Ray's object store): an attack copies what it makes
     tensors of, and torch has nothing to warn about. In a process of its own: torch warns once per process."""
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", READ_ONLY_UPLOADS], cwd=root, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "PYTHONPATH": str(root), "FEDGUARD_COMPILE": "off"})
+    result = subprocess.run(
+        [sys.executable, "-c", READ_ONLY_UPLOADS],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(root), "FEDGUARD_COMPILE": "off"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["ig", "1", "idlg", "1", "dlg", "1"]
     assert "Warning" not in result.stderr, result.stderr[-3000:]

@@ -11,8 +11,10 @@ from fedguard.launcher import Launch, main
 
 
 def test_the_launcher_imports_neither_torch_nor_flower_nor_numpy() -> None:
-    probe = ("import sys, fedguard.launcher; heavy = sorted({'torch', 'flwr', 'numpy', 'ray'} & set(sys.modules));"
-             " print(heavy); sys.exit(1 if heavy else 0)")
+    probe = (
+        "import sys, fedguard.launcher; heavy = sorted({'torch', 'flwr', 'numpy', 'ray'} & set(sys.modules));"
+        " print(heavy); sys.exit(1 if heavy else 0)"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 

@@ -18,8 +18,14 @@ def row(attack: str, round_: int, seed: int, ssims: list[float], lpips: bool = T
 
 
 def test_the_headline_is_the_best_attack_of_the_worst_round_with_every_round_listed() -> None:
-    rows = [row("ig", 1, 0, [0.2, 0.3]), row("ig", 1, 1, [0.4]), row("idlg", 1, 0, [0.1, 0.1, 0.1]),
-            row("ig", 5, 0, [0.9, 0.7]), row("ig", 5, 1, [0.8, 0.6]), row("idlg", 5, 0, [0.95, 0.2], lpips=False)]
+    rows = [
+        row("ig", 1, 0, [0.2, 0.3]),
+        row("ig", 1, 1, [0.4]),
+        row("idlg", 1, 0, [0.1, 0.1, 0.1]),
+        row("ig", 5, 0, [0.9, 0.7]),
+        row("ig", 5, 1, [0.8, 0.6]),
+        row("idlg", 5, 0, [0.95, 0.2], lpips=False),
+    ]
     leak = privacy(rows, {"ig": True, "idlg": False})
     assert [(r["round"], r["attack"], r["n_images"]) for r in leak["per_round"]] == [(1, "ig", 3), (5, "ig", 4)]
     assert (leak["attack"], leak["adaptive"], leak["round"], leak["seeds"]) == ("ig", True, 5, [0, 1])
@@ -33,7 +39,9 @@ def test_the_headline_is_the_best_attack_of_the_worst_round_with_every_round_lis
 def test_images_without_a_score_are_left_out_and_counted() -> None:
     leak = privacy([row("idlg", 1, 0, [0.95, 0.2], lpips=False), row("idlg", 1, 2, [0.6])], {})
     assert leak["n_images"] == 3 and leak["seeds"] == [0, 2] and leak["adaptive"] is False
-    assert leak["missing"]["lpips"] == 2 and leak["lpips_mean"] == pytest.approx(0.4) and leak["lpips_ci95"] == [0.4] * 2
+    assert (
+        leak["missing"]["lpips"] == 2 and leak["lpips_mean"] == pytest.approx(0.4) and leak["lpips_ci95"] == [0.4] * 2
+    )
     assert leak["success_rate"] == pytest.approx(2 / 3) and leak["recovered_rate"] == pytest.approx(1 / 3)
 
 
@@ -43,11 +51,17 @@ def test_nothing_scored_is_no_privacy_object() -> None:
 
 
 def test_the_leakage_table_has_a_line_per_variant_and_attack_and_bolds_each_rounds_best() -> None:
-    rows = [row("ig", 1, 0, [0.2, 0.3]), row("idlg", 1, 0, [0.1, 0.1]), row("ig", 5, 0, [0.9, 0.7]),
-            row("idlg", 5, 0, [0.95, 0.85])]
-    cells = [{"setting": "trained", "variant": "none", "privacy": privacy(rows, {"ig": True})},
-             {"setting": "trained", "variant": "dp", "privacy": privacy(rows[:2], {"ig": True})},
-             {"setting": "privacy-only", "variant": "none", "privacy": None}]
+    rows = [
+        row("ig", 1, 0, [0.2, 0.3]),
+        row("idlg", 1, 0, [0.1, 0.1]),
+        row("ig", 5, 0, [0.9, 0.7]),
+        row("idlg", 5, 0, [0.95, 0.85]),
+    ]
+    cells = [
+        {"setting": "trained", "variant": "none", "privacy": privacy(rows, {"ig": True})},
+        {"setting": "trained", "variant": "dp", "privacy": privacy(rows[:2], {"ig": True})},
+        {"setting": "privacy-only", "variant": "none", "privacy": None},
+    ]
     table = leakage_tables(cells).splitlines()
     assert table[0].startswith("Mean SSIM [95% CI] per attack and attacked round, setting `trained`, 2 images a cell")
     assert table[2] == "| variant | attack | round 1 | round 5 |"

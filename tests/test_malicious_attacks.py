@@ -47,8 +47,9 @@ def manipulated(spec, manipulation, hidden: int, depth: int = 2, seed: int = 0):
     return model, card, sent
 
 
-def upload(model, card: ModelCard, sent, x: torch.Tensor, y: torch.Tensor, name: str,
-           declared: dict | None = None) -> Observation:
+def upload(
+    model, card: ModelCard, sent, x: torch.Tensor, y: torch.Tensor, name: str, declared: dict | None = None
+) -> Observation:
     """The observation of one client's FedSGD upload on the batch (x, y)."""
     grads, _ = compute_gradients(model, x, y)
     mask = list(card.trainable)
@@ -106,7 +107,8 @@ def test_only_the_first_layer_and_for_imprint_the_next_one_change(photos, name: 
     arrays = get_arrays(model)
     before = [a.copy() for a in arrays]
     sent = build_manipulation(name, ImprintParams(bins=8) if name == "imprint" else None)(
-        arrays, card, np.random.default_rng(0))
+        arrays, card, np.random.default_rng(0)
+    )
     changed = {"trap-weights": {"1.weight", "1.bias"}, "imprint": {"1.weight", "1.bias", "3.weight"}}[name]
     assert all(np.array_equal(a, b) for a, b in zip(arrays, before)), "the input arrays were modified"
     assert [(a.shape, a.dtype) for a in sent] == [(a.shape, a.dtype) for a in arrays]
@@ -129,8 +131,9 @@ def test_imprint_layout_bins_columns_and_switched_off_units(photos) -> None:
     params = ImprintParams(bins=8, mean=0.4, std=0.1, gain=2.0)
     model = build_model("mlp", photos.spec, MLPParams(hidden=32, depth=2))
     arrays = get_arrays(model)
-    weight, bias, after, _, head, _ = build_imprint(params)(arrays, card_of(model, "mlp", photos.spec),
-                                                            np.random.default_rng(0))
+    weight, bias, after, _, head, _ = build_imprint(params)(
+        arrays, card_of(model, "mlp", photos.spec), np.random.default_rng(0)
+    )
     pixels = weight.shape[1]
     assert np.allclose(weight[:8], 2.0 / pixels) and (weight[8:] == 0).all() and (bias[8:] < 0).all()
     assert np.allclose(-bias[:8] / 2.0, params.edges().astype(np.float32))
@@ -151,20 +154,25 @@ def test_a_model_without_a_linear_layer_on_the_image_is_refused(photos) -> None:
 def test_imprint_needs_enough_units_and_a_next_layer(photos) -> None:
     model = build_model("mlp", photos.spec, MLPParams(hidden=256, depth=2))
     with pytest.raises(ValueError, match=r"bins = 300 exceeds the 256 units of 1\.weight; choose bins <= 256"):
-        build_imprint(ImprintParams(bins=300))(get_arrays(model), card_of(model, "mlp", photos.spec),
-                                               np.random.default_rng(0))
+        build_imprint(ImprintParams(bins=300))(
+            get_arrays(model), card_of(model, "mlp", photos.spec), np.random.default_rng(0)
+        )
     linear = build_model("mlp", photos.spec, MLPParams(depth=0))
     with pytest.raises(ValueError, match=r"no trainable Linear layer takes the 10 units of 1\.weight"):
-        build_imprint(ImprintParams(bins=4))(get_arrays(linear), card_of(linear, "mlp", photos.spec),
-                                             np.random.default_rng(0))
+        build_imprint(ImprintParams(bins=4))(
+            get_arrays(linear), card_of(linear, "mlp", photos.spec), np.random.default_rng(0)
+        )
 
 
-@pytest.mark.parametrize("bad, message", [
-    (lambda: TrapWeightsParams(scale_factor=1.5), "scale_factor must be in \\(0, 1\\], got 1.5"),
-    (lambda: TrapWeightsParams(sigma=0.0), "sigma must be > 0, got 0.0"),
-    (lambda: ImprintParams(std=-1.0), "std must be > 0, got -1.0"),
-    (lambda: ImprintParams(bins=0), "bins must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda: TrapWeightsParams(scale_factor=1.5), "scale_factor must be in \\(0, 1\\], got 1.5"),
+        (lambda: TrapWeightsParams(sigma=0.0), "sigma must be > 0, got 0.0"),
+        (lambda: ImprintParams(std=-1.0), "std must be > 0, got -1.0"),
+        (lambda: ImprintParams(bins=0), "bins must be >= 1, got 0"),
+    ],
+)
 def test_bad_parameters_name_the_value(bad, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         bad()

@@ -27,21 +27,32 @@ def fedsgd() -> FedSGD:
 def play(strategy, round_: int, uploads_from_sent: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """One round of four clients, client c uploading the model it received moved by c (as weights) or that
     amount (as gradients); returns (arrays the clients received, the new global arrays)."""
-    instructions = list(strategy.configure_train(round_, array_record(NAMES, global_arrays(round_)), ConfigRecord(),
-                                                 Nodes(4)))
+    instructions = list(
+        strategy.configure_train(round_, array_record(NAMES, global_arrays(round_)), ConfigRecord(), Nodes(4))
+    )
     received = [m.content["arrays"].to_numpy_ndarrays() for m in instructions]
     assert all(all(np.array_equal(a, b) for a, b in zip(r, received[0])) for r in received), "clients differ"
     base = received[0] if uploads_from_sent else [np.zeros_like(a) for a in received[0]]
-    replies = [reply(m, [base[0] - c, base[1] - c, base[2]], 8, {"client": c, "batch-size": 8, "lr": 0.1})
-               for c, m in enumerate(instructions)]
+    replies = [
+        reply(m, [base[0] - c, base[1] - c, base[2]], 8, {"client": c, "batch-size": 8, "lr": 0.1})
+        for c, m in enumerate(instructions)
+    ]
     aggregated, _ = strategy.aggregate_train(round_, replies)
     return received[0], aggregated.to_numpy_ndarrays()
 
 
 def test_scheduled_rounds_send_the_manipulated_model_and_captures_record_it() -> None:
     sink = ListSink()
-    strategy = Malicious(fedsgd(), sink, CARD, "gradient",
-                         Selection.parse("1,2"), Selection.parse("all"), {2: ("double", doubled)}, seed=5)
+    strategy = Malicious(
+        fedsgd(),
+        sink,
+        CARD,
+        "gradient",
+        Selection.parse("1,2"),
+        Selection.parse("all"),
+        {2: ("double", doubled)},
+        seed=5,
+    )
     honest_received, _ = play(strategy, 1, uploads_from_sent=False)
     sent, _ = play(strategy, 2, uploads_from_sent=False)
     assert all(np.array_equal(a, b) for a, b in zip(honest_received, global_arrays(1)))
@@ -52,18 +63,25 @@ def test_scheduled_rounds_send_the_manipulated_model_and_captures_record_it() ->
 
 
 def test_fedsgd_steps_from_the_honest_model_with_the_clients_gradients() -> None:
-    malicious = Malicious(fedsgd(), ListSink(), CARD, "gradient",
-                          Selection.parse("1"), Selection.parse("all"), {1: ("double", doubled)})
-    honest = HonestButCurious(fedsgd(), ListSink(), CARD, "gradient",
-                              Selection.parse("1"), Selection.parse("all"))
+    malicious = Malicious(
+        fedsgd(), ListSink(), CARD, "gradient", Selection.parse("1"), Selection.parse("all"), {1: ("double", doubled)}
+    )
+    honest = HonestButCurious(fedsgd(), ListSink(), CARD, "gradient", Selection.parse("1"), Selection.parse("all"))
     _, got = play(malicious, 1, uploads_from_sent=False)
     _, want = play(honest, 1, uploads_from_sent=False)
     assert all(np.allclose(a, b) for a, b in zip(got, want))
 
 
 def test_fedavg_applies_the_clients_change_to_the_honest_model() -> None:
-    strategy = Malicious(FedAvg(min_train_nodes=4), ListSink(), CARD, "weights", Selection.parse("1"), Selection.parse("all"),
-                         {1: ("double", doubled)})
+    strategy = Malicious(
+        FedAvg(min_train_nodes=4),
+        ListSink(),
+        CARD,
+        "weights",
+        Selection.parse("1"),
+        Selection.parse("all"),
+        {1: ("double", doubled)},
+    )
     _, got = play(strategy, 1, uploads_from_sent=True)
     mean_change = -np.mean(np.arange(4))  # client c uploads sent - c
     honest = global_arrays(1)
@@ -75,7 +93,14 @@ def test_a_manipulation_that_changes_the_layout_is_refused() -> None:
     def reshaped(arrays, card, rng):
         return [arrays[0].reshape(-1), *arrays[1:]]
 
-    strategy = Malicious(FedAvg(min_train_nodes=4), ListSink(), CARD, "weights", Selection.parse("1"), Selection.parse("all"),
-                         {1: ("reshape", reshaped)})
+    strategy = Malicious(
+        FedAvg(min_train_nodes=4),
+        ListSink(),
+        CARD,
+        "weights",
+        Selection.parse("1"),
+        Selection.parse("all"),
+        {1: ("reshape", reshaped)},
+    )
     with pytest.raises(ValueError, match="'reshape' changed the model's layout"):
         play(strategy, 1, uploads_from_sent=True)

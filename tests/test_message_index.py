@@ -51,8 +51,9 @@ def simulation_state(nodes: int) -> tuple[InMemoryLinkState, InMemoryGrid, list[
     TaskIdentity.run_id, TaskIdentity.task_id = run.run_id, run.primary_task_id
     node_ids = []
     for _ in range(nodes):
-        node_id = state.create_node(NOOP_FLWR_AID, NOOP_ACCOUNT_NAME, secrets.token_bytes(32),
-                                    heartbeat_interval=HEARTBEAT_INTERVAL_INF)
+        node_id = state.create_node(
+            NOOP_FLWR_AID, NOOP_ACCOUNT_NAME, secrets.token_bytes(32), heartbeat_interval=HEARTBEAT_INTERVAL_INF
+        )
         state.acknowledge_node_heartbeat(node_id=node_id, heartbeat_interval=HEARTBEAT_INTERVAL_INF)
         node_ids.append(node_id)
     grid = InMemoryGrid(state_factory=factory)
@@ -62,18 +63,27 @@ def simulation_state(nodes: int) -> tuple[InMemoryLinkState, InMemoryGrid, list[
 
 def push(grid: InMemoryGrid, node_ids: list[int], plan: list[tuple[int, str, float]]) -> None:
     """Push one message per (node index, tag, ttl seconds) of ``plan``, in order."""
-    grid.push_messages([Message(RecordDict({"tag": ConfigRecord({"tag": tag})}), node_ids[node], "train",
-                                ttl=ttl, group_id="1") for node, tag, ttl in plan])
+    grid.push_messages(
+        [
+            Message(RecordDict({"tag": ConfigRecord({"tag": tag})}), node_ids[node], "train", ttl=ttl, group_id="1")
+            for node, tag, ttl in plan
+        ]
+    )
 
 
 def deliveries(state: InMemoryLinkState, node_ids: list[int], ticks: int, limit: int | None) -> list[list[str]]:
     """The tags each tick of Flower's simulation loop (every node asked in turn) hands out."""
-    return [[str(message.content["tag"]["tag"]) for node in node_ids
-             for message in state.get_message_ins(node_id=node, limit=limit)] for _ in range(ticks)]
+    return [
+        [
+            str(message.content["tag"]["tag"])
+            for node in node_ids
+            for message in state.get_message_ins(node_id=node, limit=limit)
+        ]
+        for _ in range(ticks)
+    ]
 
 
-PLAN = [(0, "a0", 3600.0), (1, "b0", 3600.0), (0, "a1", 3600.0), (2, "c0", 0.05), (3, "d0", 3600.0),
-        (0, "a2", 3600.0)]
+PLAN = [(0, "a0", 3600.0), (1, "b0", 3600.0), (0, "a1", 3600.0), (2, "c0", 0.05), (3, "d0", 3600.0), (0, "a2", 3600.0)]
 
 
 def scenario(limit: int | None) -> list[list[str]]:

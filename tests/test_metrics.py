@@ -51,8 +51,13 @@ def photo(name: str, top: int, left: int, size: int) -> torch.Tensor:
 def skimage_ssim(x: torch.Tensor, y: torch.Tensor) -> list[float]:
     return [
         structural_similarity(
-            a.double().numpy(), b.double().numpy(), gaussian_weights=True, sigma=1.5,
-            use_sample_covariance=False, data_range=1.0, channel_axis=0,
+            a.double().numpy(),
+            b.double().numpy(),
+            gaussian_weights=True,
+            sigma=1.5,
+            use_sample_covariance=False,
+            data_range=1.0,
+            channel_axis=0,
         )
         for a, b in zip(x, y, strict=True)
     ]
@@ -112,12 +117,14 @@ def test_ssim_matches_skimage_on_natural_images() -> None:
     face = photo("astronaut", 40, 170, 64)
     cat = photo("chelsea", 50, 100, 64)
     truth = torch.cat([face, face, face, cat])
-    distorted = torch.cat([
-        noisy(face, 0.05),
-        torch.nn.functional.avg_pool2d(face, 3, stride=1, padding=1, count_include_pad=False),
-        photo("astronaut", 42, 173, 64),
-        (cat * 0.7 + 0.1),
-    ])
+    distorted = torch.cat(
+        [
+            noisy(face, 0.05),
+            torch.nn.functional.avg_pool2d(face, 3, stride=1, padding=1, count_include_pad=False),
+            photo("astronaut", 42, 173, 64),
+            (cat * 0.7 + 0.1),
+        ]
+    )
     ours = ssim(truth, distorted)
     reference = skimage_ssim(truth, distorted)
     assert ours.tolist() == pytest.approx(reference, abs=1e-3)

@@ -35,8 +35,16 @@ SMALL = ["data.name=digits", "model.name=mlp", "model.mlp.hidden=16", "train.bat
 @pytest.fixture(scope="module")
 def denoiser(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mjolnir") / "digits-mlp.npz"
-    args = ["train-mjolnir", *(a for o in SMALL for a in ("--set", o)), "--gradients", "32", "--epochs", "2",
-            "--out", str(out)]
+    args = [
+        "train-mjolnir",
+        *(a for o in SMALL for a in ("--set", o)),
+        "--gradients",
+        "32",
+        "--epochs",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     return out
 
@@ -45,8 +53,13 @@ def upload(defense: str = "none", params=None, image: int = 0):
     data = load_dataset("digits")
     torch.manual_seed(0)
     model = build_model("mlp", data.spec, MLPParams(hidden=16))
-    card = ModelCard("mlp", {"hidden": 16, "depth": 2, "batch_norm": False}, data.spec, tuple(model.state_dict()),
-                     tuple(trainable_mask(model)))
+    card = ModelCard(
+        "mlp",
+        {"hidden": 16, "depth": 2, "batch_norm": False},
+        data.spec,
+        tuple(model.state_dict()),
+        tuple(trainable_mask(model)),
+    )
     x, y = data.test.batch([image])
     grads, _ = compute_gradients(model, x, y)
     sent = build_defense(defense, params)(LocalStep(model, x, y, grads, loss_fn, torch.Generator().manual_seed(0)), {})
@@ -66,8 +79,20 @@ def test_train_mjolnir_records_what_the_model_denoises(denoiser: Path) -> None:
 
 def test_a_zero_surrogate_lr_records_gradients_at_the_runs_first_global_model(tmp_path: Path) -> None:
     out = tmp_path / "at-start.npz"
-    args = ["train-mjolnir", *(a for o in [*SMALL, "seed=7"] for a in ("--set", o)), "--gradients", "4",
-            "--surrogate-epochs", "1", "--surrogate-lr", "0", "--epochs", "1", "--out", str(out)]
+    args = [
+        "train-mjolnir",
+        *(a for o in [*SMALL, "seed=7"] for a in ("--set", o)),
+        "--gradients",
+        "4",
+        "--surrogate-epochs",
+        "1",
+        "--surrogate-lr",
+        "0",
+        "--epochs",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     gradients = load_gradient_set(out.with_suffix(".gradients.npz"))
     assert gradients.options.seed == 7 and gradients.options.lr == 0.0
@@ -83,8 +108,22 @@ def test_the_surrogate_can_start_at_a_captured_rounds_global_model(tmp_path: Pat
     later = dataclasses.replace(obs, round=5, global_arrays=[a * 0.5 for a in obs.global_arrays])
     path = save_observation(later, tmp_path / "observations")
     out = tmp_path / "at-round-5.npz"
-    args = ["train-mjolnir", *(a for o in SMALL for a in ("--set", o)), "--gradients", "3", "--surrogate-epochs", "1",
-            "--surrogate-lr", "0", "--epochs", "1", "--at", str(path), "--out", str(out)]
+    args = [
+        "train-mjolnir",
+        *(a for o in SMALL for a in ("--set", o)),
+        "--gradients",
+        "3",
+        "--surrogate-epochs",
+        "1",
+        "--surrogate-lr",
+        "0",
+        "--epochs",
+        "1",
+        "--at",
+        str(path),
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     gradients = load_gradient_set(out.with_suffix(".gradients.npz"))
     assert gradients.start == "weights" and load_ddpm(out).normalization["start"] == "weights"
@@ -96,8 +135,19 @@ def test_the_surrogate_can_start_at_a_captured_rounds_global_model(tmp_path: Pat
         assert all(torch.equal(a, b) for a, b in zip(unpack(image, gradients.spec), expected))
     other = [*(a for o in [*SMALL, "model.mlp.hidden=32"] for a in ("--set", o)), "--at", str(path)]
     assert main(["train-mjolnir", *other, "--out", str(tmp_path / "x.npz")]) == 2
-    assert main(["train-mjolnir", *(a for o in SMALL for a in ("--set", o)), "--at", str(tmp_path / "none.npz"),
-                 "--out", str(tmp_path / "y.npz")]) == 2
+    assert (
+        main(
+            [
+                "train-mjolnir",
+                *(a for o in SMALL for a in ("--set", o)),
+                "--at",
+                str(tmp_path / "none.npz"),
+                "--out",
+                str(tmp_path / "y.npz"),
+            ]
+        )
+        == 2
+    )
 
 
 @needs_fashion_mnist
@@ -106,8 +156,20 @@ def test_the_surrogate_can_learn_on_another_dataset_of_the_runs_shape(
 ) -> None:
     # The paper's setting: Fashion-MNIST gradients, at the run's round-1 global model, to denoise MNIST uploads.
     run = ["data.name=mnist-5k", "model.name=mlp", "model.mlp.hidden=16", "train.batch-size=1"]
-    common = ["train-mjolnir", *(a for o in run for a in ("--set", o)), "--gradients", "3", "--surrogate-epochs", "1",
-              "--surrogate-lr", "0", "--epochs", "1", "--checkpoint-every", "0"]
+    common = [
+        "train-mjolnir",
+        *(a for o in run for a in ("--set", o)),
+        "--gradients",
+        "3",
+        "--surrogate-epochs",
+        "1",
+        "--surrogate-lr",
+        "0",
+        "--epochs",
+        "1",
+        "--checkpoint-every",
+        "0",
+    ]
     monkeypatch.chdir(tmp_path)
     assert main([*common, "--surrogate-data", "fashion-mnist"]) == 0
     out = tmp_path / "mjolnir" / "fashion-mnist-mlp.npz"  # named after the data its gradients come from
@@ -127,15 +189,28 @@ def test_the_surrogate_can_learn_on_another_dataset_of_the_runs_shape(
 
 
 def test_train_mjolnir_in_two_sittings_saves_the_model_of_one(tmp_path: Path) -> None:
-    common = [*(a for o in SMALL for a in ("--set", o)), "--gradients", "4", "--surrogate-epochs", "1",
-              "--ddpm-batch-size", "2"]
+    common = [
+        *(a for o in SMALL for a in ("--set", o)),
+        "--gradients",
+        "4",
+        "--surrogate-epochs",
+        "1",
+        "--ddpm-batch-size",
+        "2",
+    ]
     assert main(["train-mjolnir", *common, "--epochs", "4", "--out", str(tmp_path / "one.npz")]) == 0
-    assert main(["train-mjolnir", *common, "--epochs", "2", "--checkpoint-every", "2",
-                 "--out", str(tmp_path / "two.npz")]) == 0
+    assert (
+        main(["train-mjolnir", *common, "--epochs", "2", "--checkpoint-every", "2", "--out", str(tmp_path / "two.npz")])
+        == 0
+    )
     checkpoint = tmp_path / "two.checkpoint.npz"
     assert load_checkpoint(checkpoint).state.epoch == 2
-    assert main(["train-mjolnir", *common, "--epochs", "4", "--resume", str(checkpoint),
-                 "--out", str(tmp_path / "two.npz")]) == 0
+    assert (
+        main(
+            ["train-mjolnir", *common, "--epochs", "4", "--resume", str(checkpoint), "--out", str(tmp_path / "two.npz")]
+        )
+        == 0
+    )
     one, two = load_ddpm(tmp_path / "one.npz"), load_ddpm(tmp_path / "two.npz")
     assert one.losses == two.losses and len(two.losses) == 4 and one.normalization == two.normalization
     for name, tensor in one.model.state_dict().items():
@@ -144,8 +219,12 @@ def test_train_mjolnir_in_two_sittings_saves_the_model_of_one(tmp_path: Path) ->
     other = ["train-mjolnir", *common, "--epochs", "6", "--resume", str(checkpoint), "--out", str(tmp_path / "x.npz")]
     assert main([*other, "--lr", "0.01"]) == 2  # another DDPM step: refused
     assert main([*other, "--gradients", "3"]) == 2  # other training gradients: refused
-    assert main(["train-mjolnir", *common, "--epochs", "1", "--checkpoint-every", "0",
-                 "--out", str(tmp_path / "none.npz")]) == 0
+    assert (
+        main(
+            ["train-mjolnir", *common, "--epochs", "1", "--checkpoint-every", "0", "--out", str(tmp_path / "none.npz")]
+        )
+        == 0
+    )
     assert not (tmp_path / "none.checkpoint.npz").exists()
 
 
@@ -169,8 +248,11 @@ def test_noise_level_comes_from_the_known_defense_in_packed_units(denoiser: Path
 
     params = UpdateDPParams(clip=10.0, noise_multiplier=0.001)
     obs, _ = upload("dp", params)
-    attack = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5,
-                                                                         restarts=1), ("dp", params))
+    attack = build_attack(
+        "mjolnir+idlg",
+        ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5, restarts=1),
+        ("dp", params),
+    )
     [denoised], [level], [start] = attack.denoised([obs])
     scale = load_ddpm(denoiser).normalization["packing"]["scale"]
     assert level == pytest.approx(0.01 / scale) and start == start_step(attack.trained.schedule, level)
@@ -184,8 +266,11 @@ def test_noise_level_comes_from_the_known_defense_in_packed_units(denoiser: Path
 def test_a_known_noiseless_upload_is_passed_on_unchanged(denoiser: Path) -> None:
     params = UpdateDPParams(clip=100.0, noise_multiplier=0.0)
     obs, _ = upload("dp", params)
-    attack = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5,
-                                                                         restarts=1), ("dp", params))
+    attack = build_attack(
+        "mjolnir+idlg",
+        ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5, restarts=1),
+        ("dp", params),
+    )
     [denoised], [level], [start] = attack.denoised([obs])
     assert level == 0.0 and start == -1
     assert all(np.array_equal(a, b) for a, b in zip(denoised.upload, obs.upload))
@@ -196,8 +281,11 @@ def test_the_mjolnir_code_calibration_is_the_known_noise_std(denoiser: Path) -> 
         params = UpdateDPParams(clip=clip, epsilon=1.0, delta=1e-4, calibration="mjolnir-code")
         assert defense_noise_std(build_defense("dp", params), 1) == mjolnir_code_sigma(1.0, 1e-4)
     obs, _ = upload("dp", params)
-    attack = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5,
-                                                                         restarts=1), ("dp", params))
+    attack = build_attack(
+        "mjolnir+idlg",
+        ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5, restarts=1),
+        ("dp", params),
+    )
     [_], [level], _ = attack.denoised([obs])
     assert level == mjolnir_code_sigma(1.0, 1e-4) / load_ddpm(denoiser).normalization["packing"]["scale"]
 
@@ -207,14 +295,21 @@ def test_the_single_step_sampler_takes_each_upload_through_the_released_codes_st
     obs, _ = upload("dp", params)
     uploads = {}
     for sampler in ("chained", "single-step"):
-        attack = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(
-            denoiser=str(denoiser), iterations=5, restarts=1, sampler=sampler), ("dp", params))
+        attack = build_attack(
+            "mjolnir+idlg",
+            ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5, restarts=1, sampler=sampler),
+            ("dp", params),
+        )
         [uploads[sampler]], [level], _ = attack.denoised([obs])
     trained = load_ddpm(denoiser)
     spec = packing_of(trained)
     grads = [torch.tensor(a) for a, t in zip(obs.upload, obs.trainable) if t]
-    expected = unpack(denoise_many(trained.model, trained.schedule, pack(grads, spec).unsqueeze(0), [level],
-                                   sampler="single-step")[0], spec)
+    expected = unpack(
+        denoise_many(trained.model, trained.schedule, pack(grads, spec).unsqueeze(0), [level], sampler="single-step")[
+            0
+        ],
+        spec,
+    )
     got = [a for a, t in zip(uploads["single-step"].upload, uploads["single-step"].trainable) if t]
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(got, expected))
     assert not np.array_equal(uploads["single-step"].upload[0], uploads["chained"].upload[0])
@@ -227,8 +322,11 @@ def test_mjolnir_with_nothing_to_denoise_is_its_inner_attack_on_the_same_upload(
     params = UpdateDPParams(clip=100.0, noise_multiplier=0.0)
     obs, _ = upload("dp", params)
     plain = build_attack("idlg", ATTACKS.get("idlg").params(iterations=5, restarts=2))
-    staged = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5,
-                                                                          restarts=2), ("dp", params))
+    staged = build_attack(
+        "mjolnir+idlg",
+        ATTACKS.get("mjolnir+idlg").params(denoiser=str(denoiser), iterations=5, restarts=2),
+        ("dp", params),
+    )
     [alone], [after] = plain.reconstruct_many([obs], 0), staged.reconstruct_many([obs], 0)
     assert torch.equal(alone.images, after.images) and torch.equal(alone.labels, after.labels)
     assert alone.stats["restart_losses"] == after.stats["restart_losses"]
@@ -238,13 +336,20 @@ def test_mjolnir_with_nothing_to_denoise_is_its_inner_attack_on_the_same_upload(
 def test_a_denoiser_for_another_model_is_refused(denoiser: Path) -> None:
     data = load_dataset("digits")
     model = build_model("mlp", data.spec, MLPParams(hidden=8))
-    card = ModelCard("mlp", {"hidden": 8, "depth": 2, "batch_norm": False}, data.spec, tuple(model.state_dict()),
-                     tuple(trainable_mask(model)))
+    card = ModelCard(
+        "mlp",
+        {"hidden": 8, "depth": 2, "batch_norm": False},
+        data.spec,
+        tuple(model.state_dict()),
+        tuple(trainable_mask(model)),
+    )
     x, y = data.test.batch([0])
     grads, _ = compute_gradients(model, x, y)
     obs = card.observe(1, 0, "gradient", get_arrays(model), [g.numpy() for g in grads], 1, {"batch-size": 1})
-    attack = Mjolnir(MjolnirParams(denoiser=str(denoiser), noise_source="given", noise_std=0.01),
-                     build_attack("idlg", ATTACKS.get("idlg").params(iterations=2, restarts=1)))
+    attack = Mjolnir(
+        MjolnirParams(denoiser=str(denoiser), noise_source="given", noise_std=0.01),
+        build_attack("idlg", ATTACKS.get("idlg").params(iterations=2, restarts=1)),
+    )
     with pytest.raises(ValueError, match="denoises gradients of 'mlp'.*train-mjolnir"):
         attack.reconstruct_many([obs], 0)
 
@@ -258,8 +363,9 @@ def test_configuration_needs_the_defense_grant_and_a_denoiser(denoiser: Path) ->
         load_config(None, [*base, "threat.defense=true"])
     absent = load_config(None, [*base, "threat.defense=true", "attack.mjolnir+ig.denoiser=missing.npz"])
     missing = re.escape(str(Path.cwd() / "missing.npz"))  # resolved where the configuration was loaded
-    with pytest.raises(FileNotFoundError, match=f"attack.mjolnir\\+ig.denoiser = '{missing}': no Mjölnir diffusion "
-                                                f"model at {missing}"):
+    with pytest.raises(
+        FileNotFoundError, match=f"attack.mjolnir\\+ig.denoiser = '{missing}': no Mjölnir diffusion model at {missing}"
+    ):
         check_attack_files(absent.attacks)
     config = load_config(None, [*base, "threat.defense=true", f"attack.mjolnir+ig.denoiser={denoiser}"])
     assert config.attack_names() == ["mjolnir+ig"]

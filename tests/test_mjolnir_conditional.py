@@ -62,8 +62,13 @@ class Recorder(torch.nn.Module):
 def patterns(side: int = 16) -> torch.Tensor:
     """Three orthogonal unit-RMS patterns, (3, side * side) float64."""
     yy, xx = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
-    raw = torch.stack([torch.sin(2 * math.pi * xx / side) * torch.cos(2 * math.pi * yy / side),
-                       torch.cos(4 * math.pi * (xx + yy) / side), ((xx // 4 + yy // 4) % 2).float() - 0.5])
+    raw = torch.stack(
+        [
+            torch.sin(2 * math.pi * xx / side) * torch.cos(2 * math.pi * yy / side),
+            torch.cos(4 * math.pi * (xx + yy) / side),
+            ((xx // 4 + yy // 4) % 2).float() - 0.5,
+        ]
+    )
     q, _ = torch.linalg.qr(raw.reshape(3, -1).double().T)
     return q.T * side
 
@@ -203,11 +208,15 @@ def test_save_load_round_trip_keeps_the_kind_and_refuses_the_other(tmp_path: Pat
     assert meta["conditional"] is True and meta["noise_range"] == [0.5, 2.0]
     with pytest.raises(ValueError, match=r"c\.npz: its Mjölnir denoiser is conditional, expected unconditional"):
         load_ddpm(path, conditional=False)
-    plain, plain_losses = train_ddpm(pattern_grids(8, 0, side=8), TINY,
-                                     DDPMTrainOptions(epochs=1, batch_size=4, schedule=SCHEDULE))
+    plain, plain_losses = train_ddpm(
+        pattern_grids(8, 0, side=8), TINY, DDPMTrainOptions(epochs=1, batch_size=4, schedule=SCHEDULE)
+    )
     plain_path = save_ddpm(TrainedDDPM(plain, SCHEDULE, {}, tuple(plain_losses)), tmp_path / "u.npz")
-    with pytest.raises(ValueError, match=r"u\.npz: its Mjölnir denoiser is unconditional, expected conditional; "
-                                         r"train one with `fedguard train-mjolnir --conditional`"):
+    with pytest.raises(
+        ValueError,
+        match=r"u\.npz: its Mjölnir denoiser is unconditional, expected conditional; "
+        r"train one with `fedguard train-mjolnir --conditional`",
+    ):
         load_ddpm(plain_path, conditional=True)
     with np.load(plain_path, allow_pickle=False) as archive:  # a file from before the conditional variant
         arrays = {name: archive[name] for name in archive.files}
@@ -229,8 +238,13 @@ def upload(params: UpdateDPParams):
     data = load_dataset("digits")
     torch.manual_seed(0)
     model = build_model("mlp", data.spec, MLPParams(hidden=16))
-    card = ModelCard("mlp", {"hidden": 16, "depth": 2, "batch_norm": False}, data.spec, tuple(model.state_dict()),
-                     tuple(trainable_mask(model)))
+    card = ModelCard(
+        "mlp",
+        {"hidden": 16, "depth": 2, "batch_norm": False},
+        data.spec,
+        tuple(model.state_dict()),
+        tuple(trainable_mask(model)),
+    )
     x, y = data.test.batch([0])
     grads, _ = compute_gradients(model, x, y)
     sent = build_defense("dp", params)(LocalStep(model, x, y, grads, loss_fn, torch.Generator().manual_seed(0)), {})
@@ -242,8 +256,16 @@ def test_train_mjolnir_conditional_and_the_attack_stage_that_reads_its_kind(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "mjolnir" / "digits-mlp-conditional.npz"  # beside, not over, the unconditional default
-    common = ["train-mjolnir", *(a for o in SMALL for a in ("--set", o)), "--gradients", "8", "--epochs", "1",
-              "--checkpoint-every", "0"]
+    common = [
+        "train-mjolnir",
+        *(a for o in SMALL for a in ("--set", o)),
+        "--gradients",
+        "8",
+        "--epochs",
+        "1",
+        "--checkpoint-every",
+        "0",
+    ]
     assert main([*common, "--conditional", "--noise-range", "0.5,2"]) == 0
     trained = load_ddpm(out)
     assert trained.conditional and trained.noise_range == (0.5, 2.0) and trained.normalization["model"] == "mlp"
@@ -258,14 +280,21 @@ def test_train_mjolnir_conditional_and_the_attack_stage_that_reads_its_kind(
 
     params = UpdateDPParams(clip=100.0, noise_multiplier=0.01)
     obs = upload(params)
-    attack = build_attack("mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(denoiser=str(out), iterations=1,
-                                                                         restarts=1), ("dp", params))
+    attack = build_attack(
+        "mjolnir+idlg", ATTACKS.get("mjolnir+idlg").params(denoiser=str(out), iterations=1, restarts=1), ("dp", params)
+    )
     [denoised], [level], [start] = attack.denoised([obs])
     spec = packing_of(trained)
     assert level == pytest.approx(1.0 / spec.scale) and start == start_step(trained.schedule, level) >= 0
     grads = [torch.tensor(a) for a, t in zip(obs.upload, obs.trainable) if t]
-    expected = denoise_many(trained.model, trained.schedule, pack(grads, spec).unsqueeze(0), [level],
-                            torch.Generator().manual_seed(0), conditional=True)
+    expected = denoise_many(
+        trained.model,
+        trained.schedule,
+        pack(grads, spec).unsqueeze(0),
+        [level],
+        torch.Generator().manual_seed(0),
+        conditional=True,
+    )
     got = [a for a, t in zip(denoised.upload, denoised.trainable) if t]
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(got, unpack(expected[0], spec)))
     assert not np.array_equal(got[0], grads[0].numpy())
@@ -285,12 +314,19 @@ def test_a_tiny_conditional_ddpm_denoises_pattern_grids_at_m_1(capsys: pytest.Ca
     unconditional, _ = train_ddpm(images, config, DDPMTrainOptions(**budget))
     noisy = clean + m * torch.randn(clean.shape, generator=torch.Generator().manual_seed(2))
     levels = [m] * len(clean)
-    with_condition = denoise_many(conditional, schedule, noisy, levels, torch.Generator().manual_seed(3),
-                                  conditional=True)
+    with_condition = denoise_many(
+        conditional, schedule, noisy, levels, torch.Generator().manual_seed(3), conditional=True
+    )
     without = denoise_many(unconditional, schedule, noisy, levels, torch.Generator().manual_seed(3))
-    mse = {name: float((grids - clean).pow(2).mean()) for name, grids in
-           [("noisy", noisy), ("rescaled", noisy / math.sqrt(1 + m * m)), ("conditional", with_condition),
-            ("unconditional", without)]}
+    mse = {
+        name: float((grids - clean).pow(2).mean())
+        for name, grids in [
+            ("noisy", noisy),
+            ("rescaled", noisy / math.sqrt(1 + m * m)),
+            ("conditional", with_condition),
+            ("unconditional", without),
+        ]
+    }
     with capsys.disabled():
         print("\nMSE to the clean grids at M = 1: " + ", ".join(f"{k} {v:.4f}" for k, v in mse.items()))
     assert mse["conditional"] < mse["noisy"] and mse["conditional"] < 0.25 * mse["rescaled"]

@@ -332,8 +332,9 @@ def test_the_single_step_sampler_is_one_ancestral_step_zero_on_each_rescaled_gri
     by_hand = (rescaled - beta / math.sqrt(1 - abar) * _smooth_denoiser(rescaled, torch.zeros(3))) / math.sqrt(1 - beta)
     assert torch.allclose(out, by_hand, atol=1e-15)
     assert not torch.equal(out[2], y[2])  # M = 0 is stepped too
-    posterior = denoise_many(_smooth_denoiser, SCHEDULE, y, levels, torch.Generator().manual_seed(9), "posterior",
-                             "single-step")
+    posterior = denoise_many(
+        _smooth_denoiser, SCHEDULE, y, levels, torch.Generator().manual_seed(9), "posterior", "single-step"
+    )
     assert torch.equal(posterior, out)  # neither the variance nor the generator enters step 0
     model = CountingDenoiser(0.5)
     denoise_many(model, SCHEDULE, y, levels, sampler="single-step")
@@ -415,9 +416,11 @@ def _same_state(a: TrainState, b: TrainState) -> bool:
     """Equal epochs, losses, weights, lowest-loss weights, Adam state and generator state, bit for bit."""
     tensors = [(a.weights, b.weights), (a.best, b.best)]
     tensors += [(a.optimizer[i], b.optimizer[i]) for i in a.optimizer]
-    return (a.epoch, a.losses, sorted(a.optimizer)) == (b.epoch, b.losses, sorted(b.optimizer)) and all(
-        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in tensors
-    ) and torch.equal(a.rng, b.rng)
+    return (
+        (a.epoch, a.losses, sorted(a.optimizer)) == (b.epoch, b.losses, sorted(b.optimizer))
+        and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in tensors)
+        and torch.equal(a.rng, b.rng)
+    )
 
 
 def test_training_in_two_sittings_equals_one_bit_for_bit(tmp_path) -> None:
@@ -428,8 +431,13 @@ def test_training_in_two_sittings_equals_one_bit_for_bit(tmp_path) -> None:
     model, losses = train_ddpm(images, TINY, options, checkpoint=whole.append)
     assert [s.epoch for s in whole] == [1, 2, 3, 4] and len(whole[0].optimizer) == len(list(model.parameters()))
     first: list[TrainState] = []
-    train_ddpm(images, TINY, DDPMTrainOptions(epochs=2, batch_size=4, lr=3e-3, seed=5, schedule=schedule),
-               checkpoint=first.append, checkpoint_every=2)
+    train_ddpm(
+        images,
+        TINY,
+        DDPMTrainOptions(epochs=2, batch_size=4, lr=3e-3, seed=5, schedule=schedule),
+        checkpoint=first.append,
+        checkpoint_every=2,
+    )
     assert [s.epoch for s in first] == [2] and _same_state(first[0], whole[1])
     checkpoint = Checkpoint(first[0], TINY, 8, options, {"scale": 0.25}, grids_digest(images))
     path = save_checkpoint(checkpoint, tmp_path / "c.npz")
@@ -464,8 +472,14 @@ def test_a_checkpoint_resumes_only_the_same_run(tmp_path) -> None:
     train_ddpm(images, TINY, options, checkpoint=states.append)
     record = {"packing": {"side": 8, "scale": 0.5, "shapes": [[64]]}, "model": "mlp"}
     checkpoint = Checkpoint(states[-1], TINY, 8, options, record, grids_digest(images))
-    check_resumable(checkpoint, TINY, 8, DDPMTrainOptions(epochs=9, batch_size=4, schedule=Schedule(steps=10)),
-                    record, grids_digest(images))
+    check_resumable(
+        checkpoint,
+        TINY,
+        8,
+        DDPMTrainOptions(epochs=9, batch_size=4, schedule=Schedule(steps=10)),
+        record,
+        grids_digest(images),
+    )
     with pytest.raises(ValueError, match=r"DDPM lr: 0.0001 then, 0.001 now; .*trained 2 epochs, more than epochs=1"):
         fewer = DDPMTrainOptions(epochs=1, batch_size=4, lr=1e-3, schedule=Schedule(steps=10))
         check_resumable(checkpoint, TINY, 8, fewer, record, grids_digest(images))
@@ -572,16 +586,22 @@ def test_estimated_noise_level() -> None:
         (lambda: DDPMTrainOptions(lr=0.0), r"lr must be > 0, got 0.0"),
         (lambda: DDPMTrainOptions(batch_size=0), r"batch_size must be >= 1, got 0"),
         (lambda: DDPMTrainOptions(loss="l1"), r"loss 'l1': choose one of mse, huber"),
-        (lambda: diffusion_loss(UNet(TINY, 8), SCHEDULE, torch.zeros(1, 1, 8, 8), torch.Generator(), "l1"),
-         r"loss 'l1': choose one of mse, huber"),
+        (
+            lambda: diffusion_loss(UNet(TINY, 8), SCHEDULE, torch.zeros(1, 1, 8, 8), torch.Generator(), "l1"),
+            r"loss 'l1': choose one of mse, huber",
+        ),
         (lambda: UNetConfig(groups=3), r"width 16 is not a multiple of groups=3"),
         (lambda: UNetConfig(channel_mults=()), r"channel_mults must be a non-empty .* got \(\)"),
         (lambda: preset("tpu"), r"preset 'tpu': choose one of cpu, gpu"),
         (lambda: train_ddpm(torch.zeros(2, 3, 8, 8), TINY), r"\(N, 1, S, S\), got \(2, 3, 8, 8\)"),
         (lambda: start_step(SCHEDULE, -0.1), r"noise level M must be finite and >= 0, got -0.1"),
         (lambda: start_step(SCHEDULE, math.inf), r"noise level M must be finite and >= 0, got inf"),
-        (lambda: reverse_chain(CountingDenoiser(), Schedule(steps=50), torch.zeros(1, 1, 4, 4), 50,
-                               torch.Generator()), r"start step 50 is outside the schedule's steps 0..49"),
+        (
+            lambda: reverse_chain(
+                CountingDenoiser(), Schedule(steps=50), torch.zeros(1, 1, 4, 4), 50, torch.Generator()
+            ),
+            r"start step 50 is outside the schedule's steps 0..49",
+        ),
         (lambda: reverse_coefficients(SCHEDULE, "fixed"), r"variance 'fixed': choose one of beta, posterior"),
         (lambda: noise_level(-1.0), r"noise std must be finite and >= 0, got -1.0"),
         (lambda: noise_level(1.0, scale=0.0), r"scale must be finite and > 0, got 0.0"),

@@ -290,8 +290,16 @@ def test_loading_reports_a_missing_file_and_a_foreign_one(tmp_path):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("epochs", 0), ("batch_size", 0), ("gradients", 0), ("multiple", 0), ("seed", -1), ("lr", -0.1),
-     ("lr", float("nan")), ("epochs", 1.5)],
+    [
+        ("epochs", 0),
+        ("batch_size", 0),
+        ("gradients", 0),
+        ("multiple", 0),
+        ("seed", -1),
+        ("lr", -0.1),
+        ("lr", float("nan")),
+        ("epochs", 1.5),
+    ],
 )
 def test_options_are_validated(field, value):
     with pytest.raises(ValueError, match=field):

@@ -63,8 +63,12 @@ def setting() -> dict:
     model = initial_model(config)
     data = load_dataset("mnist-5k")
     batches = [data.train.batch([i]) for i in DIGITS]
-    return {"model": model, "card": model_card(config, model), "batches": batches,
-            "clean": [compute_gradients(model, x, y)[0] for x, y in batches]}
+    return {
+        "model": model,
+        "card": model_card(config, model),
+        "batches": batches,
+        "clean": [compute_gradients(model, x, y)[0] for x, y in batches],
+    }
 
 
 def uploads(setting: dict, epsilon: float) -> list[Observation]:
@@ -73,8 +77,9 @@ def uploads(setting: dict, epsilon: float) -> list[Observation]:
     defense = build_defense("dp", defense_at(epsilon))
     for client, ((x, y), clean) in enumerate(zip(setting["batches"], setting["clean"])):
         sent = defense(LocalStep(model, x, y, clean, loss_fn, torch.Generator().manual_seed(client)), {})
-        out.append(card.observe(1, client, "gradient", get_arrays(model), [g.numpy() for g in sent], 1,
-                                {"batch-size": 1}))
+        out.append(
+            card.observe(1, client, "gradient", get_arrays(model), [g.numpy() for g in sent], 1, {"batch-size": 1})
+        )
     return out
 
 
@@ -87,9 +92,16 @@ def small_denoiser(model: torch.nn.Module, path: Path) -> Path:
     spec = dataclasses.replace(unit, scale=fit_scale(gradients))
     images = torch.stack([pack(g, spec) for g in gradients])
     network, losses = train_ddpm(images, preset("cpu"), DDPMTrainOptions(epochs=3, lr=1e-3, seed=0))
-    record = {"packing": spec_to_dict(spec), "model": "lenet", "model_params": {}, "dataset": "fashion-mnist",
-              "split": "test", "batch_size": 1, "unet": "cpu",
-              "signal_power": float(images[:, valid_mask(spec)].double().pow(2).mean())}
+    record = {
+        "packing": spec_to_dict(spec),
+        "model": "lenet",
+        "model_params": {},
+        "dataset": "fashion-mnist",
+        "split": "test",
+        "batch_size": 1,
+        "unet": "cpu",
+        "signal_power": float(images[:, valid_mask(spec)].double().pow(2).mean()),
+    }
     save_ddpm(TrainedDDPM(network, Schedule(), record, tuple(losses)), path)
     return path
 
@@ -110,8 +122,9 @@ def test_the_preset_defense_adds_the_codes_noise_and_nothing_else(setting: dict)
     for epsilon in (1.0, 5.0, 10.0):
         sigma = mjolnir_code_sigma(epsilon, 1e-5)
         assert sigma == pytest.approx(0.0969 / epsilon, rel=1e-3)
-        sent = build_defense("dp", defense_at(epsilon))(LocalStep(model, x, y, clean, loss_fn,
-                                                                  torch.Generator().manual_seed(3)), {})
+        sent = build_defense("dp", defense_at(epsilon))(
+            LocalStep(model, x, y, clean, loss_fn, torch.Generator().manual_seed(3)), {}
+        )
         draws = torch.Generator().manual_seed(3)
         assert all(torch.equal(s, g + torch.randn(g.shape, generator=draws) * sigma) for s, g in zip(sent, clean))
     silent = build_defense("dp", UpdateDPParams(clip=1e6, noise_multiplier=0.0))
@@ -127,8 +140,13 @@ def test_dlg_rises_with_epsilon_and_denoising_does_not_lift_it(setting: dict, tm
     inner = None
     for sampler in ("chained", "single-step"):
         for epsilon in EPSILONS:
-            params = ATTACKS.get("mjolnir+dlg").params(denoiser=str(denoiser), sampler=sampler, noise_source="given",
-                                                       noise_std=defense_at(epsilon).noise_scale, **DLG)
+            params = ATTACKS.get("mjolnir+dlg").params(
+                denoiser=str(denoiser),
+                sampler=sampler,
+                noise_source="given",
+                noise_std=defense_at(epsilon).noise_scale,
+                **DLG,
+            )
             attack = build_attack("mjolnir+dlg", params)
             runs[(sampler, epsilon)] = attack.denoised(noisy[epsilon])[0]
             inner = attack.inner

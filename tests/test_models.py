@@ -45,7 +45,7 @@ def test_lenet_is_sigmoid_with_dlg_initialization() -> None:
     for p in model.parameters():
         assert -0.5 <= float(p.min()) and float(p.max()) <= 0.5
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-    assert abs(float(weights.std()) - 12 ** -0.5) < 0.01  # U(-0.5, 0.5): standard deviation 1 / sqrt(12)
+    assert abs(float(weights.std()) - 12**-0.5) < 0.01  # U(-0.5, 0.5): standard deviation 1 / sqrt(12)
 
 
 def test_batchnorm_models_have_running_statistics() -> None:

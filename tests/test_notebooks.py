@@ -25,13 +25,18 @@ def test_the_notebooks_are_kept_without_outputs() -> None:
 
 
 def printed(notebook: nbformat.NotebookNode) -> str:
-    return "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
-                   for output in cell.outputs)
+    return "".join(
+        output.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
+    )
 
 
 def images(notebook: nbformat.NotebookNode) -> int:
-    return sum("image/png" in output.get("data", {}) for cell in notebook.cells if cell.cell_type == "code"
-               for output in cell.outputs)
+    return sum(
+        "image/png" in output.get("data", {})
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.outputs
+    )
 
 
 @pytest.mark.slow
@@ -41,7 +46,9 @@ def test_a_notebook_runs_end_to_end_at_small_size(path: Path, tmp_path: Path, mo
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # this venv's kernel
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     text = printed(notebook)
     if path.stem == "01-first-attack":
         assert text.count("ig-adaptive") >= 1 and "psnr" in text and images(notebook) == 2, text[-2000:]

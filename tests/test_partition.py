@@ -65,7 +65,10 @@ def test_max_per_client_cuts_each_share_to_a_seeded_subset_of_itself(scheme: str
     capped = partition(LABELS, 8, scheme, PartitionOptions(max_per_client=20), seed=3)
     assert [len(c) for c in capped] == [min(len(f), 20) for f in full]
     assert all(set(c.tolist()) <= set(f.tolist()) for c, f in zip(capped, full))
-    assert all((a == b).all() for a, b in zip(capped, partition(LABELS, 8, scheme, PartitionOptions(max_per_client=20), seed=3)))
+    assert all(
+        (a == b).all()
+        for a, b in zip(capped, partition(LABELS, 8, scheme, PartitionOptions(max_per_client=20), seed=3))
+    )
     other = partition(LABELS, 8, scheme, PartitionOptions(max_per_client=20), seed=4)
     assert any(len(a) != len(b) or (a != b).any() for a, b in zip(capped, other))
     check_disjoint(capped, len(LABELS), covering=False)

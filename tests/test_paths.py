@@ -26,13 +26,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_path_key_is_made_absolute_against_the_folder_the_command_runs_in(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(None, ["defense.name=refiner", "defense.refiner.evalnet=evalnets/d.npz", "data.root=data",
-                             "out-dir=out", "attack.name=ggl, ig", "attack.ggl.generator=generators/g.npz"])
-    assert path_values(cfg) == {"out-dir": str(tmp_path / "out"), "data.root": str(tmp_path / "data"),
-                                "defense.refiner.evalnet": str(tmp_path / "evalnets" / "d.npz"),
-                                "attack.ggl.generator": str(tmp_path / "generators" / "g.npz")}
+    cfg = load_config(
+        None,
+        [
+            "defense.name=refiner",
+            "defense.refiner.evalnet=evalnets/d.npz",
+            "data.root=data",
+            "out-dir=out",
+            "attack.name=ggl, ig",
+            "attack.ggl.generator=generators/g.npz",
+        ],
+    )
+    assert path_values(cfg) == {
+        "out-dir": str(tmp_path / "out"),
+        "data.root": str(tmp_path / "data"),
+        "defense.refiner.evalnet": str(tmp_path / "evalnets" / "d.npz"),
+        "attack.ggl.generator": str(tmp_path / "generators" / "g.npz"),
+    }
     assert cfg.defense.params.evalnet == str(tmp_path / "evalnets" / "d.npz")
     flat = cfg.to_flat()  # what config.toml and the run config hold
     assert flat["defense.refiner.evalnet"] == str(tmp_path / "evalnets" / "d.npz")
@@ -40,32 +53,45 @@ def test_every_path_key_is_made_absolute_against_the_folder_the_command_runs_in(
     assert relative_path_problems(cfg) == []
 
 
-def test_paths_in_a_preset_mean_what_they_mean_where_the_command_runs(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_paths_in_a_preset_mean_what_they_mean_where_the_command_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     cfg = load_config(ROOT / "experiments" / "attacks.toml")
     assert cfg.attacks[[a.name for a in cfg.attacks].index("ggl")].params.generator == str(
-        tmp_path / "generators" / "mnist-5k.npz")
+        tmp_path / "generators" / "mnist-5k.npz"
+    )
     other = tmp_path / "elsewhere"
     other.mkdir()
     assert load_config(None, ["data.root=~/sets", "out-dir=/abs/run"], base=other).data.root == str(
-        Path.home() / "sets")
+        Path.home() / "sets"
+    )
     assert load_config(None, ["out-dir=/abs/run"], base=other).run.out_dir == "/abs/run"
     assert load_config(None, ["out-dir=run"], base=other).run.out_dir == str(other / "run")
 
 
-def test_a_mjolnir_denoiser_path_is_resolved_with_its_inner_attacks_keys(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_mjolnir_denoiser_path_is_resolved_with_its_inner_attacks_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(None, ["defense.name=dp", "threat.defense=true", "attack.name=mjolnir+ig",
-                             "attack.mjolnir+ig.denoiser=mjolnir/d.npz", "attack.mjolnir+ig.iterations=7"])
+    cfg = load_config(
+        None,
+        [
+            "defense.name=dp",
+            "threat.defense=true",
+            "attack.name=mjolnir+ig",
+            "attack.mjolnir+ig.denoiser=mjolnir/d.npz",
+            "attack.mjolnir+ig.iterations=7",
+        ],
+    )
     params = cfg.attacks[0].params
     assert params.denoiser == str(tmp_path / "mjolnir" / "d.npz") and params.iterations == 7
 
 
 def test_flwr_run_refuses_a_relative_file_path_naming_the_key() -> None:
-    cfg = Config.from_flat({"defense.name": "refiner", "defense.refiner.evalnet": "evalnets/d.npz",
-                            "out-dir": "runs/x"})
+    cfg = Config.from_flat(
+        {"defense.name": "refiner", "defense.refiner.evalnet": "evalnets/d.npz", "out-dir": "runs/x"}
+    )
     problems = relative_path_problems(cfg)
     assert len(problems) == 1, "out-dir keeps its meaning under flwr run (under the runs folder)"
     assert "defense.refiner.evalnet = 'evalnets/d.npz' is a relative path" in problems[0]
@@ -73,14 +99,17 @@ def test_flwr_run_refuses_a_relative_file_path_naming_the_key() -> None:
 
 
 def test_a_sweep_resolves_paths_applies_overrides_last_and_keeps_only_the_runs_named(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "experiments").symlink_to(ROOT / "experiments")
-    sweep = load_sweep("experiments/defenses.toml", None, ["train.rounds=3", "capture.rounds=1"],
-                       ["refiner", "realistic/none"])
+    sweep = load_sweep(
+        "experiments/defenses.toml", None, ["train.rounds=3", "capture.rounds=1"], ["refiner", "realistic/none"]
+    )
     assert sweep.folder == tmp_path / "runs" / "defenses"
-    assert sorted({(r.setting, r.variant) for r in sweep.runs}) == [("realistic", "none"), ("trained", "refiner")], \
+    assert sorted({(r.setting, r.variant) for r in sweep.runs}) == [("realistic", "none"), ("trained", "refiner")], (
         "the realistic setting runs no Refiner (a FedSGD defense)"
+    )
     assert [r.seed for r in sweep.runs] == [0, 1, 2, 0, 1, 2]
     assert all(r.config.train.rounds == 3 for r in sweep.runs), "an override comes after the setting's keys"
     evalnets = {r.config.defense.params.evalnet for r in sweep.runs if r.variant == "refiner"}
@@ -101,19 +130,25 @@ def test_a_client_that_cannot_load_its_file_stops_the_run_in_round_1_with_the_re
     sent = list(guard.configure_train(1, array_record(names, arrays), ConfigRecord(), grid))
     replies = list(grid.send_and_receive(sent))
     assert all(m.has_error() and cannot_train(m.error.reason) for m in replies)
-    with pytest.raises(AllClientsFailed, match=rf"round 1: client \d .* cannot train in any round: "
-                                               rf"MissingTrainedFile: .*no evaluation network at {missing}"):
+    with pytest.raises(
+        AllClientsFailed,
+        match=rf"round 1: client \d .* cannot train in any round: "
+        rf"MissingTrainedFile: .*no evaluation network at {missing}",
+    ):
         guard.aggregate_train(1, replies)
 
 
 def test_one_client_that_cannot_train_stops_the_run_though_the_others_uploaded() -> None:
     guard = RoundGuard(FedAvg(min_train_nodes=2), lambda *a: None, RULES)
-    sent = sorted(guard.configure_train(1, array_record(["w"], [np.zeros(2, np.int64)]), ConfigRecord(), Nodes(2)),
-                  key=lambda m: m.metadata.dst_node_id)
+    sent = sorted(
+        guard.configure_train(1, array_record(["w"], [np.zeros(2, np.int64)]), ConfigRecord(), Nodes(2)),
+        key=lambda m: m.metadata.dst_node_id,
+    )
     good = reply(sent[0], [np.ones(2, np.int64)], 8, {"client": 0})
     sent[1].metadata.__dict__["_message_id"] = "m"
-    bad = Message(Error(code=2, reason="cannot train in any round: ConfigError: invalid configuration"),
-                  reply_to=sent[1])
+    bad = Message(
+        Error(code=2, reason="cannot train in any round: ConfigError: invalid configuration"), reply_to=sent[1]
+    )
     bad.metadata.__dict__["_src_node_id"] = sent[1].metadata.dst_node_id
     reason = r"client 1 \(node 101\) cannot train in any round: ConfigError: .* \(1 of 2 clients\)"
     with pytest.raises(AllClientsFailed, match=reason):
@@ -125,8 +160,14 @@ def test_a_failed_run_is_a_failed_row_with_its_reason_and_no_figure() -> None:
     run = SweepRun("utility", "refiner", cfg, Path("/runs/s/utility/refiner"))
     row = failed_row(run, "AllClientsFailed: round 1: no evaluation network", Path("/runs/s/utility/refiner.log"))
     assert row["status"] == "failed" and row["accuracy"] is None and "psnr" not in row
-    ok = {"setting": "utility", "variant": "none", "status": "ok", "rounds": 5, "accuracy": 0.9,
-          "seconds_per_round": 1.0}
+    ok = {
+        "setting": "utility",
+        "variant": "none",
+        "status": "ok",
+        "rounds": 5,
+        "accuracy": 0.9,
+        "seconds_per_round": 1.0,
+    }
     table = summary_table([ok, row], "none")
     lines = table.splitlines()
     assert lines[0] == "| variant | utility: accuracy | % of baseline | s/round |"

@@ -36,13 +36,13 @@ CARD = ModelCard("mlp", {"hidden": 2, "depth": 0}, DataSpec(1, 2, 2, 2), ("0.wei
 ERROR_TEXT = "deliberate failure in the fake attack (code 4711)"
 
 
-def observation(client: int, behaviour: str = "ok", seconds: float = 0.0, batch_size: int = 1,
-                pid_file: str = "") -> Observation:
+def observation(
+    client: int, behaviour: str = "ok", seconds: float = 0.0, batch_size: int = 1, pid_file: str = ""
+) -> Observation:
     """A tiny gradient observation of ``CARD``; ``behaviour`` tells the fake attack what to do with it."""
     arrays = [np.zeros((2, 4), np.float32), np.zeros(2, np.float32)]
     upload = [np.full((2, 4), client, np.float32), np.full(2, client, np.float32)]
-    declared = {"batch-size": batch_size, "lr": 0.1, "behaviour": behaviour, "seconds": seconds,
-                "pid-file": pid_file}
+    declared = {"batch-size": batch_size, "lr": 0.1, "behaviour": behaviour, "seconds": seconds, "pid-file": pid_file}
     return CARD.observe(1, client, "gradient", arrays, upload, batch_size, declared)
 
 
@@ -67,8 +67,13 @@ class FakeAttack:
             Reconstruction(
                 images=torch.full((obs.num_examples, *obs.spec.shape), 0.5),
                 labels=torch.zeros(obs.num_examples, dtype=torch.long),
-                stats={"client": obs.client, "group": len(observations), "call": call, "pid": os.getpid(),
-                       "seed": seed},
+                stats={
+                    "client": obs.client,
+                    "group": len(observations),
+                    "call": call,
+                    "pid": os.getpid(),
+                    "seed": seed,
+                },
             )
             for obs in observations
         ]
@@ -131,16 +136,24 @@ def assert_one_outcome_each(pool: AttackPool, outcomes: Outcomes, submitted: lis
     assert pool.stats.submitted == len(submitted) == len(outcomes.items) == len(pool.stats.outcomes)
     assert pool.stats.ok + pool.stats.error + pool.stats.timeout == len(submitted)
     by_status = Counter(o.status for o in outcomes.items)
-    assert (pool.stats.ok, pool.stats.error, pool.stats.timeout) == (by_status["ok"], by_status["error"],
-                                                                      by_status["timeout"])
+    assert (pool.stats.ok, pool.stats.error, pool.stats.timeout) == (
+        by_status["ok"],
+        by_status["error"],
+        by_status["timeout"],
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
     if ray.is_initialized():  # left by an earlier test: start a cluster with the attacker resource instead
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, resources={"attacker": 2},
-             object_store_memory=256 * 1024 * 1024, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        resources={"attacker": 2},
+        object_store_memory=256 * 1024 * 1024,
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
@@ -376,8 +389,11 @@ def test_submit_after_a_failed_start_still_returns_and_is_reported(make_pool) ->
 
 def test_each_observation_goes_to_every_attack_that_exploits_its_manipulation(make_pool) -> None:
     outcomes = Outcomes()
-    attacks = [AttackSpec("honest-a", FakeAttack), AttackSpec("honest-b", FakeAttack),
-               AttackSpec("trap", FakeAttack, manipulation="trap-weights")]
+    attacks = [
+        AttackSpec("honest-a", FakeAttack),
+        AttackSpec("honest-b", FakeAttack),
+        AttackSpec("trap", FakeAttack, manipulation="trap-weights"),
+    ]
     pool = make_pool(outcomes, attacks=attacks, group=4)
     honest = observation(0)
     trapped = dataclasses.replace(observation(1), manipulation="trap-weights")

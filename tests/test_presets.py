@@ -16,16 +16,28 @@ from attackers import ATTACKS
 from fedguard.config import BUILT_IN_PACKAGES, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK_ATTACKS = ["attack.ig.iterations=10", "attack.ig.restarts=1", "attack.idlg.iterations=10",
-                 "attack.idlg.restarts=1", "attack.dlg.iterations=10", "attack.dlg.restarts=1"]
+QUICK_ATTACKS = [
+    "attack.ig.iterations=10",
+    "attack.ig.restarts=1",
+    "attack.idlg.iterations=10",
+    "attack.idlg.restarts=1",
+    "attack.dlg.iterations=10",
+    "attack.dlg.restarts=1",
+]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def fedguard(folder: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """``fedguard ARGS`` typed in ``folder``; fails the test with its output when it exits non-zero."""
-    result = subprocess.run([sys.executable, "-m", "fedguard", *args], cwd=folder, capture_output=True, text=True,
-                            timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [sys.executable, "-m", "fedguard", *args],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 0, f"fedguard {' '.join(args)}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
 
@@ -54,9 +66,18 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_defenses_sweep_runs_refiner_with_the_presets_relative_evaluation_networks(lab: Path) -> None:
-    rows = sweep(lab, "experiments/defenses.toml", ["refiner"],
-                 ["train.rounds=2", "capture.rounds=1,2", *QUICK_ATTACKS, "attack.ig-adaptive.iterations=10",
-                  "attack.ig-adaptive.restarts=1"])
+    rows = sweep(
+        lab,
+        "experiments/defenses.toml",
+        ["refiner"],
+        [
+            "train.rounds=2",
+            "capture.rounds=1,2",
+            *QUICK_ATTACKS,
+            "attack.ig-adaptive.iterations=10",
+            "attack.ig-adaptive.restarts=1",
+        ],
+    )
     assert [(r["setting"], r["variant"]) for r in rows] == [("trained", "refiner")]
     (row,) = rows
     assert row["status"] == "ok" and row["accuracy"] is not None and row["rounds"] == 2, row
@@ -69,8 +90,15 @@ def test_the_defenses_sweep_runs_refiner_with_the_presets_relative_evaluation_ne
     assert "`refiner`" in summary and "failed" not in summary
 
 
-@pytest.mark.parametrize("preset, variant", [("censor", "privacy/censor"), ("dgp", "imprint/dgp"),
-                                             ("refiner", "privacy/refiner"), ("soteria", "privacy/soteria-60")])
+@pytest.mark.parametrize(
+    "preset, variant",
+    [
+        ("censor", "privacy/censor"),
+        ("dgp", "imprint/dgp"),
+        ("refiner", "privacy/refiner"),
+        ("soteria", "privacy/soteria-60"),
+    ],
+)
 def test_each_paper_preset_runs_from_the_users_folder(lab: Path, preset: str, variant: str) -> None:
     rows = sweep(lab, f"experiments/papers/{preset}.toml", [variant], ["train.rounds=1", *QUICK_ATTACKS])
     assert [r["status"] for r in rows] == ["ok"], rows
@@ -80,11 +108,36 @@ def test_each_paper_preset_runs_from_the_users_folder(lab: Path, preset: str, va
 def test_the_mjolnir_paper_preset_runs_with_its_relative_denoiser(lab: Path) -> None:
     # The README's command, at its smallest: the digits' own public split instead of Fashion-MNIST's (10x fewer
     # surrogate steps), 16 gradients, one epoch.
-    fedguard(lab, "train-mjolnir", "--set", "data.name=mnist-5k", "--set", "model.name=lenet", "--set",
-             "train.batch-size=1", "--surrogate-data", "mnist-5k", "--surrogate-lr", "0", "--surrogate-epochs",
-             "1", "--gradients", "16", "--epochs", "1", "--unet", "cpu", "--out", "mjolnir/fashion-mnist-lenet.npz")
-    rows = sweep(lab, "experiments/papers/mjolnir.toml", ["epsilon-1"],
-                 ["attack.mjolnir+dlg.iterations=4", "attack.mjolnir+dlg.restarts=1", *QUICK_ATTACKS])
+    fedguard(
+        lab,
+        "train-mjolnir",
+        "--set",
+        "data.name=mnist-5k",
+        "--set",
+        "model.name=lenet",
+        "--set",
+        "train.batch-size=1",
+        "--surrogate-data",
+        "mnist-5k",
+        "--surrogate-lr",
+        "0",
+        "--surrogate-epochs",
+        "1",
+        "--gradients",
+        "16",
+        "--epochs",
+        "1",
+        "--unet",
+        "cpu",
+        "--out",
+        "mjolnir/fashion-mnist-lenet.npz",
+    )
+    rows = sweep(
+        lab,
+        "experiments/papers/mjolnir.toml",
+        ["epsilon-1"],
+        ["attack.mjolnir+dlg.iterations=4", "attack.mjolnir+dlg.restarts=1", *QUICK_ATTACKS],
+    )
     assert [r["status"] for r in rows] == ["ok"], rows
     assert "mjolnir+dlg" in rows[0]["attacks"]
 
@@ -92,16 +145,27 @@ def test_the_mjolnir_paper_preset_runs_with_its_relative_denoiser(lab: Path) -> 
 def test_the_attacks_preset_runs_every_attack_with_the_generator_the_readme_trains(lab: Path) -> None:
     # The preset's attacks cut to a few iterations: this checks the plumbing and the analytic attacks, whose
     # results do not depend on iterations; the optimization attacks' scores are tested in their own files.
-    overrides = [*QUICK_ATTACKS, "attack.ig-adaptive.iterations=10", "attack.ig-adaptive.restarts=1",
-                 "attack.gradinversion.iterations=10", "attack.gradinversion.restarts=2",
-                 "attack.ggl.iterations=10", "attack.ggl.restarts=1", "pool.workers=1"]
+    overrides = [
+        *QUICK_ATTACKS,
+        "attack.ig-adaptive.iterations=10",
+        "attack.ig-adaptive.restarts=1",
+        "attack.gradinversion.iterations=10",
+        "attack.gradinversion.restarts=2",
+        "attack.ggl.iterations=10",
+        "attack.ggl.restarts=1",
+        "pool.workers=1",
+    ]
     fedguard(lab, "run", "experiments/attacks.toml", "--out", "attacks", *sum((["--set", o] for o in overrides), []))
     out = lab / "attacks"
-    assert f'generator = "{lab / "generators" / "mnist-5k.npz"}"' in (out / "config.toml").read_text(), \
+    assert f'generator = "{lab / "generators" / "mnist-5k.npz"}"' in (out / "config.toml").read_text(), (
         "config.toml records the path resolved where the command ran"
+    )
     names = load_config(ROOT / "experiments" / "attacks.toml", overrides).attack_names()
-    single = {entry.name for entry in ATTACKS.entries()  # mjolnir+<attack> has its own preset; a plugin another
-              if "+" not in entry.name and entry.factory.__module__.split(".")[0] in BUILT_IN_PACKAGES}  # test loaded
+    single = {
+        entry.name
+        for entry in ATTACKS.entries()  # mjolnir+<attack> has its own preset; a plugin another
+        if "+" not in entry.name and entry.factory.__module__.split(".")[0] in BUILT_IN_PACKAGES
+    }  # test loaded
     assert set(names) == single, "the preset must run every registered attack"
     rows = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
     assert sorted(r["attack"] for r in rows) == sorted(names)
@@ -119,7 +183,23 @@ def test_the_attacks_preset_runs_every_attack_with_the_generator_the_readme_trai
 
 
 def test_a_run_whose_clients_cannot_load_their_file_fails_at_once_naming_it(lab: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "fedguard", "run", "experiments/quickstart.toml", "--set", "defense.name=refiner", "--set", "defense.refiner.evalnet=none.npz"],
-        cwd=lab, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedguard",
+            "run",
+            "experiments/quickstart.toml",
+            "--set",
+            "defense.name=refiner",
+            "--set",
+            "defense.refiner.evalnet=none.npz",
+        ],
+        cwd=lab,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 2
     assert f"no evaluation network at {lab / 'none.npz'}" in result.stderr

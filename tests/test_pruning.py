@@ -17,8 +17,14 @@ SHAPES = [(64, 300), (64,), (10, 64), (10,), (1,)]
 
 def step_of(grads: list[torch.Tensor]) -> LocalStep:
     """A local step carrying ``grads``; the model and batch are irrelevant to pruning."""
-    return LocalStep(nn.Linear(2, 2), torch.zeros(1, 1, 1, 2), torch.zeros(1, dtype=torch.long), grads,
-                     F.cross_entropy, torch.Generator().manual_seed(0))
+    return LocalStep(
+        nn.Linear(2, 2),
+        torch.zeros(1, 1, 1, 2),
+        torch.zeros(1, dtype=torch.long),
+        grads,
+        F.cross_entropy,
+        torch.Generator().manual_seed(0),
+    )
 
 
 def update(seed: int) -> list[torch.Tensor]:
@@ -43,9 +49,18 @@ def test_largest_matches_a_stable_descending_sort_under_heavy_ties(k: int) -> No
     assert torch.equal(largest(values, k), expected)
 
 
-@pytest.mark.parametrize(("keep", "size", "sent"), [
-    (0.2, 19200, 3840), (0.2, 10, 2), (0.2, 1, 1), (0.07, 100, 7), (0.05, 10, 1), (1.0, 7, 7), (0.8, 64, 52),
-])
+@pytest.mark.parametrize(
+    ("keep", "size", "sent"),
+    [
+        (0.2, 19200, 3840),
+        (0.2, 10, 2),
+        (0.2, 1, 1),
+        (0.07, 100, 7),
+        (0.05, 10, 1),
+        (1.0, 7, 7),
+        (0.8, 64, 52),
+    ],
+)
 def test_per_layer_counts_round_up(keep: float, size: int, sent: int) -> None:
     assert prune(keep).bounds(size) == (0, sent)
 

@@ -22,8 +22,9 @@ DRAWS = 4000
 
 def step_of(grads: list[torch.Tensor], generator: torch.Generator) -> LocalStep:
     """A local step carrying ``grads``; the model and batch are irrelevant to quantization."""
-    return LocalStep(nn.Linear(2, 2), torch.zeros(1, 1, 1, 2), torch.zeros(1, dtype=torch.long), grads,
-                     F.cross_entropy, generator)
+    return LocalStep(
+        nn.Linear(2, 2), torch.zeros(1, 1, 1, 2), torch.zeros(1, dtype=torch.long), grads, F.cross_entropy, generator
+    )
 
 
 def quantize(bits: int) -> StochasticQuantization:

@@ -121,22 +121,25 @@ def ray_start(args: list[str], env: dict[str, str]) -> None:
     ports = [f"--dashboard-agent-listen-port={free_port()}"]
     if "--head" in args:
         ports += [f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}"]
-    started = subprocess.run([RAY, "start", *args, *ports, "--disable-usage-stats"], capture_output=True, text=True,
-                             timeout=120, env=env)
+    started = subprocess.run(
+        [RAY, "start", *args, *ports, "--disable-usage-stats"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
 
 
 def cluster_nodes(address: str, env: dict[str, str]) -> list[dict]:
-    probe = subprocess.run([sys.executable, "-c", NODES_PROBE, address], capture_output=True, text=True,
-                           timeout=120, env=env)
+    probe = subprocess.run(
+        [sys.executable, "-c", NODES_PROBE, address], capture_output=True, text=True, timeout=120, env=env
+    )
     assert probe.returncode == 0, probe.stdout[-2000:] + probe.stderr[-2000:]
     return json.loads(probe.stdout.strip().splitlines()[-1])
 
 
 def node_names(nodes: list[dict]) -> dict[str, str]:
     """Node id -> ``head`` or ``worker``, told apart by their custom resources; alive nodes only."""
-    return {n["id"]: name for n in nodes if n["alive"] for name, resource in NODES.items()
-            if n["resources"].get(resource)}
+    return {
+        n["id"]: name for n in nodes if n["alive"] for name, resource in NODES.items() if n["resources"].get(resource)
+    }
 
 
 @pytest.fixture
@@ -154,10 +157,18 @@ def two_node_cluster() -> Iterator[tuple[str, dict[str, str]]]:
     port = free_port()
     address = f"127.0.0.1:{port}"
     try:
-        ray_start(["--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1",
-                   f"--resources={json.dumps({NODES['head']: 1})}", "--include-dashboard=false"], env)
-        ray_start([f"--address={address}", "--num-cpus=1", f"--resources={json.dumps({NODES['worker']: 1})}"],
-                  env)
+        ray_start(
+            [
+                "--head",
+                "--node-ip-address=127.0.0.1",
+                f"--port={port}",
+                "--num-cpus=1",
+                f"--resources={json.dumps({NODES['head']: 1})}",
+                "--include-dashboard=false",
+            ],
+            env,
+        )
+        ray_start([f"--address={address}", "--num-cpus=1", f"--resources={json.dumps({NODES['worker']: 1})}"], env)
         deadline = time.monotonic() + 60
         while sorted(node_names(cluster_nodes(address, env)).values()) != ["head", "worker"]:
             assert time.monotonic() < deadline, "the worker node did not join the head within 60 s"
@@ -174,12 +185,28 @@ def test_the_simulation_runs_its_clients_on_every_node_of_a_cluster(tmp_path: Pa
     address, env = two_node_cluster
     (tmp_path / "node_log_plugin.py").write_text(NODE_LOG_PLUGIN)
     out = tmp_path / "run"
-    overrides = [f"sim.address={address}", "sim.client-cpus=1", "server.plugins=node_log_plugin",
-                 f"partition.num-clients={CLIENTS}", f"train.clients-per-round={CLIENTS}", f"train.rounds={ROUNDS}",
-                 "train.protocol=fedsgd", "model.name=mlp", "capture.rounds=1", "capture.clients=all",
-                 "attack.name=none"]
-    command = [sys.executable, "-m", "fedguard", "run", str(ROOT / "experiments" / "quickstart.toml"), "--out",
-               str(out)] + [arg for override in overrides for arg in ("--set", override)]
+    overrides = [
+        f"sim.address={address}",
+        "sim.client-cpus=1",
+        "server.plugins=node_log_plugin",
+        f"partition.num-clients={CLIENTS}",
+        f"train.clients-per-round={CLIENTS}",
+        f"train.rounds={ROUNDS}",
+        "train.protocol=fedsgd",
+        "model.name=mlp",
+        "capture.rounds=1",
+        "capture.clients=all",
+        "attack.name=none",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "fedguard",
+        "run",
+        str(ROOT / "experiments" / "quickstart.toml"),
+        "--out",
+        str(out),
+    ] + [arg for override in overrides for arg in ("--set", override)]
     run_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=run_env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

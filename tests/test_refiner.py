@@ -91,8 +91,10 @@ def test_absolute_radius_is_epsilon_in_gradient_units(evalnet: Path) -> None:
         defense = refiner(evalnet, epsilon=epsilon, radius="absolute")
         upload = defense(step, state)
         stats = defense.last
-        print(f"eps {epsilon}: ||g|| {stats.grad_norm:.3f}, ||g* - g|| before {stats.raw_distance:.3f}, "
-              f"after {stats.distance:.6f}")
+        print(
+            f"eps {epsilon}: ||g|| {stats.grad_norm:.3f}, ||g* - g|| before {stats.raw_distance:.3f}, "
+            f"after {stats.distance:.6f}"
+        )
         assert stats.radius == epsilon
         assert stats.raw_distance > epsilon, "the robust gradient must start outside the ball for this check"
         assert gap(upload, step.grads) <= epsilon * TOLERANCE
@@ -160,8 +162,10 @@ def test_utility_metric_is_the_weighted_gradient_distance(evalnet: Path, power: 
     robust_gradient = Refiner.gradient_fn(step)(defense.last.start, False)
     params = [p.detach() for p in step.model.parameters()]
     layers = [1, 1, 2, 2, 3, 3]  # Linear, Linear, Linear of the MLP; weight and bias share their layer
-    expected = sum(((g * p).abs() * 0.5**i).pow(power).mul((r - g).pow(2)).sum().double()
-                   for g, p, i, r in zip(step.grads, params, layers, robust_gradient))
+    expected = sum(
+        ((g * p).abs() * 0.5**i).pow(power).mul((r - g).pow(2)).sum().double()
+        for g, p, i, r in zip(step.grads, params, layers, robust_gradient)
+    )
     assert float(defense.last.utility[0]) == pytest.approx(float(expected), rel=1e-4)
 
 
@@ -283,8 +287,7 @@ def inversion_of(model_name: str, params: dict, tiles: list[int], attack) -> Inv
         for i in range(len(tiles)):
             step = step_of(model, x[i : i + 1], y[i : i + 1], seed=i)
             sent = step.grads if defense is None else defense(step, {})
-            observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in sent], 1,
-                                             {"batch-size": 1}))
+            observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in sent], 1, {"batch-size": 1}))
         images = torch.cat([r.images for r in attack.reconstruct_many(observations, 0)])
         return psnr(images, x).numpy(), ssim(images, x).numpy()
 
@@ -323,8 +326,14 @@ def test_default_relative_radius_lowers_inverting_gradients_ssim(
     24.4 / 26.2 dB, SSIM 0.820 / 0.631, mean SSIM 0.73x the undefended one (0.72x to 0.75x on other tiles)."""
     clean_psnr, clean_ssim = undefended
     defended_psnr, defended_ssim = inversion(refiner(evalnet))
-    print("IG refiner default: psnr", defended_psnr, "ssim", defended_ssim,
-          "ssim ratio", defended_ssim.mean() / clean_ssim.mean())
+    print(
+        "IG refiner default: psnr",
+        defended_psnr,
+        "ssim",
+        defended_ssim,
+        "ssim ratio",
+        defended_ssim.mean() / clean_ssim.mean(),
+    )
     assert defended_ssim.mean() < 0.8 * clean_ssim.mean()
     assert defended_psnr.mean() < clean_psnr.mean() - 5
 
@@ -333,8 +342,9 @@ def test_default_relative_radius_defeats_idlg_on_the_dlg_lenet(evalnet: Path) ->
     """The paper's setting, the DLG LeNet on batch-1 photo uploads: iDLG (800 iterations, one restart) on three
     tiles that leak undefended. Measured: SSIM 0.56 / 0.76 / 0.89 undefended,
     0.11 / 0.08 / 0.28 under the default relative radius (0.21x)."""
-    scores = inversion_of("lenet", {}, [101, 150, 210], build_attack("idlg", DLGParams(iterations=800, restarts=1,
-                                                                                          device="cpu")))
+    scores = inversion_of(
+        "lenet", {}, [101, 150, 210], build_attack("idlg", DLGParams(iterations=800, restarts=1, device="cpu"))
+    )
     _, clean_ssim = scores(None)
     _, defended_ssim = scores(refiner(evalnet))
     print("iDLG LeNet ssim", clean_ssim, defended_ssim)
@@ -350,12 +360,20 @@ def test_configuration_refuses_an_unset_network_and_weight_uploads(evalnet: Path
     with pytest.raises(ConfigError, match="works on fedsgd uploads only; train.protocol = 'fedavg'"):
         load_config(None, ["defense.name=refiner", f"defense.refiner.evalnet={evalnet}", "train.protocol=fedavg"])
     load_config(None, ["defense.name=refiner", f"defense.refiner.evalnet={evalnet}"])
-    config = load_config(None, ["defense.name=refiner", f"defense.refiner.evalnet={evalnet}",
-                                "defense.refiner.radius=absolute", "defense.refiner.epsilon=0.1"])
+    config = load_config(
+        None,
+        [
+            "defense.name=refiner",
+            f"defense.refiner.evalnet={evalnet}",
+            "defense.refiner.radius=absolute",
+            "defense.refiner.epsilon=0.1",
+        ],
+    )
     assert (config.defense.params.radius, config.defense.params.epsilon) == ("absolute", 0.1)
     with pytest.raises(ConfigError, match="defense.refiner: radius 'ratio': choose one of relative, absolute"):
-        load_config(None, ["defense.name=refiner", f"defense.refiner.evalnet={evalnet}",
-                           "defense.refiner.radius=ratio"])
+        load_config(
+            None, ["defense.name=refiner", f"defense.refiner.evalnet={evalnet}", "defense.refiner.radius=ratio"]
+        )
 
 
 def test_report_gives_this_uploads_norm_distance_radius_and_move(evalnet: Path) -> None:

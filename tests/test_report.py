@@ -32,7 +32,6 @@ def test_summary_without_rounds(tmp_path: Path) -> None:
     recorder.close()
 
 
-
 def test_progress_shows_what_the_defense_reports(tmp_path: Path) -> None:
     out = io.StringIO()
     recorder = RoundRecorder(tmp_path / "rounds.jsonl", total_rounds=2, clients_per_round=3, out=out)

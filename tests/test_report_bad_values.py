@@ -12,8 +12,15 @@ from PIL import Image
 
 from fedguard.cli import main
 from fedguard.report.comparison import render_comparison
-from fedguard.run_folder import (ATTACKS_FILE, COMPARISON_FILE, REPORT_FILE, ROUNDS_FILE, RunFolderWarning, grid_name,
-                                 image_prefix)
+from fedguard.run_folder import (
+    ATTACKS_FILE,
+    COMPARISON_FILE,
+    REPORT_FILE,
+    ROUNDS_FILE,
+    RunFolderWarning,
+    grid_name,
+    image_prefix,
+)
 from tests.test_run_folder import make_run, scored_row
 
 
@@ -29,10 +36,12 @@ def test_report_names_each_bad_value_and_corrupt_grid_and_is_still_written(tmp_p
 
     with pytest.warns(RunFolderWarning) as caught:
         assert main(["report", str(folder)]) == 0
-    expected = [f"{folder / ATTACKS_FILE}, row 3: psnr = 'high' is not a number; left out",
-                f"{folder / ATTACKS_FILE}, row 3: ssim = True is not a number; left out",
-                f"{folder / ATTACKS_FILE}, row 3: floor = [1, 2] is not an object; left out",
-                f"{folder / ROUNDS_FILE}, row 4: accuracy = 'good' is not a number; left out"]
+    expected = [
+        f"{folder / ATTACKS_FILE}, row 3: psnr = 'high' is not a number; left out",
+        f"{folder / ATTACKS_FILE}, row 3: ssim = True is not a number; left out",
+        f"{folder / ATTACKS_FILE}, row 3: floor = [1, 2] is not an object; left out",
+        f"{folder / ROUNDS_FILE}, row 4: accuracy = 'good' is not a number; left out",
+    ]
     warned = [str(w.message) for w in caught]
     for message in expected:
         assert warned.count(message) == 1, warned
@@ -58,5 +67,7 @@ def test_the_comparison_draws_the_next_readable_upload_of_an_attack(tmp_path: Pa
     (folder / grid_name(image_prefix(1, 0, "ig"), "recon")).write_bytes(b"GIF89a")
     notes: list[str] = []
     assert render_comparison(folder, notes.append) not in (None, clean), "client 1's upload drawn instead"
-    assert notes == [f"{folder / grid_name(image_prefix(1, 0, 'ig'), 'recon')}: not a readable PNG (Pillow finds "
-                     "no PNG image in it); not embedded"]
+    assert notes == [
+        f"{folder / grid_name(image_prefix(1, 0, 'ig'), 'recon')}: not a readable PNG (Pillow finds "
+        "no PNG image in it); not embedded"
+    ]

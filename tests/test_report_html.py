@@ -23,14 +23,38 @@ from fedguard.report.run_dir import prepare_run_dir
 CHROMIUM = Path("/usr/bin/chromium")
 ROUNDS = 6
 OK_ROW = {
-    "round": 1, "client": 3, "attack": "inverting-gradients", "defense": "none", "batch_size": 4,
-    "mse": 0.0012, "psnr": 29.21, "ssim": 0.9413, "lpips": 0.0871, "label_accuracy": 1.0, "seconds": 12.34,
-    "seed": 0, "status": "ok", "error": None, "images": "images/round-0001_client-0003",
+    "round": 1,
+    "client": 3,
+    "attack": "inverting-gradients",
+    "defense": "none",
+    "batch_size": 4,
+    "mse": 0.0012,
+    "psnr": 29.21,
+    "ssim": 0.9413,
+    "lpips": 0.0871,
+    "label_accuracy": 1.0,
+    "seconds": 12.34,
+    "seed": 0,
+    "status": "ok",
+    "error": None,
+    "images": "images/round-0001_client-0003",
 }
 ERROR_ROW = {
-    "round": 2, "client": 5, "attack": "inverting-gradients", "defense": "none", "batch_size": 4,
-    "mse": None, "psnr": None, "ssim": None, "lpips": None, "label_accuracy": None, "seconds": 0.5,
-    "seed": 0, "status": "error", "error": "RuntimeError: gradient <shape> mismatch & more", "images": None,
+    "round": 2,
+    "client": 5,
+    "attack": "inverting-gradients",
+    "defense": "none",
+    "batch_size": 4,
+    "mse": None,
+    "psnr": None,
+    "ssim": None,
+    "lpips": None,
+    "label_accuracy": None,
+    "seconds": 0.5,
+    "seed": 0,
+    "status": "error",
+    "error": "RuntimeError: gradient <shape> mismatch & more",
+    "images": None,
 }
 
 
@@ -40,17 +64,27 @@ def natural_batch() -> torch.Tensor:
 
     photo = torch.from_numpy(data.astronaut()[::4, ::4].copy()).permute(2, 0, 1).float() / 255  # 3x128x128
     corners = [(10, 40), (60, 20), (70, 80), (20, 90)]
-    return torch.stack([photo[:, top:top + 32, left:left + 32] for top, left in corners])
+    return torch.stack([photo[:, top : top + 32, left : left + 32] for top, left in corners])
 
 
 def make_run(root: Path, attacks: list[dict] | None) -> Path:
     """A run folder as `fedguard run` and the attack step leave it (attacks None: no attacks.jsonl)."""
-    config = load_config(None, [f"out-dir={root / 'run'}", "name=report-test", "data.name=photos",
-                                f"train.rounds={ROUNDS}", "attack.name=ig,idlg"])
+    config = load_config(
+        None,
+        [
+            f"out-dir={root / 'run'}",
+            "name=report-test",
+            "data.name=photos",
+            f"train.rounds={ROUNDS}",
+            "attack.name=ig,idlg",
+        ],
+    )
     folder = prepare_run_dir(config)
     with open(folder / "rounds.jsonl", "w") as out:
         for r in range(ROUNDS + 1):
-            out.write(json.dumps({"round": r, "accuracy": 0.1 + 0.13 * r, "loss": 2.3 / (1 + r), "seconds": 1.5}) + "\n")
+            out.write(
+                json.dumps({"round": r, "accuracy": 0.1 + 0.13 * r, "loss": 2.3 / (1 + r), "seconds": 1.5}) + "\n"
+            )
     if attacks is not None:
         (folder / "attacks.jsonl").write_text("".join(json.dumps(row) + "\n" for row in attacks))
         truth = natural_batch()
@@ -68,9 +102,18 @@ def img_count(page: str) -> int:
 
 def chromium(args: list[str], profile: Path) -> subprocess.CompletedProcess[str]:
     command = [
-        str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--disable-dev-shm-usage", f"--user-data-dir={profile}", *args,
+        str(CHROMIUM),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        *args,
     ]
     return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
@@ -92,9 +135,22 @@ def test_report_holds_tables_and_embedded_images(tmp_path: Path) -> None:
     folder = make_run(tmp_path, [OK_ROW, ERROR_ROW])
     page = build_report(folder).read_text()
     assert (folder / "report.html").is_file()
-    for text in ("report-test", "photos", "fedsgd", "<dt>strategy</dt><dd>fedsgd</dd>", "29.21", "0.941", "0.087",
-                 "<dt>attacks</dt><dd>ig (iterations=2000, restarts=1,", "; idlg (iterations=", "100.0%", "12.3",
-                 "88.0%", "1 of 1", "upload-1"):
+    for text in (
+        "report-test",
+        "photos",
+        "fedsgd",
+        "<dt>strategy</dt><dd>fedsgd</dd>",
+        "29.21",
+        "0.941",
+        "0.087",
+        "<dt>attacks</dt><dd>ig (iterations=2000, restarts=1,",
+        "; idlg (iterations=",
+        "100.0%",
+        "12.3",
+        "88.0%",
+        "1 of 1",
+        "upload-1",
+    ):
         assert text in page, text
     assert "RuntimeError: gradient &lt;shape&gt; mismatch &amp; more" in page, "error text shown, escaped"
     assert "<shape>" not in page
@@ -135,7 +191,9 @@ def test_report_renders_in_chromium(tmp_path: Path) -> None:
     assert int(loaded.group(1)) == expected, "every embedded image decodes"
 
     shot = tmp_path / "shot.png"
-    done = chromium(["--window-size=1280,2400", "--hide-scrollbars", f"--screenshot={shot}", url], tmp_path / "profile-shot")
+    done = chromium(
+        ["--window-size=1280,2400", "--hide-scrollbars", f"--screenshot={shot}", url], tmp_path / "profile-shot"
+    )
     assert done.returncode == 0 and shot.is_file(), done.stderr[-2000:]
     pixels = np.asarray(Image.open(shot).convert("RGB"), dtype=np.float32)
     assert pixels.shape[:2] == (2400, 1280) and pixels.std() > 20, "the screenshot is not blank"

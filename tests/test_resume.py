@@ -42,8 +42,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_config(folder: Path, *overrides: str) -> Config:
     """FedSGD with DGP (error feedback: state in every client) and FedAdam (state in the server), 3 of 4 clients
     sampled per round, the uploads of clients 0 and 1 captured in every round."""
-    return config("defense.name=dgp", "server.strategy=fedadam", "train.rounds=4", "capture.rounds=all",
-                  "capture.clients=0,1", f"out-dir={folder}", *overrides)
+    return config(
+        "defense.name=dgp",
+        "server.strategy=fedadam",
+        "train.rounds=4",
+        "capture.rounds=all",
+        "capture.clients=0,1",
+        f"out-dir={folder}",
+        *overrides,
+    )
 
 
 class StoppingGrid(LocalGrid):
@@ -59,7 +66,7 @@ class StoppingGrid(LocalGrid):
             return []
         self.rounds += 1
         if self.rounds == self.stop_round:
-            super().send_and_receive(messages[:self.after])
+            super().send_and_receive(messages[: self.after])
             raise RunInterrupted("stopped by SIGTERM")
         return super().send_and_receive(messages)
 
@@ -109,7 +116,10 @@ def test_resume_goes_on_to_more_rounds_and_refuses_a_finished_run(tmp_path: Path
         resume_point(short, 2)
     longer = run(run_config(short, "resume=true", "train.rounds=4"))
     assert rows_without_time(longer) == rows_without_time(whole)
-    assert "rounds = 4" in (longer / "config.toml").read_text() and "resume = true" not in (longer / "config.toml").read_text()
+    assert (
+        "rounds = 4" in (longer / "config.toml").read_text()
+        and "resume = true" not in (longer / "config.toml").read_text()
+    )
 
 
 def test_the_seeded_sampling_picks_the_same_clients_whatever_the_node_ids(tmp_path: Path) -> None:
@@ -132,8 +142,9 @@ def test_file_state_keeps_the_dgp_residual_bit_for_bit_and_one_version_back(tmp_
     in_memory: dict[str, torch.Tensor] = {}
     for round_ in (1, 2, 3):
         grads = [torch.randn(3, 6), torch.randn(3)]
-        step = LocalStep(model, torch.zeros(1, 6), torch.zeros(1, dtype=torch.long), grads, None,
-                         torch.Generator(), round_, 5, 10)
+        step = LocalStep(
+            model, torch.zeros(1, 6), torch.zeros(1, dtype=torch.long), grads, None, torch.Generator(), round_, 5, 10
+        )
         state = store.load(round_)
         assert state.keys() == in_memory.keys()
         assert all(torch.equal(state[k], in_memory[k]) for k in state)
@@ -167,8 +178,9 @@ def test_an_unreadable_client_state_names_the_file(tmp_path: Path) -> None:
 
 
 def test_checkpoint_round_trip_and_refusals(tmp_path: Path) -> None:
-    point = RoundCheckpoint(3, ("w", "b"), [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(2)],
-                            {"4/m_t/d/w": np.full((2, 3), 0.5)})
+    point = RoundCheckpoint(
+        3, ("w", "b"), [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(2)], {"4/m_t/d/w": np.full((2, 3), 0.5)}
+    )
     write_checkpoint(tmp_path, point)
     back = read_checkpoint(tmp_path)
     assert back.round == 3 and back.names == ("w", "b") and back.strategy.keys() == point.strategy.keys()
@@ -210,8 +222,14 @@ def test_rewind_removes_what_an_unfinished_round_left(tmp_path: Path) -> None:
     FileState(tmp_path / "client-state", 1).store(3, {"x": torch.ones(1)})
     with pytest.warns(UserWarning, match="torn"):
         removed = rewind(tmp_path, 2)
-    assert removed == {"round rows": 1, "attack rows": 1, "uploads": 1, "true batches": 1, "images": 1,
-                       "client states": 1}
+    assert removed == {
+        "round rows": 1,
+        "attack rows": 1,
+        "uploads": 1,
+        "true batches": 1,
+        "images": 1,
+        "client states": 1,
+    }
     assert [r["round"] for r in read_jsonl(tmp_path / "rounds.jsonl")] == [0, 1, 2]
     assert (tmp_path / "rounds.jsonl").read_text().endswith("\n")
 
@@ -230,13 +248,24 @@ def test_cli_resume_refuses_changes_to_what_the_rounds_compute(tmp_path: Path) -
 def test_fedguard_run_stopped_by_sigterm_and_resumed_equals_an_uninterrupted_run(tmp_path: Path, as_simulated) -> None:
     """The real thing: a Flower simulation stopped after round 2 by SIGTERM, resumed by ``fedguard run --resume``,
     against the same rounds run without a stop (in process: the same server and clients, one grid)."""
-    overrides = ["data.name=digits", "model.name=mlp", "model.mlp.hidden=16", "partition.num-clients=4",
-                 "train.clients-per-round=3", "train.batch-size=8", "defense.name=dgp", "server.strategy=fedadam",
-                 "train.rounds=6", "capture.rounds=all", "capture.clients=0,1"]
+    overrides = [
+        "data.name=digits",
+        "model.name=mlp",
+        "model.mlp.hidden=16",
+        "partition.num-clients=4",
+        "train.clients-per-round=3",
+        "train.batch-size=8",
+        "defense.name=dgp",
+        "server.strategy=fedadam",
+        "train.rounds=6",
+        "capture.rounds=all",
+        "capture.clients=0,1",
+    ]
     reference = run(config(*overrides[6:], f"out-dir={tmp_path / 'whole'}"))
     out, tag = tmp_path / "run", uuid.uuid4().hex
     command = [sys.executable, "-m", "fedguard", "run", "--out", str(out)] + [
-        arg for override in overrides for arg in ("--set", override)]
+        arg for override in overrides for arg in ("--set", override)
+    ]
     env = {**os.environ, TAG: tag}
     try:
         with open(tmp_path / "first.log", "w") as output:
@@ -247,8 +276,14 @@ def test_fedguard_run_stopped_by_sigterm_and_resumed_equals_an_uninterrupted_run
         assert read_status(out)["status"] == "interrupted"
         done = read_checkpoint(out).round
         assert 2 <= done < 6
-        resumed = subprocess.run([sys.executable, "-m", "fedguard", "run", "--resume", str(out)], env=env,
-                                 capture_output=True, text=True, cwd=ROOT, timeout=300)
+        resumed = subprocess.run(
+            [sys.executable, "-m", "fedguard", "run", "--resume", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         assert f"resuming after round {done} of 6" in resumed.stdout
     finally:
@@ -263,6 +298,10 @@ def test_fedguard_run_stopped_by_sigterm_and_resumed_equals_an_uninterrupted_run
 
 
 def test_resume_true_without_the_flag_is_refused(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "fedguard", "run", "--set", "resume=true", "--out", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "fedguard", "run", "--set", "resume=true", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert done.returncode == 2 and "fedguard run --resume RUN_DIR" in done.stderr

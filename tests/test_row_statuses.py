@@ -76,8 +76,12 @@ class PickyAttack:
     def reconstruct_many(self, observations: list, seed: int) -> list[Reconstruction]:
         if any(obs.client == 1 for obs in observations):
             raise ValueError(ERROR_TEXT)
-        return [Reconstruction(torch.rand(obs.num_examples, *obs.spec.shape),
-                               torch.zeros(obs.num_examples, dtype=torch.long), {}) for obs in observations]
+        return [
+            Reconstruction(
+                torch.rand(obs.num_examples, *obs.spec.shape), torch.zeros(obs.num_examples, dtype=torch.long), {}
+            )
+            for obs in observations
+        ]
 
 
 def test_offline_a_batch_that_raises_fails_only_the_upload_it_fails_on(tmp_path: Path) -> None:
@@ -114,8 +118,9 @@ def test_a_failing_step_of_the_runs_end_does_not_skip_the_status_or_the_report(t
     folder.mkdir()
     recorder = RoundRecorder(folder / ROUNDS_FILE, config.train.rounds, config.train.clients_per_round)
     recorder.record(0, 2.3, 0.1)
-    finish_run(folder, config, recorder, ("completed", ""), FanOut([BrokenSink()]), None, StopRequest(),
-               Trackers([], folder))
+    finish_run(
+        folder, config, recorder, ("completed", ""), FanOut([BrokenSink()]), None, StopRequest(), Trackers([], folder)
+    )
 
     assert "closing the capture failed: OSError: no space left on device" in capsys.readouterr().out
     assert read_json(folder / STATUS_FILE)["status"] == "completed"
@@ -142,8 +147,13 @@ def test_the_report_shows_each_status_with_its_colour_and_the_runs_ending(tmp_pa
 def ray_cluster():
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, resources={"attacker": 2},
-             object_store_memory=256 * 1024 * 1024, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        resources={"attacker": 2},
+        object_store_memory=256 * 1024 * 1024,
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 

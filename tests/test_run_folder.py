@@ -20,9 +20,26 @@ from fedguard.report.html import build_report
 from fedguard.report.images import save_grid
 from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_dir import prepare_run_dir
-from fedguard.run_folder import (ATTACKS_FILE, COMPARISON_FILE, GRID_KINDS, OBSERVATIONS_DIR, REPORT_FILE, ROUNDS_FILE,
-                                 SUMMARY_FILE, SWEEP_FILE, JsonlAppender, RunFileError, RunFolderWarning, grid_name,
-                                 image_prefix, read_json, read_jsonl, write_atomic, write_json, write_jsonl)
+from fedguard.run_folder import (
+    ATTACKS_FILE,
+    COMPARISON_FILE,
+    GRID_KINDS,
+    OBSERVATIONS_DIR,
+    REPORT_FILE,
+    ROUNDS_FILE,
+    SUMMARY_FILE,
+    SWEEP_FILE,
+    JsonlAppender,
+    RunFileError,
+    RunFolderWarning,
+    grid_name,
+    image_prefix,
+    read_json,
+    read_jsonl,
+    write_atomic,
+    write_json,
+    write_jsonl,
+)
 from fedguard.sweep import load_sweep, run_sweep
 from tests.test_evaluation import make_run as make_captured_run
 from tests.test_sweep import SMALL
@@ -33,6 +50,7 @@ LOGS = [ROUNDS_FILE, ATTACKS_FILE]
 
 def strict(line: str) -> dict:
     """``line`` parsed as strict JSON: a NaN or Infinity token raises."""
+
     def refuse(token: str) -> None:
         raise ValueError(f"non-strict JSON token {token}")
 
@@ -50,16 +68,29 @@ def scored_row(folder: Path, attack: str, prefix: str) -> dict:
     truth = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(len(prefix)))
     for kind, images in zip(GRID_KINDS, (truth, 1 - truth)):
         save_grid(images, folder / grid_name(prefix, kind), scale=None)
-    return {"round": 1, "client": 0, "attack": attack, "defense": "none", "status": "ok", "images": prefix,
-            "batch_size": 2, "psnr": 12.0, "ssim": 0.5, "lpips": 0.2, "label_accuracy": 1.0, "seconds": 1.0}
+    return {
+        "round": 1,
+        "client": 0,
+        "attack": attack,
+        "defense": "none",
+        "status": "ok",
+        "images": prefix,
+        "batch_size": 2,
+        "psnr": 12.0,
+        "ssim": 0.5,
+        "lpips": 0.2,
+        "label_accuracy": 1.0,
+        "seconds": 1.0,
+    }
 
 
 def make_run(tmp_path: Path, attacks: list[str] = ("ig",)) -> Path:
     """A small run folder: config, three rounds, one scored row with grids per attack in ``attacks``."""
     config = load_config(None, [f"out-dir={tmp_path / 'run'}", "name=run-folder", "data.name=photos", "train.rounds=2"])
     folder = prepare_run_dir(config)
-    write_jsonl(folder / ROUNDS_FILE, [{"round": r, "accuracy": 0.2 * r, "loss": 2.0 - r / 2, "seconds": 1.0}
-                                       for r in range(3)])
+    write_jsonl(
+        folder / ROUNDS_FILE, [{"round": r, "accuracy": 0.2 * r, "loss": 2.0 - r / 2, "seconds": 1.0} for r in range(3)]
+    )
     write_jsonl(folder / ATTACKS_FILE, [scored_row(folder, name, image_prefix(1, 0, name)) for name in attacks])
     return folder
 
@@ -68,17 +99,28 @@ def make_run(tmp_path: Path, attacks: list[str] = ("ig",)) -> Path:
 # Strict JSON, the appender, the reader, the atomic writer
 # ----------------------------------------------------------------------------------------------
 
+
 def test_rows_with_non_finite_floats_are_strict_json_and_read_back(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
-    row = {"round": 1, "loss": math.nan, "accuracy": math.inf, "seconds": 0.5,
-           "defense": {"a/b~c": -math.inf}, "per_image": [{"psnr": 3.0}, {"psnr": math.nan}]}
+    row = {
+        "round": 1,
+        "loss": math.nan,
+        "accuracy": math.inf,
+        "seconds": 0.5,
+        "defense": {"a/b~c": -math.inf},
+        "per_image": [{"psnr": 3.0}, {"psnr": math.nan}],
+    }
     with JsonlAppender(path) as rows:
         rows.append(row)
     [line] = path.read_text().splitlines()
     on_disk = strict(line)
     assert on_disk["loss"] is None and on_disk["accuracy"] is None and on_disk["defense"] == {"a/b~c": None}
-    assert on_disk["non_finite"] == {"/loss": "NaN", "/accuracy": "Infinity", "/defense/a~1b~0c": "-Infinity",
-                                     "/per_image/1/psnr": "NaN"}
+    assert on_disk["non_finite"] == {
+        "/loss": "NaN",
+        "/accuracy": "Infinity",
+        "/defense/a~1b~0c": "-Infinity",
+        "/per_image/1/psnr": "NaN",
+    }
     [back] = read_jsonl(path)
     assert math.isnan(back["loss"]) and back["accuracy"] == math.inf and back["defense"]["a/b~c"] == -math.inf
     assert back["per_image"][0] == {"psnr": 3.0} and math.isnan(back["per_image"][1]["psnr"])
@@ -131,8 +173,9 @@ def test_the_appender_starts_its_row_on_a_line_of_its_own(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("failing", ["fsync", "replace"])
-def test_the_atomic_writer_leaves_the_old_file_or_the_new(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         failing: str) -> None:
+def test_the_atomic_writer_leaves_the_old_file_or_the_new(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
     path = write_atomic(tmp_path / REPORT_FILE, "old")
     real = getattr(os, failing)
 
@@ -153,9 +196,11 @@ def test_the_atomic_writer_leaves_the_old_file_or_the_new(tmp_path: Path, monkey
 # A torn last line in each reader of a run folder
 # ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("log", LOGS)
-def test_report_skips_a_torn_last_line_and_says_so(tmp_path: Path, log: str,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_skips_a_torn_last_line_and_says_so(
+    tmp_path: Path, log: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = make_run(tmp_path)
     tear(folder / log)
     with pytest.warns(RunFolderWarning, match=f"{log}: skipped the torn last line"):
@@ -198,10 +243,25 @@ def test_sweep_skips_a_torn_last_line(tmp_path: Path, log: str) -> None:
     sweep = load_sweep(preset, tmp_path / "out")
     [run] = sweep.runs
     run.folder.mkdir(parents=True)
-    write_jsonl(run.folder / ROUNDS_FILE, [{"round": r, "accuracy": 0.25 * r, "loss": 1.0, "seconds": 1.0}
-                                           for r in range(3)])
-    write_jsonl(run.folder / ATTACKS_FILE, [{"attack": "ig", "status": "ok", "round": 1, "client": 0, "psnr": 20.0,
-                                             "ssim": 0.5, "lpips": 0.3, "per_image": [{}], "leaked_images": 0}])
+    write_jsonl(
+        run.folder / ROUNDS_FILE, [{"round": r, "accuracy": 0.25 * r, "loss": 1.0, "seconds": 1.0} for r in range(3)]
+    )
+    write_jsonl(
+        run.folder / ATTACKS_FILE,
+        [
+            {
+                "attack": "ig",
+                "status": "ok",
+                "round": 1,
+                "client": 0,
+                "psnr": 20.0,
+                "ssim": 0.5,
+                "lpips": 0.3,
+                "per_image": [{}],
+                "leaked_images": 0,
+            }
+        ],
+    )
     tear(run.folder / log)
     lines: list[str] = []
     with pytest.warns(RunFolderWarning, match=f"{log}: skipped the torn last line"):
@@ -212,16 +272,27 @@ def test_sweep_skips_a_torn_last_line(tmp_path: Path, log: str) -> None:
     assert "`ig`" in (tmp_path / "out" / SUMMARY_FILE).read_text()
 
 
-IG = ["--set", "attack.name=ig", "--set", "attack.ig.iterations=5", "--set", "attack.ig.restarts=1",
-      "--set", "attack.ig.device=cpu"]
+IG = [
+    "--set",
+    "attack.name=ig",
+    "--set",
+    "attack.ig.iterations=5",
+    "--set",
+    "attack.ig.restarts=1",
+    "--set",
+    "attack.ig.device=cpu",
+]
 
 
 @pytest.mark.parametrize("log", LOGS)
-def test_offline_attack_appends_after_a_torn_last_line(tmp_path: Path, log: str,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_offline_attack_appends_after_a_torn_last_line(
+    tmp_path: Path, log: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = make_captured_run(tmp_path, batch=1, clients=1)
-    write_jsonl(folder / ATTACKS_FILE, [{"round": 1, "client": 0, "attack": "dlg", "status": "error",
-                                         "error": "stopped", "images": None}])
+    write_jsonl(
+        folder / ATTACKS_FILE,
+        [{"round": 1, "client": 0, "attack": "dlg", "status": "error", "error": "stopped", "images": None}],
+    )
     tear(folder / log)
     with pytest.warns(RunFolderWarning, match="torn last line"):
         assert main(["attack", str(folder), *IG]) == 0
@@ -235,6 +306,7 @@ def test_offline_attack_appends_after_a_torn_last_line(tmp_path: Path, log: str,
 # ----------------------------------------------------------------------------------------------
 # Grids from outside the run folder; unreadable observations
 # ----------------------------------------------------------------------------------------------
+
 
 def test_grids_outside_the_run_folder_are_refused(tmp_path: Path) -> None:
     folder = make_run(tmp_path)

@@ -55,8 +55,13 @@ def test_a_killed_launcher_leaves_no_process_and_an_interrupted_run(tmp_path: Pa
     folder, tag = tmp_path / "run", uuid.uuid4().hex
     folder.mkdir()
     (folder / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in range(4)))
-    fake = subprocess.Popen([sys.executable, "-c", FAKE_LAUNCHER, str(folder)], env={**os.environ, TAG: tag},
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    fake = subprocess.Popen(
+        [sys.executable, "-c", FAKE_LAUNCHER, str(folder)],
+        env={**os.environ, TAG: tag},
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         assert fake.stdout is not None and fake.stdout.readline() == "running\n"
         assert len(tagged(tag)) == 4, "the launcher, its watcher and the two sleepers"
@@ -68,20 +73,33 @@ def test_a_killed_launcher_leaves_no_process_and_an_interrupted_run(tmp_path: Pa
         kill_all(tag)
     print(f"every process gone and the run recorded {took:.1f} s after SIGKILL")
     status = read_status(folder)
-    assert status == {"status": "interrupted", "rounds": 3,
-                      "error": f"fedguard run (process {fake.pid}) ended without stopping the run"}
+    assert status == {
+        "status": "interrupted",
+        "rounds": 3,
+        "error": f"fedguard run (process {fake.pid}) ended without stopping the run",
+    }
     os.close(hold(folder))  # the dead holder left nothing that blocks
 
 
 def test_a_second_writer_is_refused_until_the_holder_dies(tmp_path: Path) -> None:
     folder = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from fedguard.run_lock import hold; "
-                               "hold(sys.argv[1]); print('held', flush=True); time.sleep(120)", str(folder)],
-                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from fedguard.run_lock import hold; "
+            "hold(sys.argv[1]); print('held', flush=True); time.sleep(120)",
+            str(folder),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        with pytest.raises(RunFolderBusy, match=f"process {holder.pid}\\); wait for it to end, or stop it "
-                                                f"\\(kill -INT {holder.pid}\\)"):
+        with pytest.raises(
+            RunFolderBusy, match=f"process {holder.pid}\\); wait for it to end, or stop it \\(kill -INT {holder.pid}\\)"
+        ):
             hold(folder)
     finally:
         holder.kill()
@@ -91,19 +109,30 @@ def test_a_second_writer_is_refused_until_the_holder_dies(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_sigkill_of_fedguard_run_ends_its_run_and_a_live_run_refuses_a_second_writer(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out, tag = tmp_path / "run", uuid.uuid4().hex
     command = [sys.executable, "-m", "fedguard", "run", QUICKSTART, "--out", str(out)] + [
-        arg for override in ("train.rounds=500", "partition.num-clients=3", "train.clients-per-round=3",
-                             "capture.rounds=1-2", "capture.clients=0-2", "attack.ig.iterations=1000000")
-        for arg in ("--set", override)]
+        arg
+        for override in (
+            "train.rounds=500",
+            "partition.num-clients=3",
+            "train.clients-per-round=3",
+            "capture.rounds=1-2",
+            "capture.clients=0-2",
+            "attack.ig.iterations=1000000",
+        )
+        for arg in ("--set", override)
+    ]
     with open(tmp_path / "output.log", "w") as output:
-        process = subprocess.Popen(command, env={**os.environ, TAG: tag}, stdout=output, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, env={**os.environ, TAG: tag}, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         wait_for_rounds(out, 2, process)
-        resume = subprocess.run([sys.executable, "-m", "fedguard", "run", "--resume", str(out)],
-                                capture_output=True, text=True, timeout=120)
+        resume = subprocess.run(
+            [sys.executable, "-m", "fedguard", "run", "--resume", str(out)], capture_output=True, text=True, timeout=120
+        )
         assert resume.returncode == 2, resume.stderr[-3000:]
         assert f"is being written by fedguard run (process {process.pid})" in resume.stderr
         assert main(["run", QUICKSTART, "--out", str(out)]) == 2, "a new run into the folder"
@@ -124,14 +153,20 @@ def test_sigkill_of_fedguard_run_ends_its_run_and_a_live_run_refuses_a_second_wr
 @pytest.mark.slow
 def test_a_terminated_sweep_stops_its_run_cleanly(tmp_path: Path) -> None:
     preset = tmp_path / "sweep.toml"
-    preset.write_text('name = "stopped"\n[data]\nname = "digits"\n[partition]\nnum-clients = 3\n[train]\n'
-                      'rounds = 500\nclients-per-round = 3\n[capture]\nrounds = "none"\n'
-                      '[sweep.variants.none]\n"defense.name" = "none"\n')
+    preset.write_text(
+        'name = "stopped"\n[data]\nname = "digits"\n[partition]\nnum-clients = 3\n[train]\n'
+        'rounds = 500\nclients-per-round = 3\n[capture]\nrounds = "none"\n'
+        '[sweep.variants.none]\n"defense.name" = "none"\n'
+    )
     tag = uuid.uuid4().hex
     with open(tmp_path / "output.log", "w") as output:
-        process = subprocess.Popen([sys.executable, "-m", "fedguard", "sweep", str(preset), "--out",
-                                    str(tmp_path / "sweep")], env={**os.environ, TAG: tag}, stdout=output,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "fedguard", "sweep", str(preset), "--out", str(tmp_path / "sweep")],
+            env={**os.environ, TAG: tag},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     out = tmp_path / "sweep" / "run" / "none"
     try:
         wait_for_rounds(out, 2, process)

@@ -38,10 +38,16 @@ def test_bare_app_starts_from_fedguards_model(monkeypatch: pytest.MonkeyPatch) -
 
     config = Config()
     torch.manual_seed(config.run.seed)
-    ours = build_model(config.model.name, load_dataset(config.data.name, config.data.source_options()).spec,
-                       config.model.params).state_dict()
-    run_config = {"data-name": config.data.name, "data-root": config.data.root, "seed": config.run.seed,
-                  "test-fraction": config.data.test_fraction, "image-size": config.data.image_size}
+    ours = build_model(
+        config.model.name, load_dataset(config.data.name, config.data.source_options()).spec, config.model.params
+    ).state_dict()
+    run_config = {
+        "data-name": config.data.name,
+        "data-root": config.data.root,
+        "seed": config.run.seed,
+        "test-fraction": config.data.test_fraction,
+        "image-size": config.data.image_size,
+    }
     bare = bare_model(run_config, seed=config.run.seed).state_dict()
     assert list(bare) == list(ours)
     assert all(torch.equal(bare[name], ours[name]) for name in ours)
@@ -61,8 +67,13 @@ def test_bare_client_step_is_fedguards(monkeypatch: pytest.MonkeyPatch, defense:
 
     clients, client, lr = 10, 3, 0.5
     config = _benchmark().fedguard_config(clients, 3, defense)
-    run_config = {"data-name": config.data.name, "data-root": config.data.root, "seed": config.run.seed,
-                  "test-fraction": config.data.test_fraction, "image-size": config.data.image_size}
+    run_config = {
+        "data-name": config.data.name,
+        "data-root": config.data.root,
+        "seed": config.run.seed,
+        "test-fraction": config.data.test_fraction,
+        "image-size": config.data.image_size,
+    }
     global_model = task.build_model(run_config, seed=config.run.seed)
     ours, state = DefendedClient(config, client, RecordDict()), RecordDict()
     local = task.local_split(run_config, client, clients)
@@ -73,11 +84,9 @@ def test_bare_client_step_is_fedguards(monkeypatch: pytest.MonkeyPatch, defense:
             upload = decode_arrays(upload)
         model = task.process_model(run_config)
         model.load_state_dict(global_model.state_dict())
-        batch, generator = task.client_batch(len(local), config.train.batch_size, config.run.seed, client,
-                                             server_round)
+        batch, generator = task.client_batch(len(local), config.train.batch_size, config.run.seed, client, server_round)
         x, y = local.batch(batch)
-        sent, loss = task.defended_gradients(model, x, y, defense, state, generator, server_round, client,
-                                             len(local))
+        sent, loss = task.defended_gradients(model, x, y, defense, state, generator, server_round, client, len(local))
         assert loss == declared["loss"]
         assert all(np.array_equal(a, s.numpy()) for a, s in zip(upload, sent, strict=True)), server_round
         assert (task.RESIDUAL_KEY in state) == (defense == "dgp")
@@ -111,8 +120,15 @@ def test_scale_benchmark_measures_both_tools(tmp_path: Path) -> None:
         assert result["status"] == "ok", (tool, result.get("error"))
         assert result["clients"] == 4 and len(result["round_seconds"]) == 2
         assert (result["defense"], result["data"]) == ("dgp", "mnist-5k")
-        for key in ("seconds_per_round", "ms_per_client_step", "first_round_seconds", "peak_pss_sum_gb",
-                    "peak_pss_max_gb", "peak_rss_sum_gb", "peak_rss_max_gb"):
+        for key in (
+            "seconds_per_round",
+            "ms_per_client_step",
+            "first_round_seconds",
+            "peak_pss_sum_gb",
+            "peak_pss_max_gb",
+            "peak_rss_sum_gb",
+            "peak_rss_max_gb",
+        ):
             assert math.isfinite(result[key]) and result[key] > 0, (tool, key, result[key])
         assert result["memory_measure"] == "PSS" and not result["pss_unreadable"]
         assert result["peak_pss_max_gb"] <= result["peak_pss_sum_gb"] <= result["peak_rss_sum_gb"]
@@ -121,8 +137,10 @@ def test_scale_benchmark_measures_both_tools(tmp_path: Path) -> None:
         assert {"simulation (ServerApp)", "Ray ClientAppActor", "SuperLink"} <= set(result["peak_breakdown_gb"])
     assert "fedguard CLI" in results["fedguard"]["peak_breakdown_gb"]
     (ratio,) = payload["ratios"]
-    assert all(math.isfinite(ratio[k]) and ratio[k] > 0
-               for k in ("step_time", "memory", "memory_rss", "largest_process", "largest_process_rss"))
+    assert all(
+        math.isfinite(ratio[k]) and ratio[k] > 0
+        for k in ("step_time", "memory", "memory_rss", "largest_process", "largest_process_rss")
+    )
     (line,) = bench.summary_lines(payload["results"])
     assert line.startswith("N =      4: fedguard/bare") and "peak PSS" in line
     assert plot.stat().st_size > 0

@@ -25,7 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_quickstart(out: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "fedguard", "run", str(ROOT / "experiments" / "quickstart.toml"), "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "fedguard",
+        "run",
+        str(ROOT / "experiments" / "quickstart.toml"),
+        "--out",
+        str(out),
+    ]
     for override in overrides:
         command += ["--set", override]
     result = subprocess.run(command, capture_output=True, text=True, timeout=400)
@@ -36,8 +44,16 @@ def run_quickstart(out: Path, overrides: list[str]) -> subprocess.CompletedProce
 @pytest.mark.slow
 def test_simulation_trains_and_captures(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    overrides = ["train.rounds=12", "partition.num-clients=6", "train.clients-per-round=6", "capture.rounds=1,2",
-                 "capture.clients=0-2", "train.batch-size=32", "attack.ig.iterations=60", "attack.ig.restarts=1"]
+    overrides = [
+        "train.rounds=12",
+        "partition.num-clients=6",
+        "train.clients-per-round=6",
+        "capture.rounds=1,2",
+        "capture.clients=0-2",
+        "train.batch-size=32",
+        "attack.ig.iterations=60",
+        "attack.ig.restarts=1",
+    ]
     result = run_quickstart(out, overrides)
     assert "round 12/12" in result.stdout and "left" in result.stdout
 
@@ -70,8 +86,17 @@ def test_simulation_trains_and_captures(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_simulation_survives_attacks_that_run_out_of_time(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = run_quickstart(out, ["train.rounds=3", "partition.num-clients=4", "train.clients-per-round=4",
-                                  "capture.clients=0-1", "pool.time-limit=0.2", "attack.ig.iterations=100000"])
+    result = run_quickstart(
+        out,
+        [
+            "train.rounds=3",
+            "partition.num-clients=4",
+            "train.clients-per-round=4",
+            "capture.clients=0-1",
+            "pool.time-limit=0.2",
+            "attack.ig.iterations=100000",
+        ],
+    )
     rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
     attacks = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
@@ -83,8 +108,16 @@ def test_simulation_survives_attacks_that_run_out_of_time(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_pruned_uploads_cross_the_wire_encoded_and_arrive_dense(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    overrides = ["train.rounds=2", "partition.num-clients=4", "train.clients-per-round=4", "capture.rounds=1",
-                 "capture.clients=0", "attack.name=none", "defense.name=dgp", "train.batch-size=16"]
+    overrides = [
+        "train.rounds=2",
+        "partition.num-clients=4",
+        "train.clients-per-round=4",
+        "capture.rounds=1",
+        "capture.clients=0",
+        "attack.name=none",
+        "defense.name=dgp",
+        "train.batch-size=16",
+    ]
     run_quickstart(out, overrides)
     rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     for row in rows[1:]:
@@ -103,15 +136,34 @@ def test_the_simulation_runs_on_an_existing_ray_cluster(tmp_path: Path) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="fg-ray-", dir="/tmp")}  # socket paths must be short
-    start = [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-             '--resources={"attacker": 1}', "--include-dashboard=false", "--disable-usage-stats"]
+    start = [
+        ray,
+        "start",
+        "--head",
+        f"--port={port}",
+        "--node-ip-address=127.0.0.1",
+        "--num-cpus=2",
+        '--resources={"attacker": 1}',
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
     started = subprocess.run(start, capture_output=True, text=True, timeout=120, env=env)
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     try:
         out = tmp_path / "run"
-        run_quickstart(out, ["train.rounds=2", "partition.num-clients=3", "train.clients-per-round=3",
-                             "capture.rounds=1", "capture.clients=0", "attack.ig.iterations=5", "attack.ig.restarts=1",
-                             f"sim.address=127.0.0.1:{port}"])
+        run_quickstart(
+            out,
+            [
+                "train.rounds=2",
+                "partition.num-clients=3",
+                "train.clients-per-round=3",
+                "capture.rounds=1",
+                "capture.clients=0",
+                "attack.ig.iterations=5",
+                "attack.ig.restarts=1",
+                f"sim.address=127.0.0.1:{port}",
+            ],
+        )
         rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
         assert [r["round"] for r in rows] == [0, 1, 2]
         attacks = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
@@ -168,8 +220,9 @@ def test_the_simulations_own_ray_cluster_listens_on_loopback_only(tmp_path: Path
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="fg-ray-", dir="/tmp")
     env.pop("RAY_ADDRESS", None)
     try:
-        result = subprocess.run([sys.executable, "-c", LISTENING_PROBE], env=env, capture_output=True, text=True,
-                                timeout=180)
+        result = subprocess.run(
+            [sys.executable, "-c", LISTENING_PROBE], env=env, capture_output=True, text=True, timeout=180
+        )
         addresses = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("LISTEN")]
         assert len(addresses) >= 3, result.stdout[-2000:] + result.stderr[-2000:]  # GCS, raylet, workers
         assert set(addresses) <= LOOPBACK_HEX, addresses
@@ -192,8 +245,7 @@ def test_joining_a_cluster_leaves_rays_addresses_to_the_cluster(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:6379", "localhost:6379", "[::1]:6379", "auto"])
-def test_joining_a_cluster_on_this_machine_keeps_the_loopback_switch(tmp_path: Path, monkeypatch,
-                                                                     address: str) -> None:
+def test_joining_a_cluster_on_this_machine_keeps_the_loopback_switch(tmp_path: Path, monkeypatch, address: str) -> None:
     """Without the switch Ray would take 127.0.0.1 for the machine's network address, where a head started
     with it does not listen; with it, a head started either way is reached (tests/test_ray_cluster.py)."""
     from fedguard.simulation import LOOPBACK_RAY, _environment
@@ -243,16 +295,26 @@ fedguard.config._build = _counted_build
 
 
 @pytest.mark.slow
-def test_one_run_builds_each_attack_once_per_worker_and_validates_once_per_process(tmp_path: Path,
-                                                                                  monkeypatch) -> None:
+def test_one_run_builds_each_attack_once_per_worker_and_validates_once_per_process(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "counting_plugin.py").write_text(COUNTING_PLUGIN)
     count_log = tmp_path / "counts.log"
     monkeypatch.setenv("FEDGUARD_COUNT_LOG", str(count_log))
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    run_quickstart(out, ["server.plugins=counting_plugin", "attack.name=counted-idlg", "pool.workers=2",
-                         "attack.counted-idlg.iterations=3", "train.rounds=2", "partition.num-clients=4",
-                         "train.clients-per-round=4", "capture.rounds=1,2", "capture.clients=0-3"])
+    run_quickstart(
+        out,
+        [
+            "server.plugins=counting_plugin",
+            "attack.name=counted-idlg",
+            "pool.workers=2",
+            "attack.counted-idlg.iterations=3",
+            "train.rounds=2",
+            "partition.num-clients=4",
+            "train.clients-per-round=4",
+            "capture.rounds=1,2",
+            "capture.clients=0-3",
+        ],
+    )
     attacks = [json.loads(line) for line in (out / "attacks.jsonl").read_text().splitlines()]
     assert len(attacks) == 8 and {a["status"] for a in attacks} == {"ok"}
     events = [line.split() for line in count_log.read_text().splitlines()]

@@ -164,7 +164,13 @@ def test_parameter_validation_and_registration() -> None:
     with pytest.raises(ValueError, match="chunk must be >= 1"):
         SoteriaParams(chunk=0)
     assert [pruned_count(p, n) for p, n in [(50, 256), (60, 256), (10, 10), (0.1, 10), (100, 7), (0, 9)]] == [
-        128, 154, 1, 1, 7, 0]
+        128,
+        154,
+        1,
+        1,
+        7,
+        0,
+    ]
 
 
 # --- Inverting Gradients on batch-1 photo uploads through the MLP ------------------------------------------
@@ -179,8 +185,9 @@ def attacked() -> dict:
     data = load_dataset("photos")
     model = model_of("mlp")
     arrays = get_arrays(model)
-    card = ModelCard("mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()),
-                     tuple(trainable_mask(model)))
+    card = ModelCard(
+        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
+    )
     x, y = data.test.batch(ATTACKED)
     soteria = build_defense("soteria", SoteriaParams())
     clean, defended = [], []
@@ -193,8 +200,11 @@ def attacked() -> dict:
         images = torch.cat([r.images for r in InvertingGradients(params).reconstruct_many(observations, 0)])
         return psnr(images, x).numpy(), ssim(images, x).numpy()
 
-    result = {"clean": score(clean, IG), "soteria": score(defended, IG),
-              "adaptive": score(defended, InvertingGradientsParams(**{**IG.__dict__, "skip": "5.weight"}))}
+    result = {
+        "clean": score(clean, IG),
+        "soteria": score(defended, IG),
+        "adaptive": score(defended, InvertingGradientsParams(**{**IG.__dict__, "skip": "5.weight"})),
+    }
     print({k: (np.round(p, 2).tolist(), np.round(s, 3).tolist()) for k, (p, s) in result.items()})
     return result
 

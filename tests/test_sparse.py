@@ -82,10 +82,15 @@ def test_byte_counts_of_a_float32_array() -> None:
 
 def test_a_dgp_upload_travels_through_flower_parameters_at_under_a_quarter_of_the_dense_size() -> None:
     g = torch.Generator().manual_seed(0)
-    grads = [torch.randn(256, 3072, generator=g), torch.randn(256, generator=g), torch.randn(10, 256, generator=g),
-             torch.randn(10, generator=g)]
-    step = LocalStep(torch.nn.Identity(), torch.zeros(1), torch.zeros(1), grads, torch.nn.functional.cross_entropy,
-                     torch.Generator())
+    grads = [
+        torch.randn(256, 3072, generator=g),
+        torch.randn(256, generator=g),
+        torch.randn(10, 256, generator=g),
+        torch.randn(10, generator=g),
+    ]
+    step = LocalStep(
+        torch.nn.Identity(), torch.zeros(1), torch.zeros(1), grads, torch.nn.functional.cross_entropy, torch.Generator()
+    )
     upload = [t.numpy() for t in build_defense("dgp", DGPParams())(step, {})]
     encoded = encode_arrays(upload)
     assert len(encoded) == 3 * len(upload)
@@ -100,19 +105,22 @@ def test_an_empty_list_encodes_to_nothing() -> None:
     assert encode_arrays([]) == [] and decode_arrays([]) == [] and byte_counts([]) == ByteCounts(0, 0)
 
 
-@pytest.mark.parametrize(("parts", "message"), [
-    ((np.array([0, 1], np.int32), np.array([1.0], np.float32), np.array([3])), "as many indices as values"),
-    ((np.array([0, 3], np.int32), np.ones(2, np.float32), np.array([3])), "strictly increasing positions in"),
-    ((np.array([-1], np.int32), np.ones(1, np.float32), np.array([3])), r"\[0, 3\)"),
-    ((np.array([2, 1], np.int32), np.ones(2, np.float32), np.array([3])), "strictly increasing"),
-    ((np.array([1, 1], np.int32), np.ones(2, np.float32), np.array([3])), "strictly increasing"),
-    ((np.array([0.0]), np.ones(1, np.float32), np.array([3])), "indices must be integers"),
-    ((np.array([0], np.int32), np.ones(1, np.float32), np.array([-3])), "non-negative integers"),
-    ((np.array([0], np.int32), np.ones(1, np.float32), np.array([[3]])), "non-negative integers"),
-    ((np.array([0b1010_0000, 0], np.uint8), np.ones(2, np.float32), np.array([3])), "takes 1 bytes, got 2"),
-    ((np.array([0b1010_0001], np.uint8), np.ones(2, np.float32), np.array([3])), "padding bits past entry 3"),
-    ((np.array([0b1010_0000], np.uint8), np.ones(3, np.float32), np.array([3])), "3 values for 2 entries"),
-])
+@pytest.mark.parametrize(
+    ("parts", "message"),
+    [
+        ((np.array([0, 1], np.int32), np.array([1.0], np.float32), np.array([3])), "as many indices as values"),
+        ((np.array([0, 3], np.int32), np.ones(2, np.float32), np.array([3])), "strictly increasing positions in"),
+        ((np.array([-1], np.int32), np.ones(1, np.float32), np.array([3])), r"\[0, 3\)"),
+        ((np.array([2, 1], np.int32), np.ones(2, np.float32), np.array([3])), "strictly increasing"),
+        ((np.array([1, 1], np.int32), np.ones(2, np.float32), np.array([3])), "strictly increasing"),
+        ((np.array([0.0]), np.ones(1, np.float32), np.array([3])), "indices must be integers"),
+        ((np.array([0], np.int32), np.ones(1, np.float32), np.array([-3])), "non-negative integers"),
+        ((np.array([0], np.int32), np.ones(1, np.float32), np.array([[3]])), "non-negative integers"),
+        ((np.array([0b1010_0000, 0], np.uint8), np.ones(2, np.float32), np.array([3])), "takes 1 bytes, got 2"),
+        ((np.array([0b1010_0001], np.uint8), np.ones(2, np.float32), np.array([3])), "padding bits past entry 3"),
+        ((np.array([0b1010_0000], np.uint8), np.ones(3, np.float32), np.array([3])), "3 values for 2 entries"),
+    ],
+)
 def test_malformed_encodings_are_rejected(parts: tuple[np.ndarray, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         decode(*parts)

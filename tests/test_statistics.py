@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from fedguard.report.statistics import (BOOTSTRAP_SEED, RESAMPLES, Summary, bootstrap_ci, over_images, over_seeds,
-                                        success_rate, t_interval)
+from fedguard.report.statistics import (
+    BOOTSTRAP_SEED,
+    RESAMPLES,
+    Summary,
+    bootstrap_ci,
+    over_images,
+    over_seeds,
+    success_rate,
+    t_interval,
+)
 
 SAMPLE = [0.12, 0.85, 0.40, 0.33, 0.97, 0.05, 0.61, 0.58, 0.22, 0.74]
 

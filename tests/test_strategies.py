@@ -47,7 +47,9 @@ def test_fedprox_is_refused_for_fedsgd_and_fedsgd_for_weights() -> None:
 def test_a_model_strategy_runs_fedsgd_through_gradient_step(inner, expected) -> None:
     # Three gradients 1, 2, 3 (equal weights): one step of lr 0.5 from 0 by their mean / median / the central one.
     strategy = GradientStep(inner(min_train_nodes=3, min_available_nodes=3), 0.5, [True, False])
-    uploads = [([np.array([float(c + 1)], np.float32), np.array([7.0], np.float32)], 8, {"client": c}) for c in range(3)]
+    uploads = [
+        ([np.array([float(c + 1)], np.float32), np.array([7.0], np.float32)], 8, {"client": c}) for c in range(3)
+    ]
     new, _, _ = train_round(strategy, 1, ["w", "running"], [np.zeros(1, np.float32), np.zeros(1, np.float32)], uploads)
     arrays = new.to_numpy_ndarrays()
     assert arrays[0] == pytest.approx([expected]) and arrays[1] == pytest.approx([7.0])  # a buffer: as uploaded
@@ -58,6 +60,7 @@ def test_the_round_guard_stops_a_round_in_which_every_client_failed() -> None:
     guard = RoundGuard(FedAvg(min_train_nodes=2), lambda *a: seen.append(a), RULES)
     sent = list(guard.configure_train(1, array_record(["w"], [np.zeros(2, np.int64)]), ConfigRecord(), Nodes(2)))
     from flwr.app import Error, Message
+
     errors = []
     for m in sent:
         m.metadata.__dict__["_message_id"] = "m"
@@ -69,10 +72,13 @@ def test_the_round_guard_stops_a_round_in_which_every_client_failed() -> None:
 
 def test_the_round_guard_keeps_integer_buffers_integers() -> None:
     guard = RoundGuard(FedAvg(min_train_nodes=2), lambda *a: None, RULES)
-    sent = sorted(guard.configure_train(1, array_record(["n"], [np.array(3, np.int64)]), ConfigRecord(), Nodes(2)),
-                  key=lambda m: m.metadata.dst_node_id)  # clients 0, 1
-    new, _ = guard.aggregate_train(1, [reply(m, [np.array(c + 4, np.int64)], 8, {"client": c})
-                                        for c, m in enumerate(sent)])
+    sent = sorted(
+        guard.configure_train(1, array_record(["n"], [np.array(3, np.int64)]), ConfigRecord(), Nodes(2)),
+        key=lambda m: m.metadata.dst_node_id,
+    )  # clients 0, 1
+    new, _ = guard.aggregate_train(
+        1, [reply(m, [np.array(c + 4, np.int64)], 8, {"client": c}) for c, m in enumerate(sent)]
+    )
     [counter] = new.to_numpy_ndarrays()
     assert counter.dtype == np.int64 and counter.shape == () and int(counter) == 4  # round(4.5) to even
 
@@ -80,9 +86,12 @@ def test_the_round_guard_keeps_integer_buffers_integers() -> None:
 def test_the_federation_check_says_how_to_fix_a_mismatch() -> None:
     cfg = config("server.connect-timeout=0.3")  # 4 clients
     assert wait_for_nodes(Nodes(4), cfg) == 4
-    with pytest.raises(FederationMismatch, match=r"2 SuperNodes are connected after 0 s, but partition.num-clients "
-                                                 r"= 4 .*num-supernodes=4.*partition.num-clients=2 "
-                                                 r"train.clients-per-round=2"):
+    with pytest.raises(
+        FederationMismatch,
+        match=r"2 SuperNodes are connected after 0 s, but partition.num-clients "
+        r"= 4 .*num-supernodes=4.*partition.num-clients=2 "
+        r"train.clients-per-round=2",
+    ):
         wait_for_nodes(Nodes(2), cfg)
     with pytest.raises(FederationMismatch, match="6 SuperNodes are connected, but"):
         wait_for_nodes(Nodes(6), cfg)
@@ -97,12 +106,15 @@ def rows(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "rounds.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("overrides", [
-    ("server.strategy=fedavg",),
-    ("server.strategy=fedadam", "server.fedadam.eta=0.05"),
-    ("server.strategy=fedprox", "train.protocol=fedavg", "train.lr=0.1", "server.fedprox.proximal-mu=0.1"),
-    ("server.strategy=fedmedian", "train.protocol=fedavg", "train.lr=0.1"),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("server.strategy=fedavg",),
+        ("server.strategy=fedadam", "server.fedadam.eta=0.05"),
+        ("server.strategy=fedprox", "train.protocol=fedavg", "train.lr=0.1", "server.fedprox.proximal-mu=0.1"),
+        ("server.strategy=fedmedian", "train.protocol=fedavg", "train.lr=0.1"),
+    ],
+)
 def test_flowers_strategies_train_the_model(tmp_path: Path, overrides: tuple[str, ...]) -> None:
     folder = run_in_process(tmp_path, "train.rounds=4", *overrides)
     loss = [r["loss"] for r in rows(folder)]
@@ -122,10 +134,15 @@ def plugin_registry(monkeypatch: pytest.MonkeyPatch):
     sys.modules.pop("extensions.norm_clipped", None)
 
 
-def test_a_user_strategy_outside_the_package_is_selected_by_configuration(tmp_path: Path, plugin_registry,
-                                                                         capsys: pytest.CaptureFixture) -> None:
-    folder = run_in_process(tmp_path, "server.plugins=extensions.norm_clipped",
-                            "server.strategy=norm-clipped-fedavg", "server.norm-clipped-fedavg.clip=0.05")
+def test_a_user_strategy_outside_the_package_is_selected_by_configuration(
+    tmp_path: Path, plugin_registry, capsys: pytest.CaptureFixture
+) -> None:
+    folder = run_in_process(
+        tmp_path,
+        "server.plugins=extensions.norm_clipped",
+        "server.strategy=norm-clipped-fedavg",
+        "server.norm-clipped-fedavg.clip=0.05",
+    )
     assert "norm-clipped-fedavg: round 3: 3 of 3 uploads clipped to 0.05" in capsys.readouterr().out
     assert read_status(folder)["status"] == "completed" and len(rows(folder)) == 4
 

@@ -37,7 +37,10 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_runs_are_settings_times_variants_with_overrides_in_order(tmp_path: Path) -> None:
-    preset = write(tmp_path, SMALL + """
+    preset = write(
+        tmp_path,
+        SMALL
+        + """
 [sweep]
 baseline = "none"
 [sweep.settings.short]
@@ -51,10 +54,17 @@ defense = { name = "dp", dp = { noise-multiplier = 0.5 } }
 [sweep.variants.dp-long]
 "defense.name" = "dp"
 "train.rounds" = 4
-""")
+""",
+    )
     sweep = load_sweep(preset, tmp_path / "out")
     assert [(r.setting, r.variant) for r in sweep.runs] == [
-        ("short", "none"), ("short", "dp"), ("short", "dp-long"), ("long", "none"), ("long", "dp"), ("long", "dp-long")]
+        ("short", "none"),
+        ("short", "dp"),
+        ("short", "dp-long"),
+        ("long", "none"),
+        ("long", "dp"),
+        ("long", "dp-long"),
+    ]
     by = {(r.setting, r.variant): r for r in sweep.runs}
     assert by["short", "none"].config.train.rounds == 1 and by["long", "dp"].config.train.rounds == 3
     assert by["short", "dp-long"].config.train.rounds == 4  # the variant's keys come last
@@ -64,13 +74,17 @@ defense = { name = "dp", dp = { noise-multiplier = 0.5 } }
 
 
 def test_every_problem_of_every_run_is_reported_before_anything_runs(tmp_path: Path) -> None:
-    preset = write(tmp_path, SMALL + """
+    preset = write(
+        tmp_path,
+        SMALL
+        + """
 [sweep]
 [sweep.variants.a]
 "defense.name" = "nope"
 [sweep.variants.b]
 "train.rounds" = 0
-""")
+""",
+    )
     with pytest.raises(ConfigError) as caught:
         load_sweep(preset)
     problems = caught.value.problems
@@ -81,45 +95,99 @@ def test_every_problem_of_every_run_is_reported_before_anything_runs(tmp_path: P
     with pytest.raises(ConfigError, match="no \\[sweep\\] table"):
         load_sweep(write(tmp_path, SMALL))
     with pytest.raises(ConfigError, match="unknown key"):
-        load_sweep(write(tmp_path, SMALL + '[sweep]\nvariant = 1\n'))
+        load_sweep(write(tmp_path, SMALL + "[sweep]\nvariant = 1\n"))
 
 
 def leak(attack: str, psnr: float, ssim: float, lpips: float, rate: float, **changes: object) -> dict:
     """A ``privacy`` object as ``fedguard.report.leakage.privacy`` writes it, with the scores the table shows."""
-    return {"attack": attack, "adaptive": False, "round": 1, "n_images": 2, "seeds": [0], "psnr_mean": psnr,
-            "ssim_mean": ssim, "ssim_ci95": [ssim - 0.1, ssim + 0.05], "lpips_mean": lpips, "success_rate": rate,
-            **changes}
+    return {
+        "attack": attack,
+        "adaptive": False,
+        "round": 1,
+        "n_images": 2,
+        "seeds": [0],
+        "psnr_mean": psnr,
+        "ssim_mean": ssim,
+        "ssim_ci95": [ssim - 0.1, ssim + 0.05],
+        "lpips_mean": lpips,
+        "success_rate": rate,
+        **changes,
+    }
 
 
 def test_summary_table_gives_accuracy_as_a_share_of_the_baseline() -> None:
     rows = [
-        {"setting": "s", "variant": "none", "accuracy": 0.8, "privacy": leak("idlg", 40.0, 0.9, 0.01, 1.0),
-         "seconds_per_round": 0.5, "rounds": 5, "seeds": [0]},
-        {"setting": "s", "variant": "dp", "accuracy": 0.6, "seconds_per_round": 0.6, "rounds": 5,
-         "accuracy_ci95": [0.5, 0.7], "seeds": [0, 1, 2],
-         "privacy": leak("ig", 12.0, 0.2, 0.5, 0.0, adaptive=True, round=5, n_images=6, seeds=[0, 1, 2])},
+        {
+            "setting": "s",
+            "variant": "none",
+            "accuracy": 0.8,
+            "privacy": leak("idlg", 40.0, 0.9, 0.01, 1.0),
+            "seconds_per_round": 0.5,
+            "rounds": 5,
+            "seeds": [0],
+        },
+        {
+            "setting": "s",
+            "variant": "dp",
+            "accuracy": 0.6,
+            "seconds_per_round": 0.6,
+            "rounds": 5,
+            "accuracy_ci95": [0.5, 0.7],
+            "seeds": [0, 1, 2],
+            "privacy": leak("ig", 12.0, 0.2, 0.5, 0.0, adaptive=True, round=5, n_images=6, seeds=[0, 1, 2]),
+        },
         {"setting": "u", "variant": "none", "accuracy": 0.9, "seconds_per_round": 0.1, "rounds": 1},
     ]
     table = summary_table(rows, "none").splitlines()
-    assert table[0].startswith("| variant | s: attack, round | images | PSNR (dB) | SSIM [95% CI] | LPIPS | "
-                               "SSIM > 0.5 | accuracy")
+    assert table[0].startswith(
+        "| variant | s: attack, round | images | PSNR (dB) | SSIM [95% CI] | LPIPS | SSIM > 0.5 | accuracy"
+    )
     assert table[0].endswith("| % of baseline | s/round | u: s/round |")  # u attacked nothing, trained 1 round
-    assert table[2] == ("| `none` | `idlg`, round 1 | 2 | 40.0 | 0.90 [0.80, 0.95] | 0.010 | 100% | 80.0% | 100.0% "
-                        "| 0.50 | 0.10 |")
-    assert table[3] == ("| `dp` | `ig` adaptive, round 5 | 6 (3 seeds) | 12.0 | 0.20 [0.10, 0.25] | 0.500 | 0% "
-                        "| 60.0% [50.0, 70.0] | 75.0% | 0.60 | - |")
+    assert table[2] == (
+        "| `none` | `idlg`, round 1 | 2 | 40.0 | 0.90 [0.80, 0.95] | 0.010 | 100% | 80.0% | 100.0% | 0.50 | 0.10 |"
+    )
+    assert table[3] == (
+        "| `dp` | `ig` adaptive, round 5 | 6 (3 seeds) | 12.0 | 0.20 [0.10, 0.25] | 0.500 | 0% "
+        "| 60.0% [50.0, 70.0] | 75.0% | 0.60 | - |"
+    )
 
 
 def test_the_strongest_attack_is_the_one_with_the_highest_mean_ssim(tmp_path: Path) -> None:
     [run] = load_sweep(write(tmp_path, SMALL + '[sweep]\n[sweep.variants.a]\n"seed" = 1\n'), tmp_path / "out").runs
     run.folder.mkdir(parents=True)
-    rows = [{"attack": "ig", "status": "ok", "psnr": 20.0, "ssim": 0.5, "lpips": 0.3, "per_image": [{}],
-             "leaked_images": 0, "floor": {"psnr": 15.0}},
-            {"attack": "idlg", "status": "ok", "psnr": 35.0, "ssim": 0.95, "lpips": 0.05, "per_image": [{}],
-             "leaked_images": 1, "floor": {"psnr": 15.0}},
-            {"attack": "idlg", "status": "ok", "psnr": 25.0, "ssim": 0.85, "lpips": 0.15, "per_image": [{}],
-             "leaked_images": 0, "floor": {"psnr": 17.0}},
-            {"attack": "dlg", "status": "error", "psnr": None}]
+    rows = [
+        {
+            "attack": "ig",
+            "status": "ok",
+            "psnr": 20.0,
+            "ssim": 0.5,
+            "lpips": 0.3,
+            "per_image": [{}],
+            "leaked_images": 0,
+            "floor": {"psnr": 15.0},
+        },
+        {
+            "attack": "idlg",
+            "status": "ok",
+            "psnr": 35.0,
+            "ssim": 0.95,
+            "lpips": 0.05,
+            "per_image": [{}],
+            "leaked_images": 1,
+            "floor": {"psnr": 15.0},
+        },
+        {
+            "attack": "idlg",
+            "status": "ok",
+            "psnr": 25.0,
+            "ssim": 0.85,
+            "lpips": 0.15,
+            "per_image": [{}],
+            "leaked_images": 0,
+            "floor": {"psnr": 17.0},
+        },
+        {"attack": "dlg", "status": "error", "psnr": None},
+    ]
     (run.folder / "attacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = summarize_runs([run])
     assert summary["strongest_attack"] == "idlg" and set(summary["attacks"]) == {"ig", "idlg"}
@@ -131,21 +199,50 @@ def test_the_table_shows_epsilon_and_raw_uploads_where_variants_report_them(tmp_
     preset = write(tmp_path, SMALL + '[sweep]\n[sweep.variants.censor]\n"defense.name" = "censor"\n')
     [run] = load_sweep(preset, tmp_path / "out").runs
     run.folder.mkdir(parents=True)
-    rounds = [{"round": 0, "accuracy": 0.1, "loss": 2.3, "seconds": 0.1},
-              {"round": 1, "accuracy": 0.2, "loss": 2.0, "seconds": 1.0, "defense": {"raw": 0.5},
-               "uploads": [{"client": 0, "raw": 1.0}, {"client": 1, "raw": 0.0}]},
-              {"round": 2, "accuracy": 0.3, "loss": 1.9, "seconds": 1.0, "defense": {"raw": 0.0},
-               "uploads": [{"client": 0, "raw": 0.0}, {"client": 1, "raw": 0.0}]}]
-    attacks = [{"attack": "ig", "status": "ok", "round": r, "client": c, "psnr": 20.0, "ssim": 0.5, "lpips": 0.3,
-                "per_image": [{}], "leaked_images": 0} for r, c in ((1, 0), (1, 1), (2, 0))]
+    rounds = [
+        {"round": 0, "accuracy": 0.1, "loss": 2.3, "seconds": 0.1},
+        {
+            "round": 1,
+            "accuracy": 0.2,
+            "loss": 2.0,
+            "seconds": 1.0,
+            "defense": {"raw": 0.5},
+            "uploads": [{"client": 0, "raw": 1.0}, {"client": 1, "raw": 0.0}],
+        },
+        {
+            "round": 2,
+            "accuracy": 0.3,
+            "loss": 1.9,
+            "seconds": 1.0,
+            "defense": {"raw": 0.0},
+            "uploads": [{"client": 0, "raw": 0.0}, {"client": 1, "raw": 0.0}],
+        },
+    ]
+    attacks = [
+        {
+            "attack": "ig",
+            "status": "ok",
+            "round": r,
+            "client": c,
+            "psnr": 20.0,
+            "ssim": 0.5,
+            "lpips": 0.3,
+            "per_image": [{}],
+            "leaked_images": 0,
+        }
+        for r, c in ((1, 0), (1, 1), (2, 0))
+    ]
     attacks.append({**attacks[0], "attack": "idlg"})  # a second attack on the same upload counts once
     (run.folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     (run.folder / "attacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in attacks))
     summary = summarize_runs([run])
     assert (summary["raw_fraction"], summary["raw_attacked"], summary["attacked_uploads"]) == (0.25, 1, 3)
-    rows = [{**summary, "setting": "p"}, {**summary, "setting": "u", "privacy": None},
-            {"setting": "p", "variant": "dp", "epsilon": 2.1e6, "privacy": leak("ig", 5.0, 0.0, 0.4, 0.0), "rounds": 2},
-            {"setting": "u", "variant": "dp-sgd", "epsilon": 6.34, "rounds": 2}]
+    rows = [
+        {**summary, "setting": "p"},
+        {**summary, "setting": "u", "privacy": None},
+        {"setting": "p", "variant": "dp", "epsilon": 2.1e6, "privacy": leak("ig", 5.0, 0.0, 0.4, 0.0), "rounds": 2},
+        {"setting": "u", "variant": "dp-sgd", "epsilon": 6.34, "rounds": 2},
+    ]
     table = summary_table(rows, "censor").splitlines()
     assert "| SSIM > 0.5 | accuracy | % of baseline | epsilon | raw uploads | s/round | u: accuracy |" in table[0]
     assert table[2].split(" | ")[9:12] == ["-", "1 of 3", "1.00"] and table[2].split(" | ")[14:16] == ["-", "25%"]
@@ -154,21 +251,28 @@ def test_the_table_shows_epsilon_and_raw_uploads_where_variants_report_them(tmp_
 
 @pytest.mark.slow
 def test_a_sweep_runs_each_variant_and_resumes(tmp_path: Path) -> None:
-    preset = write(tmp_path, SMALL + """
+    preset = write(
+        tmp_path,
+        SMALL
+        + """
 [sweep]
 baseline = "none"
 [sweep.variants.none]
 "defense.name" = "none"
 [sweep.variants.dp]
 defense = { name = "dp", dp = { noise-multiplier = 0.05 } }
-""")
+""",
+    )
     sweep = load_sweep(preset, tmp_path / "out")
     lines: list[str] = []
     rows = run_sweep(sweep, lines.append, timeout=300)
     assert [r["status"] for r in rows] == ["ok", "ok"], lines
     assert all(r["rounds"] == 2 and 0 <= r["accuracy"] <= 1 for r in rows)
     assert (tmp_path / "out" / SUMMARY_FILE).read_text().count("\n") == 4
-    assert [json.loads(line)["variant"] for line in (tmp_path / "out" / SWEEP_FILE).read_text().splitlines()] == ["none", "dp"]
+    assert [json.loads(line)["variant"] for line in (tmp_path / "out" / SWEEP_FILE).read_text().splitlines()] == [
+        "none",
+        "dp",
+    ]
     again: list[str] = []
     run_sweep(sweep, again.append)
     assert all("finished earlier, kept" in line for line in again), again
@@ -180,7 +284,9 @@ def test_a_sweep_preset_given_to_run_says_to_sweep_it(tmp_path: Path) -> None:
         load_config(preset)
 
 
-PAPER = SMALL + """
+PAPER = (
+    SMALL
+    + """
 [sweep]
 baseline = "none"
 [sweep.variants.none]
@@ -209,14 +315,21 @@ run = "run/none"
 metric = "upload_share"
 differs = "-"
 """
+)
 
 
 def test_a_reproduction_preset_prints_the_papers_number_beside_ours(tmp_path: Path) -> None:
     sweep = load_sweep(write(tmp_path, PAPER), tmp_path / "out")
     assert sweep.paper is not None and [r.run for r in sweep.paper.rows] == ["run/dgp", "run/dgp", "run/none"]
-    rows = [{"setting": "run", "variant": "none", "accuracy": 0.8},
-            {"setting": "run", "variant": "dgp", "accuracy": 0.6,
-             "by_round": {"1": {"ssim": 0.31}, "5": {"ssim": 0.12345}}}]
+    rows = [
+        {"setting": "run", "variant": "none", "accuracy": 0.8},
+        {
+            "setting": "run",
+            "variant": "dgp",
+            "accuracy": 0.6,
+            "by_round": {"1": {"ssim": 0.31}, "5": {"ssim": 0.12345}},
+        },
+    ]
     table = render_paper_table(sweep.paper, rows, "none").splitlines()
     assert table[0] == "## DGP (Xue et al.)"
     assert table[4] == "| accuracy kept | 99.1% (Table 2) | 75.0% | `run/dgp` | digits, 3 clients |"
@@ -224,21 +337,28 @@ def test_a_reproduction_preset_prints_the_papers_number_beside_ours(tmp_path: Pa
     assert table[6] == "| upload share | 0.2 | not measured | `run/none` | - |"
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ('run = "run/dgp"\nmetric = "accuracy_share"', "run 'run/dgpx' is not a <setting>/<variant> of this sweep"),
-    ('format = "{:.1%}"', "format '{:.1q}' cannot print a number"),
-    ('differs = "digits, 3 clients"', "paper row 1: missing 'differs'"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ('run = "run/dgp"\nmetric = "accuracy_share"', "run 'run/dgpx' is not a <setting>/<variant> of this sweep"),
+        ('format = "{:.1%}"', "format '{:.1q}' cannot print a number"),
+        ('differs = "digits, 3 clients"', "paper row 1: missing 'differs'"),
+    ],
+)
 def test_a_bad_paper_row_is_named(tmp_path: Path, change: str, message: str) -> None:
-    broken = {'run = "run/dgp"\nmetric = "accuracy_share"': 'run = "run/dgpx"\nmetric = "accuracy_share"',
-              'format = "{:.1%}"': 'format = "{:.1q}"',
-              'differs = "digits, 3 clients"': ''}[change]
+    broken = {
+        'run = "run/dgp"\nmetric = "accuracy_share"': 'run = "run/dgpx"\nmetric = "accuracy_share"',
+        'format = "{:.1%}"': 'format = "{:.1q}"',
+        'differs = "digits, 3 clients"': "",
+    }[change]
     with pytest.raises(ConfigError) as error:
         load_sweep(write(tmp_path, PAPER.replace(change, broken, 1)), tmp_path / "out")
     assert message in str(error.value)
 
 
-SEEDED = SMALL + """
+SEEDED = (
+    SMALL
+    + """
 [sweep]
 baseline = "none"
 seeds = [0, 1, 2]
@@ -252,6 +372,7 @@ kind = "realistic"
 [sweep.variants.dp]
 defense = { name = "dp", dp = { noise-multiplier = 0.5 } }
 """
+)
 
 
 def test_a_sweep_with_seeds_runs_each_cell_once_per_seed_in_a_folder_per_seed(tmp_path: Path) -> None:
@@ -259,29 +380,37 @@ def test_a_sweep_with_seeds_runs_each_cell_once_per_seed_in_a_folder_per_seed(tm
     assert sweep.seeds == (0, 1, 2)
     assert [(r.setting, r.variant, r.seed) for r in sweep.runs] == [("fedavg", "dp", s) for s in (0, 1, 2)]
     assert [r.folder for r in sweep.runs] == [tmp_path / "out" / "fedavg" / "dp" / f"seed-{s}" for s in (0, 1, 2)]
-    assert all(r.config.train.rounds == 3 and r.config.train.batch_size == 16 and r.kind == "realistic"
-               for r in sweep.runs)
+    assert all(
+        r.config.train.rounds == 3 and r.config.train.batch_size == 16 and r.kind == "realistic" for r in sweep.runs
+    )
     chosen = load_sweep(write(tmp_path, SEEDED), tmp_path / "out", only=["fedavg/dp"], seeds=[2])
     assert chosen.seeds == (2,) and [r.folder for r in chosen.runs] == [tmp_path / "out" / "fedavg" / "dp" / "seed-2"]
-    plain = load_sweep(write(tmp_path, 'seed = 4\n' + SMALL + '[sweep]\n[sweep.settings.s]\n[sweep.variants.a]\n'),
-                       tmp_path / "plain")
+    plain = load_sweep(
+        write(tmp_path, "seed = 4\n" + SMALL + "[sweep]\n[sweep.settings.s]\n[sweep.variants.a]\n"), tmp_path / "plain"
+    )
     assert plain.seeds is None and [(r.seed, r.kind, r.folder) for r in plain.runs] == [
-        (4, "diagnostic", tmp_path / "plain" / "s" / "a")], "without seeds: the preset's seed, one folder per cell"
+        (4, "diagnostic", tmp_path / "plain" / "s" / "a")
+    ], "without seeds: the preset's seed, one folder per cell"
 
 
-@pytest.mark.parametrize(("change", "overrides", "message"), [
-    ("seeds = [0, 0]", [], r"sweep.seeds = \[0, 0\]: give a list of distinct whole numbers >= 0, e.g. \[0, 1, 2\]"),
-    ("seeds = []", [], r"sweep.seeds = \[\]: give a list"),
-    ('seeds = ["1"]', [], r"sweep.seeds = \['1'\]: give a list"),
-    ("seeds = [0, 1, 2]", ["seed=3"], r"sets each run's seed; remove seed from --set seed"),
-    ('kind = "diagnostic"\n"seed" = 2', [], r"remove seed from \[sweep.settings.privacy\]"),
-    ('kind = "practical"', [], r"sweep.settings.privacy.kind = 'practical': choose diagnostic or realistic"),
-    ('kind = "diagnostic"\nvariants = ["none", "nope"]', [],
-     r"sweep.settings.privacy.variants = \['none', 'nope'\]: give a list of variants of this sweep"),
-    ('kind = "diagnostic"\nvariants = []', [], r"sweep.settings.privacy.variants = \[\]: give a list"),
-])
-def test_bad_seeds_and_setting_kinds_are_named(tmp_path: Path, change: str, overrides: list[str],
-                                               message: str) -> None:
+@pytest.mark.parametrize(
+    ("change", "overrides", "message"),
+    [
+        ("seeds = [0, 0]", [], r"sweep.seeds = \[0, 0\]: give a list of distinct whole numbers >= 0, e.g. \[0, 1, 2\]"),
+        ("seeds = []", [], r"sweep.seeds = \[\]: give a list"),
+        ('seeds = ["1"]', [], r"sweep.seeds = \['1'\]: give a list"),
+        ("seeds = [0, 1, 2]", ["seed=3"], r"sets each run's seed; remove seed from --set seed"),
+        ('kind = "diagnostic"\n"seed" = 2', [], r"remove seed from \[sweep.settings.privacy\]"),
+        ('kind = "practical"', [], r"sweep.settings.privacy.kind = 'practical': choose diagnostic or realistic"),
+        (
+            'kind = "diagnostic"\nvariants = ["none", "nope"]',
+            [],
+            r"sweep.settings.privacy.variants = \['none', 'nope'\]: give a list of variants of this sweep",
+        ),
+        ('kind = "diagnostic"\nvariants = []', [], r"sweep.settings.privacy.variants = \[\]: give a list"),
+    ],
+)
+def test_bad_seeds_and_setting_kinds_are_named(tmp_path: Path, change: str, overrides: list[str], message: str) -> None:
     target = 'kind = "diagnostic"' if change.startswith("kind") else "seeds = [0, 1, 2]"
     assert target in SEEDED
     with pytest.raises(ConfigError, match=message):
@@ -293,14 +422,27 @@ def finished_run(folder: Path, accuracy: float, ssims: list[float], seed: int, a
     folder.mkdir(parents=True)
     rounds = [{"round": r, "accuracy": accuracy if r == 2 else 0.1, "loss": 1.0, "seconds": 1.0} for r in range(3)]
     per_image = [{"psnr": 10 + 20 * s, "ssim": s, "lpips": 1 - s} for s in ssims]
-    attacks = [{"attack": attack, "status": "ok", "round": 1, "client": 0, "seed": seed, "psnr": 20.0,
-                "ssim": sum(ssims) / len(ssims), "lpips": 0.3, "per_image": per_image, "leaked_images": 0}]
+    attacks = [
+        {
+            "attack": attack,
+            "status": "ok",
+            "round": 1,
+            "client": 0,
+            "seed": seed,
+            "psnr": 20.0,
+            "ssim": sum(ssims) / len(ssims),
+            "lpips": 0.3,
+            "per_image": per_image,
+            "leaked_images": 0,
+        }
+    ]
     (folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     (folder / "attacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in attacks))
 
 
-def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sweep = load_sweep(write(tmp_path, SEEDED), tmp_path / "out", [], ["privacy/none", "privacy/dp"])
     folders = {(r.variant, r.seed): r.folder for r in sweep.runs}
     for seed, accuracy in ((0, 0.8), (1, 0.9)):
@@ -316,23 +458,41 @@ def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(tmp_path
     monkeypatch.setattr("fedguard.sweep.run_one", fail)
     lines: list[str] = []
     rows = run_sweep(sweep, lines.append)
-    assert lines[-1] == f"fedguard: [6/6] privacy/dp seed 2: failed: RuntimeError: out of memory " \
-                        f"(log {folders['dp', 2]}.log)"
+    assert (
+        lines[-1] == f"fedguard: [6/6] privacy/dp seed 2: failed: RuntimeError: out of memory "
+        f"(log {folders['dp', 2]}.log)"
+    )
     runs = [json.loads(line) for line in (tmp_path / "out" / "runs.jsonl").read_text().splitlines()]
     assert [(r["variant"], r["seed"], r["status"]) for r in runs] == [
-        ("none", 0, "ok"), ("none", 1, "ok"), ("none", 2, "ok"), ("dp", 0, "ok"), ("dp", 1, "ok"), ("dp", 2, "failed")]
+        ("none", 0, "ok"),
+        ("none", 1, "ok"),
+        ("none", 2, "ok"),
+        ("dp", 0, "ok"),
+        ("dp", 1, "ok"),
+        ("dp", 2, "failed"),
+    ]
     assert runs[0]["privacy"]["seeds"] == [0] and runs[0]["accuracy"] == 0.8
     assert rows == [json.loads(line) for line in (tmp_path / "out" / SWEEP_FILE).read_text().splitlines()]
     none, dp = rows
     assert (none["seeds"], none["failed_seeds"], dp["seeds"], dp["failed_seeds"]) == ([0, 1, 2], [], [0, 1], [2])
     assert none["setting_kind"] == "diagnostic" and none["folder"] == str(tmp_path / "out" / "privacy" / "none")
     assert none["accuracy"] == pytest.approx(0.85) and none["accuracy_share"] == 1.0
-    assert none["accuracy_ci95"] == pytest.approx([0.85 - 4.303 * 0.05 / 3 ** 0.5, 0.85 + 4.303 * 0.05 / 3 ** 0.5],
-                                                  abs=1e-4)
-    assert dp["accuracy"] == 0.4 and dp["accuracy_ci95"] == [0.4, 0.4] and dp["accuracy_share"] == pytest.approx(0.4 / 0.85)
+    assert none["accuracy_ci95"] == pytest.approx(
+        [0.85 - 4.303 * 0.05 / 3**0.5, 0.85 + 4.303 * 0.05 / 3**0.5], abs=1e-4
+    )
+    assert (
+        dp["accuracy"] == 0.4
+        and dp["accuracy_ci95"] == [0.4, 0.4]
+        and dp["accuracy_share"] == pytest.approx(0.4 / 0.85)
+    )
     leak = none["privacy"]
-    assert (leak["attack"], leak["adaptive"], leak["round"], leak["n_images"], leak["seeds"]) == ("idlg", False, 1, 6,
-                                                                                                 [0, 1, 2])
+    assert (leak["attack"], leak["adaptive"], leak["round"], leak["n_images"], leak["seeds"]) == (
+        "idlg",
+        False,
+        1,
+        6,
+        [0, 1, 2],
+    )
     assert leak["ssim_mean"] == pytest.approx(4.15 / 6) and leak["success_rate"] == pytest.approx(4 / 6)
     assert leak["recovered_rate"] == pytest.approx(1 / 6) and leak["success_threshold"] == 0.5
     assert [r["round"] for r in leak["per_round"]] == [1]

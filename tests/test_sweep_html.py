@@ -20,20 +20,50 @@ from tests.test_report_html import CHROMIUM, chromium, img_count
 
 
 def attacked(ssims_by_round: dict[int, list[float]]) -> dict:
-    rows = [{"attack": "ig", "status": "ok", "round": r, "client": 0, "seed": 0,
-             "per_image": [{"psnr": 10 + 30 * s, "ssim": s, "lpips": 1 - s} for s in ssims]}
-            for r, ssims in ssims_by_round.items()]
+    rows = [
+        {
+            "attack": "ig",
+            "status": "ok",
+            "round": r,
+            "client": 0,
+            "seed": 0,
+            "per_image": [{"psnr": 10 + 30 * s, "ssim": s, "lpips": 1 - s} for s in ssims],
+        }
+        for r, ssims in ssims_by_round.items()
+    ]
     return privacy(rows, {"ig": False})
 
 
 def cells() -> list[dict]:
-    common = {"setting": "trained", "status": "ok", "rounds": 3, "seeds": [0, 1], "baseline": "none",
-              "setting_kind": "diagnostic"}
+    common = {
+        "setting": "trained",
+        "status": "ok",
+        "rounds": 3,
+        "seeds": [0, 1],
+        "baseline": "none",
+        "setting_kind": "diagnostic",
+    }
     return [
-        {**common, "variant": "none", "accuracy": 0.8, "accuracy_ci95": [0.7, 0.9], "accuracy_share": 1.0,
-         "seconds_per_round": 0.3, "upload_share": 1.0, "privacy": attacked({1: [0.9, 1.0], 3: [0.6, 0.8]})},
-        {**common, "variant": "prune", "accuracy": 0.6, "accuracy_ci95": None, "accuracy_share": 0.75,
-         "seconds_per_round": 0.5, "upload_share": 0.2, "privacy": attacked({1: [0.2, 0.4], 3: [0.1, 0.3]})},
+        {
+            **common,
+            "variant": "none",
+            "accuracy": 0.8,
+            "accuracy_ci95": [0.7, 0.9],
+            "accuracy_share": 1.0,
+            "seconds_per_round": 0.3,
+            "upload_share": 1.0,
+            "privacy": attacked({1: [0.9, 1.0], 3: [0.6, 0.8]}),
+        },
+        {
+            **common,
+            "variant": "prune",
+            "accuracy": 0.6,
+            "accuracy_ci95": None,
+            "accuracy_share": 0.75,
+            "seconds_per_round": 0.5,
+            "upload_share": 0.2,
+            "privacy": attacked({1: [0.2, 0.4], 3: [0.1, 0.3]}),
+        },
         {**common, "variant": "dp", "status": "failed", "error": "boom", "accuracy": None, "seeds": []},
     ]
 
@@ -43,8 +73,9 @@ def write_sweep(folder: Path) -> Path:
     rows = cells()
     (folder / "sweep.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (folder / "runs.jsonl").write_text("")
-    (folder / "summary.md").write_text(summary_table(rows, "none") + "\n- `trained/dp` seed 0 **failed**: boom\n\n"
-                                       + leakage_tables(rows))
+    (folder / "summary.md").write_text(
+        summary_table(rows, "none") + "\n- `trained/dp` seed 0 **failed**: boom\n\n" + leakage_tables(rows)
+    )
     return folder
 
 
@@ -69,8 +100,10 @@ def test_cells_whose_images_have_no_ssim_draw_no_leakage() -> None:
 
 def test_summary_markdown_becomes_tables_lists_and_paragraphs() -> None:
     html = markdown_html("| a | b |\n|---|---:|\n| `x` | **1.0** |\n\n- `s/v` seed 0 **failed**: <oops>\n\nText `c`.\n")
-    assert ('<thead><tr><th class="">a</th><th class="num">b</th></tr></thead>'
-            '<tbody><tr><td class=""><code>x</code></td><td class="num"><b>1.0</b></td></tr></tbody>') in html
+    assert (
+        '<thead><tr><th class="">a</th><th class="num">b</th></tr></thead>'
+        '<tbody><tr><td class=""><code>x</code></td><td class="num"><b>1.0</b></td></tr></tbody>'
+    ) in html
     assert "<ul><li><code>s/v</code> seed 0 <b>failed</b>: &lt;oops&gt;</li></ul>" in html
     assert html.endswith("<p>Text <code>c</code>.</p>")
 
@@ -80,10 +113,13 @@ def test_fedguard_report_on_a_sweep_folder_writes_the_page_and_its_figures(tmp_p
     assert main(["report", str(folder)]) == 0
     page = (folder / SWEEP_PAGE).read_text()
     assert sorted(p.name for p in folder.glob("*.png")) == [
-        "cost-trained.png", "leakage-per-round-trained.png", "privacy-utility-trained.png"]
+        "cost-trained.png",
+        "leakage-per-round-trained.png",
+        "privacy-utility-trained.png",
+    ]
     assert img_count(page) == 3 and page.count("data:image/png;base64,") == 3
     assert "Failed in every seed (no figure): dp" in page
-    assert "Mean SSIM [95% CI] per attack and attacked round" in page and "<td class=\"\"><code>prune</code></td>" in page
+    assert "Mean SSIM [95% CI] per attack and attacked round" in page and '<td class=""><code>prune</code></td>' in page
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:|//)""", page), "nothing loaded from outside"
 
 
@@ -97,7 +133,9 @@ def test_the_sweep_page_renders_in_chromium(tmp_path: Path) -> None:
     loaded = re.search(r'data-images-loaded="(\d+)"', dom.stdout)
     assert loaded and int(loaded.group(1)) == 3, "every figure decodes"
     shot = tmp_path / "shot.png"
-    done = chromium(["--window-size=1280,2400", "--hide-scrollbars", f"--screenshot={shot}", url], tmp_path / "profile-shot")
+    done = chromium(
+        ["--window-size=1280,2400", "--hide-scrollbars", f"--screenshot={shot}", url], tmp_path / "profile-shot"
+    )
     assert done.returncode == 0 and shot.is_file(), done.stderr[-2000:]
     pixels = np.asarray(Image.open(shot).convert("RGB"), dtype=np.float32)
     assert pixels.std() > 20, "the screenshot is not blank"

@@ -44,7 +44,7 @@ def test_tensorboard_receives_the_rounds_the_scores_the_images_and_the_configura
     [image] = events.Images("images/ig/round-0001_client-0001")
     assert (image.step, image.width, image.height) == (1, 3 * 64 + 2, 2 * 64 + 1), "3 truths above 3 recons"
     config = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert "    [train]\n    protocol = \"fedsgd\"\n    rounds = 20\n" in config
+    assert '    [train]\n    protocol = "fedsgd"\n    rounds = 20\n' in config
 
 
 def check_mlflow_run(uri: str, experiment: str) -> None:
@@ -78,10 +78,26 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_mlflow_logs_to_a_tracking_server(tmp_path: Path) -> None:
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                               "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-                               "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "server.log", "w"),
+    )
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -134,8 +150,9 @@ def test_a_failing_tracker_is_named_and_dropped(tmp_path: Path, caplog: pytest.L
     assert failing.calls == 1 and trackers.trackers == []
     assert "tracking: failing failed in round (OSError: disk full); the run goes on without it" in caplog.text
     with caplog.at_level(logging.WARNING):
-        unreachable = open_trackers(load_config(None, ["track.mlflow=true", "track.mlflow-uri=ftp://nowhere"]),
-                                    tmp_path)
+        unreachable = open_trackers(
+            load_config(None, ["track.mlflow=true", "track.mlflow-uri=ftp://nowhere"]), tmp_path
+        )
     assert unreachable.trackers == [] and "tracking: mlflow could not be opened" in caplog.text
 
 
@@ -146,5 +163,6 @@ def test_a_tracker_whose_package_is_missing_is_refused_before_the_run(monkeypatc
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
     config = load_config(None, ["track.mlflow=true", "track.tensorboard=true"])
     assert tracker_problems(config) == [
-        "track.mlflow = true needs the mlflow package, which is not installed: pip install mlflow"]
+        "track.mlflow = true needs the mlflow package, which is not installed: pip install mlflow"
+    ]
     assert tracker_problems(load_config(None)) == []

@@ -77,18 +77,33 @@ def write_checkpoint(path: Path) -> Path:
 def write_gradient_set(path: Path) -> Path:
     options = SurrogateOptions(batch_size=2)
     gradients = GradientSet(
-        torch.zeros(3, 1, 4, 4), PackingSpec(((3, 4),), 4, 1.0), "mlp", {}, "digits", "test", SPEC, options,
-        torch.zeros(3, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, dtype=torch.float64),
+        torch.zeros(3, 1, 4, 4),
+        PackingSpec(((3, 4),), 4, 1.0),
+        "mlp",
+        {},
+        "digits",
+        "test",
+        SPEC,
+        options,
+        torch.zeros(3, dtype=torch.int64),
+        torch.zeros(3, 2, dtype=torch.int64),
+        torch.ones(3, dtype=torch.float64),
     )
     return save_gradient_set(gradients, path)
 
 
 GOOD: dict[str, Callable[[Path], Path]] = {
-    "generator": write_generator, "evalnet": write_evalnet, "ddpm": write_ddpm, "checkpoint": write_checkpoint,
+    "generator": write_generator,
+    "evalnet": write_evalnet,
+    "ddpm": write_ddpm,
+    "checkpoint": write_checkpoint,
     "gradients": write_gradient_set,
 }
 LOAD: dict[str, Callable[[Path], Any]] = {
-    "generator": load_generator, "evalnet": load_evalnet, "ddpm": load_ddpm, "checkpoint": load_checkpoint,
+    "generator": load_generator,
+    "evalnet": load_evalnet,
+    "ddpm": load_ddpm,
+    "checkpoint": load_checkpoint,
     "gradients": load_gradient_set,
 }
 MJOLNIR_COMMAND = "fedguard train-mjolnir <preset> --out"
@@ -118,8 +133,13 @@ def arrays_of(path: Path) -> dict[str, np.ndarray]:
         return {name: archive[name] for name in archive.files}
 
 
-def rewritten(good: Path, path: Path, changes: dict | None = None, drop: tuple[str, ...] = (),
-              arrays: dict[str, np.ndarray] | None = None) -> Path:
+def rewritten(
+    good: Path,
+    path: Path,
+    changes: dict | None = None,
+    drop: tuple[str, ...] = (),
+    arrays: dict[str, np.ndarray] | None = None,
+) -> Path:
     """``good``'s entries with the meta fields ``changes`` changed, ``drop`` left out and ``arrays`` set, written
     to ``path``."""
     entries = {**arrays_of(good), **(arrays or {})}
@@ -302,8 +322,12 @@ CASES = [
     ("ddpm", generator_as_other_kind, "format 'fedguard-generator/1', expected 'fedguard-mjolnir-ddpm/1'"),
     ("generator", meta_without_spec, "its meta lacks 'spec'"),
     ("evalnet", invalid_width, "its meta is invalid (ValueError: width must be >= 1, got 0)"),
-    ("generator", other_latent_dim, "decoder arrays in the file do not match its meta: key 'decoder/net.0.weight' "
-                                    "has shape (32, 4), expected (32, 5)"),
+    (
+        "generator",
+        other_latent_dim,
+        "decoder arrays in the file do not match its meta: key 'decoder/net.0.weight' "
+        "has shape (32, 4), expected (32, 5)",
+    ),
     ("generator", missing_weight, "decoder arrays in the file do not match its meta: missing key 'decoder/net.0"),
     ("evalnet", extra_weight, "network arrays in the file do not match its meta: unexpected key 'net/extra.weight'"),
     ("ddpm", wrong_shape, "UNet arrays in the file do not match its meta: key 'unet/"),
@@ -347,8 +371,9 @@ def test_a_denoiser_of_the_other_kind_is_refused(tmp_path: Path) -> None:
     path = write_ddpm(tmp_path / "conditional.npz", conditional=True)
     with pytest.raises(TrainedFileError) as caught:
         load_ddpm(path, conditional=False)
-    assert str(caught.value) == (f"{path}: its Mjölnir denoiser is conditional, expected unconditional; train one "
-                                 f"with `fedguard train-mjolnir`")
+    assert str(caught.value) == (
+        f"{path}: its Mjölnir denoiser is conditional, expected unconditional; train one with `fedguard train-mjolnir`"
+    )
 
 
 def test_an_evaluation_network_for_other_images_is_refused(good: dict[str, Path]) -> None:
@@ -386,8 +411,16 @@ def test_files_are_never_unpickled(good: dict[str, Path], tmp_path: Path) -> Non
 def test_the_attack_files_check_refuses_a_corrupt_generator_and_denoiser(good: dict[str, Path], tmp_path: Path) -> None:
     generator = nan_weights(good["generator"], tmp_path / "nan-generator.npz")
     denoiser = truncated(good["ddpm"], tmp_path / "short-denoiser.npz")
-    config = load_config(None, ["attack.name=ggl,mjolnir+ig", f"attack.ggl.generator={generator}",
-                                f"attack.mjolnir+ig.denoiser={denoiser}", "defense.name=dp", "threat.defense=true"])
+    config = load_config(
+        None,
+        [
+            "attack.name=ggl,mjolnir+ig",
+            f"attack.ggl.generator={generator}",
+            f"attack.mjolnir+ig.denoiser={denoiser}",
+            "defense.name=dp",
+            "threat.defense=true",
+        ],
+    )
     with pytest.raises(TrainedFileError) as caught:
         check_attack_files(config.attacks)
     assert not isinstance(caught.value, FileNotFoundError)

@@ -38,10 +38,16 @@ def with_files(name: str, **changes: Any) -> Any:
     return params(**{**{k: v for k, v in FILES.items() if k in fields}, **changes})
 
 
-CASES = [(name, {}) for name in ATTACKS.names()] + [("ig", {"eot": 2})] + [
-    (f"mjolnir+{inner}", changes) for inner in INNER_ATTACKS
-    for changes in ({"noise_source": "given", "noise_std": 0.1}, {"noise_source": "estimate"})
-] + [("mjolnir+ig", {"eot": 2})]
+CASES = (
+    [(name, {}) for name in ATTACKS.names()]
+    + [("ig", {"eot": 2})]
+    + [
+        (f"mjolnir+{inner}", changes)
+        for inner in INNER_ATTACKS
+        for changes in ({"noise_source": "given", "noise_std": 0.1}, {"noise_source": "estimate"})
+    ]
+    + [("mjolnir+ig", {"eot": 2})]
+)
 
 
 @pytest.mark.parametrize("name, changes", CASES)
@@ -57,14 +63,23 @@ def test_traits_match_the_built_attack(name: str, changes: dict[str, Any], monke
     assert {f.param for f in traits.files} == {k for k in FILES if k in params.__dataclass_fields__}
 
 
-@pytest.mark.parametrize(("name", "changes", "adaptive"), [
-    ("ig", {}, False), ("ig", {"skip": "fc.weight"}, True), ("ig", {"eot": 2}, True),
-    ("idlg", {}, False), ("gradinversion", {}, False), ("ggl", {}, False),
-    ("mjolnir+idlg", {}, True), ("mjolnir+idlg", {"noise_source": "estimate"}, False),
-    ("mjolnir+ig", {"noise_source": "estimate", "skip": "fc.weight"}, True),
-])
-def test_an_attack_is_adaptive_when_its_parameters_use_the_defense(name: str, changes: dict[str, Any],
-                                                                  adaptive: bool) -> None:
+@pytest.mark.parametrize(
+    ("name", "changes", "adaptive"),
+    [
+        ("ig", {}, False),
+        ("ig", {"skip": "fc.weight"}, True),
+        ("ig", {"eot": 2}, True),
+        ("idlg", {}, False),
+        ("gradinversion", {}, False),
+        ("ggl", {}, False),
+        ("mjolnir+idlg", {}, True),
+        ("mjolnir+idlg", {"noise_source": "estimate"}, False),
+        ("mjolnir+ig", {"noise_source": "estimate", "skip": "fc.weight"}, True),
+    ],
+)
+def test_an_attack_is_adaptive_when_its_parameters_use_the_defense(
+    name: str, changes: dict[str, Any], adaptive: bool
+) -> None:
     assert attack_traits(name, with_files(name, **changes)).adaptive is adaptive
 
 
@@ -76,12 +91,19 @@ def test_configuration_builds_no_attack_or_defense_and_loads_no_file(monkeypatch
         return original(self, name, *args, params=params)
 
     monkeypatch.setattr(Registry, "build", build)
-    config = Config.from_flat({
-        "attack.name": "ig, ggl, mjolnir+ig, mjolnir+ggl", "attack.ggl.generator": "absent/g.npz",
-        "attack.mjolnir+ig.denoiser": "absent/d.npz", "attack.mjolnir+ggl.denoiser": "absent/d.npz",
-        "attack.mjolnir+ggl.generator": "absent/g.npz", "attack.ig.eot": 2, "threat.defense": True,
-        "defense.name": "dp", "name": uuid.uuid4().hex,
-    })
+    config = Config.from_flat(
+        {
+            "attack.name": "ig, ggl, mjolnir+ig, mjolnir+ggl",
+            "attack.ggl.generator": "absent/g.npz",
+            "attack.mjolnir+ig.denoiser": "absent/d.npz",
+            "attack.mjolnir+ggl.denoiser": "absent/d.npz",
+            "attack.mjolnir+ggl.generator": "absent/g.npz",
+            "attack.ig.eot": 2,
+            "threat.defense": True,
+            "defense.name": "dp",
+            "name": uuid.uuid4().hex,
+        }
+    )
     assert config.attack_names() == ["ig", "ggl", "mjolnir+ig", "mjolnir+ggl"]
     assert Config.from_flat({"defense.name": "refiner", "defense.refiner.evalnet": "absent/e.npz"})
 
@@ -96,24 +118,29 @@ def test_unset_files_are_still_configuration_errors() -> None:
 
 
 def test_eot_against_a_defense_that_cannot_be_simulated() -> None:
-    [problem] = problems_of({"attack.name": "ig", "attack.ig.eot": 2, "threat.defense": True, "defense.name": "soteria"})
+    [problem] = problems_of(
+        {"attack.name": "ig", "attack.ig.eot": 2, "threat.defense": True, "defense.name": "soteria"}
+    )
     assert "EOT needs a defense that can be simulated; defense.name = 'soteria'" in problem
     assert "attack.ig.eot = 0" in problem
 
 
 def test_the_model_check_needs_no_data() -> None:
     """cifar10 is not on this machine: its static spec is enough to refuse a BatchNorm model for dp-sgd."""
-    [problem] = problems_of({"defense.name": "dp-sgd", "data.name": "cifar10", "data.root": "/absent",
-                             "model.mlp.batch-norm": True})
+    [problem] = problems_of(
+        {"defense.name": "dp-sgd", "data.name": "cifar10", "data.root": "/absent", "model.mlp.batch-norm": True}
+    )
     assert "defense.dp-sgd with model.name = 'mlp'" in problem and "BatchNorm" in problem
 
 
 def test_the_server_reports_each_missing_file_with_its_key(tmp_path: Path) -> None:
-    present = save_generator(TrainedGenerator(Decoder(load_dataset("digits").spec, 4, 4), "digits", "test", (1.0,)),
-                             tmp_path / "present.npz")
+    present = save_generator(
+        TrainedGenerator(Decoder(load_dataset("digits").spec, 4, 4), "digits", "test", (1.0,)), tmp_path / "present.npz"
+    )
     ggl = Component("ggl", with_files("ggl", generator=str(tmp_path / "g.npz")))
-    stacked = Component("mjolnir+ggl", with_files("mjolnir+ggl", denoiser=str(tmp_path / "d.npz"),
-                                                  generator=str(present)))
+    stacked = Component(
+        "mjolnir+ggl", with_files("mjolnir+ggl", denoiser=str(tmp_path / "d.npz"), generator=str(present))
+    )
     problems = missing_attack_files([ggl, stacked, Component("ig", with_files("ig"))])
     assert problems == [
         f"attack.ggl.generator = {str(tmp_path / 'g.npz')!r}: no generator at {tmp_path / 'g.npz'}; create it with "

@@ -60,8 +60,9 @@ def pipeline(command: str) -> list[list[str]]:
 
 def test_the_tutorial_shows_a_run_a_defense_and_an_attack() -> None:
     text = TUTORIAL.read_text()
-    assert ["## 1. First run", "## 2. First defense", "## 3. First attack"] == re.findall(r"^## \d\. .*$", text,
-                                                                                        re.MULTILINE)
+    assert ["## 1. First run", "## 2. First defense", "## 3. First attack"] == re.findall(
+        r"^## \d\. .*$", text, re.MULTILINE
+    )
     shown = commands(text)
     assert any(c.startswith("fedguard run ") and "defense.name=" not in c for c in shown)
     assert any(c.startswith("fedguard run ") and "defense.name=" in c for c in shown)
@@ -72,7 +73,9 @@ def test_the_extraction_joins_continued_lines_and_skips_comments() -> None:
     page = "text\n```bash\n# a comment\nfedguard run a.toml \\\n    --set x=1\n\ncat b\n```\n```text\nnot run\n```\n"
     assert commands(page) == ["fedguard run a.toml --set x=1", "cat b"]
     assert pipeline("fedguard config --keys | grep '^defense\\.dgp\\.'") == [
-        ["fedguard", "config", "--keys"], ["grep", "^defense\\.dgp\\."]]
+        ["fedguard", "config", "--keys"],
+        ["grep", "^defense\\.dgp\\."],
+    ]
 
 
 def test_every_tutorial_command_parses_and_its_configuration_validates() -> None:
@@ -124,11 +127,21 @@ def test_every_tutorial_command_parses_and_its_configuration_validates() -> None
 def test_every_tutorial_command_runs_as_a_user_types_it(tmp_path: Path) -> None:
     (tmp_path / "experiments").symlink_to(ROOT / "experiments")
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT),
-           "VIRTUAL_ENV": str(bin_dir.parent)}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(ROOT),
+        "VIRTUAL_ENV": str(bin_dir.parent),
+    }
     for command in commands(TUTORIAL.read_text()):
-        result = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            ["bash", "-o", "pipefail", "-c", command],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, f"$ {command}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
         print(f"$ {command}\n{result.stdout[-2000:]}")
     # What the page says the reader will find.

@@ -26,16 +26,24 @@ def _row(tool: str, ssim: float, ratio: float, iterations: int = 500) -> dict[st
 
 def test_the_fastest_batched_row_at_breaching_quality_decides() -> None:
     bench = _benchmark()
-    rows = [_row(bench.BATCHED, 0.28, 1.3), _row(bench.ONE_AT_A_TIME, 0.28, 1.2),
-            _row(bench.FEWER, 0.20, 3.2, 200), _row("breaching", 0.18, 1.0)]
+    rows = [
+        _row(bench.BATCHED, 0.28, 1.3),
+        _row(bench.ONE_AT_A_TIME, 0.28, 1.2),
+        _row(bench.FEWER, 0.20, 3.2, 200),
+        _row("breaching", 0.18, 1.0),
+    ]
     verdict = bench.verdicts(rows)["ig-convnet"]
     assert verdict["met"] and verdict["best"]["tool"] == bench.FEWER and verdict["one_at_a_time_not_slower"]
 
 
 def test_a_fast_row_below_breaching_quality_does_not_count() -> None:
     bench = _benchmark()
-    rows = [_row(bench.BATCHED, 0.28, 1.3), _row(bench.ONE_AT_A_TIME, 0.28, 0.9),
-            _row(bench.FEWER, 0.15, 4.0, 100), _row("breaching", 0.18, 1.0)]
+    rows = [
+        _row(bench.BATCHED, 0.28, 1.3),
+        _row(bench.ONE_AT_A_TIME, 0.28, 0.9),
+        _row(bench.FEWER, 0.15, 4.0, 100),
+        _row("breaching", 0.18, 1.0),
+    ]
     verdict = bench.verdicts(rows)["ig-convnet"]
     assert not verdict["met"] and verdict["best"]["tool"] == bench.BATCHED
     assert not verdict["one_at_a_time_not_slower"]

@@ -30,8 +30,16 @@ import torch
 from attackers.engine.terms import Distance, cosine_distance, dot, l2_distance
 from fedguard.defenses.dp_update import clip_per_job
 from fedguard.defenses.quantization import level_grid
-from fedguard.defenses.revealed import (AlteredLayer, ClippedNoise, OrthogonalPerTensor, QuantizedLevels, Revealed,
-                                        SentBand, Unchanged, WithinRadius)
+from fedguard.defenses.revealed import (
+    AlteredLayer,
+    ClippedNoise,
+    OrthogonalPerTensor,
+    QuantizedLevels,
+    Revealed,
+    SentBand,
+    Unchanged,
+    WithinRadius,
+)
 
 EPS = 1e-12
 

@@ -35,19 +35,23 @@ def compiler_available(device: torch.device) -> bool:
     """Whether ``torch.compile`` can build kernels for ``device``: triton and a C compiler (for its launcher)
     on CUDA, a C++ compiler on the CPU."""
     if device.type == "cuda":
-        return (importlib.util.find_spec("triton") is not None
-                and any(shutil.which(c) for c in (os.environ.get("CC", ""), "gcc", "cc", "clang") if c))
+        return importlib.util.find_spec("triton") is not None and any(
+            shutil.which(c) for c in (os.environ.get("CC", ""), "gcc", "cc", "clang") if c
+        )
     return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
 
 
-def compiles(mode: str, device: torch.device, iterations: int, key: object = None,
-             precision: str = "float32") -> bool:
+def compiles(mode: str, device: torch.device, iterations: int, key: object = None, precision: str = "float32") -> bool:
     """Whether a search of ``iterations`` in ``precision`` on ``device`` in ``mode`` compiles (``key``: its
     kind, for the memo of failures)."""
     if mode == "auto":
-        return (os.environ.get(ENV, "auto") != "off" and iterations >= AUTO_MIN_ITERATIONS
-                and not (precision == "bfloat16" and device.type == "cpu")
-                and key not in _failed and compiler_available(device))
+        return (
+            os.environ.get(ENV, "auto") != "off"
+            and iterations >= AUTO_MIN_ITERATIONS
+            and not (precision == "bfloat16" and device.type == "cpu")
+            and key not in _failed
+            and compiler_available(device)
+        )
     return mode == "on"
 
 
@@ -61,8 +65,9 @@ class Compiler:
     of another kind empties dynamo's cache first, so that it never fills up (past its limit dynamo would run
     the rest of the process eager)."""
 
-    def __init__(self, mode: str, device: torch.device, iterations: int, key: object,
-                 precision: str = "float32") -> None:
+    def __init__(
+        self, mode: str, device: torch.device, iterations: int, key: object, precision: str = "float32"
+    ) -> None:
         self.strict, self.key = mode == "on", key
         self.enabled = compiles(mode, device, iterations, key, precision)
         if self.enabled and _cached != [key]:
@@ -84,8 +89,11 @@ class Compiler:
                 if state["fn"] is fn:
                     raise
                 _failed.add(self.key)
-                warnings.warn(f"torch.compile failed ({type(error).__name__}: {str(error).splitlines()[0][:200]});"
-                              f" this search runs eager (compile = 'off' skips the attempt)", stacklevel=2)
+                warnings.warn(
+                    f"torch.compile failed ({type(error).__name__}: {str(error).splitlines()[0][:200]});"
+                    f" this search runs eager (compile = 'off' skips the attempt)",
+                    stacklevel=2,
+                )
                 state["fn"] = fn
                 return fn(*args)
 

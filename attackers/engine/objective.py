@@ -60,6 +60,7 @@ class BatchNormInputs:
             h = inputs[0]
             dims = [0, *range(2, h.dim())]
             self.seen[name] = (h.mean(dims), h.var(dims, correction=0))
+
         return record
 
     def start(self) -> None:
@@ -96,12 +97,12 @@ class Objective:
                     recorder.start()
                 loss = batch_loss(functional_call(model, q, (x,)), labels)
                 return loss, recorder.statistics() if recorder else []
+
             return grad(loss_of, has_aux=True)(p)
 
         update = param_grad
         if problem.observations[0].kind == "weights":
-            update = local_update_fn(param_grad, LocalSchedule.of(problem.observations[0]),
-                                     problem.space.batch)
+            update = local_update_fn(param_grad, LocalSchedule.of(problem.observations[0]), problem.space.batch)
         self.update = vmap(update, in_dims=(None if jobs.shared else 0, 0, 0))
         self.dtype = PRECISIONS[spec.precision]
         self.params = {name: p.to(self.dtype) for name, p in jobs.params.items()}
@@ -110,7 +111,9 @@ class Objective:
         self.distance = self._eot(distance, defense, seed)
         self._losses: dict[tuple[Term, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
 
-    def _eot(self, distance: Callable[..., torch.Tensor], defense: Any, seed: int) -> Callable[[Gradients], torch.Tensor]:
+    def _eot(
+        self, distance: Callable[..., torch.Tensor], defense: Any, seed: int
+    ) -> Callable[[Gradients], torch.Tensor]:
         """``g -> (J,)``: the distance of ``g`` itself, or its mean over ``eot`` draws of the simulated defense."""
         target, compared, draws = self.problem.target, self.compared, self.spec.eot
         if not draws:
@@ -158,13 +161,15 @@ class Objective:
         at the end point ``z``."""
         distance, priors = self.parts(z, [t.name for t in self.spec.terms])
         total = self.spec.distance_weight * distance + sum(
-            t.weight * priors[t.name] for t in self.spec.terms if t.weight > 0 and t.selects)
+            t.weight * priors[t.name] for t in self.spec.terms if t.weight > 0 and t.selects
+        )
         total = torch.where(torch.isfinite(total), total, torch.inf)
         return total, {"distance": distance, **priors}
 
 
-def local_update_fn(param_grad: Callable[..., tuple[Gradients, Statistics]], schedule: LocalSchedule,
-                    examples: int) -> Callable[..., tuple[Gradients, Statistics]]:
+def local_update_fn(
+    param_grad: Callable[..., tuple[Gradients, Statistics]], schedule: LocalSchedule, examples: int
+) -> Callable[..., tuple[Gradients, Statistics]]:
     """``(params, x, y) -> (params - params_after_local_SGD, [])``: the client's FedAvg steps replayed on dummy
     data, minibatches in order."""
 
@@ -172,7 +177,9 @@ def local_update_fn(param_grad: Callable[..., tuple[Gradients, Statistics]], sch
         q = p
         for _ in range(schedule.epochs):
             for start in range(0, examples, schedule.batch_size):
-                g, _ = param_grad(q, x[start : start + schedule.batch_size], labels[start : start + schedule.batch_size])
+                g, _ = param_grad(
+                    q, x[start : start + schedule.batch_size], labels[start : start + schedule.batch_size]
+                )
                 q = {n: q[n] - schedule.lr * g[n] for n in q}
         return {n: p[n] - q[n] for n in p}, []
 

@@ -37,6 +37,7 @@ Wrap = Callable[[Callable[..., object]], Callable[..., object]]
 def _eager(fn: Callable[..., object]) -> Callable[..., object]:
     return fn
 
+
 SCHEDULES = ("step", "cosine", "none")
 OPTIMIZERS = ("signed-adam", "adam", "lbfgs")
 LINE_SEARCHES = ("none", "fractions")
@@ -76,8 +77,9 @@ def check_schedule(schedule: str) -> None:
         raise ValueError(f"schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
 
 
-def scheduler_of(optimizer: torch.optim.Optimizer, schedule: str,
-                 iterations: int) -> torch.optim.lr_scheduler.LRScheduler:
+def scheduler_of(
+    optimizer: torch.optim.Optimizer, schedule: str, iterations: int
+) -> torch.optim.lr_scheduler.LRScheduler:
     """The learning-rate ``schedule`` over ``iterations`` steps: ``step`` divides it by 10 at 3/8, 5/8
     and 7/8, ``cosine`` decays it along a half cosine to 0, ``none`` keeps it."""
     if schedule == "step":
@@ -88,8 +90,14 @@ def scheduler_of(optimizer: torch.optim.Optimizer, schedule: str,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
 
-def adam(z: torch.Tensor, losses_at: LossesAt, iterations: int, spec: OptimizerSpec,
-         project: Callable[[torch.Tensor], None], compiler: Wrap = _eager) -> torch.Tensor:
+def adam(
+    z: torch.Tensor,
+    losses_at: LossesAt,
+    iterations: int,
+    spec: OptimizerSpec,
+    project: Callable[[torch.Tensor], None],
+    compiler: Wrap = _eager,
+) -> torch.Tensor:
     """``iterations`` Adam steps on every job's ``z`` (signed gradient for 'signed-adam'); returns the end point."""
     z = z.detach().clone().requires_grad_()
     optimizer = torch.optim.Adam([z], lr=spec.lr, fused=z.device.type in FUSED_ADAM_DEVICES)
@@ -165,22 +173,29 @@ class BatchedLBFGS:
         return q
 
 
-def lbfgs(z: torch.Tensor, losses_at: LossesAt, iterations: int, spec: OptimizerSpec,
-          project: Callable[[torch.Tensor], None], fresh: Callable[[torch.Tensor], torch.Tensor],
-          compiler: Wrap = _eager) -> tuple[torch.Tensor, torch.Tensor]:
+def lbfgs(
+    z: torch.Tensor,
+    losses_at: LossesAt,
+    iterations: int,
+    spec: OptimizerSpec,
+    project: Callable[[torch.Tensor], None],
+    fresh: Callable[[torch.Tensor], torch.Tensor],
+    compiler: Wrap = _eager,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``iterations`` L-BFGS iterations with ``spec.line_search`` on ``losses_at(1.0)``; ``fresh(jobs)`` gives
     new starting points for the jobs (J,) bool that turned non-finite. Returns the end point and each job's count
     of such restarts."""
     losses = losses_at(1.0)
-    evaluate = Evaluations(compiler(grad_and_value(_total_and_each(losses), has_aux=True)),
-                           compiler(vmap(losses)))
+    evaluate = Evaluations(compiler(grad_and_value(_total_and_each(losses), has_aux=True)), compiler(vmap(losses)))
     step = _fixed_step if spec.line_search == "none" else _fraction_search
     jobs, device = z.shape[0], z.device
     optimizer = BatchedLBFGS(spec.history)
-    state = {"resets": torch.zeros(jobs, dtype=torch.long, device=device),
-             "first": torch.ones(jobs, dtype=torch.bool, device=device),
-             "step_size": torch.full((jobs,), spec.lr, device=device),
-             "previous_loss": torch.full((jobs,), torch.inf, device=device)}
+    state = {
+        "resets": torch.zeros(jobs, dtype=torch.long, device=device),
+        "first": torch.ones(jobs, dtype=torch.bool, device=device),
+        "step_size": torch.full((jobs,), spec.lr, device=device),
+        "previous_loss": torch.full((jobs,), torch.inf, device=device),
+    }
     for iteration in range(iterations):
         z = step(z, evaluate, optimizer, spec, state)
         if spec.box:
@@ -199,9 +214,11 @@ def lbfgs(z: torch.Tensor, losses_at: LossesAt, iterations: int, spec: Optimizer
 
 def _total_and_each(losses: Losses) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """``z -> (sum of the jobs' losses, (J,) losses detached)``, for ``grad_and_value`` with ``has_aux``."""
+
     def total(point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         each = losses(point)
         return each.sum(), each.detach()
+
     return total
 
 
@@ -214,23 +231,28 @@ class Evaluations:
     trials: Callable[..., object]
 
 
-def _fixed_step(z: torch.Tensor, evaluate: Evaluations, optimizer: BatchedLBFGS, spec: OptimizerSpec,
-                state: dict[str, torch.Tensor]) -> torch.Tensor:
+def _fixed_step(
+    z: torch.Tensor, evaluate: Evaluations, optimizer: BatchedLBFGS, spec: OptimizerSpec, state: dict[str, torch.Tensor]
+) -> torch.Tensor:
     """One iteration of ``torch.optim.LBFGS`` without line search, per job: step ``lr`` along the quasi-Newton
     direction (the first one scaled by ``min(1, 1 / |g|_1)``); a job whose gradient, descent or last change of
     loss is below torch's tolerances stands still."""
     g, (_, loss) = evaluate.gradient(z)
     direction = optimizer.direction(z, g)
     lr = torch.where(state["first"], (1.0 / g.flatten(1).abs().sum(1)).clamp_max(1.0) * spec.lr, spec.lr)
-    converged = ((g.flatten(1).abs().amax(1) <= TOLERANCE_GRAD) | (_dot(g, direction) < TOLERANCE_CHANGE)
-                 | ((loss - state["previous_loss"]).abs() < TOLERANCE_CHANGE))
+    converged = (
+        (g.flatten(1).abs().amax(1) <= TOLERANCE_GRAD)
+        | (_dot(g, direction) < TOLERANCE_CHANGE)
+        | ((loss - state["previous_loss"]).abs() < TOLERANCE_CHANGE)
+    )
     state["first"] = state["first"] & converged
     state["previous_loss"] = loss
     return z - _expand(torch.where(converged, 0.0, lr), z) * direction
 
 
-def _fraction_search(z: torch.Tensor, evaluate: Evaluations, optimizer: BatchedLBFGS, spec: OptimizerSpec,
-                     state: dict[str, torch.Tensor]) -> torch.Tensor:
+def _fraction_search(
+    z: torch.Tensor, evaluate: Evaluations, optimizer: BatchedLBFGS, spec: OptimizerSpec, state: dict[str, torch.Tensor]
+) -> torch.Tensor:
     """One iteration with the line search over ``STEP_SCALES`` of the step (all trials in one vmapped
     evaluation), the best kept per job; a job with no trial below its loss forgets its curvature and shrinks its
     step tenfold, one taking the full step doubles it back towards ``lr``."""

@@ -37,9 +37,11 @@ def space_for(obs: Observation, batch: int, joint: bool, decoder: Any, device: t
     shape = obs.spec.shape
     if decoder is not None:
         if decoder.spec.shape != shape:
-            raise ValueError(f"the generator makes images of shape {decoder.spec.shape}, but the uploads come from "
-                             f"images of shape {shape}; train one on similar data with "
-                             f"`fedguard train-generator --data <dataset>`")
+            raise ValueError(
+                f"the generator makes images of shape {decoder.spec.shape}, but the uploads come from "
+                f"images of shape {shape}; train one on similar data with "
+                f"`fedguard train-generator --data <dataset>`"
+            )
         return LatentSpace(batch, decoder.latent_dim, decoder.to(device), shape)
     if joint:
         return JointSpace(batch, shape, obs.spec.num_classes)
@@ -51,9 +53,18 @@ class Problem:
     each, labels (known per upload, or searched), the space, and the BatchNorm layers a ``bn`` term matches
     with their target statistics (J, C)."""
 
-    def __init__(self, spec: SearchSpec, observations: list[Observation], jobs: JobBatch,
-                 target: list[torch.Tensor], known: list[torch.Tensor] | None, inferred: list[bool],
-                 space: Space, bn_layers: list[str], bn_target: Statistics) -> None:
+    def __init__(
+        self,
+        spec: SearchSpec,
+        observations: list[Observation],
+        jobs: JobBatch,
+        target: list[torch.Tensor],
+        known: list[torch.Tensor] | None,
+        inferred: list[bool],
+        space: Space,
+        bn_layers: list[str],
+        bn_target: Statistics,
+    ) -> None:
         self.spec, self.observations, self.batch_of_jobs = spec, observations, jobs
         self.target, self.known, self.inferred, self.space = target, known, inferred, space
         self.bn_layers, self.bn_target = bn_layers, bn_target
@@ -73,12 +84,20 @@ class Problem:
         batch = images_per_upload(first)
         declared = [declared_labels(o.declared) for o in observations]
         joint = spec.labels == "joint" and any(lab is None for lab in declared)
-        known = None if joint else [(upload_labels_inferred(o, t, batch) if lab is None else lab).to(device)
-                                    for o, lab, t in zip(observations, declared, targets)]
+        known = (
+            None
+            if joint
+            else [
+                (upload_labels_inferred(o, t, batch) if lab is None else lab).to(device)
+                for o, lab, t in zip(observations, declared, targets)
+            ]
+        )
         inferred = [lab is None and not joint for lab in declared]
         compared = [i for i, n in enumerate(jobs.names) if not spec.skipped(n)]
         if not compared:
-            raise ValueError(f"skip = {spec.skip!r} leaves no parameter to compare; parameters: {', '.join(jobs.names)}")
+            raise ValueError(
+                f"skip = {spec.skip!r} leaves no parameter to compare; parameters: {', '.join(jobs.names)}"
+            )
         target = [jobs.per_job([t[i] for t in targets]) for i in compared]
         space = space_for(first, batch, joint, decoder, device)
         layers = list(bn_stats[0]) if bn_stats else []
@@ -109,8 +128,15 @@ class Problem:
             return self.known
         return list(self.space.final_labels(z))
 
-    def reconstructions(self, final: torch.Tensor, parts: dict[str, torch.Tensor], images: torch.Tensor,
-                        labels: list[torch.Tensor], resets: torch.Tensor, seconds: float) -> list[Reconstruction]:
+    def reconstructions(
+        self,
+        final: torch.Tensor,
+        parts: dict[str, torch.Tensor],
+        images: torch.Tensor,
+        labels: list[torch.Tensor],
+        resets: torch.Tensor,
+        seconds: float,
+    ) -> list[Reconstruction]:
         """Per upload, its best restart's images and labels, with the search's statistics."""
         spec = self.spec
         uploads, restarts = len(self.observations), spec.restarts
@@ -135,5 +161,3 @@ class Problem:
                 stats["nan_restarts"] = int(resets[i * restarts : (i + 1) * restarts].sum())
             results.append(Reconstruction(images[job].cpu(), upload_labels.cpu(), stats))
         return results
-
-

@@ -32,8 +32,9 @@ from attackers.jobs import resolve_device
 from fedguard.observation import Observation
 
 
-def search(spec: SearchSpec, observations: list[Observation], seed: int, *,
-           decoder: Any = None, defense: Any = None) -> list[Reconstruction]:
+def search(
+    spec: SearchSpec, observations: list[Observation], seed: int, *, decoder: Any = None, defense: Any = None
+) -> list[Reconstruction]:
     """Reconstruct the batches behind ``observations`` (one model, data shape, batch size and upload kind)
     from the starting points ``seed`` gives; ``decoder``: search a generator's latents; ``defense``: the
     clients' defense, simulated for EOT."""
@@ -44,12 +45,20 @@ def search(spec: SearchSpec, observations: list[Observation], seed: int, *,
     problem = Problem.of(spec, observations, device, decoder)
     objective = Objective(spec, problem, defense, seed)
     z = torch.stack([problem.space.start(problem.generator(seed, j)) for j in range(problem.jobs)]).to(device)
-    compiler = Compiler(spec.compile, device, spec.iterations, (dataclasses.replace(spec, iterations=1), z.shape),
-                        spec.precision)
+    compiler = Compiler(
+        spec.compile, device, spec.iterations, (dataclasses.replace(spec, iterations=1), z.shape), spec.precision
+    )
     resets = torch.zeros(problem.jobs, dtype=torch.long)
     if spec.optimizer.kind == "lbfgs":
-        z, resets = lbfgs(z, objective.losses_at, spec.iterations, spec.optimizer, problem.space.project_,
-                          problem.fresh_starts(seed), compiler)
+        z, resets = lbfgs(
+            z,
+            objective.losses_at,
+            spec.iterations,
+            spec.optimizer,
+            problem.space.project_,
+            problem.fresh_starts(seed),
+            compiler,
+        )
     else:
         z = adam(z, objective.losses_at, spec.iterations, spec.optimizer, problem.space.project_, compiler)
     with torch.no_grad():

@@ -77,8 +77,10 @@ def grey_prior(inputs: TermInputs) -> torch.Tensor:
 
 def batch_norm_prior(inputs: TermInputs) -> torch.Tensor:
     """Sum over BatchNorm layers of ``||mu(x) - mu||_2 + ||var(x) - var||_2`` per job."""
-    return sum(torch.linalg.vector_norm(mean - mean_t, dim=1) + torch.linalg.vector_norm(var - var_t, dim=1)
-               for (mean, var), (mean_t, var_t) in zip(inputs.statistics, inputs.bn_target))
+    return sum(
+        torch.linalg.vector_norm(mean - mean_t, dim=1) + torch.linalg.vector_norm(var - var_t, dim=1)
+        for (mean, var), (mean_t, var_t) in zip(inputs.statistics, inputs.bn_target)
+    )
 
 
 def group_prior(inputs: TermInputs) -> torch.Tensor:

@@ -21,7 +21,12 @@ from fedguard.data.registry import DatasetNotFoundError, SourceOptions, fixed_sp
 from fedguard.data.spec import DataSpec
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
-FASHION_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+FASHION_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
 
 
 def default_cache_root() -> Path:
@@ -38,9 +43,7 @@ def _require_root(name: str, options: SourceOptions, hint: str) -> Path:
     return Path(options.root).expanduser()
 
 
-def _torchvision_split(
-    name: str, options: SourceOptions, expected: str, make: Callable[[Path, bool], Any]
-) -> Any:
+def _torchvision_split(name: str, options: SourceOptions, expected: str, make: Callable[[Path, bool], Any]) -> Any:
     root = _require_root(name, options, expected)
     try:
         return make(root, options.download)
@@ -73,7 +76,9 @@ def _mnist_like(name: str, cls: Any, options: SourceOptions, root: Path | None =
         train, test = make(root, False)
     else:
         train, test = _torchvision_split(name, options, f"{folder}/raw/train-images-idx3-ubyte", make)
-    return _image_data(name, tuple(train.classes), (train.data.numpy(), train.targets), (test.data.numpy(), test.targets))
+    return _image_data(
+        name, tuple(train.classes), (train.data.numpy(), train.targets), (test.data.numpy(), test.targets)
+    )
 
 
 @register_dataset("mnist", spec=fixed_spec(1, 28, 28, 10))
@@ -155,7 +160,10 @@ def load_svhn(options: SourceOptions) -> ImageData:
     train, test = _torchvision_split("svhn", options, "train_32x32.mat", make)
     classes = tuple(str(d) for d in range(10))
     return _image_data(
-        "svhn", classes, (train.data.transpose(0, 2, 3, 1), train.labels), (test.data.transpose(0, 2, 3, 1), test.labels)
+        "svhn",
+        classes,
+        (train.data.transpose(0, 2, 3, 1), train.labels),
+        (test.data.transpose(0, 2, 3, 1), test.labels),
     )
 
 
@@ -188,7 +196,9 @@ def load_image_folder(options: SourceOptions) -> ImageData:
             classes, train_x, train_y = _read_folder(root / "train", size)
             test_classes, test_x, test_y = _read_folder(root / "test", size)
             if test_classes != classes:
-                raise DatasetNotFoundError(f"{root}/train and {root}/test hold different classes: {classes} vs {test_classes}")
+                raise DatasetNotFoundError(
+                    f"{root}/train and {root}/test hold different classes: {classes} vs {test_classes}"
+                )
             return _image_data("imagefolder", tuple(classes), (train_x, train_y), (test_x, test_y))
         classes, images, labels = _read_folder(root, size)
     except FileNotFoundError as error:

@@ -32,7 +32,9 @@ PARTITIONERS: Registry[Partitioner] = Registry("partition")
 register_partitioner = PARTITIONERS.register
 
 
-def partition(labels: np.ndarray, num_clients: int, scheme: str, options: PartitionOptions, seed: int) -> list[np.ndarray]:
+def partition(
+    labels: np.ndarray, num_clients: int, scheme: str, options: PartitionOptions, seed: int
+) -> list[np.ndarray]:
     """Sorted index arrays, one per client, covering disjoint parts of ``labels``."""
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")

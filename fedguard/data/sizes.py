@@ -28,8 +28,16 @@ CLASS_COUNTS: dict[str, tuple[int, ...]] = {
 }
 # (height, width) of each source photo of the 'photos' dataset, in its class order
 PHOTO_SHAPES: tuple[tuple[int, int], ...] = (
-    (512, 512), (300, 451), (400, 600), (427, 640), (872, 1000), (512, 512), (1411, 1411), (500, 741),
-    (427, 640), (427, 640),
+    (512, 512),
+    (300, 451),
+    (400, 600),
+    (427, 640),
+    (872, 1000),
+    (512, 512),
+    (1411, 1411),
+    (500, 741),
+    (427, 640),
+    (427, 640),
 )
 # The Dirichlet partitioner's smallest partition is min(10, N // (2 * clients)) samples: 0, and clients may get
 # nothing, below 2 samples per client.

@@ -96,9 +96,9 @@ def aggregate_reports(metrics: list[dict[str, Any]]) -> RoundReports:
         for key, value in client.items():
             if not key.startswith(REPORT_PREFIX):
                 continue
-            name = key[len(REPORT_PREFIX):]
+            name = key[len(REPORT_PREFIX) :]
             if name.startswith(UPLOAD_PREFIX):
-                upload[name[len(UPLOAD_PREFIX):]] = float(value)
+                upload[name[len(UPLOAD_PREFIX) :]] = float(value)
             else:
                 totals[name] = max(float(value), totals.get(name, float("-inf")))
         if upload:
@@ -136,8 +136,11 @@ class DefenseTraits:
     def of(cls, defense: type, **changes: Any) -> "DefenseTraits":
         """The traits ``defense``'s class declares (``protocols``, a static ``check_model``, ``simulate``), with
         ``changes`` for those its parameters set."""
-        declared = cls(getattr(defense, "protocols", None), getattr(defense, "check_model", None),
-                       callable(getattr(defense, "simulate", None)))
+        declared = cls(
+            getattr(defense, "protocols", None),
+            getattr(defense, "check_model", None),
+            callable(getattr(defense, "simulate", None)),
+        )
         return dataclasses.replace(declared, **changes)
 
 

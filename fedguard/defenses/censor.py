@@ -137,8 +137,9 @@ def published_orthogonal_rescaled(grad: torch.Tensor, noise: torch.Tensor) -> to
 PROJECT = {"exact": orthogonal_rescaled, "published": published_orthogonal_rescaled}
 
 
-def choose_candidate(losses: torch.Tensor, base: torch.Tensor, batch_size: int, temperature: float,
-                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_candidate(
+    losses: torch.Tensor, base: torch.Tensor, batch_size: int, temperature: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(index of the chosen candidate, whether no candidate improves on ``base``) as 0-d tensors.
 
     ``losses`` (T,) are the candidates' losses, ``base`` the loss at the current parameters. The choice is among
@@ -191,8 +192,11 @@ class Censor:
     def report(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
         """This client's fallback count and defended steps so far (rounds.jsonl keeps the largest per round),
         and ``upload.raw``: 1 when this upload is the raw gradient (a fallback to it, or an inactive round)."""
-        return {"censor-fallbacks": float(state.get(FALLBACKS_KEY, 0)), "censor-steps": float(state.get(STEPS_KEY, 0)),
-                "upload.raw": float(state.get(RAW_KEY, 0))}
+        return {
+            "censor-fallbacks": float(state.get(FALLBACKS_KEY, 0)),
+            "censor-steps": float(state.get(STEPS_KEY, 0)),
+            "upload.raw": float(state.get(RAW_KEY, 0)),
+        }
 
     def candidates(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         """The T proposals after phases 1-2: per gradient tensor of shape S, a tensor (T, *S).
@@ -207,8 +211,9 @@ class Censor:
     def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         """One proposal per job of (J, ...) updates: a fresh direction orthogonal to each layer, norm-matched."""
         project = PROJECT[self.params.projection]
-        return [project(g.flatten(1), _normal((g.shape[0], g[0].numel()), g, generator)).reshape(g.shape)
-                for g in grads]
+        return [
+            project(g.flatten(1), _normal((g.shape[0], g[0].numel()), g, generator)).reshape(g.shape) for g in grads
+        ]
 
 
 def _normal(shape: tuple[int, int], like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -227,8 +232,9 @@ def probe_losses(step: LocalStep, candidates: list[torch.Tensor], probe_lr: floa
     trainable = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
     if len(trainable) != len(candidates):
-        raise ValueError(f"the step has {len(candidates)} gradient tensors, the model {len(trainable)} trainable "
-                         "parameters")
+        raise ValueError(
+            f"the step has {len(candidates)} gradient tensors, the model {len(trainable)} trainable parameters"
+        )
     batched = {}
     for (name, p), c in zip(trainable.items(), candidates):
         batched[name] = torch.empty((trials + 1, *p.shape), dtype=p.dtype, device=p.device)

@@ -113,7 +113,9 @@ def sample_rate(params: DPSGDParams, batch_size: int, examples: int = 0) -> floa
     if size == 0:
         return 1.0
     if batch_size > size:
-        raise ValueError(f"a batch of {batch_size} samples exceeds the data set size {size} (defense.dp-sgd.dataset-size)")
+        raise ValueError(
+            f"a batch of {batch_size} samples exceeds the data set size {size} (defense.dp-sgd.dataset-size)"
+        )
     return batch_size / size
 
 
@@ -142,7 +144,9 @@ class DPSGD:
         for g in grads:
             total = torch.tensordot(factors, g, dims=1)  # sum of the clipped per-sample gradients
             if scale > 0:
-                noise = torch.randn(total.shape, generator=step.generator, dtype=total.dtype, device=step.generator.device)
+                noise = torch.randn(
+                    total.shape, generator=step.generator, dtype=total.dtype, device=step.generator.device
+                )
                 total = total + scale * noise.to(total.device)
             sent.append(total / batch)
         self._count(state, rate)

@@ -74,8 +74,10 @@ class UpdateDPParams:
         if not (self.epsilon >= 0 and math.isfinite(self.epsilon)):
             raise ValueError(f"epsilon must be finite and >= 0 (0: use noise-multiplier), got {self.epsilon}")
         if self.epsilon > 0 and self.mechanism != "gaussian":
-            raise ValueError(f"epsilon calibrates the gaussian mechanism only, not {self.mechanism!r}: "
-                             "set noise-multiplier for Laplace noise")
+            raise ValueError(
+                f"epsilon calibrates the gaussian mechanism only, not {self.mechanism!r}: "
+                "set noise-multiplier for Laplace noise"
+            )
         if self.epsilon > 0 and self.noise_multiplier != UpdateDPParams.noise_multiplier:
             raise ValueError(f"give noise-multiplier ({self.noise_multiplier}) or epsilon ({self.epsilon}), not both")
         if self.calibration not in CALIBRATIONS:

@@ -68,8 +68,10 @@ def add_residuals(grads: list[torch.Tensor], state: dict[str, torch.Tensor], pre
             accumulated.append(g)
             continue
         if residual.shape != g.shape or residual.dtype != g.dtype:
-            raise ValueError(f"stored residual {residual_key(prefix, i)} is {residual.dtype} {tuple(residual.shape)}, "
-                             f"the update is {g.dtype} {tuple(g.shape)}: the model changed between rounds")
+            raise ValueError(
+                f"stored residual {residual_key(prefix, i)} is {residual.dtype} {tuple(residual.shape)}, "
+                f"the update is {g.dtype} {tuple(g.shape)}: the model changed between rounds"
+            )
         accumulated.append(g + residual.to(g.device))
     return accumulated
 
@@ -117,8 +119,10 @@ class RankBandPruning:
         """(sent, residual) of one layer P, both shaped like P, copies of its entries or zeros."""
         flat = accumulated.reshape(-1)
         sent, bottom = self._masks(flat)
-        return (torch.where(sent, flat, 0.0).reshape(accumulated.shape),
-                self.residual(flat, sent, bottom).reshape(accumulated.shape))
+        return (
+            torch.where(sent, flat, 0.0).reshape(accumulated.shape),
+            self.residual(flat, sent, bottom).reshape(accumulated.shape),
+        )
 
     def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         """The pruning of each job of (J, ...) updates, without a residual (the client's output at round 0 or

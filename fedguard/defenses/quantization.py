@@ -68,8 +68,10 @@ class StochasticQuantization:
         self.params = params
 
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        return [stochastic_levels(g.detach().reshape(1, -1), self.params.bits, step.generator).reshape(g.shape)
-                for g in step.grads]
+        return [
+            stochastic_levels(g.detach().reshape(1, -1), self.params.bits, step.generator).reshape(g.shape)
+            for g in step.grads
+        ]
 
     def revealed(self) -> QuantizedLevels:
         """Every entry within one level step of the true one."""

@@ -81,8 +81,10 @@ from fedguard.trained_files import MissingTrainedFile, TrainedFileError
 
 CACHE_KEY = "x_star"
 RADII = ("relative", "absolute")
-NO_EVALNET = ("defense 'refiner' needs an evaluation network: set defense.refiner.evalnet to a file made by "
-              f"`{COMMAND}` (by default evalnets/<dataset>.npz)")
+NO_EVALNET = (
+    "defense 'refiner' needs an evaluation network: set defense.refiner.evalnet to a file made by "
+    f"`{COMMAND}` (by default evalnets/<dataset>.npz)"
+)
 REPORTED = {"grad-norm": "grad_norm", "distance": "raw_distance", "radius": "radius", "moved": "moved"}  # name: key
 
 
@@ -230,8 +232,9 @@ class Refiner:
             state[CACHE_KEY] = robust.to(torch.float16)
         numbers = {"grad_norm": grad_norm, "raw_distance": raw_distance, "radius": radius, "moved": moved}
         state.update({key: value.detach().cpu() for key, value in numbers.items()})
-        self.last = RefinerStats(float(grad_norm), float(raw_distance), float(moved), float(radius), utility,
-                                 privacy, warm, start, robust)
+        self.last = RefinerStats(
+            float(grad_norm), float(raw_distance), float(moved), float(radius), utility, privacy, warm, start, robust
+        )
         return upload
 
     @staticmethod
@@ -284,14 +287,15 @@ class Refiner:
             utility.append(um.detach())
             privacy.append(pm.detach())
         empty = torch.zeros(0)
-        return (robust.detach(), torch.stack(utility) if utility else empty,
-                torch.stack(privacy) if privacy else empty)
+        return (robust.detach(), torch.stack(utility) if utility else empty, torch.stack(privacy) if privacy else empty)
 
 
 def missing_evalnet(evalnet: str) -> str:
     """Why no evaluation network loads from ``evalnet``, and how to make one."""
-    return (f"defense 'refiner': no evaluation network at {evalnet_path(evalnet)} "
-            f"(defense.refiner.evalnet = {evalnet!r}); create it with `{COMMAND} --out {evalnet}`")
+    return (
+        f"defense 'refiner': no evaluation network at {evalnet_path(evalnet)} "
+        f"(defense.refiner.evalnet = {evalnet!r}); create it with `{COMMAND} --out {evalnet}`"
+    )
 
 
 def evalnet_path(evalnet: str) -> Path:

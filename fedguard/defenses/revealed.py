@@ -68,8 +68,7 @@ class ClippedNoise:
     clip: float
 
 
-Revealed = Union[Unchanged, SentBand, QuantizedLevels, WithinRadius, OrthogonalPerTensor, AlteredLayer,
-                 ClippedNoise]
+Revealed = Union[Unchanged, SentBand, QuantizedLevels, WithinRadius, OrthogonalPerTensor, AlteredLayer, ClippedNoise]
 
 
 @runtime_checkable

@@ -98,7 +98,8 @@ def resolve_layer(model: nn.Module, layer: str) -> str:
     name = layer.removesuffix(".") if layer else list(linears)[-1]
     if name not in linears:
         raise ValueError(
-            f"layer {layer!r} is not a Linear layer of this model; its Linear layers: {', '.join(linears)}")
+            f"layer {layer!r} is not a Linear layer of this model; its Linear layers: {', '.join(linears)}"
+        )
     return name
 
 
@@ -109,7 +110,8 @@ def weight_index(model: nn.Module, name: str) -> int:
         return trainable.index(f"{name}.weight")
     except ValueError:
         raise ValueError(
-            f"layer {name!r} has no trainable weight; trainable parameters: {', '.join(trainable)}") from None
+            f"layer {name!r} has no trainable weight; trainable parameters: {', '.join(trainable)}"
+        ) from None
 
 
 def representation(model: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:

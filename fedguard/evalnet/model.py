@@ -34,9 +34,12 @@ class EvalNet(nn.Module):
         for _ in range(3):
             height, side = _halved(height), _halved(side)
         self.features = nn.Sequential(
-            nn.Conv2d(spec.channels, width, 3, 2, 1), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, 2, 1), nn.ReLU(),
-            nn.Conv2d(2 * width, 4 * width, 3, 2, 1), nn.ReLU(),
+            nn.Conv2d(spec.channels, width, 3, 2, 1),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, 2, 1),
+            nn.ReLU(),
+            nn.Conv2d(2 * width, 4 * width, 3, 2, 1),
+            nn.ReLU(),
             nn.Flatten(),
         )
         self.head = nn.Linear(4 * width * height * side, 1)

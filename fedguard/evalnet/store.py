@@ -85,6 +85,7 @@ def load_evalnet(path: Path | str) -> TrainedEvalNet:
 
 def evalnet_of(meta: dict, arrays: dict[str, np.ndarray], path: Path) -> TrainedEvalNet:
     """The network ``meta`` describes, with the weights ``arrays`` (checked) of the file at ``path``."""
-    net = load_module_arrays(EvalNet(DataSpec(*meta["spec"]), meta["width"]), arrays, "net", path, EVALNET_FILE,
-                             "network")
+    net = load_module_arrays(
+        EvalNet(DataSpec(*meta["spec"]), meta["width"]), arrays, "net", path, EVALNET_FILE, "network"
+    )
     return TrainedEvalNet(net.eval().requires_grad_(False), meta["dataset"], meta["split"], tuple(meta["losses"]))

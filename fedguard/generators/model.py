@@ -32,8 +32,10 @@ class Encoder(nn.Module):
         check_spec(spec)
         features = 2 * width * (spec.height // 4) * (spec.width // 4)
         self.net = nn.Sequential(
-            nn.Conv2d(spec.channels, width, 4, 2, 1), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 4, 2, 1), nn.ReLU(),
+            nn.Conv2d(spec.channels, width, 4, 2, 1),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 4, 2, 1),
+            nn.ReLU(),
             nn.Flatten(),
             nn.Linear(features, 2 * latent_dim),
         )
@@ -52,9 +54,11 @@ class Decoder(nn.Module):
         self.spec, self.latent_dim, self.width = spec, latent_dim, width
         grid = (math.ceil(spec.height / 4), math.ceil(spec.width / 4))
         self.net = nn.Sequential(
-            nn.Linear(latent_dim, 2 * width * grid[0] * grid[1]), nn.ReLU(),
+            nn.Linear(latent_dim, 2 * width * grid[0] * grid[1]),
+            nn.ReLU(),
             nn.Unflatten(1, (2 * width, *grid)),
-            nn.ConvTranspose2d(2 * width, width, 4, 2, 1), nn.ReLU(),
+            nn.ConvTranspose2d(2 * width, width, 4, 2, 1),
+            nn.ReLU(),
             nn.ConvTranspose2d(width, spec.channels, 4, 2, 1),
         )
 

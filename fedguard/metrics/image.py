@@ -86,4 +86,3 @@ def ssim(x: torch.Tensor, y: torch.Tensor, data_range: float = 1.0) -> torch.Ten
 def clip_psnr(values: torch.Tensor) -> torch.Tensor:
     """PSNR values with ``+inf`` (and anything above) clipped to ``PSNR_CAP_DB``."""
     return values.clamp(max=PSNR_CAP_DB)
-

@@ -93,8 +93,9 @@ def checkpoint_command(path: Path) -> str:
     return beside_model_command(path, ".checkpoint.npz")
 
 
-CHECKPOINT_FILE = FileKind("Mjölnir training checkpoint", "a Mjölnir training checkpoint", FORMAT, ("meta", "rng"),
-                           checkpoint_command)
+CHECKPOINT_FILE = FileKind(
+    "Mjölnir training checkpoint", "a Mjölnir training checkpoint", FORMAT, ("meta", "rng"), checkpoint_command
+)
 
 
 def load_checkpoint(path: Path | str) -> Checkpoint:
@@ -149,7 +150,11 @@ def adam_indices(names: Iterable[str], count: int) -> set[int]:
 
 
 def check_resumable(
-    checkpoint: Checkpoint, config: UNetConfig, side: int, options: DDPMTrainOptions, record: dict[str, Any],
+    checkpoint: Checkpoint,
+    config: UNetConfig,
+    side: int,
+    options: DDPMTrainOptions,
+    record: dict[str, Any],
     digest: str,
 ) -> None:
     """``ValueError`` listing every difference between ``checkpoint``'s run and the one about to resume it (grids,
@@ -164,8 +169,11 @@ def check_resumable(
     if (checkpoint.config, checkpoint.side) != (config, side):
         problems.append(f"UNet {checkpoint.config} on side {checkpoint.side} then, {config} on side {side} now")
     then, now = options_to_dict(checkpoint.options), options_to_dict(options)
-    problems += [f"DDPM {name}: {then[name]!r} then, {now[name]!r} now" for name in then
-                 if name != "epochs" and then[name] != now[name]]
+    problems += [
+        f"DDPM {name}: {then[name]!r} then, {now[name]!r} now"
+        for name in then
+        if name != "epochs" and then[name] != now[name]
+    ]
     if options.epochs < checkpoint.state.epoch:
         problems.append(f"it has trained {checkpoint.state.epoch} epochs, more than epochs={options.epochs}")
     if problems:

@@ -45,8 +45,9 @@ def check_noise_range(noise_range: tuple[float, float]) -> tuple[float, float]:
     return low, high
 
 
-def draw_noise_levels(noise_range: tuple[float, float], count: int, generator: torch.Generator,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
+def draw_noise_levels(
+    noise_range: tuple[float, float], count: int, generator: torch.Generator, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """(count,) float64 noise levels M, log-uniform on ``noise_range`` (all M_min when M_min == M_max)."""
     low, high = check_noise_range(noise_range)
     u = torch.rand(count, generator=generator, device=device, dtype=torch.float64)
@@ -81,6 +82,7 @@ def parse_noise_range(text: str) -> tuple[float, float]:
     except ValueError:
         values = []
     if len(values) not in (1, 2):
-        raise ValueError(f"noise range {text!r}: expected M or M_MIN,M_MAX (noise std over the packing scale), "
-                         f"e.g. 0.01,100")
+        raise ValueError(
+            f"noise range {text!r}: expected M or M_MIN,M_MAX (noise std over the packing scale), e.g. 0.01,100"
+        )
     return check_noise_range((values[0], values[-1]))

@@ -79,8 +79,13 @@ def q_sample(schedule: Schedule, x0: torch.Tensor, t: torch.Tensor, noise: torch
 
 
 def diffusion_loss(
-    model: torch.nn.Module, schedule: Schedule, x0: torch.Tensor, generator: torch.Generator, loss: str = "mse",
-    noise_range: tuple[float, float] | None = None, mask: torch.Tensor | None = None,
+    model: torch.nn.Module,
+    schedule: Schedule,
+    x0: torch.Tensor,
+    generator: torch.Generator,
+    loss: str = "mse",
+    noise_range: tuple[float, float] | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Algorithm 2's loss on a batch ``x0`` (N, 1, S, S): one uniform step and noise draw per grid, mean per entry.
 
@@ -167,12 +172,22 @@ def _cpu(tensors: dict) -> dict:
 
 
 def _snapshot(
-    epoch: int, model: UNet, best: dict, optimizer: torch.optim.Optimizer, generator: torch.Generator,
+    epoch: int,
+    model: UNet,
+    best: dict,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
     losses: list[float],
 ) -> TrainState:
     """The run after ``epoch`` epochs, copied to the CPU."""
-    return TrainState(epoch, _cpu(model.state_dict()), _cpu(best), _cpu(optimizer.state_dict()["state"]),
-                      generator.get_state().clone(), tuple(losses))
+    return TrainState(
+        epoch,
+        _cpu(model.state_dict()),
+        _cpu(best),
+        _cpu(optimizer.state_dict()["state"]),
+        generator.get_state().clone(),
+        tuple(losses),
+    )
 
 
 def _restore(state: TrainState, model: UNet, optimizer: torch.optim.Optimizer, generator: torch.Generator) -> None:
@@ -219,8 +234,9 @@ def train_ddpm(
         start, total = time.perf_counter(), torch.zeros((), device=images.device)
         order = torch.randperm(len(images), generator=generator, device=images.device)
         for batch in order.split(options.batch_size):
-            loss = diffusion_loss(model, options.schedule, images[batch], generator, options.loss,
-                                  options.noise_range, mask)
+            loss = diffusion_loss(
+                model, options.schedule, images[batch], generator, options.loss, options.noise_range, mask
+            )
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

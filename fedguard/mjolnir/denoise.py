@@ -97,8 +97,12 @@ def reverse_coefficients(schedule: Schedule, variance: str = "beta") -> tuple[li
 
 
 def _reverse_step(
-    model: Denoiser, x: torch.Tensor, k: int, coefficients: tuple[list[float], list[float], list[float]],
-    generator: torch.Generator, condition: torch.Tensor | None = None,
+    model: Denoiser,
+    x: torch.Tensor,
+    k: int,
+    coefficients: tuple[list[float], list[float], list[float]],
+    generator: torch.Generator,
+    condition: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One ancestral step from x_k (N, 1, S, S) to x_(k-1), with fresh noise unless k = 0; ``condition``
     (N, 1, S, S) goes to a conditional model."""
@@ -169,8 +173,10 @@ def denoise_many(
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
     if conditional and sampler != "chained":
-        raise ValueError(f"sampler {sampler!r} is the released code's, for the unconditional model; a conditional "
-                         f"model runs the sampler 'chained'")
+        raise ValueError(
+            f"sampler {sampler!r} is the released code's, for the unconditional model; a conditional "
+            f"model runs the sampler 'chained'"
+        )
     if len(noise_levels) != len(y):
         raise ValueError(f"{len(noise_levels)} noise levels for {len(y)} grids")
     if generator is None:
@@ -190,8 +196,9 @@ def denoise_many(
                 x[members] = _rescaled(x[members], [noise_levels[i] for i in members])
                 indices = [i for i, start in enumerate(starts) if start >= k]
                 active = None if len(indices) == len(x) else torch.tensor(indices, device=y.device)
-            chain = _reverse_step(model, x if active is None else x[active], k, coefficients, generator,
-                                  _rows(condition, active))
+            chain = _reverse_step(
+                model, x if active is None else x[active], k, coefficients, generator, _rows(condition, active)
+            )
             if active is None:
                 x = chain
             else:

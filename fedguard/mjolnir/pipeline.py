@@ -65,9 +65,16 @@ def train_mjolnir(
     def save(state: TrainState) -> None:
         save_checkpoint(Checkpoint(state, config, side, training, record, digest), checkpoint)
 
-    network, losses = train_ddpm(gradients.images.to(device), config, training, on_epoch,
-                                 None if resume is None else resume.state, None if checkpoint is None else save,
-                                 checkpoint_every, valid_mask(gradients.spec).to(device))
+    network, losses = train_ddpm(
+        gradients.images.to(device),
+        config,
+        training,
+        on_epoch,
+        None if resume is None else resume.state,
+        None if checkpoint is None else save,
+        checkpoint_every,
+        valid_mask(gradients.spec).to(device),
+    )
     return TrainedDDPM(network, training.schedule, record, tuple(losses), training.noise_range), gradients
 
 
@@ -101,8 +108,10 @@ def check_shapes(trained: TrainedDDPM, shapes: list[tuple[int, ...]]) -> Packing
     spec = packing_of(trained)
     if [tuple(s) for s in spec.shapes] != [tuple(s) for s in shapes]:
         record = trained.normalization
-        raise ValueError(f"the diffusion model denoises gradients of {record.get('model')!r} "
-                         f"{record.get('model_params')} ({len(spec.shapes)} tensors, {spec.numel} entries), not of "
-                         f"this model ({len(shapes)} tensors, {sum(torch.Size(s).numel() for s in shapes)} entries); "
-                         f"train one with `fedguard train-mjolnir --model <name>`")
+        raise ValueError(
+            f"the diffusion model denoises gradients of {record.get('model')!r} "
+            f"{record.get('model_params')} ({len(spec.shapes)} tensors, {spec.numel} entries), not of "
+            f"this model ({len(shapes)} tensors, {sum(torch.Size(s).numel() for s in shapes)} entries); "
+            f"train one with `fedguard train-mjolnir --model <name>`"
+        )
     return spec

@@ -40,8 +40,10 @@ class TrainedDDPM:
 
     def __post_init__(self) -> None:
         if self.model.conditional != (self.noise_range is not None):
-            raise ValueError(f"the denoiser is {kind(self.model.conditional)}: noise_range must be "
-                             f"{'(M_min, M_max)' if self.model.conditional else 'None'}, got {self.noise_range!r}")
+            raise ValueError(
+                f"the denoiser is {kind(self.model.conditional)}: noise_range must be "
+                f"{'(M_min, M_max)' if self.model.conditional else 'None'}, got {self.noise_range!r}"
+            )
         if self.noise_range is not None:
             object.__setattr__(self, "noise_range", check_noise_range(self.noise_range))
 
@@ -82,15 +84,18 @@ def missing_ddpm(path: Path | str) -> str:
 
 def ddpm_command(path: Path) -> str:
     """The command that writes a Mjölnir diffusion model at ``path``."""
-    return (f"`fedguard train-mjolnir` on the preset of the run it attacks: "
-            f"`fedguard train-mjolnir <preset> --out {path}`")
+    return (
+        f"`fedguard train-mjolnir` on the preset of the run it attacks: `fedguard train-mjolnir <preset> --out {path}`"
+    )
 
 
 def beside_model_command(path: Path, suffix: str) -> str:
     """The command that writes a model ``<name>.npz`` and, beside it, the file ``<name><suffix>`` at ``path``."""
     name = path.name.removesuffix(suffix) if path.name.endswith(suffix) else "<name>"
-    return (f"`fedguard train-mjolnir <preset> --out {path.with_name(name + '.npz')}`, which writes "
-            f"{path.with_name(name + suffix)} beside the model")
+    return (
+        f"`fedguard train-mjolnir <preset> --out {path.with_name(name + '.npz')}`, which writes "
+        f"{path.with_name(name + suffix)} beside the model"
+    )
 
 
 DDPM_FILE = FileKind("Mjölnir diffusion model", "a Mjölnir diffusion model file", FORMAT, ("meta",), ddpm_command)
@@ -109,8 +114,10 @@ def load_ddpm(path: Path | str, conditional: bool | None = None) -> TrainedDDPM:
     if not isinstance(held, bool):
         raise DDPM_FILE.error(path, f"its meta's 'conditional' is {held!r}, expected true or false")
     if conditional is not None and conditional != held:
-        raise TrainedFileError(f"{path}: its Mjölnir denoiser is {kind(held)}, expected {kind(conditional)}; train "
-                               f"one with `fedguard train-mjolnir{' --conditional' if conditional else ''}`")
+        raise TrainedFileError(
+            f"{path}: its Mjölnir denoiser is {kind(held)}, expected {kind(conditional)}; train "
+            f"one with `fedguard train-mjolnir{' --conditional' if conditional else ''}`"
+        )
     return described(lambda: ddpm_of(meta, arrays, path, held), path, DDPM_FILE)
 
 
@@ -122,8 +129,14 @@ def ddpm_of(meta: dict, arrays: dict[str, np.ndarray], path: Path, conditional: 
     packing = normalization.get("packing")
     packed_side = None if packing is None else spec_from_dict(packing).side
     if packed_side not in (None, model.side):
-        raise DDPM_FILE.error(path, f"its gradient packing makes grids of side {packed_side}, its UNet takes side "
-                                    f"{model.side}")
+        raise DDPM_FILE.error(
+            path, f"its gradient packing makes grids of side {packed_side}, its UNet takes side {model.side}"
+        )
     noise_range = meta.get("noise_range")
-    return TrainedDDPM(model.eval().requires_grad_(False), Schedule(**meta["schedule"]), normalization,
-                       tuple(meta["losses"]), None if noise_range is None else tuple(noise_range))
+    return TrainedDDPM(
+        model.eval().requires_grad_(False),
+        Schedule(**meta["schedule"]),
+        normalization,
+        tuple(meta["losses"]),
+        None if noise_range is None else tuple(noise_range),
+    )

@@ -199,6 +199,7 @@ def check_surrogate_data(run_data: str, surrogate_data: str, source: SourceOptio
     run_spec = load_dataset(run_data, source).spec
     spec = load_dataset(surrogate_data, source).spec
     if spec != run_spec:
+
         def shape(s: DataSpec) -> str:
             return f"{s.channels}x{s.height}x{s.width} images with {s.num_classes} classes"
 
@@ -301,8 +302,18 @@ def collect_gradients(
     for image in images:
         image.copy_(pack(unpack(image, unit), spec))
     return GradientSet(
-        images, spec, model, model_params_dict(model, model_params), dataset, split, data.spec, options,
-        steps, batches, losses, "seed" if weights is None else "weights",
+        images,
+        spec,
+        model,
+        model_params_dict(model, model_params),
+        dataset,
+        split,
+        data.spec,
+        options,
+        steps,
+        batches,
+        losses,
+        "seed" if weights is None else "weights",
     )
 
 
@@ -319,8 +330,13 @@ def gradients_command(path: Path) -> str:
     return beside_model_command(path, ".gradients.npz")
 
 
-GRADIENTS_FILE = FileKind("Mjölnir gradient set", "a Mjölnir gradient set", FORMAT,
-                          ("meta", "images", "steps", "batches", "losses"), gradients_command)
+GRADIENTS_FILE = FileKind(
+    "Mjölnir gradient set",
+    "a Mjölnir gradient set",
+    FORMAT,
+    ("meta", "images", "steps", "batches", "losses"),
+    gradients_command,
+)
 
 
 def load_gradient_set(path: Path | str) -> GradientSet:

@@ -193,9 +193,9 @@ class UNet(nn.Module):
         self.down, self.downsample = nn.ModuleList(), nn.ModuleList()
         channels = base
         for level, width in enumerate(widths):
-            self.down.append(nn.ModuleList(
-                ResBlock(channels if i == 0 else width, width, time_dim, groups) for i in range(blocks)
-            ))
+            self.down.append(
+                nn.ModuleList(ResBlock(channels if i == 0 else width, width, time_dim, groups) for i in range(blocks))
+            )
             channels = width
             self.downsample.append(Downsample(width) if level < config.levels else nn.Identity())
         self.mid1 = ResBlock(channels, channels, time_dim, groups)
@@ -207,9 +207,11 @@ class UNet(nn.Module):
         self.mid2 = ResBlock(channels, channels, time_dim, groups)
         self.up, self.upsample = nn.ModuleList(), nn.ModuleList()
         for level, width in reversed(list(enumerate(widths))):
-            self.up.append(nn.ModuleList(
-                ResBlock((channels if i == 0 else width) + width, width, time_dim, groups) for i in range(blocks)
-            ))
+            self.up.append(
+                nn.ModuleList(
+                    ResBlock((channels if i == 0 else width) + width, width, time_dim, groups) for i in range(blocks)
+                )
+            )
             channels = width
             self.upsample.append(Upsample(width) if level > 0 else nn.Identity())
         self.final = ResBlock(channels + base, base, time_dim, groups)
@@ -243,6 +245,7 @@ class UNet(nn.Module):
             return x
         if condition is None or condition.shape != x.shape:
             got = None if condition is None else tuple(condition.shape)
-            raise ValueError(f"this UNet is conditional: it needs condition grids of x's shape {tuple(x.shape)}, "
-                             f"got {got}")
+            raise ValueError(
+                f"this UNet is conditional: it needs condition grids of x's shape {tuple(x.shape)}, got {got}"
+            )
         return torch.cat([x, condition], dim=1)

@@ -20,8 +20,17 @@ from PIL import Image, ImageDraw, ImageFont
 
 from fedguard.report.images import load_png
 from fedguard.report.row_values import read_rows
-from fedguard.run_folder import (ATTACKS_FILE, COMPARISON_FILE, GRID_KINDS, Note, RunFileError, grid_name, inside, warn,
-                                 write_atomic)
+from fedguard.run_folder import (
+    ATTACKS_FILE,
+    COMPARISON_FILE,
+    GRID_KINDS,
+    Note,
+    RunFileError,
+    grid_name,
+    inside,
+    warn,
+    write_atomic,
+)
 
 LABEL_WIDTH = 230  # pixels of the text column on the left of each band
 GAP = 12  # pixels between and around the grids
@@ -68,15 +77,18 @@ def _caption(row: dict[str, Any]) -> list[tuple[str, tuple[int, int, int]]]:
     def number(value: Any, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = [(str(row["attack"]), TEXT),
-             (f"round {row.get('round')}, client {row.get('client')}, batch {row.get('batch_size')}", MUTED)]
+    lines = [
+        (str(row["attack"]), TEXT),
+        (f"round {row.get('round')}, client {row.get('client')}, batch {row.get('batch_size')}", MUTED),
+    ]
     if row.get("manipulation") not in (None, "none"):
         lines.append((f"server sent: {row['manipulation']}", MUTED))
-    lines += [(f"PSNR {number(row.get('psnr'), 1)} dB  SSIM {number(row.get('ssim'), 3)}", TEXT),
-              (f"LPIPS {number(row.get('lpips'), 3)}", TEXT)]
+    lines += [
+        (f"PSNR {number(row.get('psnr'), 1)} dB  SSIM {number(row.get('ssim'), 3)}", TEXT),
+        (f"LPIPS {number(row.get('lpips'), 3)}", TEXT),
+    ]
     if floor:
-        lines.append((f"flat-image floor {number(floor.get('psnr'), 1)} dB / {number(floor.get('ssim'), 2)}",
-                       MUTED))
+        lines.append((f"flat-image floor {number(floor.get('psnr'), 1)} dB / {number(floor.get('ssim'), 2)}", MUTED))
     return lines
 
 

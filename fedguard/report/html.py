@@ -28,8 +28,18 @@ from fedguard.report.images import load_png
 from fedguard.report.row_values import read_rows
 from strategies.registry import resolve as resolve_strategy
 from fedguard.report.run_status import read_status
-from fedguard.run_folder import (ATTACKS_FILE, CONFIG_FILE, GRID_KINDS, REPORT_FILE, ROUNDS_FILE, RunFileError,
-                                 grid_name, inside, warn, write_atomic)
+from fedguard.run_folder import (
+    ATTACKS_FILE,
+    CONFIG_FILE,
+    GRID_KINDS,
+    REPORT_FILE,
+    ROUNDS_FILE,
+    RunFileError,
+    grid_name,
+    inside,
+    warn,
+    write_atomic,
+)
 
 DASH = "\u2014"
 
@@ -37,6 +47,7 @@ DASH = "\u2014"
 # ----------------------------------------------------------------------------------------------
 # Reading the run folder
 # ----------------------------------------------------------------------------------------------
+
 
 class _Notes:
     """What the page left out, each said once: on the page and as a warning."""
@@ -75,6 +86,7 @@ def _load_config(run_dir: Path) -> tuple[Config | None, str | None]:
 # ----------------------------------------------------------------------------------------------
 # Numbers
 # ----------------------------------------------------------------------------------------------
+
 
 def _number(value: Any) -> float | None:
     """A finite or infinite float, or None for null, NaN and anything that is not a number."""
@@ -123,6 +135,7 @@ def _sort_key(row: dict[str, Any]) -> tuple[Any, ...]:
 # ----------------------------------------------------------------------------------------------
 # Embedded images
 # ----------------------------------------------------------------------------------------------
+
 
 class EmbeddedImages:
     """Numbers the embedded images, so the page can report how many the browser decoded."""
@@ -195,8 +208,15 @@ def _curve_png(rounds: list[dict[str, Any]]) -> bytes:
         axis.spines[side].set_visible(False)
         second.spines[side].set_visible(False)
     handles = axis.get_legend_handles_labels()[0] + second.get_legend_handles_labels()[0]
-    axis.legend(handles, [h.get_label() for h in handles], loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=2,
-                frameon=False, borderaxespad=0.2)
+    axis.legend(
+        handles,
+        [h.get_label() for h in handles],
+        loc="lower left",
+        bbox_to_anchor=(0.0, 1.0),
+        ncol=2,
+        frameon=False,
+        borderaxespad=0.2,
+    )
     figure.tight_layout()
 
     return figure_png(figure)
@@ -254,6 +274,7 @@ def _leakage_png(curves: dict[str, list[tuple[int, float]]], rounds: list[dict[s
 # Page sections
 # ----------------------------------------------------------------------------------------------
 
+
 def _params_text(params: Any) -> str:
     if not dataclasses.is_dataclass(params):
         return ""
@@ -275,15 +296,20 @@ def _header(run_dir: Path, config: Config | None, problems: list[str], rounds: l
         strategy = resolve_strategy(config.strategy.name, config.train.protocol)
         if params := _params_text(config.strategy.params):
             strategy += f" ({params})"
-        attacks = "; ".join(a.name + (f" ({params})" if (params := _params_text(a.params)) else "")
-                            for a in config.attacks) or "none"
+        attacks = (
+            "; ".join(a.name + (f" ({params})" if (params := _params_text(a.params)) else "") for a in config.attacks)
+            or "none"
+        )
         chips = [
             ("dataset", config.data.name),
             ("model", model),
             ("protocol", config.train.protocol),
             ("rounds", f"{done} of {config.train.rounds}" if done < config.train.rounds else str(done)),
-            ("clients", f"{config.train.clients_per_round} of {config.partition.num_clients} per round "
-                        f"({config.partition.name})"),
+            (
+                "clients",
+                f"{config.train.clients_per_round} of {config.partition.num_clients} per round "
+                f"({config.partition.name})",
+            ),
             ("strategy", strategy),
             ("defense", defense),
             ("attacks", attacks),
@@ -321,10 +347,17 @@ def _stats(rounds: list[dict[str, Any]], attacks: list[dict[str, Any]]) -> str:
     if attacks:
         failed = sum(not _is_ok(row) for row in attacks)
         leaked = sum(_leaked(row) for row in attacks)
-        cards.append(("uploads attacked", str(len(attacks)), _not_ok(attacks) or "all finished",
-                      "bad" if failed else ""))
-        cards.append((f"leaked (SSIM > {LEAK_SSIM:g})", str(leaked), f"of {len(attacks) - failed} reconstructed",
-                      "bad" if leaked else "good"))
+        cards.append(
+            ("uploads attacked", str(len(attacks)), _not_ok(attacks) or "all finished", "bad" if failed else "")
+        )
+        cards.append(
+            (
+                f"leaked (SSIM > {LEAK_SSIM:g})",
+                str(leaked),
+                f"of {len(attacks) - failed} reconstructed",
+                "bad" if leaked else "good",
+            )
+        )
     else:
         cards.append(("uploads attacked", "0", "no attack ran", ""))
     items = "".join(
@@ -355,8 +388,10 @@ def _training(rounds: list[dict[str, Any]], attacks: list[dict[str, Any]], image
         curves = leakage_by_round(attacks)
         if curves:
             leak = _leakage_png(curves, rounds)
-            parts.append(f'<figure class="curve">{images.tag(leak, "mean SSIM of each attack per attacked round", "figure")}'
-                         "</figure>")
+            parts.append(
+                f'<figure class="curve">{images.tag(leak, "mean SSIM of each attack per attacked round", "figure")}'
+                "</figure>"
+            )
         body = "".join(
             f"<tr><td>{escape(str(row.get('round', DASH)))}</td><td>{_pct(row.get('accuracy'), 2)}</td>"
             f"<td>{_fmt(row.get('loss'), 4)}</td><td>{_fmt(row.get('seconds'), 1)}</td></tr>"
@@ -397,7 +432,7 @@ def _ssim_cell(value: Any) -> str:
     css = " leak" if number > LEAK_SSIM else ""
     return (
         f'<td class="num ssim{css}"><span class="bar" style="width:{width:.0f}%"></span>'
-        f"<span class=\"v\">{_fmt(number, 3)}</span></td>"
+        f'<span class="v">{_fmt(number, 3)}</span></td>'
     )
 
 
@@ -414,12 +449,12 @@ def _summary_table(attacks: list[dict[str, Any]]) -> str:
             f'<td class="num">{len(ok)}</td><td class="num{" bad" if len(rows) - len(ok) else ""}" '
             f'title="{escape(_not_ok(rows))}">{len(rows) - len(ok)}</td>'
             f'<td class="num">{_fmt(_mean(r.get("psnr") for r in ok), 2)}</td>'
-            f'{_ssim_cell(_mean(r.get("ssim") for r in ok))}'
+            f"{_ssim_cell(_mean(r.get('ssim') for r in ok))}"
             f'<td class="num">{_fmt(_mean(r.get("lpips") for r in ok), 3)}</td>'
             f'<td class="num">{_pct(_mean(r.get("label_accuracy") for r in ok))}</td>'
             f'<td class="num{" bad" if leaked else ""}">{leaked} of {len(ok)}</td>'
             f'<td class="num">{_fmt(_mean((r.get("floor") or {}).get("psnr") for r in ok), 2)} / '
-            f'{_fmt(_mean((r.get("floor") or {}).get("ssim") for r in ok), 3)}</td></tr>'
+            f"{_fmt(_mean((r.get('floor') or {}).get('ssim') for r in ok), 3)}</td></tr>"
         )
     return (
         '<table class="data"><thead><tr><th>attack</th><th>defense</th><th class="num">ok</th>'
@@ -504,26 +539,27 @@ def _gallery_item(run_dir: Path, row: dict[str, Any], anchor: str, images: Embed
 def _attacks(run_dir: Path, attacks: list[dict[str, Any]], images: EmbeddedImages, notes: _Notes) -> str:
     if not attacks:
         return (
-            '<section class="panel"><h2>Attacks</h2>'
-            '<p class="empty">No upload was attacked in this run.</p></section>'
+            '<section class="panel"><h2>Attacks</h2><p class="empty">No upload was attacked in this run.</p></section>'
         )
     anchors = {i: f"upload-{i + 1}" for i, row in enumerate(attacks) if _is_ok(row) and row.get("images")}
     gallery = "\n".join(_gallery_item(run_dir, attacks[i], anchor, images, notes) for i, anchor in anchors.items())
     not_ok = _not_ok(attacks)
-    return "\n".join([
-        '<section class="panel"><h2>Attacks</h2>',
-        f'<p class="lead">{len(attacks)} attacked upload{"s" if len(attacks) != 1 else ""}'
-        f'{f", {not_ok}" if not_ok else ""}. Higher PSNR and SSIM and lower LPIPS mean a closer '
-        f"reconstruction of the client's data; SSIM above {LEAK_SSIM:g} is marked as leaked.</p>",
-        "<h3>By attack and defense</h3>",
-        _summary_table(attacks),
-        "<h3>Every attacked upload</h3>",
-        _uploads_table(attacks, anchors),
-        "</section>",
-        '<section class="panel"><h2>Reconstructions</h2>',
-        gallery or '<p class="empty">No attack produced images.</p>',
-        "</section>",
-    ])
+    return "\n".join(
+        [
+            '<section class="panel"><h2>Attacks</h2>',
+            f'<p class="lead">{len(attacks)} attacked upload{"s" if len(attacks) != 1 else ""}'
+            f"{f', {not_ok}' if not_ok else ''}. Higher PSNR and SSIM and lower LPIPS mean a closer "
+            f"reconstruction of the client's data; SSIM above {LEAK_SSIM:g} is marked as leaked.</p>",
+            "<h3>By attack and defense</h3>",
+            _summary_table(attacks),
+            "<h3>Every attacked upload</h3>",
+            _uploads_table(attacks, anchors),
+            "</section>",
+            '<section class="panel"><h2>Reconstructions</h2>',
+            gallery or '<p class="empty">No attack produced images.</p>',
+            "</section>",
+        ]
+    )
 
 
 CSS = """
@@ -620,8 +656,11 @@ def _page(run_dir: Path, notes: _Notes) -> str:
         raise FileNotFoundError(f"{run_dir} holds no {ROUNDS_FILE}; is it a run folder (see `fedguard run --out`)?")
     config, config_problem = _load_config(run_dir)
     rounds = sorted(
-        (row for row in read_rows(run_dir, ROUNDS_FILE, notes)
-         if (n := _number(row.get("round"))) is not None and math.isfinite(n)),
+        (
+            row
+            for row in read_rows(run_dir, ROUNDS_FILE, notes)
+            if (n := _number(row.get("round"))) is not None and math.isfinite(n)
+        ),
         key=lambda row: row["round"],
     )
     attacks = sorted(read_rows(run_dir, ATTACKS_FILE, notes), key=_sort_key)
@@ -629,12 +668,14 @@ def _page(run_dir: Path, notes: _Notes) -> str:
     title = config.run.name if config else run_dir.name
     sections = [_stats(rounds, attacks), _training(rounds, attacks, images), _attacks(run_dir, attacks, images, notes)]
     problems = ([config_problem] if config_problem else []) + _ending(run_dir)
-    body = "\n".join([
-        _header(run_dir, config, problems + notes.lines, rounds),
-        *sections,
-        f'<footer>Written by <code>fedguard report</code>; {images.count} embedded image'
-        f'{"s" if images.count != 1 else ""}, no external resources.</footer>',
-    ])
+    body = "\n".join(
+        [
+            _header(run_dir, config, problems + notes.lines, rounds),
+            *sections,
+            f"<footer>Written by <code>fedguard report</code>; {images.count} embedded image"
+            f"{'s' if images.count != 1 else ''}, no external resources.</footer>",
+        ]
+    )
     return page_html(f"{title} \u2014 fedguard report", CSS, body, images.count)
 
 

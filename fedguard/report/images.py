@@ -64,7 +64,7 @@ def grid_array(images: torch.Tensor, columns: int | None = None, scale: int | No
     for index in range(count):
         row, column = divmod(index, columns)
         top, left = row * (cell_h + 1), column * (cell_w + 1)
-        grid[top:top + cell_h, left:left + cell_w] = pixels[index]
+        grid[top : top + cell_h, left : left + cell_w] = pixels[index]
     return grid[:, :, 0] if channels == 1 else grid
 
 

@@ -30,18 +30,27 @@ def image_leakage(attack: str, round_: int, rows: list[dict[str, Any]], adaptive
     ``_median`` and ``_ci95`` ([low, high]) per score, success rates, and ``missing``: images without a score,
     per score (e.g. LPIPS without its weights)."""
     images = [image for row in rows for image in row.get("per_image") or []]
-    result: dict[str, Any] = {"attack": attack, "adaptive": adaptive, "round": round_, "n_images": len(images),
-                              "seeds": sorted({row["seed"] for row in rows if isinstance(row.get("seed"), int)})}
+    result: dict[str, Any] = {
+        "attack": attack,
+        "adaptive": adaptive,
+        "round": round_,
+        "n_images": len(images),
+        "seeds": sorted({row["seed"] for row in rows if isinstance(row.get("seed"), int)}),
+    }
     missing = {}
     for score in SCORES:
         summary = over_images(image.get(score) for image in images)
-        result.update({f"{score}_mean": summary.mean, f"{score}_median": summary.median,
-                       f"{score}_ci95": summary.ci95})
+        result.update({f"{score}_mean": summary.mean, f"{score}_median": summary.median, f"{score}_ci95": summary.ci95})
         missing[score] = summary.missing
     ssim = [image.get("ssim") for image in images]
-    result.update(success_rate=success_rate(ssim, SUCCESS_SSIM), success_metric="ssim",
-                  success_threshold=SUCCESS_SSIM, recovered_rate=success_rate(ssim, RECOVERED_SSIM),
-                  recovered_threshold=RECOVERED_SSIM, missing=missing)
+    result.update(
+        success_rate=success_rate(ssim, SUCCESS_SSIM),
+        success_metric="ssim",
+        success_threshold=SUCCESS_SSIM,
+        recovered_rate=success_rate(ssim, RECOVERED_SSIM),
+        recovered_threshold=RECOVERED_SSIM,
+        missing=missing,
+    )
     return result
 
 
@@ -57,10 +66,14 @@ def privacy(rows: list[dict[str, Any]], adaptive: Mapping[str, bool]) -> dict[st
     for row in rows:
         if isinstance(row.get("round"), int) and row.get("per_image"):
             groups.setdefault(row["round"], {}).setdefault(str(row.get("attack")), []).append(row)
-    by_attack = [image_leakage(attack, round_, group, adaptive.get(attack, False))
-                 for round_ in sorted(groups) for attack, group in groups[round_].items()]
-    per_round = [max((leak for leak in by_attack if leak["round"] == round_), key=_ssim_key)
-                 for round_ in sorted(groups)]
+    by_attack = [
+        image_leakage(attack, round_, group, adaptive.get(attack, False))
+        for round_ in sorted(groups)
+        for attack, group in groups[round_].items()
+    ]
+    per_round = [
+        max((leak for leak in by_attack if leak["round"] == round_), key=_ssim_key) for round_ in sorted(groups)
+    ]
     if not per_round:
         return None
     return {**max(per_round, key=_ssim_key), "per_round": per_round, "by_attack": by_attack}

@@ -32,18 +32,25 @@ def leakage_tables(rows: list[dict[str, Any]]) -> str:
         counts = {leak["n_images"] for leak in leaks}
         show_images = len(counts) > 1
         images = "" if show_images else f", {counts.pop()} images a cell"
-        lines = [f"Mean SSIM [95% CI] per attack and attacked round, setting `{setting}`{images}; bold: the "
-                 "round's best attack:", "",
-                 "| variant | attack | " + " | ".join(f"round {r}" for r in rounds) + " |",
-                 "|---|---|" + "---:|" * len(rounds)]
+        lines = [
+            f"Mean SSIM [95% CI] per attack and attacked round, setting `{setting}`{images}; bold: the "
+            "round's best attack:",
+            "",
+            "| variant | attack | " + " | ".join(f"round {r}" for r in rounds) + " |",
+            "|---|---|" + "---:|" * len(rounds),
+        ]
         for cell in cells:
             by_attack = cell["privacy"]["by_attack"]
             best = {(leak["round"], leak["attack"]) for leak in cell["privacy"]["per_round"]}
             for attack in dict.fromkeys(leak["attack"] for leak in by_attack):
                 found = {leak["round"]: leak for leak in by_attack if leak["attack"] == attack}
                 marks = " (adaptive)" if any(leak["adaptive"] for leak in found.values()) else ""
-                lines.append(f"| `{cell['variant']}` | `{attack}`{marks} | " + " | ".join(
-                    _ssim_cell(found[r], (r, attack) in best, show_images) if r in found else "-" for r in rounds)
-                    + " |")
+                lines.append(
+                    f"| `{cell['variant']}` | `{attack}`{marks} | "
+                    + " | ".join(
+                        _ssim_cell(found[r], (r, attack) in best, show_images) if r in found else "-" for r in rounds
+                    )
+                    + " |"
+                )
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)

@@ -50,8 +50,11 @@ def parse_paper_table(table: Any, runs: set[str], where: str) -> tuple[PaperTabl
     """(the table, problems): every row checked for its keys, a known ``run`` and a usable ``format``."""
     if not isinstance(table, dict):
         return None, [f"{where}: [sweep.paper] must be a table with a title and [[sweep.paper.rows]]"]
-    problems = [f"{where}: unknown key {key!r} in [sweep.paper] (choose title, rows)"
-                for key in table if key not in ("title", "rows")]
+    problems = [
+        f"{where}: unknown key {key!r} in [sweep.paper] (choose title, rows)"
+        for key in table
+        if key not in ("title", "rows")
+    ]
     rows: list[PaperRow] = []
     raw_rows = table.get("rows", [])
     if not isinstance(raw_rows, list) or not raw_rows:
@@ -62,11 +65,15 @@ def parse_paper_table(table: Any, runs: set[str], where: str) -> tuple[PaperTabl
         if not isinstance(row, dict):
             problems.append(f"{label} must be a table with {', '.join(REQUIRED)}")
             continue
-        problems += [f"{label}: unknown key {key!r} (choose {', '.join(ROW_KEYS)})" for key in row if key not in ROW_KEYS]
+        problems += [
+            f"{label}: unknown key {key!r} (choose {', '.join(ROW_KEYS)})" for key in row if key not in ROW_KEYS
+        ]
         problems += [f"{label}: missing {key!r}" for key in REQUIRED if not isinstance(row.get(key), str)]
         if isinstance(row.get("run"), str) and row["run"] not in runs:
-            problems.append(f"{label}: run {row['run']!r} is not a <setting>/<variant> of this sweep "
-                            f"(choose {', '.join(sorted(runs))})")
+            problems.append(
+                f"{label}: run {row['run']!r} is not a <setting>/<variant> of this sweep "
+                f"(choose {', '.join(sorted(runs))})"
+            )
         fmt = row.get("format", PaperRow.format)
         try:
             str(fmt).format(1.0)
@@ -93,8 +100,12 @@ def metric_value(row: dict[str, Any], path: str, baseline: dict[str, Any] | None
 def render_paper_table(table: PaperTable, rows: list[dict[str, Any]], baseline: str) -> str:
     """Markdown: one line per compared number with the paper's, ours and how the settings differ."""
     by = {f"{r['setting']}/{r['variant']}": r for r in rows}
-    lines = [f"## {table.title}" if table.title else "## The paper and fedguard", "",
-             "| what | paper | fedguard | run | how the setting differs |", "|---|---|---:|---|---|"]
+    lines = [
+        f"## {table.title}" if table.title else "## The paper and fedguard",
+        "",
+        "| what | paper | fedguard | run | how the setting differs |",
+        "|---|---|---:|---|---|",
+    ]
     for entry in table.rows:
         row = by.get(entry.run, {})
         setting = entry.run.split("/", 1)[0]

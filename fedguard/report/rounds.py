@@ -22,9 +22,15 @@ class RoundRecorder:
     each new row once it is in the file (a tracker).
     """
 
-    def __init__(self, path: Path, total_rounds: int, clients_per_round: int, out: TextIO | None = None,
-                 previous: Iterable[dict[str, Any]] = (),
-                 listeners: Sequence[Callable[[dict[str, Any]], None]] = ()) -> None:
+    def __init__(
+        self,
+        path: Path,
+        total_rounds: int,
+        clients_per_round: int,
+        out: TextIO | None = None,
+        previous: Iterable[dict[str, Any]] = (),
+        listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
+    ) -> None:
         self.listeners = tuple(listeners)
         self.path = Path(path)
         self.total_rounds = total_rounds

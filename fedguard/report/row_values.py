@@ -13,10 +13,25 @@ from fedguard.run_folder import ATTACKS_FILE, ROUNDS_FILE, Note, read_jsonl
 NUMBER, TEXT, TABLE = "a number", "a string", "an object"
 FIELDS: dict[str, dict[str, str]] = {
     ROUNDS_FILE: {"round": NUMBER, "accuracy": NUMBER, "loss": NUMBER, "seconds": NUMBER},
-    ATTACKS_FILE: {"round": NUMBER, "client": NUMBER, "batch_size": NUMBER, "psnr": NUMBER, "ssim": NUMBER,
-                   "lpips": NUMBER, "mse": NUMBER, "label_accuracy": NUMBER, "seconds": NUMBER,
-                   "leaked_images": NUMBER, "attack": TEXT, "defense": TEXT, "status": TEXT, "images": TEXT,
-                   "error": TEXT, "manipulation": TEXT, "floor": TABLE},
+    ATTACKS_FILE: {
+        "round": NUMBER,
+        "client": NUMBER,
+        "batch_size": NUMBER,
+        "psnr": NUMBER,
+        "ssim": NUMBER,
+        "lpips": NUMBER,
+        "mse": NUMBER,
+        "label_accuracy": NUMBER,
+        "seconds": NUMBER,
+        "leaked_images": NUMBER,
+        "attack": TEXT,
+        "defense": TEXT,
+        "status": TEXT,
+        "images": TEXT,
+        "error": TEXT,
+        "manipulation": TEXT,
+        "floor": TABLE,
+    },
 }
 """The fields the report reads of each file's rows, by what each must be when present and not null."""
 FLOOR: dict[str, str] = {"psnr": NUMBER, "ssim": NUMBER}
@@ -48,5 +63,7 @@ def read_rows(run_dir: Path, name: str, note: Note) -> list[dict[str, Any]]:
     """The rows of ``run_dir/name`` (``rounds.jsonl`` or ``attacks.jsonl``, read by ``read_jsonl``), each value
     the report reads checked; ``note`` hears of each left out."""
     path = Path(run_dir) / name
-    return [_checked(row, FIELDS[name], f"{path}, row {index}: ", note)
-            for index, row in enumerate(read_jsonl(path, note), 1)]
+    return [
+        _checked(row, FIELDS[name], f"{path}, row {index}: ", note)
+        for index, row in enumerate(read_jsonl(path, note), 1)
+    ]

@@ -10,8 +10,15 @@ import tomli_w
 from fedguard.config import Config
 from fedguard.run_folder import CONFIG_FILE, OBSERVATIONS_DIR, ROUNDS_FILE, write_atomic
 
-__all__ = ["CONFIG_FILE", "OBSERVATIONS_DIR", "ROUNDS_FILE", "free_run_dir", "prepare_run_dir", "resolve_run_dir",
-           "unflatten"]
+__all__ = [
+    "CONFIG_FILE",
+    "OBSERVATIONS_DIR",
+    "ROUNDS_FILE",
+    "free_run_dir",
+    "prepare_run_dir",
+    "resolve_run_dir",
+    "unflatten",
+]
 
 
 def unflatten(flat: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,9 @@ from fedguard.run_folder import STATUS_FILE, read_json, write_json
 
 def write_status(folder: Path, status: str, rounds: int, error: str = "") -> Path:
     """Write the run's ending into ``folder/status.json``."""
-    return write_json(Path(folder) / STATUS_FILE, {"status": status, "rounds": rounds, **({"error": error} if error else {})})
+    return write_json(
+        Path(folder) / STATUS_FILE, {"status": status, "rounds": rounds, **({"error": error} if error else {})}
+    )
 
 
 def read_status(folder: Path) -> dict[str, Any] | None:

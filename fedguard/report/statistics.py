@@ -40,8 +40,9 @@ def finite(values: Iterable[float | None]) -> tuple[np.ndarray, int]:
     return kept, len(given) - len(kept)
 
 
-def bootstrap_ci(values: np.ndarray, confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
-                 seed: int = BOOTSTRAP_SEED) -> list[float]:
+def bootstrap_ci(
+    values: np.ndarray, confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED
+) -> list[float]:
     """Percentile bootstrap interval [low, high] of the mean of ``values`` (n,), n >= 1: the (1 - confidence) / 2
     and (1 + confidence) / 2 quantiles of the means of ``resamples`` resamples with replacement."""
     if len(values) == 1:

@@ -38,12 +38,17 @@ def privacy_utility_points(cells: list[dict[str, Any]], baseline: str) -> list[d
     base_accuracy = (base or {}).get("accuracy")
     if not base_accuracy:
         return []
-    return [{"variant": c["variant"], "ssim": c["privacy"]["ssim_mean"],
-             "ssim_errors": _errors(c["privacy"]["ssim_mean"], c["privacy"].get("ssim_ci95")),
-             "share": 100 * c["accuracy"] / base_accuracy,
-             "share_errors": _errors(c["accuracy"], c.get("accuracy_ci95"), 100 / base_accuracy)}
-            for c in cells if c.get("privacy") and c["privacy"].get("ssim_mean") is not None
-            and c.get("accuracy") is not None]
+    return [
+        {
+            "variant": c["variant"],
+            "ssim": c["privacy"]["ssim_mean"],
+            "ssim_errors": _errors(c["privacy"]["ssim_mean"], c["privacy"].get("ssim_ci95")),
+            "share": 100 * c["accuracy"] / base_accuracy,
+            "share_errors": _errors(c["accuracy"], c.get("accuracy_ci95"), 100 / base_accuracy),
+        }
+        for c in cells
+        if c.get("privacy") and c["privacy"].get("ssim_mean") is not None and c.get("accuracy") is not None
+    ]
 
 
 def privacy_utility_png(cells: list[dict[str, Any]], baseline: str) -> bytes | None:
@@ -55,11 +60,21 @@ def privacy_utility_png(cells: list[dict[str, Any]], baseline: str) -> bytes | N
     figure, [axis] = plot_axes(7.2, 4.8)
     for point in points:
         colour = GREY if point["variant"] == baseline else BLUE
-        axis.errorbar([point["ssim"]], [point["share"]], xerr=[[e] for e in point["ssim_errors"]],
-                      yerr=[[e] for e in point["share_errors"]], fmt="o", color=colour, ecolor=colour,
-                      elinewidth=1.2, capsize=3, markersize=7)
-        axis.annotate(point["variant"], (point["ssim"], point["share"]), textcoords="offset points",
-                      xytext=(6, 5), fontsize=9)
+        axis.errorbar(
+            [point["ssim"]],
+            [point["share"]],
+            xerr=[[e] for e in point["ssim_errors"]],
+            yerr=[[e] for e in point["share_errors"]],
+            fmt="o",
+            color=colour,
+            ecolor=colour,
+            elinewidth=1.2,
+            capsize=3,
+            markersize=7,
+        )
+        axis.annotate(
+            point["variant"], (point["ssim"], point["share"]), textcoords="offset points", xytext=(6, 5), fontsize=9
+        )
     axis.axvline(SUCCESS_SSIM, color=RED, linewidth=1, linestyle=":", label=f"recognisable (SSIM {SUCCESS_SSIM:g})")
     axis.set_xlim(0, 1.05)
     axis.set_ylim(bottom=0)
@@ -73,8 +88,11 @@ def privacy_utility_png(cells: list[dict[str, Any]], baseline: str) -> bytes | N
 def leakage_per_round_png(cells: list[dict[str, Any]]) -> bytes | None:
     """Each variant's best attack's mean SSIM (with its interval over images) against the attacked round; None
     when no cell has an SSIM (images without one: LPIPS-only or unscored)."""
-    scored = {c["variant"]: [leak for leak in c["privacy"]["per_round"] if leak["ssim_mean"] is not None]
-              for c in cells if (c.get("privacy") or {}).get("per_round")}
+    scored = {
+        c["variant"]: [leak for leak in c["privacy"]["per_round"] if leak["ssim_mean"] is not None]
+        for c in cells
+        if (c.get("privacy") or {}).get("per_round")
+    }
     attacked = {variant: leaks for variant, leaks in scored.items() if leaks}
     if not attacked:
         return None
@@ -83,8 +101,15 @@ def leakage_per_round_png(cells: list[dict[str, Any]]) -> bytes | None:
     for variant, per_round in attacked.items():
         xs, ys = [leak["round"] for leak in per_round], [leak["ssim_mean"] for leak in per_round]
         errors = [_errors(leak["ssim_mean"], leak.get("ssim_ci95")) for leak in per_round]
-        axis.errorbar(xs, ys, yerr=[[e[0] for e in errors], [e[1] for e in errors]], marker="o", capsize=3,
-                      linewidth=1.6, label=variant)
+        axis.errorbar(
+            xs,
+            ys,
+            yerr=[[e[0] for e in errors], [e[1] for e in errors]],
+            marker="o",
+            capsize=3,
+            linewidth=1.6,
+            label=variant,
+        )
     axis.axhline(SUCCESS_SSIM, color=RED, linewidth=1, linestyle=":")
     axis.set_xticks(rounds)
     axis.set_ylim(0, 1.02)
@@ -132,12 +157,16 @@ def markdown_html(markdown: str) -> str:
     def flush() -> None:
         if table:
             header, rows = table[0], table[2:]
-            align = ['num' if cell.endswith(":") else '' for cell in table[1]]
+            align = ["num" if cell.endswith(":") else "" for cell in table[1]]
             head = "".join(f'<th class="{a}">{_inline(c)}</th>' for c, a in zip(header, align))
-            body = "".join("<tr>" + "".join(f'<td class="{a}">{_inline(c)}</td>' for c, a in zip(row, align))
-                           + "</tr>" for row in rows)
-            blocks.append(f'<div class="scroll"><table class="data"><thead><tr>{head}</tr></thead>'
-                          f"<tbody>{body}</tbody></table></div>")
+            body = "".join(
+                "<tr>" + "".join(f'<td class="{a}">{_inline(c)}</td>' for c, a in zip(row, align)) + "</tr>"
+                for row in rows
+            )
+            blocks.append(
+                f'<div class="scroll"><table class="data"><thead><tr>{head}</tr></thead>'
+                f"<tbody>{body}</tbody></table></div>"
+            )
             table.clear()
         if items:
             blocks.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in items) + "</ul>")
@@ -157,18 +186,22 @@ def markdown_html(markdown: str) -> str:
     return "\n".join(blocks)
 
 
-def _setting_panel(folder: Path, setting: str, cells: list[dict[str, Any]], baseline: str,
-                   images: EmbeddedImages) -> str:
+def _setting_panel(
+    folder: Path, setting: str, cells: list[dict[str, Any]], baseline: str, images: EmbeddedImages
+) -> str:
     kind = cells[0].get("setting_kind", "diagnostic")
     seeds = sorted({s for c in cells for s in c.get("seeds") or []})
-    parts = [f'<section class="panel"><h2>Setting <code>{escape(setting)}</code> <span class="badge ok">'
-             f"{escape(kind)}</span></h2>",
-             f'<p class="lead">{len(cells)} variants' + (f", seeds {', '.join(map(str, seeds))}" if seeds else "")
-             + "</p>"]
+    parts = [
+        f'<section class="panel"><h2>Setting <code>{escape(setting)}</code> <span class="badge ok">'
+        f"{escape(kind)}</span></h2>",
+        f'<p class="lead">{len(cells)} variants' + (f", seeds {', '.join(map(str, seeds))}" if seeds else "") + "</p>",
+    ]
     figures = dict(zip(FIGURES, (privacy_utility_png(cells, baseline), leakage_per_round_png(cells), cost_png(cells))))
-    captions = {"privacy-utility": "Privacy against utility: up and to the left is better",
-                "leakage-per-round": "Leakage per attacked round (each variant's best attack)",
-                "cost": "Cost per defense"}
+    captions = {
+        "privacy-utility": "Privacy against utility: up and to the left is better",
+        "leakage-per-round": "Leakage per attacked round (each variant's best attack)",
+        "cost": "Cost per defense",
+    }
     shown = []
     for name, png in figures.items():
         path = folder / f"{name}-{setting}.png"
@@ -176,8 +209,10 @@ def _setting_panel(folder: Path, setting: str, cells: list[dict[str, Any]], base
             path.unlink(missing_ok=True)
             continue
         write_atomic(path, png)
-        shown.append(f'<figure class="curve"><h3>{captions[name]}</h3>'
-                     f'{images.tag(png, f"{captions[name]}, setting {setting}", "plot")}</figure>')
+        shown.append(
+            f'<figure class="curve"><h3>{captions[name]}</h3>'
+            f"{images.tag(png, f'{captions[name]}, setting {setting}', 'plot')}</figure>"
+        )
     parts.append(f'<div class="figures">{"".join(shown)}</div>')
     failed = [c["variant"] for c in cells if c.get("status") == "failed"]
     if failed:
@@ -198,17 +233,21 @@ def render_sweep(folder: Path, baseline: str | None = None) -> str:
     summary = folder / SUMMARY_FILE
     tables = markdown_html(summary.read_text()) if summary.is_file() else '<p class="empty">No summary.md.</p>'
     name = folder.name
-    body = "\n".join([
-        f'<header class="top"><div class="eyebrow">fedguard sweep</div><h1>{escape(name)}</h1>'
-        f'<div class="folder">{escape(str(folder))}</div></header>',
-        *panels,
-        f'<section class="panel"><h2>Tables</h2><p class="lead">As in summary.md; baseline '
-        f'<code>{escape(baseline)}</code>.</p>{tables}</section>',
-        f"<footer>Written by <code>fedguard sweep</code>; {images.count} embedded image"
-        f'{"s" if images.count != 1 else ""}, no external resources.</footer>',
-    ])
-    css = CSS + (".scroll { overflow-x:auto; } .curve h3 { margin-top:14px; } code { font-size:90%; }\n"
-                 ".figures { display:grid; grid-template-columns:repeat(auto-fit, minmax(460px, 1fr)); gap:0 24px; }\n")
+    body = "\n".join(
+        [
+            f'<header class="top"><div class="eyebrow">fedguard sweep</div><h1>{escape(name)}</h1>'
+            f'<div class="folder">{escape(str(folder))}</div></header>',
+            *panels,
+            f'<section class="panel"><h2>Tables</h2><p class="lead">As in summary.md; baseline '
+            f"<code>{escape(baseline)}</code>.</p>{tables}</section>",
+            f"<footer>Written by <code>fedguard sweep</code>; {images.count} embedded image"
+            f"{'s' if images.count != 1 else ''}, no external resources.</footer>",
+        ]
+    )
+    css = CSS + (
+        ".scroll { overflow-x:auto; } .curve h3 { margin-top:14px; } code { font-size:90%; }\n"
+        ".figures { display:grid; grid-template-columns:repeat(auto-fit, minmax(460px, 1fr)); gap:0 24px; }\n"
+    )
     return page_html(f"{name} \u2014 fedguard sweep", css, body, images.count)
 
 

@@ -43,15 +43,22 @@ ATTACK_SCORES = ("psnr", "ssim", "lpips", "label_accuracy", "seconds")
 
 
 def _finite(values: dict[str, Any]) -> dict[str, float]:
-    return {key: float(value) for key, value in values.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)}
+    return {
+        key: float(value)
+        for key, value in values.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+    }
 
 
 def round_scalars(row: dict[str, Any]) -> dict[str, float]:
     """The finite numbers of a ``rounds.jsonl`` row: ``ROUND_SCORES`` and the defense's totals as
     ``defense/<name>``."""
-    return _finite({**{key: row.get(key) for key in ROUND_SCORES},
-                    **{f"defense/{name}": value for name, value in (row.get("defense") or {}).items()}})
+    return _finite(
+        {
+            **{key: row.get(key) for key in ROUND_SCORES},
+            **{f"defense/{name}": value for name, value in (row.get("defense") or {}).items()},
+        }
+    )
 
 
 def attack_scalars(row: dict[str, Any]) -> dict[str, float]:
@@ -80,8 +87,13 @@ class Trackers:
             try:
                 getattr(tracker, action)(*args)
             except Exception as error:  # a tracker must never stop the run
-                log.warning("tracking: %s failed in %s (%s: %s); the run goes on without it", tracker.name, action,
-                            type(error).__name__, error)
+                log.warning(
+                    "tracking: %s failed in %s (%s: %s); the run goes on without it",
+                    tracker.name,
+                    action,
+                    type(error).__name__,
+                    error,
+                )
                 self.trackers.remove(tracker)
 
     def start(self, config: Config) -> None:
@@ -101,10 +113,15 @@ class Trackers:
 def tracker_problems(config: Config) -> list[str]:
     """Why the trackers ``config.track`` turns on cannot run here (a package missing), checked before a run
     starts."""
-    needed = [("track.tensorboard", "tensorboard", config.track.tensorboard),
-              ("track.mlflow", "mlflow", config.track.mlflow)]
-    return [f"{key} = true needs the {package} package, which is not installed: pip install {package}"
-            for key, package, on in needed if on and importlib.util.find_spec(package) is None]
+    needed = [
+        ("track.tensorboard", "tensorboard", config.track.tensorboard),
+        ("track.mlflow", "mlflow", config.track.mlflow),
+    ]
+    return [
+        f"{key} = true needs the {package} package, which is not installed: pip install {package}"
+        for key, package, on in needed
+        if on and importlib.util.find_spec(package) is None
+    ]
 
 
 def open_trackers(config: Config, folder: Path) -> Trackers:
@@ -117,8 +134,12 @@ def open_trackers(config: Config, folder: Path) -> Trackers:
         try:
             trackers.append(_open(key, config, folder))
         except Exception as error:
-            log.warning("tracking: %s could not be opened (%s: %s); the run goes on without it", key,
-                        type(error).__name__, error)
+            log.warning(
+                "tracking: %s could not be opened (%s: %s); the run goes on without it",
+                key,
+                type(error).__name__,
+                error,
+            )
     result = Trackers(trackers, folder)
     result.start(config)
     return result
@@ -134,5 +155,6 @@ def _open(name: str, config: Config, folder: Path) -> Tracker:
     if config.track.mlflow_uri:
         return MLflowTracker(config.track.mlflow_uri, config.track.mlflow_experiment)
     local = folder.absolute()  # MLflow 3 refuses its plain file store: a SQLite store in the run folder instead
-    return MLflowTracker(f"sqlite:///{local / MLFLOW_DB}", config.track.mlflow_experiment,
-                         artifacts=(local / MLFLOW_ARTIFACTS).as_uri())
+    return MLflowTracker(
+        f"sqlite:///{local / MLFLOW_DB}", config.track.mlflow_experiment, artifacts=(local / MLFLOW_ARTIFACTS).as_uri()
+    )

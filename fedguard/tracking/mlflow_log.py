@@ -39,36 +39,44 @@ class MLflowTracker:
             raise ImportError("track.mlflow = true needs the mlflow package: pip install mlflow") from error
         self.client = MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = (found.experiment_id if found
-                              else self.client.create_experiment(experiment, artifact_location=artifacts))
+        self.experiment_id = (
+            found.experiment_id if found else self.client.create_experiment(experiment, artifact_location=artifacts)
+        )
         self.run_id = ""
 
     def start(self, config: Config) -> None:
         from mlflow.entities import Param
 
-        run = self.client.create_run(self.experiment_id, run_name=config.run.name,
-                                     tags={"fedguard.defense": config.defense.name,
-                                           "fedguard.attacks": ",".join(config.attack_names()) or "none"})
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=config.run.name,
+            tags={
+                "fedguard.defense": config.defense.name,
+                "fedguard.attacks": ",".join(config.attack_names()) or "none",
+            },
+        )
         self.run_id = run.info.run_id
         params = [Param(mlflow_name(key), str(value)[:6000]) for key, value in config.to_flat().items()]
         for start in range(0, len(params), BATCH):
-            self.client.log_batch(self.run_id, params=params[start:start + BATCH])
+            self.client.log_batch(self.run_id, params=params[start : start + BATCH])
 
     def _metrics(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         if values:
             stamp = int(time.time() * 1000)
-            self.client.log_batch(self.run_id, metrics=[Metric(key, value, stamp, step)
-                                                        for key, value in values.items()])
+            self.client.log_batch(
+                self.run_id, metrics=[Metric(key, value, stamp, step) for key, value in values.items()]
+            )
 
     def round(self, row: dict[str, Any]) -> None:
         self._metrics({key.replace("/", "."): value for key, value in round_scalars(row).items()}, row["round"])
 
     def attack(self, row: dict[str, Any], truth: np.ndarray | None, recon: np.ndarray | None) -> None:
         step = row["round"] if isinstance(row.get("round"), int) else 0
-        self._metrics({mlflow_name(f"attack.{row['attack']}.{key}"): value
-                       for key, value in attack_scalars(row).items()}, step)
+        self._metrics(
+            {mlflow_name(f"attack.{row['attack']}.{key}"): value for key, value in attack_scalars(row).items()}, step
+        )
         if truth is not None and recon is not None:
             stem = f"images/round-{row['round']:04d}_client-{row['client']:04d}_{row['attack']}"
             self.client.log_image(self.run_id, grid_array(truth, scale=None), artifact_file=f"{stem}_truth.png")

@@ -26,8 +26,9 @@ class TensorBoardTracker:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
-            raise ImportError("track.tensorboard = true needs the tensorboard package: pip install tensorboard") \
-                from error
+            raise ImportError(
+                "track.tensorboard = true needs the tensorboard package: pip install tensorboard"
+            ) from error
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def start(self, config: Config) -> None:

@@ -20,12 +20,18 @@ def train(msg: Message, context: Context) -> Message:
     model = process_model(run_config)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     server_round = int(msg.content["config"]["server-round"])
-    batch, generator = client_batch(len(local), int(run_config["batch-size"]), int(run_config["seed"]),
-                                    partition_id, server_round)
+    batch, generator = client_batch(
+        len(local), int(run_config["batch-size"]), int(run_config["seed"]), partition_id, server_round
+    )
     x, y = local.batch(batch)
-    sent, loss = defended_gradients(model, x, y, str(run_config["defense"]), context.state, generator,
-                                    server_round, partition_id, len(local))
+    sent, loss = defended_gradients(
+        model, x, y, str(run_config["defense"]), context.state, generator, server_round, partition_id, len(local)
+    )
     sgd_step(model, sent, float(run_config["lr"]))
-    content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                          "metrics": MetricRecord({"train_loss": loss, "num-examples": len(y)})})
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "metrics": MetricRecord({"train_loss": loss, "num-examples": len(y)}),
+        }
+    )
     return Message(content=content, reply_to=msg)

@@ -40,7 +40,15 @@ def main(grid: Grid, context: Context) -> None:
         print(f"bareflower: {json.dumps(row)}", flush=True)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    strategy = FedAvg(fraction_train=per_round / num_clients, fraction_evaluate=0.0, min_train_nodes=per_round,
-                      min_available_nodes=num_clients)
-    strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
-                   num_rounds=int(run_config["num-server-rounds"]), evaluate_fn=evaluate_fn)
+    strategy = FedAvg(
+        fraction_train=per_round / num_clients,
+        fraction_evaluate=0.0,
+        min_train_nodes=per_round,
+        min_available_nodes=num_clients,
+    )
+    strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=int(run_config["num-server-rounds"]),
+        evaluate_fn=evaluate_fn,
+    )

@@ -54,8 +54,9 @@ def mlp(channels: int, height: int, width: int, num_classes: int) -> nn.Sequenti
 
 
 def source_options(run_config: dict[str, Any]) -> SourceOptions:
-    return SourceOptions(str(run_config["data-root"]), False, float(run_config["test-fraction"]),
-                         int(run_config["image-size"]))
+    return SourceOptions(
+        str(run_config["data-root"]), False, float(run_config["test-fraction"]), int(run_config["image-size"])
+    )
 
 
 def dataset(run_config: dict[str, Any]):  # -> fedguard.data.dataset.ImageData (cached by fedguard)
@@ -77,18 +78,31 @@ def _cached_model(key: tuple[tuple[str, Any], ...]) -> nn.Sequential:
 
 def process_model(run_config: dict[str, Any]) -> nn.Sequential:
     """One model instance per process (an actor runs many clients); weights are loaded every round."""
-    return _cached_model(tuple(sorted((k, v) for k, v in run_config.items() if k.startswith("data-")
-                                      or k in ("test-fraction", "image-size"))))
+    return _cached_model(
+        tuple(
+            sorted(
+                (k, v) for k, v in run_config.items() if k.startswith("data-") or k in ("test-fraction", "image-size")
+            )
+        )
+    )
 
 
 def local_split(run_config: dict[str, Any], partition_id: int, num_partitions: int):  # -> Split
     """This client's training examples: fedguard's iid partition (cached per process by fedguard)."""
-    return client_split(str(run_config["data-name"]), source_options(run_config), "iid", PartitionOptions(0.5, 2),
-                        num_partitions, int(run_config["seed"]), partition_id)
+    return client_split(
+        str(run_config["data-name"]),
+        source_options(run_config),
+        "iid",
+        PartitionOptions(0.5, 2),
+        num_partitions,
+        int(run_config["seed"]),
+        partition_id,
+    )
 
 
-def client_batch(size: int, batch_size: int, seed: int, client: int,
-                 server_round: int) -> tuple[np.ndarray, torch.Generator]:
+def client_batch(
+    size: int, batch_size: int, seed: int, client: int, server_round: int
+) -> tuple[np.ndarray, torch.Generator]:
     """The positions of the batch a client of ``size`` examples takes in ``server_round``, drawn as fedguard's
     client draws them, and the torch generator fedguard hands its defense (both from (seed, client, round))."""
     rng, generator = client_generators(seed, client, server_round)
@@ -120,9 +134,17 @@ def store_residual(state: RecordDict, residual: dict[str, torch.Tensor]) -> None
     state[RESIDUAL_KEY] = ArrayRecord(torch_state_dict={k: v.detach().contiguous() for k, v in residual.items()})
 
 
-def defended_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, defense: str, state: RecordDict,
-                       generator: torch.Generator, server_round: int, client: int,
-                       examples: int) -> tuple[list[torch.Tensor], float]:
+def defended_gradients(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    defense: str,
+    state: RecordDict,
+    generator: torch.Generator,
+    server_round: int,
+    client: int,
+    examples: int,
+) -> tuple[list[torch.Tensor], float]:
     """What the client sends (one tensor per trainable parameter) and the loss: the batch gradient, through
     DGP with error feedback when ``defense`` is "dgp" (residual read from and written back to ``state``)."""
     grads, loss = gradients(model, x, y)
