@@ -12,9 +12,10 @@ configuration time. The server checks the files once, before round 1
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -93,7 +94,7 @@ class AttackTraits:
     files: tuple[RequiredFile, ...] = ()
 
     @classmethod
-    def of(cls, attack: type, **changes: Any) -> "AttackTraits":
+    def of(cls, attack: type, **changes: Any) -> AttackTraits:
         """The traits ``attack``'s class attributes declare, with ``changes`` for those its parameters set."""
         names = ("uploads", "needs", "needs_by_upload", "manipulation")
         declared = {name: getattr(attack, name) for name in names if hasattr(attack, name)}

@@ -13,7 +13,7 @@ statistics of every local step and are refused.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

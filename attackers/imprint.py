@@ -31,6 +31,7 @@ attacker reads the bin units and their edges from the first layer it sent.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
@@ -141,7 +142,7 @@ class ImprintAttack:
     """Closed-form read-out of the inputs that fall alone in an imprint bin."""
 
     needs: frozenset[str] = frozenset()
-    needs_by_upload: dict[str, frozenset[str]] = {}
+    needs_by_upload: Mapping[str, frozenset[str]] = {}
     uploads: frozenset[str] = frozenset({"gradient"})
     manipulation = "imprint"
 

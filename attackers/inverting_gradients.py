@@ -23,6 +23,7 @@ uploads given together run as one batched search.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +67,7 @@ class InvertingGradientsParams:
 class InvertingGradients(OptimizationAttack):
     """Cosine-similarity gradient inversion with a TV prior, signed Adam with step decay."""
 
-    needs_by_upload = {"weights": frozenset({"hyperparameters"})}
+    needs_by_upload: Mapping[str, frozenset[str]] = {"weights": frozenset({"hyperparameters"})}
     uploads = frozenset({"gradient", "weights"})
 
     def __init__(self, params: InvertingGradientsParams) -> None:

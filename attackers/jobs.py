@@ -63,7 +63,7 @@ class JobBatch:
     shared: bool
 
     @classmethod
-    def of(cls, observations: list[Observation], restarts: int, device: torch.device) -> "JobBatch":
+    def of(cls, observations: list[Observation], restarts: int, device: torch.device) -> JobBatch:
         """Jobs for ``observations``, which must share model, data shape, image count and upload kind."""
         if len({shape_key(o) for o in observations}) > 1:
             raise ValueError("observations attacked together need one model, data shape, batch size and upload kind")

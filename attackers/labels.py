@@ -69,6 +69,7 @@ def last_layer_signal(grads: list[torch.Tensor], num_classes: int) -> torch.Tens
     weight, bias = last_layer(grads, num_classes)
     if bias is not None:
         return grads[bias].detach().float()
+    assert weight is not None  # last_layer finds a weight where it finds no bias
     return grads[weight].detach().float().sum(1)
 
 
@@ -199,7 +200,7 @@ def plain_labels(signal: torch.Tensor, batch_size: int) -> torch.Tensor:
     negative = [int(c) for c in order if signal[c] < 0]
     if not negative:
         negative = [int(order[0])]
-    counts = {c: max(1, int(round(-batch_size * float(signal[c])))) for c in negative[:batch_size]}
+    counts = {c: max(1, round(-batch_size * float(signal[c]))) for c in negative[:batch_size]}
     while sum(counts.values()) > batch_size:
         smallest = min(counts, key=lambda c: (counts[c] <= 1, -signal[c].item()))
         counts[smallest] -= 1

@@ -10,7 +10,8 @@ is run only on uploads computed on a model so manipulated.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -114,7 +115,9 @@ class Mjolnir:
                 f"{params.denoiser} holds a conditional one, which runs the sampler 'chained'"
             )
         self.needs: frozenset[str] = inner.needs | own_needs(params)
-        self.needs_by_upload = {k: v for k, v in inner.needs_by_upload.items() if k in self.uploads}
+        self.needs_by_upload: Mapping[str, frozenset[str]] = {
+            k: v for k, v in inner.needs_by_upload.items() if k in self.uploads
+        }
         self.manipulation: str = inner.manipulation
         self.defense: Any = None
 

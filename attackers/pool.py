@@ -25,8 +25,9 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import torch
@@ -77,7 +78,7 @@ def _worker_actor() -> type:
     return AttackWorkerActor
 
 
-AttackWorkerActor = ray.remote(_worker_actor())
+AttackWorkerActor: Any = ray.remote(_worker_actor())
 
 
 @dataclass
@@ -190,7 +191,7 @@ class AttackPool:
         """Join (or start) Ray and create the workers. Runs on the pool's thread at the first submit, so
         that inside a simulation the engine has started Ray by then and the pool never races it."""
         if not ray.is_initialized():
-            resources = None if self.address else {ATTACKER_RESOURCE: self.num_workers}
+            resources: dict[str, float] | None = None if self.address else {ATTACKER_RESOURCE: self.num_workers}
             ray.init(address=self.address, include_dashboard=False, resources=resources)
         self._has_resource = ray.cluster_resources().get(ATTACKER_RESOURCE, 0) >= 1
         self._workers = [None] * self.num_workers

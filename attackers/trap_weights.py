@@ -30,8 +30,9 @@ The helpers below (first layer, its gradient, labels, image assembly) serve ever
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -178,7 +179,7 @@ class TrapWeightsAttack:
     """Closed-form read-out of the inputs trapped by single first-layer units."""
 
     needs: frozenset[str] = frozenset()
-    needs_by_upload: dict[str, frozenset[str]] = {}
+    needs_by_upload: Mapping[str, frozenset[str]] = {}
     uploads: frozenset[str] = frozenset({"gradient"})
     manipulation = "trap-weights"
 

@@ -39,15 +39,16 @@ import dataclasses
 import itertools
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+from vs_breaching import CASES, Case, capture, run_fedguard, score
 
 from attackers.base import ATTACKS, COMPILE_MODES
 from attackers.engine.spec import PRECISIONS
 from fedguard.models.mlp import MLPParams
-from vs_breaching import CASES, Case, capture, run_fedguard, score
 
 PRESET_MLP = MLPParams(hidden=1000, depth=2, batch_norm=True)
 STUDY_CASES = {

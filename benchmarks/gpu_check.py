@@ -47,8 +47,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -110,9 +111,9 @@ def environment(device: str) -> dict[str, Any]:
     """Facts of this machine for the summary's header: versions, the device's name and memory, whether
     torch.compile can build kernels for ``device`` ('cuda' or 'cpu'); on CUDA one matmul checks it runs."""
     import torch
+    from vs_breaching import device_name
 
     from attackers.engine.compiled import compiler_available
-    from vs_breaching import device_name
 
     def version(package: str) -> str | None:
         try:

@@ -77,7 +77,8 @@ def main() -> None:
         batched = timed(lambda: InvertingGradients(many).reconstruct_many([obs], 0)[0])
         rate = args.restarts * args.iterations / batched
         print(
-            f"{name:10} {args.restarts:>8} {sequential:>13.2f} {batched:>10.2f} {sequential / batched:>8.2f}x {rate:>13.0f}"
+            f"{name:10} {args.restarts:>8} {sequential:>13.2f} {batched:>10.2f} "
+            f"{sequential / batched:>8.2f}x {rate:>13.0f}"
         )
 
 

@@ -34,18 +34,19 @@ import copy
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, replace_all_batch_norm_modules_, vmap
+from vs_breaching import Case, Inputs, capture, check_layout, compiled, device_name, measured, score
 
 from attackers.base import COMPILE_MODES, DEVICES, build_attack
 from attackers.engine.terms import total_variation
 from attackers.inverting_gradients import InvertingGradientsParams
 from attackers.jobs import job_seed, resolve_device
-from vs_breaching import Case, Inputs, capture, check_layout, compiled, device_name, measured, score
 
 HERE = Path(__file__).resolve().parent
 WARM_UP_ITERATIONS = 2

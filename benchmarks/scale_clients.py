@@ -46,9 +46,10 @@ What is measured, per run:
     peak PSS            every --interval seconds (0.2) the memory of every process of the run is read from
                         /proc/<pid>/smaps_rollup (less often when that would take more than 10 % of a core:
                         the kernel walks the page tables, about 15 ms per resident GB on the 2-core test
-                        machine; the JSON has the mean interval and the cost of a sample): the process launched (the fedguard CLI; for the bare app
-                        the SuperLink and `flwr run`, started from here as fedguard's CLI starts them, this
-                        script standing in for the CLI and not counted), every descendant, every process in a
+                        machine; the JSON has the mean interval and the cost of a sample): the process
+                        launched (the fedguard CLI; for the bare app the SuperLink and `flwr run`, started
+                        from here as fedguard's CLI starts them, this script standing in for the CLI and
+                        not counted), every descendant, every process in a
                         session one of them leads (fedguard and Flower start the SuperLink, SuperExec and
                         `flwr run` in sessions of their own, and Ray's processes outlive their parents) and
                         every process whose environment carries this run's FEDGUARD_SCALE_RUN token.
@@ -95,9 +96,10 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -73,9 +73,10 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn

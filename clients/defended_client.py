@@ -21,7 +21,6 @@ from fedguard.models import build_model
 from fedguard.records import PROXIMAL_MU_KEY, ROUND_KEY
 from fedguard.seeding import client_generators
 from fedguard.sparse import ENCODING_KEY, SPARSE, byte_counts, encode_arrays
-from fedguard.vault import write_truth
 from fedguard.training import (
     compute_gradients,
     evaluate,
@@ -34,6 +33,7 @@ from fedguard.training import (
     split_by_mask,
     trainable_mask,
 )
+from fedguard.vault import write_truth
 
 
 @functools.lru_cache(maxsize=2)

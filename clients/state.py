@@ -128,7 +128,8 @@ class FileState:
         partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
         arrays = {name: t.detach().cpu().contiguous().numpy() for name, t in tensors.items()}
         with open(partial, "wb") as out:
-            np.savez(out, **arrays)
+            # mypy takes **arrays for a value of the keyword-only allow_pickle (a bool)
+            np.savez(out, **arrays)  # type: ignore[arg-type]
         os.replace(partial, target)
         for older, path in _rounds(self.folder).items():
             if older < round_ and (self._read is None or older < self._read):

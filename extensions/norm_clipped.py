@@ -37,7 +37,7 @@ class NormClipParams:
 class NormClippedFedAvg(FedAvg):
     """Flower's FedAvg on uploads whose change from the global model is clipped to ``clip`` (L2)."""
 
-    def __init__(self, clip: float, **kwargs) -> None:  # noqa: ANN003 - FedAvg's sampling arguments
+    def __init__(self, clip: float, **kwargs) -> None:  # kwargs: FedAvg's sampling arguments
         super().__init__(**kwargs)
         self.clip = clip
         self._global: list[np.ndarray] = []

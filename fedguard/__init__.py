@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from fedguard.api import RunFailed, RunResults, SweepResults, as_config, open_run, run, run_sweep
 
-API = ("run", "run_sweep", "open_run", "as_config", "RunResults", "SweepResults", "RunFailed")
-__all__ = [*API, "__version__"]
+__all__ = ["RunFailed", "RunResults", "SweepResults", "__version__", "as_config", "open_run", "run", "run_sweep"]
+API = tuple(name for name in __all__ if name != "__version__")
 
 
 def __getattr__(name: str) -> Any:

@@ -19,8 +19,9 @@ import dataclasses
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class RunFailed(RuntimeError):
         self.folder = folder
 
 
-def _frame(rows: list[dict[str, Any]], drop: Iterable[str] = ()) -> "pd.DataFrame":
+def _frame(rows: list[dict[str, Any]], drop: Iterable[str] = ()) -> pd.DataFrame:
     """``rows`` as a DataFrame; nested objects become dotted columns (``defense.epsilon``), the keys in ``drop``
     (lists that belong in tables of their own) are left out."""
     import pandas as pd
@@ -86,13 +87,13 @@ class RunResults:
         return self.folder / REPORT_FILE
 
     @property
-    def rounds(self) -> "pd.DataFrame":
+    def rounds(self) -> pd.DataFrame:
         """One row per round (0: the initial model): ``round``, ``accuracy``, ``loss``, ``seconds``, the
         defense's totals as ``defense.<name>``, upload sizes in bytes."""
         return _frame(read_jsonl(self.folder / ROUNDS_FILE), drop=("uploads", "rejected"))
 
     @property
-    def uploads(self) -> "pd.DataFrame":
+    def uploads(self) -> pd.DataFrame:
         """One row per upload whose defense reported numbers of its own (e.g. CENSOR's ``raw``): ``round``,
         ``client`` and those numbers; empty when no defense did."""
         import pandas as pd
@@ -106,14 +107,14 @@ class RunResults:
         )
 
     @property
-    def attacks(self) -> "pd.DataFrame":
+    def attacks(self) -> pd.DataFrame:
         """One row per attack on a captured upload: ``attack``, ``round``, ``client``, ``status``, ``psnr`` (dB),
         ``ssim``, ``lpips``, ``label_accuracy``, ``seconds``, ``attack_params.<key>``, ``stats.<key>``, ... (the
         scores are means over the upload's images; ``images`` has them one by one)."""
         return _frame(read_jsonl(self.folder / ATTACKS_FILE), drop=("per_image",))
 
     @property
-    def image_scores(self) -> "pd.DataFrame":
+    def image_scores(self) -> pd.DataFrame:
         """One row per scored image: ``attack``, ``round``, ``client``, ``image`` (its index in the client's
         batch), ``psnr``, ``ssim``, ``lpips``, ``mse``."""
         import pandas as pd
@@ -154,20 +155,20 @@ class SweepResults:
     folder: Path
 
     @property
-    def cells(self) -> "pd.DataFrame":
+    def cells(self) -> pd.DataFrame:
         """One row per (setting, variant) cell: ``accuracy``, ``accuracy_ci95``, ``accuracy_share``, ``epsilon``,
         the headline leakage as ``privacy.<key>`` (``privacy.attack``, ``privacy.round``, ``privacy.ssim_mean``,
         ``privacy.ssim_ci95``, ...), ``seconds_per_round``, ..."""
         return _frame(read_jsonl(self.folder / SWEEP_FILE), drop=("attacks", "by_round", "defense_report"))
 
     @property
-    def runs(self) -> "pd.DataFrame":
+    def runs(self) -> pd.DataFrame:
         """One row per run (a seed of a cell): ``setting``, ``variant``, ``seed``, ``status``, ``accuracy``,
         ``folder``, ..."""
         return _frame(read_jsonl(self.folder / RUNS_FILE), drop=("attacks", "by_round", "defense_report", "privacy"))
 
     @property
-    def leakage(self) -> "pd.DataFrame":
+    def leakage(self) -> pd.DataFrame:
         """One row per (setting, variant, attack, round): ``n_images``, ``adaptive``, ``psnr_mean``,
         ``ssim_mean``, ``ssim_ci95``, ``lpips_mean``, ``success_rate``, ... over the cell's seeds."""
         import pandas as pd

@@ -11,8 +11,9 @@ this app's folder (``app_root``) first on its ``sys.path``, then imports what th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def app_root() -> str:
@@ -45,7 +46,7 @@ def reduce_in_app(function: Callable[..., Any], *args: Any) -> tuple[Callable[[b
     return _loader(app_root()), (cloudpickle.dumps((function, args)),)
 
 
-def rebuilt(cls: type, state: dict[str, Any]) -> Any:
+def rebuilt(cls: type[object], state: dict[str, Any]) -> Any:
     """An instance of ``cls`` holding ``state``, as pickle rebuilds an object (no ``__init__``)."""
     instance = cls.__new__(cls)
     instance.__dict__.update(state)

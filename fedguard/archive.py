@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from fedguard.trained_files import FileKind, check_arrays
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 def save_archive(
@@ -27,7 +29,8 @@ def save_archive(
     partial = path.with_name(f".{path.name}.part")
     write = np.savez_compressed if compressed else np.savez
     with open(partial, "wb") as handle:
-        write(handle, meta=np.array(json.dumps(meta)), **arrays)
+        # mypy takes **arrays for a value of the keyword-only allow_pickle (a bool)
+        write(handle, meta=np.array(json.dumps(meta)), **arrays)  # type: ignore[arg-type]
     os.replace(partial, path)
     return path
 
@@ -45,8 +48,8 @@ def module_layout(module: nn.Module, prefix: str) -> dict[str, tuple[tuple[int, 
 
 
 def load_module_arrays(
-    module: nn.Module, arrays: dict[str, np.ndarray], prefix: str, path: Path, kind: FileKind, label: str
-) -> nn.Module:
+    module: ModuleT, arrays: dict[str, np.ndarray], prefix: str, path: Path, kind: FileKind, label: str
+) -> ModuleT:
     """Load ``arrays`` (named ``<prefix>/<entry>``: every array of the file at ``path`` but its meta) into
     ``module``, built from the file's meta, after ``check_arrays`` against its ``state_dict`` (``label`` names
     them in its errors). Returns ``module``."""

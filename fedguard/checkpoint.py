@@ -38,7 +38,8 @@ def write_checkpoint(folder: Path, checkpoint: RoundCheckpoint) -> Path:
     content.update({f"{_MODEL}{i}": np.asarray(a) for i, a in enumerate(checkpoint.arrays)})
     content.update({f"{_STRATEGY}{name}": np.asarray(a) for name, a in checkpoint.strategy.items()})
     buffer = io.BytesIO()
-    np.savez(buffer, **content)
+    # mypy takes **content for a value of the keyword-only allow_pickle (a bool)
+    np.savez(buffer, **content)  # type: ignore[arg-type]
     return write_atomic(Path(folder) / CHECKPOINT_FILE, buffer.getvalue())
 
 

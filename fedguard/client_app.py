@@ -9,7 +9,8 @@ set it. The node config's ``num-partitions`` must equal ``partition.num-clients`
 Ground truth (the true batch of a targeted upload, kept for scoring) goes only where the client's own
 configuration says, never where a message from the server says (``truth_vault``): on Flower's simulation
 engine, which runs the server and every client for one party, into the vault of the run's folder
-(``fedguard.run_folder.flwr_run_dir``: ``out-dir``, or one named after the Flower run id); on a SuperNode, only when its operator opts in with the node config's ``vault-dir``.
+(``fedguard.run_folder.flwr_run_dir``: ``out-dir``, or one named after the Flower run id); on a SuperNode,
+only when its operator opts in with the node config's ``vault-dir``.
 
 A client's defense state (``clients.state``) lives in files under the simulated run's folder, on a SuperNode in
 its ``Context.state``.
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
@@ -141,17 +142,19 @@ def make_client_app(config: Config | None = None) -> ClientApp:
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:
-        arrays = msg.content[ARRAYS].to_numpy_ndarrays()
+        arrays = cast(ArrayRecord, msg.content[ARRAYS]).to_numpy_ndarrays()
         try:
-            fitted = client(context, msg.content[CONFIG]).fit(arrays, dict(msg.content[CONFIG]))
+            instruction = cast(ConfigRecord, msg.content[CONFIG])
+            fitted = client(context, instruction).fit(arrays, dict(instruction))
         except PERMANENT_ERRORS as error:
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, cannot_train_reason(error)), reply_to=msg)
         return upload_reply(msg, *fitted)
 
     @client_app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
-        arrays = msg.content[ARRAYS].to_numpy_ndarrays()
-        loss, num_examples, metrics = client(context, msg.content[CONFIG]).evaluate(arrays, dict(msg.content[CONFIG]))
+        arrays = cast(ArrayRecord, msg.content[ARRAYS]).to_numpy_ndarrays()
+        instruction = cast(ConfigRecord, msg.content[CONFIG])
+        loss, num_examples, metrics = client(context, instruction).evaluate(arrays, dict(instruction))
         record = MetricRecord({NUM_EXAMPLES: num_examples, "loss": loss, "accuracy": float(metrics["accuracy"])})
         return Message(
             content=RecordDict({"metrics": record, "declared": ConfigRecord({"client": metrics["client"]})}),

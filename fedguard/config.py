@@ -29,9 +29,10 @@ import shlex
 import sys
 import tomllib
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from attackers import ATTACKS
 from attackers.base import AttackTraits, attack_traits, missing_grants, required_manipulation
@@ -236,7 +237,7 @@ class ServerSection:
         AUTO_STRATEGY,
         "how the server aggregates: 'auto' (fedsgd for train.protocol = 'fedsgd', "
         "fedavg for 'fedavg') or a registered strategy",
-        choices=lambda: strategy_names(),
+        choices=strategy_names,
     )
     connect_timeout: float = option(
         10.0,
@@ -348,7 +349,7 @@ class Config:
     """``server.strategy`` with the parameters of the strategy it stands for."""
 
     @classmethod
-    def from_flat(cls, flat: Mapping[str, Any]) -> "Config":
+    def from_flat(cls, flat: Mapping[str, Any]) -> Config:
         """Validate flat keys (missing ones take defaults) into a ``Config``; raises ``ConfigError``.
 
         Memoized per process (every client validates the run config every round): identical keys and values
@@ -368,8 +369,8 @@ class Config:
             flat.update(_param_keys(kind, registry, chosen))
         for kind, registry in PARAMETER_KINDS.items():
             flat.update(_param_keys(kind, registry, self.components(kind)))
-        chosen = Component(resolve_strategy(self.strategy.name, self.train.protocol), self.strategy.params)
-        flat.update(_param_keys(STRATEGY_PREFIX, STRATEGIES, (chosen,)))
+        strategy = Component(resolve_strategy(self.strategy.name, self.train.protocol), self.strategy.params)
+        flat.update(_param_keys(STRATEGY_PREFIX, STRATEGIES, (strategy,)))
         return flat
 
     def components(self, kind: str) -> tuple[Component, ...]:
@@ -430,7 +431,7 @@ def _key(prefix: str, field_name: str) -> str:
 
 
 def _field_types(cls: type) -> dict[str, type]:
-    return {name: hint for name, hint in typing.get_type_hints(cls).items()}
+    return dict(typing.get_type_hints(cls))
 
 
 def _check_type(key: str, value: Any, expected: type) -> tuple[Any, str | None]:
@@ -497,7 +498,7 @@ def schema() -> dict[str, tuple[type, Any, str]]:
         types = _field_types(section)
         for f in dataclasses.fields(section):
             keys[_key(prefix, f.name)] = (types[f.name], f.default, f.metadata.get("help", ""))
-    for kind, (registry, default, help_text) in COMPONENT_KINDS.items():
+    for kind, (_registry, default, help_text) in COMPONENT_KINDS.items():
         keys[f"{kind}.name"] = (str, default, f"{help_text}: {', '.join(_choices(kind))}")
     parameterized = [(k, r) for k, (r, _, _) in COMPONENT_KINDS.items()] + list(PARAMETER_KINDS.items())
     for kind, registry in parameterized + [(STRATEGY_PREFIX, STRATEGIES)]:
@@ -529,7 +530,7 @@ def _import_plugin(module: str, value: str) -> str | None:
         )
     try:
         importlib.import_module(module)
-    except Exception as error:  # noqa: BLE001 (a plugin's import error of any kind is a configuration problem)
+    except Exception as error:  # a plugin's import error of any kind is a configuration problem
         return f"server.plugins = {shown(value)}: cannot import {shown(module)} ({type(error).__name__}: {error})"
     return None
 

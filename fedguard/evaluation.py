@@ -17,8 +17,9 @@ import dataclasses
 import threading
 import traceback
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,15 +27,14 @@ import torch
 from attackers.base import AttackOutcome, Reconstruction
 from fedguard.config import Component, Config
 from fedguard.metrics import cosine_similarity, floor_scores, gradient_psnr, score_batch
-from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.metrics.image import PSNR_CAP_DB
+from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.models import global_model
 from fedguard.observation import Observation
 from fedguard.report.images import save_grid
 from fedguard.run_folder import ATTACKS_FILE, VAULT_DIR, JsonlAppender, grid_name, image_prefix, recon_name
 from fedguard.training import compute_gradients
 from fedguard.vault import read_truth, write_batch
-
 
 ROW_STATUSES = ("ok", "error", "timeout", "score-error", "interrupted")
 

@@ -73,7 +73,7 @@ class Launch:
         return path
 
     @classmethod
-    def load(cls, path: Path) -> "Launch":
+    def load(cls, path: Path) -> Launch:
         return cls(**json.loads(path.read_text()))
 
 

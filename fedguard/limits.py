@@ -30,7 +30,8 @@ import math
 import os
 import re
 import reprlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_ROUNDS = 100_000

@@ -36,8 +36,9 @@ def index_message_delivery() -> bool:
         if not _installed:
             _installed["store_message_ins"] = InMemoryLinkState.store_message_ins
             _installed["get_message_ins"] = InMemoryLinkState.get_message_ins
-            InMemoryLinkState.store_message_ins = _store_message_ins
-            InMemoryLinkState.get_message_ins = _get_message_ins
+            # The index is installed by patching Flower's class (its methods take ``state`` for ``self``).
+            InMemoryLinkState.store_message_ins = _store_message_ins  # type: ignore[method-assign,assignment]
+            InMemoryLinkState.get_message_ins = _get_message_ins  # type: ignore[method-assign,assignment]
     return True
 
 

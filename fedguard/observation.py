@@ -90,7 +90,8 @@ def save_observation(obs: Observation, folder: Path) -> Path:
     target = folder / obs.file_name
     partial = folder / f".{obs.file_name}.part"
     with open(partial, "wb") as handle:
-        np.savez(handle, meta=np.array(json.dumps(obs.meta())), **arrays)
+        # mypy takes **arrays for a value of the keyword-only allow_pickle (a bool)
+        np.savez(handle, meta=np.array(json.dumps(obs.meta())), **arrays)  # type: ignore[arg-type]
     os.replace(partial, target)
     return target
 

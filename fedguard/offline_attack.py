@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from itertools import groupby
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from attackers.base import ATTACKS, AttackOutcome, build_attack, check_attack_files, required_manipulation, shape_key
 from fedguard.config import Config, ConfigError, load_config

@@ -23,8 +23,9 @@ refused, its data set is absent) replies with an error whose reason starts with 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -50,9 +51,9 @@ def cannot_train_reason(error: Exception) -> str:
     return f"{CANNOT_TRAIN}{type(error).__name__}: {error}"
 
 
-def cannot_train(reason: str) -> bool:
-    """Whether an error reason says its client cannot train in any round."""
-    return reason.startswith(CANNOT_TRAIN)
+def cannot_train(reason: str | None) -> bool:
+    """Whether an error reason says its client cannot train in any round (an error may come without one)."""
+    return reason is not None and reason.startswith(CANNOT_TRAIN)
 
 
 def array_record(names: list[str] | tuple[str, ...], arrays: list[np.ndarray]) -> ArrayRecord:
@@ -107,11 +108,13 @@ def read_upload(reply: Message, arrays: bool = True) -> Upload:
         del declared[ENCODING_KEY]
     reports = dict(content[DEFENSE]) if DEFENSE in content else {}
     client = declared.get(CLIENT_KEY)
+    record = cast(ArrayRecord, content[ARRAYS])  # the kinds of both are checked above
+    metrics: Mapping[str, Any] = cast(MetricRecord, content[METRICS])
     return Upload(
         node=reply.metadata.src_node_id,
         client=int(client) if isinstance(client, int) and not isinstance(client, bool) else None,
-        arrays=(decode_arrays if encoded else list)(content[ARRAYS].to_numpy_ndarrays()) if arrays else [],
-        num_examples=int(content[METRICS][NUM_EXAMPLES]),
+        arrays=(decode_arrays if encoded else list)(record.to_numpy_ndarrays()) if arrays else [],
+        num_examples=int(metrics[NUM_EXAMPLES]),
         declared=declared,
         reports=reports,
     )

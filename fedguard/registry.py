@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fedguard.trained_files import MissingTrainedFile, TrainedFileError
 

@@ -43,9 +43,10 @@ import math
 import os
 import secrets
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable
+from typing import Any
 
 CONFIG_FILE = "config.toml"
 ROUNDS_FILE = "rounds.jsonl"

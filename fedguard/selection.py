@@ -13,7 +13,7 @@ class Selection:
     members: frozenset[int] | None
 
     @classmethod
-    def parse(cls, spec: str, key: str = "selection") -> "Selection":
+    def parse(cls, spec: str, key: str = "selection") -> Selection:
         """Parse 'all', 'none' or comma-separated integers and inclusive ranges 'a-b' (>= 0)."""
         text = spec.strip().lower()
         if text == "all":
@@ -21,8 +21,8 @@ class Selection:
         if text in ("none", ""):
             return cls(spec, frozenset())
         members: set[int] = set()
-        for part in text.split(","):
-            part = part.strip()
+        for piece in text.split(","):
+            part = piece.strip()
             try:
                 if "-" in part:
                     low, high = (int(v) for v in part.split("-", 1))

@@ -20,8 +20,9 @@ import functools
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
@@ -37,20 +38,20 @@ from fedguard.config import Config, ConfigError, relative_path_problems
 from fedguard.data import load_dataset
 from fedguard.defenses import aggregate_reports
 from fedguard.defenses.base import check_defense_files
-from fedguard.models import build_model
-from fedguard.message_index import index_message_delivery, remove_message_index
 from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
+from fedguard.message_index import index_message_delivery, remove_message_index
+from fedguard.models import build_model
 from fedguard.observation import ModelCard
+from fedguard.records import Upload, array_record
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
-from fedguard.report.run_status import write_status
-from fedguard.tracking import Trackers, open_trackers
 from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
-from fedguard.records import Upload, array_record
+from fedguard.report.run_status import write_status
 from fedguard.resume import resume_point, rewind
 from fedguard.run_card import initial_model, model_card, upload_rules
 from fedguard.run_folder import ATTACKS_FILE, flwr_run_dir, read_jsonl
 from fedguard.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_on_flower_exit
+from fedguard.tracking import Trackers, open_trackers
 from fedguard.training import evaluate, get_arrays, set_arrays
 from strategies import FedSGD, GradientStep, HonestButCurious, Malicious, RoundGuard, SparseUploads, StrategyContext
 from strategies.registry import GRADIENT_NATIVE, build_strategy, resolve

@@ -24,7 +24,7 @@ class Spans:
     listed: int
 
     @classmethod
-    def parse(cls, spec: str, key: str) -> "Spans":
+    def parse(cls, spec: str, key: str) -> Spans:
         """Read ``spec``; raises ``ValueError`` naming ``key``, the spec and what it may hold."""
         text = spec.strip().lower()
         if text == "all":

@@ -13,7 +13,6 @@ its ending since the watcher started, and exits, which releases the lock. Standa
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path

@@ -34,10 +34,10 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
+from typing import Any
 
 from attackers.base import attack_traits
 from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, read_toml, resolve_paths
@@ -46,8 +46,8 @@ from fedguard.report.leakage_table import leakage_tables
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
 from fedguard.report.run_dir import config_toml
 from fedguard.report.run_status import read_status
-from fedguard.report.sweep_html import build_sweep_page
 from fedguard.report.statistics import over_seeds
+from fedguard.report.sweep_html import build_sweep_page
 from fedguard.run_folder import (
     ATTACKS_FILE,
     ROUNDS_FILE,
@@ -209,13 +209,14 @@ def load_sweep(
         path,
     )
     chosen = _chosen_runs(only, setting_variants, path)
+    seed_choices: list[int] | list[None] = run_seeds or [None]
     runs, problems = [], []
     for setting, setting_keys in settings.items():
         for variant, variant_keys in variants.items():
             if (setting, variant) not in chosen:
                 continue
             flat = {**base, **setting_keys, **variant_keys, **given, "name": f"{name}-{setting}-{variant}"}
-            for seed in run_seeds or [None]:
+            for seed in seed_choices:
                 keys, where = flat, folder / setting / variant
                 if seed is not None:
                     keys, where = {**flat, "seed": seed}, where / f"seed-{seed}"

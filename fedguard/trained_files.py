@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import zipfile
 import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 

@@ -11,6 +11,7 @@ an Adam step on the pseudo-gradient ``-lr * mean(g)``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -60,7 +61,7 @@ class GradientStep(StrategyWrapper):
         for reply in replies:
             if reply.has_error() or not isinstance(reply.content.get(ARRAYS), ArrayRecord):
                 continue
-            grads = reply.content[ARRAYS].to_numpy_ndarrays()
+            grads = cast(ArrayRecord, reply.content[ARRAYS]).to_numpy_ndarrays()
             if len(grads) != len(theta):
                 raise ValueError(
                     f"node {reply.metadata.src_node_id} uploaded {len(grads)} arrays, the model has {len(theta)}"

@@ -21,8 +21,9 @@ and ``server.plugins = "my_module"`` (imported before the configuration is check
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from flwr.serverapp import strategy as flower
 from flwr.serverapp.strategy import Strategy

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -98,7 +98,8 @@ class RoundGuard(StrategyWrapper):
         outside = random.getstate()
         random.seed(f"fedguard-sampling-{self.seed}-{server_round}")
         try:
-            messages = list(self.strategy.configure_train(server_round, arrays, config, NodesInOrder(grid)))
+            ordered = cast(Grid, NodesInOrder(grid))  # a Grid by delegation
+            messages = list(self.strategy.configure_train(server_round, arrays, config, ordered))
         finally:
             random.setstate(outside)
         strangers = [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in self.clients]
@@ -109,13 +110,13 @@ class RoundGuard(StrategyWrapper):
                 strangers,
             )
         messages = [self.addressed(m) for m in messages if m.metadata.dst_node_id in self.clients]
-        self._instructions = {m.metadata.dst_node_id: m.content[CONFIG] for m in messages}
+        self._instructions = {m.metadata.dst_node_id: cast(ConfigRecord, m.content[CONFIG]) for m in messages}
         return messages
 
     def addressed(self, message: Message) -> Message:
         """``message`` with its own train config naming the client assigned to its node."""
         client = self.clients[message.metadata.dst_node_id]
-        config = ConfigRecord({**message.content[CONFIG], PARTITION_KEY: client})
+        config = ConfigRecord({**cast(ConfigRecord, message.content[CONFIG]), PARTITION_KEY: client})
         message.content = RecordDict({**message.content, CONFIG: config})
         return message
 

@@ -10,6 +10,7 @@ they sent (``upload-bytes``) and the dense size (``dense-bytes``) either way.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -41,7 +42,7 @@ class SparseUploads(StrategyWrapper):
             declared = reply.content.get(DECLARED)
             if not isinstance(declared, ConfigRecord) or declared.get(ENCODING_KEY) != SPARSE:
                 continue
-            dense = decode_arrays(reply.content[ARRAYS].to_numpy_ndarrays())
+            dense = decode_arrays(cast(ArrayRecord, reply.content[ARRAYS]).to_numpy_ndarrays())
             reply.content[ARRAYS] = array_record(self._names, dense)
             del declared[ENCODING_KEY]
         return self.strategy.aggregate_train(server_round, replies)

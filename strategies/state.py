@@ -56,7 +56,7 @@ def strategy_state(strategy: Any) -> dict[str, np.ndarray]:
 
 def _set(target: dict[str, Any], path: list[str], array: np.ndarray) -> None:
     """Put ``array`` at ``path`` (``d/key`` or ``l/index`` steps) in the nested ``target``."""
-    node = target
+    node: dict[Any, Any] = target
     for kind, key in zip(path[0::2], path[1::2]):
         node = node.setdefault((kind, key), {})
     node[None] = array

@@ -28,7 +28,7 @@ import io
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -108,9 +108,9 @@ def upload_problem(
         check_records(reply.content)
         declared = dict(reply.content[DECLARED])
         check_identity(client, declared)
-        num_examples = check_metrics(reply.content[METRICS])
+        num_examples = check_metrics(cast(MetricRecord, reply.content[METRICS]))  # check_records checked the kinds
         check_declared(rules, client, num_examples, declared, instruction)
-        record = reply.content[ARRAYS]
+        record = cast(ArrayRecord, reply.content[ARRAYS])
         sent = check_sparse(layout, record) if declared.get(ENCODING_KEY) == SPARSE else check_dense(layout, record)
         check_byte_counts(declared, sent, layout.nbytes)
     except UploadRefused as refused:
@@ -352,11 +352,11 @@ def check_byte_counts(declared: Mapping[str, Any], sent: int, dense: int) -> Non
     expect_equal(declared, "dense-bytes", dense, "the model's bytes, dense")
 
 
-def is_integer(value: Any) -> bool:
+def is_integer(value: Any) -> TypeGuard[int]:
     """An ``int`` that is not a ``bool``."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_real(value: Any) -> bool:
+def is_real(value: Any) -> TypeGuard[int | float]:
     """An ``int`` or ``float`` that is not a ``bool``."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import pytest
-import uuid
-from collections.abc import Iterable
-
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from clients import DefendedClient
+from fedguard.client_app import upload_reply
 from fedguard.config import Config, load_config
 from fedguard.data.local import DEBIAN_FASHION_MNIST
-from fedguard.client_app import upload_reply
 from fedguard.observation import Observation
 from fedguard.records import ROUND_KEY, array_record
 

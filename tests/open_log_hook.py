@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 WATCH_DIR_ENV = "FEDGUARD_WATCH_DIR"
 WATCH_LOG_ENV = "FEDGUARD_WATCH_LOG"

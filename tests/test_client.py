@@ -15,9 +15,9 @@ from fedguard.data import load_dataset
 from fedguard.data.federated import client_split
 from fedguard.defenses import LocalStep, RoundReports, aggregate_reports
 from fedguard.models import build_model
+from fedguard.records import array_record
 from fedguard.seeding import client_generators
 from fedguard.training import compute_gradients, get_arrays, local_sgd, parameters, trainable_mask
-from fedguard.records import array_record
 from strategies import SparseUploads
 from tests.helpers import Nodes, client_fit, config, context, reply
 from tests.local_grid import LocalGrid
@@ -166,7 +166,7 @@ def test_the_client_app_replies_with_typed_records_read_from_the_run_config() ->
     model = build_model(cfg.model.name, load_dataset(cfg.data.name).spec, cfg.model.params)
     grid = LocalGrid(make_client_app(None), 4)
     for ctx in grid.contexts.values():
-        ctx.run_config.update({k: v for k, v in cfg.to_flat().items()})
+        ctx.run_config.update(dict(cfg.to_flat()))
     strategy = FedAvg(min_train_nodes=4)
     names, arrays = list(model.state_dict()), get_arrays(model)
     messages = strategy.configure_train(1, array_record(names, arrays), ConfigRecord(), grid)

@@ -74,7 +74,7 @@ def test_the_compiled_lbfgs_evaluations_equal_the_eager_ones() -> None:
 
 @needs_compiler
 def test_a_compiled_attack_reconstructs_as_well_as_the_eager_one() -> None:
-    observations, x, _ = uploads()
+    observations, _x, _ = uploads()
     params = InvertingGradientsParams(iterations=40, device="cpu")
     results = {}
     for mode in ("off", "on"):

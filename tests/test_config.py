@@ -259,7 +259,7 @@ def test_unknown_attack_lists_none_and_registered() -> None:
 def test_several_attacks_with_their_own_parameters() -> None:
     config = Config.from_flat({"attack.name": "ig, idlg", "attack.idlg.iterations": 7, "attack.ig.restarts": 3})
     assert config.attack_names() == ["ig", "idlg"]
-    assert [a.params.restarts for a in config.attacks][0] == 3 and config.attacks[1].params.iterations == 7
+    assert config.attacks[0].params.restarts == 3 and config.attacks[1].params.iterations == 7
     assert config.to_flat()["attack.name"] == "ig,idlg"
     assert Config.from_flat(config.to_flat()) == config
     assert Config.from_flat({"attack.name": "none"}).attacks == ()

@@ -101,7 +101,7 @@ class Deployment:
         return self.logs / f"{name}.log"
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        out = open(self.log(name), "w")
+        out = open(self.log(name), "w")  # noqa: SIM115 - open while the process runs; stop() closes it
         self._files.append(out)
         proc = subprocess.Popen(
             args,

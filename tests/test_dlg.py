@@ -51,7 +51,7 @@ def test_dlg_with_joint_soft_labels_recovers_most_images() -> None:
     params = DLGParams(iterations=100, restarts=2, device=ATTACK_DEVICE)
     recons = DeepLeakage(params, infer=False).reconstruct_many(observations, 1)
     got_ssim = ssim(torch.cat([r.images for r in recons]), x)
-    floor_psnr, floor_ssim = floor(x)
+    _floor_psnr, floor_ssim = floor(x)
     print("DLG ssim", got_ssim, "floor", floor_ssim)
     assert int((got_ssim > 0.9).sum()) >= 2 and float(got_ssim.mean()) > float(floor_ssim.mean()) + 0.2
     assert all(r.stats["nan_restarts"] >= 0 and len(r.stats["restart_losses"]) == 2 for r in recons)

@@ -116,8 +116,8 @@ def interpolate(text: str) -> str:
 def ignored(dockerfile: Path, path: str) -> bool:
     """Whether the Dockerfile's own .dockerignore (the last matching pattern wins) drops ``path``."""
     verdict = False
-    for line in Path(f"{dockerfile}.dockerignore").read_text().splitlines():
-        line = line.strip()
+    for raw in Path(f"{dockerfile}.dockerignore").read_text().splitlines():
+        line = raw.strip()
         if not line or line.startswith("#"):
             continue
         negate, pattern = line.startswith("!"), line.lstrip("!").rstrip("/")

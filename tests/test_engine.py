@@ -12,7 +12,7 @@ from attackers.engine import OptimizerSpec, SearchSpec, Term
 from attackers.engine.objective import Objective
 from attackers.engine.optimizers import lbfgs, scheduler_of
 from attackers.engine.problem import Problem
-from attackers.engine.terms import cosine_distance, group_prior, l2_distance, relative_l2_distance, TermInputs
+from attackers.engine.terms import TermInputs, cosine_distance, group_prior, l2_distance, relative_l2_distance
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from fedguard.data import load_dataset
 from fedguard.models import build_model
@@ -119,7 +119,7 @@ def objective_at_start(precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     objective = Objective(spec, problem, None, 0)
     z = torch.stack([problem.space.start(problem.generator(0, j)) for j in range(problem.jobs)])
     losses = objective.losses_at(1.0)
-    step, value = torch.func.grad_and_value(lambda z: losses(z).sum())(z)
+    step, _value = torch.func.grad_and_value(lambda z: losses(z).sum())(z)
     return losses(z), step
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def test_network_regresses_the_noise_ratio_of_held_out_images(trained: TrainedEv
         ]
     print("held-out ratio mse", mse, "mean D at ratios 0..1", levels, "training losses", trained.losses)
     assert mse < UNIFORM_VARIANCE / 8, mse
-    assert all(a < b for a, b in zip(levels, levels[1:])), levels
+    assert all(a < b for a, b in itertools.pairwise(levels)), levels
     assert levels[0] < 0.2 and levels[-1] > 0.8, levels
     assert trained.losses[-1] < trained.losses[0]
 

@@ -19,8 +19,8 @@ from fedguard.metrics import psnr, ssim
 from fedguard.models import build_model
 from fedguard.observation import ModelCard, save_observation
 from fedguard.report.run_dir import OBSERVATIONS_DIR, prepare_run_dir
-from fedguard.training import compute_gradients, get_arrays, merge_by_mask, split_by_mask, trainable_mask
 from fedguard.run_folder import ATTACKS_FILE, VAULT_DIR
+from fedguard.training import compute_gradients, get_arrays, merge_by_mask, split_by_mask, trainable_mask
 from fedguard.vault import read_truth, write_truth
 
 

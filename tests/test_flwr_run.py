@@ -9,9 +9,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -61,7 +61,7 @@ def local_superlink(tmp_path: Path, cwd: Path, env: dict[str, str]) -> Iterator[
         ],
         env=env,
         cwd=cwd,
-        stdout=open(tmp_path / "superlink.log", "w"),
+        stdout=open(tmp_path / "superlink.log", "w"),  # noqa: SIM115 - the SuperLink writes it as long as it runs
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )

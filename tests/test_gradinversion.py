@@ -145,7 +145,7 @@ def test_gradinversion_reconstructs_a_batch_norm_batch(reconstructions) -> None:
     )
     assert (per_image > floor(x) + 8).all(), (per_image, floor(x))
     assert scores["ssim"] > 0.9 and scores["label_accuracy"] == 1.0
-    assert rec.images.shape == x.shape and 0 <= float(rec.images.min()) and float(rec.images.max()) <= 1
+    assert rec.images.shape == x.shape and float(rec.images.min()) >= 0 and float(rec.images.max()) <= 1
     assert set(rec.stats) >= {
         "loss",
         "restart_losses",
@@ -186,7 +186,7 @@ def test_batched_uploads_equal_uploads_one_by_one() -> None:
 
 
 def test_declared_labels_are_used() -> None:
-    obs, _, _, y = digits_upload()
+    obs, _, _, _y = digits_upload()
     declared = Observation(**{**obs.__dict__, "declared": {"batch-size": 4, "labels": [1, 1, 2, 2]}})
     params = GradInversionParams(iterations=2, restarts=1, device=ATTACK_DEVICE)
     [rec] = GradInversion(params).reconstruct_many([declared], 0)

@@ -10,8 +10,9 @@ import shutil
 import time
 import tracemalloc
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest

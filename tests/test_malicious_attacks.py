@@ -131,7 +131,7 @@ def test_imprint_layout_bins_columns_and_switched_off_units(photos) -> None:
     params = ImprintParams(bins=8, mean=0.4, std=0.1, gain=2.0)
     model = build_model("mlp", photos.spec, MLPParams(hidden=32, depth=2))
     arrays = get_arrays(model)
-    weight, bias, after, _, head, _ = build_imprint(params)(
+    weight, bias, after, _, _head, _ = build_imprint(params)(
         arrays, card_of(model, "mlp", photos.spec), np.random.default_rng(0)
     )
     pixels = weight.shape[1]

@@ -8,9 +8,9 @@ from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 
 from fedguard.observation import ModelCard
+from fedguard.records import array_record
 from fedguard.selection import Selection
 from strategies import FedSGD, HonestButCurious, Malicious
-from fedguard.records import array_record
 from tests.helpers import Nodes, reply
 from tests.test_capture import CARD, NAMES, ListSink, global_arrays
 

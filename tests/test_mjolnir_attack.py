@@ -15,10 +15,10 @@ from attackers.mjolnir import INNER_ATTACKS, Mjolnir, MjolnirParams, defense_noi
 from fedguard.cli import main
 from fedguard.config import ConfigError, load_config
 from fedguard.data import load_dataset
-from fedguard.evaluation import gradient_scores
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_sgd import DPSGDParams
 from fedguard.defenses.dp_update import UpdateDPParams, mjolnir_code_sigma
+from fedguard.evaluation import gradient_scores
 from fedguard.mjolnir import denoise_many, load_checkpoint, load_ddpm, load_gradient_set, start_step
 from fedguard.mjolnir.packing import pack, unpack
 from fedguard.mjolnir.pipeline import packing_of
@@ -230,7 +230,7 @@ def test_train_mjolnir_in_two_sittings_saves_the_model_of_one(tmp_path: Path) ->
 
 def test_every_optimization_attack_has_a_mjolnir_stage_with_its_own_parameters() -> None:
     for inner in INNER_ATTACKS:
-        fields = {f for f in ATTACKS.get(f"mjolnir+{inner}").params.__dataclass_fields__}
+        fields = set(ATTACKS.get(f"mjolnir+{inner}").params.__dataclass_fields__)
         assert {"denoiser", "noise_source", "noise_std"} <= fields
         assert set(ATTACKS.get(inner).params.__dataclass_fields__) <= fields
     own, inner = ATTACKS.get("mjolnir+ig").params(denoiser="m.npz", iterations=7).split()

@@ -183,7 +183,7 @@ def test_the_chain_gives_each_grid_its_rescaled_upload_as_condition_at_every_ste
     assert starts[2] == -1 and starts[1] > starts[0] >= 0 and torch.equal(out[2], y[2])
     assert [int(t[0]) for _, t, _ in recorder.calls] == list(range(starts[1], -1, -1))
     rescaled = y / torch.tensor([math.sqrt(1 + m * m) for m in levels]).reshape(-1, 1, 1, 1)
-    for x, t, condition in recorder.calls:
+    for _x, t, condition in recorder.calls:
         rows = [i for i, start in enumerate(starts) if start >= int(t[0])]
         assert torch.equal(condition, rescaled[rows])
     first_x, _, first_condition = recorder.calls[0]

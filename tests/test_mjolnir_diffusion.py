@@ -28,8 +28,8 @@ from fedguard.mjolnir.denoise import (
     target_alpha_bar,
 )
 from fedguard.mjolnir.noise import (
-    estimate_noise_level,
     classical_gaussian_sigma,
+    estimate_noise_level,
     noise_level,
     noise_level_dp,
     noise_level_epsilon,

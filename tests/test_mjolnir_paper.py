@@ -38,13 +38,13 @@ from fedguard.data import load_dataset
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_update import UpdateDPParams, mjolnir_code_sigma
 from fedguard.metrics.image import psnr
-from tests.helpers import needs_fashion_mnist
 from fedguard.metrics.scoring import floor_scores
 from fedguard.mjolnir import DDPMTrainOptions, Schedule, TrainedDDPM, preset, save_ddpm, train_ddpm
 from fedguard.mjolnir.packing import fit_scale, pack, packing_spec, spec_to_dict, valid_mask
 from fedguard.observation import Observation
 from fedguard.server_app import initial_model, model_card
 from fedguard.training import compute_gradients, get_arrays, loss_fn, parameters
+from tests.helpers import needs_fashion_mnist
 
 RUN = ["data.name=mnist-5k", "model.name=lenet", "train.batch-size=1"]
 DIGITS = (0, 1, 2, 3)  # positions in the training split

@@ -43,7 +43,7 @@ def test_lenet_is_sigmoid_with_dlg_initialization() -> None:
     assert any(isinstance(m, nn.Sigmoid) for m in model.modules())
     assert not any(isinstance(m, (nn.ReLU, nn.BatchNorm2d)) for m in model.modules())
     for p in model.parameters():
-        assert -0.5 <= float(p.min()) and float(p.max()) <= 0.5
+        assert float(p.min()) >= -0.5 and float(p.max()) <= 0.5
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert abs(float(weights.std()) - 12**-0.5) < 0.01  # U(-0.5, 0.5): standard deviation 1 / sqrt(12)
 

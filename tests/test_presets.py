@@ -4,6 +4,7 @@ folders of their own). Quick forms: few rounds, few iterations, one or two varia
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -155,7 +156,14 @@ def test_the_attacks_preset_runs_every_attack_with_the_generator_the_readme_trai
         "attack.ggl.restarts=1",
         "pool.workers=1",
     ]
-    fedguard(lab, "run", "experiments/attacks.toml", "--out", "attacks", *sum((["--set", o] for o in overrides), []))
+    fedguard(
+        lab,
+        "run",
+        "experiments/attacks.toml",
+        "--out",
+        "attacks",
+        *itertools.chain.from_iterable(["--set", o] for o in overrides),
+    )
     out = lab / "attacks"
     assert f'generator = "{lab / "generators" / "mnist-5k.npz"}"' in (out / "config.toml").read_text(), (
         "config.toml records the path resolved where the command ran"

@@ -7,8 +7,8 @@ A tiny evaluation network (width 8, 3 epochs on the photo tiles of the test spli
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest

@@ -24,8 +24,8 @@ from clients.state import FileState, discard_after
 from fedguard.checkpoint import CheckpointError, RoundCheckpoint, read_checkpoint, write_checkpoint
 from fedguard.client_app import make_client_app
 from fedguard.config import Config
-from fedguard.defenses.dgp import DGPParams, DualGradientPruning
 from fedguard.defenses.base import LocalStep
+from fedguard.defenses.dgp import DGPParams, DualGradientPruning
 from fedguard.report.run_status import read_status
 from fedguard.resume import resume_point, rewind
 from fedguard.run_folder import read_jsonl
@@ -194,6 +194,7 @@ def test_checkpoint_round_trip_and_refusals(tmp_path: Path) -> None:
 
 def test_strategy_state_round_trip_through_wrappers() -> None:
     from flwr.serverapp.strategy import FedAdam, FedAvgM
+
     from strategies.wrapper import StrategyWrapper
 
     adam = FedAdam()

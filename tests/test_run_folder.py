@@ -162,9 +162,11 @@ def test_the_appender_starts_its_row_on_a_line_of_its_own(tmp_path: Path) -> Non
     path = tmp_path / ATTACKS_FILE
     write_jsonl(path, [{"n": 0}])
     tear(path)
-    with pytest.warns(RunFolderWarning, match=f"cut a torn last line \\({len(TORN)} bytes\\)"):
-        with JsonlAppender(path) as rows:
-            rows.append({"n": 1})
+    with (
+        pytest.warns(RunFolderWarning, match=f"cut a torn last line \\({len(TORN)} bytes\\)"),
+        JsonlAppender(path) as rows,
+    ):
+        rows.append({"n": 1})
     assert path.read_text() == '{"n": 0}\n{"n": 1}\n'
     path.write_text('{"n": 0}')
     with JsonlAppender(path) as rows:

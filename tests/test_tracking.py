@@ -4,7 +4,6 @@ dropped with a warning and the run goes on."""
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import subprocess
@@ -34,7 +33,7 @@ def replay(folder: Path, overrides: list[str]) -> None:
 def test_tensorboard_receives_the_rounds_the_scores_the_images_and_the_configuration(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    truth, recon = fake_run(tmp_path)
+    fake_run(tmp_path)
     replay(tmp_path, ["track.tensorboard=true"])
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0, "scalars": 0}).Reload()
     assert [(e.step, round(e.value, 6)) for e in events.Scalars("accuracy")] == [(0, 0.1), (1, 0.4)]
@@ -96,7 +95,7 @@ def test_mlflow_logs_to_a_tracking_server(tmp_path: Path) -> None:
             "1",
         ],
         stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "server.log", "w"),
+        stderr=open(tmp_path / "server.log", "w"),  # noqa: SIM115 - the server writes it as long as it runs
     )
     uri = f"http://127.0.0.1:{port}"
     try:

@@ -60,9 +60,11 @@ def pipeline(command: str) -> list[list[str]]:
 
 def test_the_tutorial_shows_a_run_a_defense_and_an_attack() -> None:
     text = TUTORIAL.read_text()
-    assert ["## 1. First run", "## 2. First defense", "## 3. First attack"] == re.findall(
-        r"^## \d\. .*$", text, re.MULTILINE
-    )
+    assert re.findall(r"^## \d\. .*$", text, re.MULTILINE) == [
+        "## 1. First run",
+        "## 2. First defense",
+        "## 3. First attack",
+    ]
     shown = commands(text)
     assert any(c.startswith("fedguard run ") and "defense.name=" not in c for c in shown)
     assert any(c.startswith("fedguard run ") and "defense.name=" in c for c in shown)
@@ -92,7 +94,7 @@ def test_every_tutorial_command_parses_and_its_configuration_validates() -> None
                 for folder in re.findall(r"open_run\('([^']+)'\)", args[1]):
                     assert folder in runs, f"{command}: {folder} is made by no earlier command"
             elif program == "grep":
-                pattern = [a for a in args if not a.startswith("-")][0]
+                pattern = next(a for a in args if not a.startswith("-"))
                 assert listed and any(re.search(pattern, line) for line in listed), f"{command}: grep finds nothing"
             elif program in ("cat", "ls", "tail"):
                 paths = [a for a in args if not a.startswith("-") and not a.isdigit()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from attackers.base import Reconstruction
@@ -19,7 +20,7 @@ class OptimizationAttack:
     for EOT) are handed to the search when set."""
 
     needs: frozenset[str] = frozenset()
-    needs_by_upload: dict[str, frozenset[str]] = {}
+    needs_by_upload: Mapping[str, frozenset[str]] = {}
     uploads: frozenset[str] = frozenset({"gradient"})
     manipulation = HONEST
     decoder: Any = None

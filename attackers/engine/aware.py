@@ -25,6 +25,8 @@ magnitude bands) the dummy gradient is first brought to the upload's scale by th
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from attackers.engine.terms import Distance, cosine_distance, dot, l2_distance
@@ -61,7 +63,7 @@ def band_distance(drops_top: bool) -> Distance:
         masks = [(x != 0).to(x.dtype) for x in t]
         sent = [x * m for x, m in zip(g, masks)]
         s = _scale(sent, t)
-        outside = 0
+        outside: torch.Tensor | float = 0
         for x, target, m in zip(g, t, masks):
             flat, tflat, mflat = x.flatten(1), target.flatten(1), m.flatten(1)
             magnitude = (_per_job(s, flat) * flat).abs()
@@ -81,7 +83,7 @@ def levels_distance(bits: int) -> Distance:
 
     def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
         s = _scale(g, t)
-        beyond = 0
+        beyond: torch.Tensor | float = 0
         for x, target in zip(g, t):
             flat, tflat = x.flatten(1), target.flatten(1)
             _, _, step = level_grid(tflat, bits)
@@ -105,13 +107,13 @@ def radius_distance(epsilon: float, relative: bool) -> Distance:
 
 def orthogonal_distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
     """Per tensor: squared cosine to the upload plus the squared relative norm mismatch, averaged over tensors."""
-    total = 0
+    total: torch.Tensor | float = 0
     for x, target in zip(g, t):
         flat, tflat = x.flatten(1), target.flatten(1)
         norm_x, norm_t = flat.norm(dim=1), tflat.norm(dim=1).clamp_min(EPS)
         cos = (flat * tflat).sum(1) / (norm_x * norm_t + EPS)
         total = total + cos**2 + (norm_x / norm_t - 1) ** 2
-    return total / len(g)
+    return cast(torch.Tensor, total) / len(g)  # a tensor: the update has layers
 
 
 def orthogonal_or_raw_distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:

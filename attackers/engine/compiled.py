@@ -20,7 +20,8 @@ import importlib.util
 import os
 import shutil
 import warnings
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -85,7 +86,7 @@ class Compiler:
         def guarded(*args: object) -> object:
             try:
                 return state["fn"](*args)
-            except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager under 'auto'
+            except Exception as error:  # any compiler failure falls back to eager under 'auto'
                 if state["fn"] is fn:
                     raise
                 _failed.add(self.key)

@@ -11,8 +11,9 @@ evaluation); it comes back in float32 for the distance and the priors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -20,6 +21,7 @@ from torch.func import functional_call, grad, vmap
 
 from attackers.engine.aware import aware_distance
 from attackers.engine.problem import Problem
+from attackers.engine.spaces import JointSpace
 from attackers.engine.spec import PRECISIONS, SearchSpec
 from attackers.engine.terms import DISTANCES, PRIORS, Statistics, Term, TermInputs
 from fedguard.observation import Observation
@@ -37,7 +39,7 @@ class LocalSchedule:
     batch_size: int
 
     @classmethod
-    def of(cls, obs: Observation) -> "LocalSchedule":
+    def of(cls, obs: Observation) -> LocalSchedule:
         try:
             return cls(float(obs.declared["lr"]), int(obs.declared["local-epochs"]), int(obs.declared["batch-size"]))
         except KeyError as missing:
@@ -124,11 +126,11 @@ class Objective:
 
         def expected(g: Gradients) -> torch.Tensor:
             names = list(g)
-            total = 0
+            total: torch.Tensor | float = 0
             for _ in range(draws):
                 drawn = dict(zip(names, defense.simulate([g[n] for n in names], generator)))
                 total = total + distance([drawn[n] for n in compared], target)
-            return total / draws
+            return cast(torch.Tensor, total) / draws  # a tensor: draws >= 1
 
         return expected
 
@@ -136,7 +138,8 @@ class Objective:
         """Each job's gradient distance (J,) and the value (J,) of each of ``priors`` at ``z``."""
         space, problem = self.problem.space, self.problem
         images = space.images(z)
-        labels = problem.y if problem.y is not None else space.soft_labels(z).to(self.dtype)
+        # without known labels the space is the joint one, whose points carry soft labels
+        labels = problem.y if problem.y is not None else cast(JointSpace, space).soft_labels(z).to(self.dtype)
         g, statistics = self.update(self.params, images.to(self.dtype), labels)
         if self.dtype != torch.float32:
             g = {name: v.float() for name, v in g.items()}

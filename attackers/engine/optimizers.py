@@ -20,8 +20,9 @@ compiles the gradient and trial evaluations built from it, once per distinct fun
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import torch
 from torch.func import grad, grad_and_value, vmap
@@ -30,11 +31,11 @@ Losses = Callable[[torch.Tensor], torch.Tensor]
 """``z (J, ...) -> (J,)`` losses of every job."""
 LossesAt = Callable[[float], Losses]
 """``progress in [0, 1] -> Losses``: the objective at a fraction of the iterations."""
-Wrap = Callable[[Callable[..., object]], Callable[..., object]]
+Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
 """Compiles a function (``attackers.engine.compiled.Compiler``) or returns it as it is."""
 
 
-def _eager(fn: Callable[..., object]) -> Callable[..., object]:
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
@@ -103,9 +104,9 @@ def adam(
     optimizer = torch.optim.Adam([z], lr=spec.lr, fused=z.device.type in FUSED_ADAM_DEVICES)
     scheduler = scheduler_of(optimizer, spec.schedule, iterations)
     signed = spec.kind == "signed-adam"
-    steps: dict[Losses, Callable[..., object]] = {}
+    steps: dict[Losses, Callable[..., Any]] = {}
 
-    def step_of(losses: Losses) -> Callable[..., object]:
+    def step_of(losses: Losses) -> Callable[..., Any]:
         direction = grad(lambda point: losses(point).sum())
         return compiler((lambda point: direction(point).sign()) if signed else direction)
 
@@ -227,8 +228,8 @@ class Evaluations:
     """What an L-BFGS iteration evaluates: ``gradient(z) -> (dz, (total, (J,) losses))`` and
     ``trials(points (T, J, ...)) -> (T, J)`` losses, each possibly compiled."""
 
-    gradient: Callable[..., object]
-    trials: Callable[..., object]
+    gradient: Callable[..., Any]
+    trials: Callable[..., Any]
 
 
 def _fixed_step(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -72,7 +73,7 @@ class Problem:
         self.y = jobs.per_job(known) if known is not None else None
 
     @classmethod
-    def of(cls, spec: SearchSpec, observations: list[Observation], device: torch.device, decoder: Any) -> "Problem":
+    def of(cls, spec: SearchSpec, observations: list[Observation], device: torch.device, decoder: Any) -> Problem:
         first = observations[0]
         for obs in observations:
             if obs.kind not in spec.uploads:
@@ -101,7 +102,13 @@ class Problem:
         target = [jobs.per_job([t[i] for t in targets]) for i in compared]
         space = space_for(first, batch, joint, decoder, device)
         layers = list(bn_stats[0]) if bn_stats else []
-        bn_target = [tuple(jobs.per_job([s[name][k].to(device) for s in bn_stats]) for k in (0, 1)) for name in layers]
+        bn_target = [
+            (
+                jobs.per_job([s[name][0].to(device) for s in bn_stats]),
+                jobs.per_job([s[name][1].to(device) for s in bn_stats]),
+            )
+            for name in layers
+        ]
         return cls(spec, observations, jobs, target, known, inferred, space, layers, bn_target)
 
     def generator(self, seed: int, job: int, attempt: int = 0) -> torch.Generator:
@@ -126,7 +133,7 @@ class Problem:
         """The known labels of each upload, or the searched ones of each job."""
         if self.known is not None:
             return self.known
-        return list(self.space.final_labels(z))
+        return list(cast(JointSpace, self.space).final_labels(z))  # labels are searched in the joint space only
 
     def reconstructions(
         self,

@@ -7,8 +7,8 @@ Every space lays the jobs (uploads x restarts) on dimension 0 of one tensor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -27,8 +27,8 @@ class SearchSpec:
     kinds it attacks; ``eot``: draws of the clients' simulated defense averaged per evaluation (0: off);
     ``compile``: 'auto', 'on' or 'off' (``attackers.engine.compiled``); ``matching``: what the clients' defense
     reveals, when the attack knows it: the distance is then ``attackers.engine.aware``'s for it instead of
-    ``distance``; ``precision``: the arithmetic of the dummy update, a key of ``PRECISIONS`` (``bfloat16`` halves the cost of the convolutions on hardware with
-    bfloat16 units, at about 3 significant digits)."""
+    ``distance``; ``precision``: the arithmetic of the dummy update, a key of ``PRECISIONS`` (``bfloat16``
+    halves the cost of the convolutions on hardware with bfloat16 units, at about 3 significant digits)."""
 
     iterations: int
     restarts: int

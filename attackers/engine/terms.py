@@ -8,8 +8,9 @@ Presets (``attackers.engine.presets``) combine them with weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import cast
 
 import torch
 
@@ -18,7 +19,7 @@ Distance = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
 
 def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
     """Per-job inner product over every parameter: (J, ...) lists -> (J,)."""
-    return sum((x.flatten(1) * y.flatten(1)).sum(1) for x, y in zip(a, b))
+    return cast(torch.Tensor, sum((x.flatten(1) * y.flatten(1)).sum(1) for x, y in zip(a, b)))
 
 
 def cosine_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
@@ -28,7 +29,7 @@ def cosine_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.
 
 def l2_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
     """Squared Euclidean distance per job (DLG)."""
-    return sum(((x - y).flatten(1) ** 2).sum(1) for x, y in zip(g, target))
+    return cast(torch.Tensor, sum(((x - y).flatten(1) ** 2).sum(1) for x, y in zip(g, target)))
 
 
 def relative_l2_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:

@@ -68,7 +68,7 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int = 0) ->
     train, test = [], []
     for label in np.unique(labels):
         members = rng.permutation(np.flatnonzero(labels == label))
-        n_test = int(round(len(members) * test_fraction))
+        n_test = round(len(members) * test_fraction)
         test.append(members[:n_test])
         train.append(members[n_test:])
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))

@@ -9,8 +9,9 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,7 +57,8 @@ def _torchvision_split(name: str, options: SourceOptions, expected: str, make: C
 
 def _image_data(name: str, classes: tuple[str, ...], train: tuple[Any, Any], test: tuple[Any, Any]) -> ImageData:
     train_images, test_images = to_uint8_nchw(np.asarray(train[0])), to_uint8_nchw(np.asarray(test[0]))
-    spec = DataSpec(*train_images.shape[1:], num_classes=len(classes))
+    channels, height, width = train_images.shape[1:]
+    spec = DataSpec(channels, height, width, num_classes=len(classes))
     return ImageData(
         name,
         spec,
@@ -173,8 +175,8 @@ def _read_folder(folder: Path, size: int) -> tuple[list[str], np.ndarray, np.nda
     dataset = ImageFolder(str(folder))
 
     def load(path: str) -> np.ndarray:
-        with Image.open(path) as image:
-            image = image.convert("RGB")
+        with Image.open(path) as opened:
+            image = opened.convert("RGB")
             side = min(image.size)
             left, top = (image.width - side) // 2, (image.height - side) // 2
             image = image.crop((left, top, left + side, top + side)).resize((size, size), Image.Resampling.BILINEAR)

@@ -7,8 +7,8 @@ Dirichlet and k-classes schemes are flwr-datasets' partitioners.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

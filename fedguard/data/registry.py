@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from fedguard.data.dataset import ImageData
 from fedguard.data.spec import DataSpec

@@ -83,5 +83,5 @@ def samples_needed(scheme: str, clients: int) -> int:
 
 def _held_out(counts: tuple[int, ...], test_fraction: float, depends_on: tuple[str, ...]) -> SplitSizes:
     """Sizes after holding out ``test_fraction`` of each class, rounded (as ``dataset.stratified_split``)."""
-    test = [int(round(count * test_fraction)) for count in counts]
+    test = [round(count * test_fraction) for count in counts]
     return SplitSizes(sum(counts) - sum(test), sum(test), depends_on)

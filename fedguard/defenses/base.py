@@ -12,9 +12,10 @@ files its clients load), which the configuration reads without building it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -133,7 +134,7 @@ class DefenseTraits:
     files: tuple[RequiredFile, ...] = ()
 
     @classmethod
-    def of(cls, defense: type, **changes: Any) -> "DefenseTraits":
+    def of(cls, defense: type, **changes: Any) -> DefenseTraits:
         """The traits ``defense``'s class declares (``protocols``, a static ``check_model``, ``simulate``), with
         ``changes`` for those its parameters set."""
         declared = cls(

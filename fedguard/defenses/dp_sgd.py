@@ -22,9 +22,9 @@ Decisions where the paper is silent or the setting differs:
 * The divisor is the actual batch size B (not an expected lot size: the batch has a fixed size).
 * Accounting: each call is one step of the Sampled Gaussian Mechanism with sampling rate q = B / N, where N
   is ``dataset_size`` when set, else the size of the client's local data set (``LocalStep.examples``); with
-  neither, q = 1, i.e. no amplification by subsampling, which is always a valid bound. ``state`` keeps the number of steps
-  this client has taken and the largest sampling rate seen (RDP grows with q, so the largest one bounds every
-  step). ``epsilon`` converts them to (epsilon, delta)-DP with the RDP accountant of
+  neither, q = 1, i.e. no amplification by subsampling, which is always a valid bound. ``state`` keeps the
+  number of steps this client has taken and the largest sampling rate seen (RDP grows with q, so the largest
+  one bounds every step). ``epsilon`` converts them to (epsilon, delta)-DP with the RDP accountant of
   ``fedguard.defenses.accountant``; the guarantee is per client, for the samples of its local data set, and
   assumes Poisson sampling (the fixed-size batch without replacement is the usual approximation).
 * No ``simulate``: per-sample clipping needs the per-sample gradients, which an attacker holding only an
@@ -34,8 +34,9 @@ Decisions where the paper is silent or the setting differs:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -51,8 +52,8 @@ STEPS, SAMPLE_RATE = "steps", "sample_rate"  # keys of the defense state
 @dataclass(frozen=True)
 class DPSGDParams:
     """``clip``: per-sample L2 bound C; ``noise_multiplier``: sigma, the noise std on the sum is sigma*C;
-    ``dataset_size``: the client's local data set size N, so that q = B / N (0: the size the client reports, or q = 1 without one); ``delta``: the delta
-    at which the spent epsilon is reported."""
+    ``dataset_size``: the client's local data set size N, so that q = B / N (0: the size the client reports, or
+    q = 1 without one); ``delta``: the delta at which the spent epsilon is reported."""
 
     clip: float = 1.0
     noise_multiplier: float = 1.0
@@ -75,7 +76,8 @@ def refuse_batch_norm(model: nn.Module) -> None:
     norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if norms:
         raise ValueError(
-            f"dp-sgd needs per-sample gradients, and BatchNorm mixes the samples of a batch (layers {', '.join(norms)}); "
+            "dp-sgd needs per-sample gradients, and BatchNorm mixes the samples of a batch "
+            f"(layers {', '.join(norms)}); "
             "use a model without BatchNorm (e.g. GroupNorm instead)"
         )
 
@@ -102,7 +104,8 @@ def per_sample_gradients(
 
 def clip_factors(grads: list[torch.Tensor], clip: float) -> torch.Tensor:
     """min(1, clip / ||g_b||) per sample b (B,), the norm over row b of all (B, ...) tensors together."""
-    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads))  # pairwise sums: ~1e-7 relative in float32
+    squares = cast(torch.Tensor, sum(g.flatten(1).pow(2).sum(1) for g in grads))  # a tensor: there are gradients
+    norms = torch.sqrt(squares)  # pairwise sums: ~1e-7 relative in float32
     return torch.clamp(clip / (norms + 1e-12), max=1.0)
 
 

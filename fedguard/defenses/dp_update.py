@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
 from fedguard.defenses.base import LocalStep, class_traits, register_defense
-from fedguard.defenses.revealed import ClippedNoise
 from fedguard.defenses.gaussian_mechanism import epsilon_after, gaussian_sigma
+from fedguard.defenses.revealed import ClippedNoise
 
 MECHANISMS = ("gaussian", "laplace")
 CALIBRATIONS = ("analytic", "mjolnir-code")
@@ -127,7 +128,8 @@ def clip_by_global_norm(tensors: list[torch.Tensor], clip: float) -> list[torch.
 def clip_per_job(grads: list[torch.Tensor], clip: float) -> list[torch.Tensor]:
     """Each job of (J, ...) updates scaled by ``min(1, clip / ||job||)``, its tensors' norms taken together;
     differentiable in ``grads``."""
-    norm = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads))
+    squares = cast(torch.Tensor, sum(g.flatten(1).pow(2).sum(1) for g in grads))  # a tensor: there are gradients
+    norm = torch.sqrt(squares)
     factor = torch.clamp(clip / (norm + 1e-12), max=1.0)
     return [g * factor.reshape(-1, *[1] * (g.dim() - 1)) for g in grads]
 
@@ -160,7 +162,7 @@ class UpdateDP:
         scale = self.noise_scale
         if scale == 0:
             return torch.zeros_like(like)
-        options = {"generator": generator, "dtype": like.dtype, "device": generator.device}
+        options: dict[str, Any] = {"generator": generator, "dtype": like.dtype, "device": generator.device}
         if self.params.mechanism == "gaussian":
             noise = torch.randn(like.shape, **options) * scale
         else:

@@ -61,8 +61,8 @@ def residual_key(prefix: str, index: int) -> str:
 def add_residuals(grads: list[torch.Tensor], state: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor]:
     """``P_i = grads_i + e_i`` for every layer (``grads_i`` itself, detached, where no residual is stored yet)."""
     accumulated = []
-    for i, g in enumerate(grads):
-        g = g.detach()
+    for i, grad in enumerate(grads):
+        g = grad.detach()
         residual = state.get(residual_key(prefix, i))
         if residual is None:
             accumulated.append(g)

@@ -63,9 +63,9 @@ step, and the start and the robust data of the last call.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -215,7 +215,7 @@ class Refiner:
         self.evalnet.check_shape(tuple(x.shape[1:]), self.path)
         cached = state.get(CACHE_KEY)
         warm = p.warm_start and cached is not None and tuple(cached.shape) == tuple(x.shape)
-        if warm:
+        if warm and cached is not None:
             start, iterations = cached.to(x.device, x.dtype), p.warm_iterations
         else:
             noise = torch.rand(x.shape, generator=step.generator, dtype=x.dtype, device=step.generator.device)

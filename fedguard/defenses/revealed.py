@@ -9,7 +9,7 @@ as if its upload were the gradient itself (``Unchanged``), and the adaptive atta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Union, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class ClippedNoise:
     clip: float
 
 
-Revealed = Union[Unchanged, SentBand, QuantizedLevels, WithinRadius, OrthogonalPerTensor, AlteredLayer, ClippedNoise]
+Revealed = Unchanged | SentBand | QuantizedLevels | WithinRadius | OrthogonalPerTensor | AlteredLayer | ClippedNoise
 
 
 @runtime_checkable

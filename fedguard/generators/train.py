@@ -11,8 +11,8 @@ KL(q(z | x) || N(0, I)).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

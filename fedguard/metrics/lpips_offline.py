@@ -150,6 +150,7 @@ def load_backbone(trunk: nn.Module, layers: list[tuple[np.ndarray, np.ndarray]],
     with torch.no_grad():
         for index, (conv, (kernel, bias)) in enumerate(zip(convs, layers, strict=True)):
             weight = torch.from_numpy(np.ascontiguousarray(kernel.transpose(3, 2, 0, 1)))
+            assert conv.bias is not None  # the trunks' convolutions have biases
             if weight.shape != conv.weight.shape or tuple(bias.shape) != tuple(conv.bias.shape):
                 raise LPIPSUnavailable(
                     f"{origin}: Conv_{index} has kernel {kernel.shape} (HWIO) and bias {bias.shape}; "

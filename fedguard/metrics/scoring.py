@@ -11,7 +11,6 @@ from fedguard.metrics.labels import Labels, label_accuracy
 from fedguard.metrics.lpips_offline import LPIPSUnavailable, get_lpips
 from fedguard.metrics.matching import match
 
-
 LEAK_SSIM = 0.9  # an image reconstructed with SSIM above this counts as leaked
 
 
@@ -62,7 +61,9 @@ def score_batch(
         "ssim": float(structure.mean()),
         "lpips": None if lpips_values is None else sum(lpips_values) / len(lpips_values),
         "lpips_error": lpips_error,
-        "label_accuracy": None if true_labels is None else label_accuracy(recon_labels, true_labels),
+        "label_accuracy": (
+            None if true_labels is None or recon_labels is None else label_accuracy(recon_labels, true_labels)
+        ),
         "per_image": per_image,
     }
 

@@ -44,8 +44,8 @@ from fedguard.mjolnir.denoise import (
     target_alpha_bar,
 )
 from fedguard.mjolnir.noise import (
-    estimate_noise_level,
     classical_gaussian_sigma,
+    estimate_noise_level,
     noise_level,
     noise_level_dp,
     noise_level_epsilon,
@@ -81,6 +81,7 @@ __all__ = [
     "UNet",
     "UNetConfig",
     "check_side",
+    "classical_gaussian_sigma",
     "collect_gradients",
     "condition_of",
     "denoise",
@@ -90,7 +91,6 @@ __all__ = [
     "estimate_noise_level",
     "fit_scale",
     "load_checkpoint",
-    "classical_gaussian_sigma",
     "load_ddpm",
     "load_gradient_set",
     "noise_level",
@@ -112,7 +112,7 @@ __all__ = [
     "single_step_many",
     "start_step",
     "target_alpha_bar",
+    "train_ddpm",
     "unpack",
     "unpack_many",
-    "train_ddpm",
 ]

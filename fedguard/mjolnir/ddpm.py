@@ -22,9 +22,9 @@ epochs, bit for bit, on the same device and thread count.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -248,5 +248,6 @@ def train_ddpm(
             progress(DDPMEpoch(epoch, options.epochs, losses[-1], time.perf_counter() - start))
         if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == options.epochs):
             checkpoint(_snapshot(epoch, model, best, optimizer, generator, losses))
+    assert best is not None  # the first epoch sets it
     model.load_state_dict(best)
     return model.eval().requires_grad_(False), losses

@@ -51,7 +51,7 @@ are not computed.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -23,8 +23,9 @@ place of the dtype (relative error at most 2**-23, about 1.2e-7, in float32).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -75,8 +76,8 @@ def fitting_side(numel: int, multiple: int = 8) -> int:
 def packing_spec(shapes: Iterable[Sequence[int]], scale: float, multiple: int = 8) -> PackingSpec:
     """The spec for gradients of ``shapes``, divided by ``scale``, on the smallest side that is a multiple of
     ``multiple``."""
-    shapes = tuple(tuple(int(n) for n in shape) for shape in shapes)
-    return PackingSpec(shapes, fitting_side(sum(math.prod(s) for s in shapes), multiple), float(scale))
+    sizes = tuple(tuple(int(n) for n in shape) for shape in shapes)
+    return PackingSpec(sizes, fitting_side(sum(math.prod(s) for s in sizes), multiple), float(scale))
 
 
 def fit_scale(gradients: Iterable[Sequence[torch.Tensor]]) -> float:

@@ -11,9 +11,10 @@ packing's real entries only.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +64,7 @@ def train_mjolnir(
         check_resumable(resume, config, side, training, record, digest)
 
     def save(state: TrainState) -> None:
+        assert checkpoint is not None  # save is handed on only with a checkpoint file
         save_checkpoint(Checkpoint(state, config, side, training, record, digest), checkpoint)
 
     network, losses = train_ddpm(

@@ -32,9 +32,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ from fedguard.data import DataSpec, SourceOptions, Split, load_dataset
 from fedguard.mjolnir.packing import PackingSpec, fit_scale, pack, packing_spec, spec_from_dict, spec_to_dict, unpack
 from fedguard.mjolnir.store import beside_model_command
 from fedguard.models import MODELS, build_model
-from fedguard.trained_files import FileKind, check_arrays, described, read_archive
+from fedguard.trained_files import FileKind, Layout, check_arrays, described, read_archive
 from fedguard.training import compute_gradients, minibatches, parameters, set_arrays
 
 SPLITS = ("test", "train")
@@ -57,8 +58,8 @@ FORMAT = "fedguard-mjolnir-gradients/1"
 class SurrogateOptions:
     """``epochs``: passes of SGD over the public split; ``batch_size``: samples per batch, the client's
     batch size; ``lr``: SGD step (0: the surrogate keeps its starting weights, so every gradient is taken at
-    one model, e.g. the global model of the attacked round); ``gradients``: N, gradients recorded; ``seed``: the surrogate's
-    initialization and the batch order; ``multiple``: the packed side S is a multiple of it."""
+    one model, e.g. the global model of the attacked round); ``gradients``: N, gradients recorded; ``seed``: the
+    surrogate's initialization and the batch order; ``multiple``: the packed side S is a multiple of it."""
 
     epochs: int = 2
     batch_size: int = 1
@@ -352,7 +353,7 @@ def load_gradient_set(path: Path | str) -> GradientSet:
 def gradient_set_of(meta: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> GradientSet:
     """The set ``meta`` describes, with the ``arrays`` (checked) of the file at ``path``."""
     spec, options, count = spec_from_dict(meta["packing"]), SurrogateOptions(**meta["options"]), meta["count"]
-    layout = {
+    layout: Layout = {
         "images": ((count, 1, spec.side, spec.side), np.dtype(np.float32)),
         "steps": ((count,), np.dtype(np.int64)),
         "batches": ((count, options.batch_size), np.dtype(np.int64)),

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -217,6 +218,7 @@ class UNet(nn.Module):
         self.final = ResBlock(channels + base, base, time_dim, groups)
         self.head = nn.Conv2d(base, 1, 1)
         nn.init.zeros_(self.head.weight)
+        assert self.head.bias is not None  # a Conv2d made with its bias
         nn.init.zeros_(self.head.bias)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, condition: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,13 +228,13 @@ class UNet(nn.Module):
         h = self.init(self._inputs(x, condition))
         first, skips = h, []
         for blocks, downsample in zip(self.down, self.downsample):
-            for block in blocks:
+            for block in cast(nn.ModuleList, blocks):
                 h = block(h, time)
                 skips.append(h)
             h = downsample(h)
         h = self.mid2(self.mid_attention(self.mid1(h, time)), time)
         for blocks, upsample in zip(self.up, self.upsample):
-            for block in blocks:
+            for block in cast(nn.ModuleList, blocks):
                 h = block(torch.cat([h, skips.pop()], dim=1), time)
             h = upsample(h)
         return self.head(self.final(torch.cat([h, first], dim=1), time))

@@ -34,6 +34,7 @@ class LeNet(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Conv2d, nn.Linear)):
                 nn.init.uniform_(module.weight, -0.5, 0.5)
+                assert module.bias is not None  # every layer here has a bias
                 nn.init.uniform_(module.bias, -0.5, 0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

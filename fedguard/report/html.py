@@ -16,17 +16,17 @@ import base64
 import dataclasses
 import math
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from html import escape
 from io import BytesIO
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from fedguard.config import Config, ConfigError, load_config
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.report.comparison import write_comparison
 from fedguard.report.images import load_png
 from fedguard.report.row_values import read_rows
-from strategies.registry import resolve as resolve_strategy
 from fedguard.report.run_status import read_status
 from fedguard.run_folder import (
     ATTACKS_FILE,
@@ -40,6 +40,7 @@ from fedguard.run_folder import (
     warn,
     write_atomic,
 )
+from strategies.registry import resolve as resolve_strategy
 
 DASH = "\u2014"
 
@@ -170,7 +171,7 @@ def _curve_png(rounds: list[dict[str, Any]]) -> bytes:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    xs = [row.get("round") for row in rounds]
+    xs: list[Any] = [row.get("round") for row in rounds]
     accuracy = [100 * a if (a := _number(row.get("accuracy"))) is not None else math.nan for row in rounds]
     loss = [v if (v := _number(row.get("loss"))) is not None else math.nan for row in rounds]
 
@@ -208,9 +209,10 @@ def _curve_png(rounds: list[dict[str, Any]]) -> bytes:
         axis.spines[side].set_visible(False)
         second.spines[side].set_visible(False)
     handles = axis.get_legend_handles_labels()[0] + second.get_legend_handles_labels()[0]
+    labels: list[Any] = [h.get_label() for h in handles]  # the handles' labels are strings
     axis.legend(
         handles,
-        [h.get_label() for h in handles],
+        labels,
         loc="lower left",
         bbox_to_anchor=(0.0, 1.0),
         ncol=2,
@@ -262,7 +264,7 @@ def _leakage_png(curves: dict[str, list[tuple[int, float]]], rounds: list[dict[s
     axis.set_ylabel("mean SSIM of the attack")
     axis.set_xlabel("round of the attacked uploads")
     axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-    xs = [row.get("round") for row in rounds if isinstance(row.get("round"), int)]
+    xs: list[Any] = [row.get("round") for row in rounds if isinstance(row.get("round"), int)]
     if len(xs) > 1:
         axis.set_xlim(min(xs), max(xs))
     axis.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=4, frameon=False, borderaxespad=0.2)
@@ -278,7 +280,7 @@ def _leakage_png(curves: dict[str, list[tuple[int, float]]], rounds: list[dict[s
 def _params_text(params: Any) -> str:
     if not dataclasses.is_dataclass(params):
         return ""
-    values = dataclasses.asdict(params)
+    values = dataclasses.asdict(params)  # type: ignore[arg-type]  # params is an instance, never a class
     return ", ".join(f"{key.replace('_', '-')}={value}" for key, value in values.items())
 
 
@@ -399,7 +401,8 @@ def _training(rounds: list[dict[str, Any]], attacks: list[dict[str, Any]], image
         )
         parts.append(
             f"<details><summary>Round log ({len(rounds)} rows)</summary>"
-            '<table class="data compact"><thead><tr><th>round</th><th>accuracy</th><th>loss</th><th>seconds</th></tr></thead>'
+            '<table class="data compact"><thead><tr><th>round</th><th>accuracy</th><th>loss</th>'
+            "<th>seconds</th></tr></thead>"
             f"<tbody>{body}</tbody></table></details>"
         )
     parts.append("</section>")
@@ -475,7 +478,8 @@ def _uploads_table(attacks: list[dict[str, Any]], anchors: dict[int, str]) -> st
         if index in anchors:
             client = f'<a href="#{anchors[index]}">{client}</a>'
         body.append(
-            f'<tr class="{"failed" if not _is_ok(row) else ""}"><td class="num">{where}</td><td class="num">{client}</td>'
+            f'<tr class="{"failed" if not _is_ok(row) else ""}"><td class="num">{where}</td>'
+            f'<td class="num">{client}</td>'
             f"<td>{escape(str(row.get('attack', DASH)))}</td><td>{escape(str(row.get('defense', DASH)))}</td>"
             f'<td class="num">{escape(str(row.get("batch_size", DASH)))}</td><td>{_status_badge(row)}</td>'
             f'<td class="num">{_fmt(row.get("psnr"), 2)}</td>{_ssim_cell(row.get("ssim"))}'
@@ -487,7 +491,8 @@ def _uploads_table(attacks: list[dict[str, Any]], anchors: dict[int, str]) -> st
             body.append(f'<tr class="error-row"><td colspan="{columns}"><pre>{escape(error)}</pre></td></tr>')
     return (
         '<table class="data"><thead><tr><th class="num">round</th><th class="num">client</th><th>attack</th>'
-        '<th>defense</th><th class="num">batch</th><th>status</th><th class="num">PSNR (dB)</th><th class="num">SSIM</th>'
+        '<th>defense</th><th class="num">batch</th><th>status</th><th class="num">PSNR (dB)</th>'
+        '<th class="num">SSIM</th>'
         '<th class="num">LPIPS</th><th class="num">label acc.</th><th class="num">seconds</th></tr></thead>'
         f"<tbody>{''.join(body)}</tbody></table>"
     )
@@ -625,7 +630,7 @@ a { color:var(--blue); }
 .scores { display:flex; flex-wrap:wrap; gap:6px 18px; margin:10px 0 0; font-variant-numeric:tabular-nums; }
 .scores b { color:var(--muted); font-weight:600; }
 footer { color:var(--muted); font-size:12px; text-align:center; margin-top:24px; }
-"""
+"""  # noqa: E501 - one CSS rule a line
 
 # Counts the embedded images the browser decoded, for tests and for anyone checking the file.
 SCRIPT = """
@@ -701,9 +706,9 @@ def build_report(run_dir: Path) -> Path:
     numbers, the accuracy and loss curve, a table per attack and defense and
     one per attacked upload (with the error text of failed attacks), and the
     client's data beside its reconstruction for every attack that produced
-    images. Also writes ``comparison.png`` (``fedguard.report.comparison``). Raises ``FileNotFoundError`` when ``run_dir`` or its
-    ``rounds.jsonl`` is missing, ``RunFileError`` naming the file and line of a damaged row; a missing
-    ``attacks.jsonl`` means no attack ran. What is left out is listed on the page and warned once.
+    images. Also writes ``comparison.png`` (``fedguard.report.comparison``). Raises ``FileNotFoundError`` when
+    ``run_dir`` or its ``rounds.jsonl`` is missing, ``RunFileError`` naming the file and line of a damaged row;
+    a missing ``attacks.jsonl`` means no attack ran. What is left out is listed on the page and warned once.
     """
     run_dir = Path(run_dir)
     notes = _Notes()

@@ -21,7 +21,7 @@ def auto_scale(height: int, width: int) -> int:
     return max(1, math.ceil(MIN_CELL / max(1, min(height, width))))
 
 
-def grid_array(images: torch.Tensor, columns: int | None = None, scale: int | None = 1) -> np.ndarray:
+def grid_array(images: torch.Tensor | np.ndarray, columns: int | None = None, scale: int | None = 1) -> np.ndarray:
     """The grid as ``uint8`` pixels, (H, W) for grayscale or (H, W, 3) for colour.
 
     ``images`` is (N, C, H, W) in [0, 1] with C = 1 (grayscale) or 3 (RGB;
@@ -53,8 +53,8 @@ def grid_array(images: torch.Tensor, columns: int | None = None, scale: int | No
         raise ValueError(f"scale must be >= 1; got {scale}")
     rows = math.ceil(count / columns)
 
-    pixels = images.detach().to("cpu", torch.float32).nan_to_num(0.0).clamp(0.0, 1.0)
-    pixels = (pixels * 255.0).round().to(torch.uint8).numpy()  # (N, C, H, W)
+    unit = images.detach().to("cpu", torch.float32).nan_to_num(0.0).clamp(0.0, 1.0)
+    pixels = (unit * 255.0).round().to(torch.uint8).numpy()  # (N, C, H, W)
     pixels = pixels.transpose(0, 2, 3, 1)  # (N, H, W, C)
     if scale > 1:
         pixels = pixels.repeat(scale, axis=1).repeat(scale, axis=2)

@@ -12,7 +12,8 @@ that each chose their own restarts by their own objective; no ground truth enter
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.report.statistics import over_images, success_rate
@@ -76,4 +77,5 @@ def privacy(rows: list[dict[str, Any]], adaptive: Mapping[str, bool]) -> dict[st
     ]
     if not per_round:
         return None
-    return {**max(per_round, key=_ssim_key), "per_round": per_round, "by_attack": by_attack}
+    best = max(per_round, key=_ssim_key)
+    return {**best, "per_round": per_round, "by_attack": by_attack}

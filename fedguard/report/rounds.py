@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from collections.abc import Iterable
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, TextIO
 
 from fedguard.run_folder import JsonlAppender
 
@@ -56,7 +56,10 @@ class RoundRecorder:
     def _progress(self, row: dict[str, Any]) -> str:
         done = row["round"]
         who = "initial model" if done == 0 else f"{self.clients_per_round} clients"
-        line = f"round {done:>{len(str(self.total_rounds))}}/{self.total_rounds} | {who} | accuracy {100 * row['accuracy']:5.1f}% | loss {row['loss']:.4f}"
+        line = (
+            f"round {done:>{len(str(self.total_rounds))}}/{self.total_rounds} | {who} | "
+            f"accuracy {100 * row['accuracy']:5.1f}% | loss {row['loss']:.4f}"
+        )
         if done > 0:
             line += f" | {row['seconds']:.1f} s"
         for name, value in row.get("defense", {}).items():

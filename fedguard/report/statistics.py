@@ -11,8 +11,8 @@ statistic and counted (``Summary.missing``).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 

@@ -152,7 +152,9 @@ def _inline(text: str) -> str:
 
 def markdown_html(markdown: str) -> str:
     """The subset of markdown ``summary.md`` uses: pipe tables, list items and paragraphs."""
-    blocks, table, items = [], [], []
+    blocks: list[str] = []
+    table: list[list[str]] = []
+    items: list[str] = []
 
     def flush() -> None:
         if table:
@@ -253,6 +255,7 @@ def render_sweep(folder: Path, baseline: str | None = None) -> str:
 
 def build_sweep_page(folder: Path, baseline: str | None = None) -> Path:
     """Write ``folder/sweep.html`` (and the figures' PNGs) from its ``sweep.jsonl`` and ``summary.md``; returns
-    the page's path. ``baseline``: the variant accuracy is measured against (default: the one the rows name, else the first). ``FileNotFoundError`` when the folder holds no sweep."""
+    the page's path. ``baseline``: the variant accuracy is measured against (default: the one the rows name,
+    else the first). ``FileNotFoundError`` when the folder holds no sweep."""
     folder = Path(folder)
     return write_atomic(folder / SWEEP_PAGE, render_sweep(folder, baseline))

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from flwr.app import ArrayRecord, RecordDict
 
 from fedguard.data import load_dataset
