@@ -176,7 +176,7 @@ LOCAL_SCHEDULE = ("lr", "local-epochs", "batch-size", "local-steps", "proximal-m
 """What a FedAvg client declares of its local training: uploads that agree on it can be replayed together."""
 
 
-def shape_key(obs: Observation) -> tuple:
+def shape_key(obs: Observation) -> tuple[Any, ...]:
     """Observations with equal keys (model, data shape, image count, upload kind, local schedule) can be
     attacked as one batch."""
     schedule = (

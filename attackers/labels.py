@@ -37,7 +37,7 @@ the offset in: on untrained models from about batch 16 on, classes with few samp
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -220,7 +220,7 @@ def upload_labels_inferred(obs: Observation, grads: list[torch.Tensor], batch_si
     return infer_labels(grads, obs.spec.num_classes, batch_size, weights=weights if bias is not None else None)
 
 
-def declared_labels(declared: dict) -> torch.Tensor | None:
+def declared_labels(declared: dict[str, Any]) -> torch.Tensor | None:
     """The labels a client declared with its upload (a list; only when the threat model grants them), or None.
     Observation files written before labels travelled as a list hold them as text, '3,1,4'."""
     labels = declared.get("labels")

@@ -180,7 +180,7 @@ class AttackPool:
         self._ready: list[bool] = []
         self._ready_refs: dict[Any, int] = {}
         self._started = False
-        self._busy: dict[ray.ObjectRef, _Dispatch] = {}
+        self._busy: dict[ray.ObjectRef[Any], _Dispatch] = {}
         self._queue: deque[_Task] = deque()
         self._lock = threading.Lock()
         self._closing = threading.Event()

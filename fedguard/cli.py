@@ -10,12 +10,16 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedguard.config import Config, ConfigError, load_config, schema
 from fedguard.data import DatasetNotFoundError
 from fedguard.evalnet import EvalNetOptions
 from fedguard.generators import SPLITS, TrainOptions
 from fedguard.mjolnir import DEFAULT_NOISE_RANGE, PRESETS, DDPMTrainOptions, SurrogateOptions
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -271,7 +275,8 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every setting x variant of a sweep preset (e.g. every defense), then print the summary table."""
-    from fedguard.sweep import SUMMARY_FILE, load_sweep, run_sweep
+    from fedguard.run_folder import SUMMARY_FILE
+    from fedguard.sweep import load_sweep, run_sweep
 
     sweep = load_sweep(args.preset, args.out, args.overrides, args.only, args.seeds)
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated sweep stops its run as Ctrl-C does, results kept
@@ -308,7 +313,7 @@ def cmd_train_generator(args: argparse.Namespace) -> int:
     return 0
 
 
-def global_weights_of(path: Path, config: Config) -> list:
+def global_weights_of(path: Path, config: Config) -> list[np.ndarray]:
     """The global model's arrays a captured upload was computed at; ``ConfigError`` when the capture is not one
     of the run ``config`` describes (``fedguard.observation_files``)."""
     from fedguard.observation_files import ObservationRefused, RunExpectations, read_observation

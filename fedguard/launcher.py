@@ -101,7 +101,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_for_port(port: int, process: subprocess.Popen, timeout: float, log_file: Path, stop: SignalStop) -> None:
+def _wait_for_port(port: int, process: subprocess.Popen[Any], timeout: float, log_file: Path, stop: SignalStop) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and stop.signum is None:
         if process.poll() is not None:
@@ -312,7 +312,7 @@ def _is_flower_chatter(line: str) -> bool:
     return line.lstrip().startswith(("INFO :", "\x1b[92mINFO", "DEBUG :")) or not line.strip()
 
 
-def _shut_down(superlink: subprocess.Popen, tracker: ProcessTracker, stop: SignalStop) -> None:
+def _shut_down(superlink: subprocess.Popen[Any], tracker: ProcessTracker, stop: SignalStop) -> None:
     """Stop the SuperLink, then every process the run started that is still running: given ``SETTLE_SECONDS``
     to end on their own (none when ``stop`` is hurried), then terminated."""
     tracker.update()
@@ -322,7 +322,7 @@ def _shut_down(superlink: subprocess.Popen, tracker: ProcessTracker, stop: Signa
         _say(f"processes of the run still running after SIGKILL: {sorted(p.pid for p in left)}")
 
 
-def _stop(process: subprocess.Popen, grace: float = 20.0) -> None:
+def _stop(process: subprocess.Popen[Any], grace: float = 20.0) -> None:
     """Stop ``process`` and everything in its process group (it leads its own session): SIGTERM, then SIGKILL
     after ``grace`` seconds."""
     if process.poll() is not None:

@@ -569,7 +569,7 @@ def run_one(command: list[str], log: Path, timeout: float | None) -> int:
             raise
 
 
-def _stop_run(process: subprocess.Popen, signum: int) -> None:
+def _stop_run(process: subprocess.Popen[Any], signum: int) -> None:
     """Signal ``process`` once, wait ``STOP_WAIT`` seconds for it to stop, then kill it."""
     process.send_signal(signum)
     try:

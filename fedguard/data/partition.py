@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,13 +55,13 @@ def _capped(parts: list[np.ndarray], most: int, seed: int) -> list[np.ndarray]:
     return [rng.choice(p, size=most, replace=False) if len(p) > most else p for p in parts]
 
 
-def _label_table(labels: np.ndarray):  # -> datasets.Dataset
+def _label_table(labels: np.ndarray) -> Any:  # a datasets.Dataset
     from datasets import Dataset
 
     return Dataset.from_dict({"label": labels.tolist(), "index": np.arange(len(labels)).tolist()})
 
 
-def _indices(partitioner, num_clients: int) -> list[np.ndarray]:
+def _indices(partitioner: Any, num_clients: int) -> list[np.ndarray]:
     return [np.asarray(partitioner.load_partition(i)["index"]) for i in range(num_clients)]
 
 

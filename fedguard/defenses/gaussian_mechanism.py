@@ -14,6 +14,7 @@ bisection on the privacy profile, to a relative precision of 1e-10.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 _ITERATIONS = 200
 
@@ -39,7 +40,7 @@ def _check(epsilon: float | None, delta: float) -> None:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
 
 
-def _bisect(decreasing, target: float, low: float, high: float) -> float:
+def _bisect(decreasing: Callable[[float], float], target: float, low: float, high: float) -> float:
     """The x in [low, high] where ``decreasing(x)`` crosses ``target``, by geometric bisection."""
     while decreasing(high) > target:
         low, high = high, high * 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ class TrainedEvalNet:
     split: str
     losses: tuple[float, ...]
 
-    def meta(self) -> dict:
+    def meta(self) -> dict[str, Any]:
         """Every field but the weights, JSON-ready."""
         spec = self.net.spec
         return {
@@ -83,7 +84,7 @@ def load_evalnet(path: Path | str) -> TrainedEvalNet:
     return described(lambda: evalnet_of(meta, arrays, path), path, EVALNET_FILE)
 
 
-def evalnet_of(meta: dict, arrays: dict[str, np.ndarray], path: Path) -> TrainedEvalNet:
+def evalnet_of(meta: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> TrainedEvalNet:
     """The network ``meta`` describes, with the weights ``arrays`` (checked) of the file at ``path``."""
     net = load_module_arrays(
         EvalNet(DataSpec(*meta["spec"]), meta["width"]), arrays, "net", path, EVALNET_FILE, "network"

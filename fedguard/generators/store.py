@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ class TrainedGenerator:
     split: str
     losses: tuple[float, ...]
 
-    def meta(self) -> dict:
+    def meta(self) -> dict[str, Any]:
         """Every field but the weights, JSON-ready."""
         spec = self.decoder.spec
         return {
@@ -79,7 +80,7 @@ def load_generator(path: Path | str) -> TrainedGenerator:
     return described(lambda: generator_of(meta, arrays, path), path, GENERATOR_FILE)
 
 
-def generator_of(meta: dict, arrays: dict[str, np.ndarray], path: Path) -> TrainedGenerator:
+def generator_of(meta: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> TrainedGenerator:
     """The generator ``meta`` describes, with the decoder weights ``arrays`` (checked) of the file at ``path``."""
     decoder = Decoder(DataSpec(*meta["spec"]), meta["latent_dim"], meta["width"])
     load_module_arrays(decoder, arrays, "decoder", path, GENERATOR_FILE, "decoder")

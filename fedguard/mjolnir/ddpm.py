@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,7 @@ class Schedule:
         """(steps,) cumulative products of ``alphas``, decreasing from ``alphas[0]``."""
         return torch.cumprod(self.alphas, dim=0)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
         return {"steps": self.steps, "beta_start": self.beta_start, "beta_end": self.beta_end}
 
@@ -166,7 +167,7 @@ class TrainState:
             raise ValueError(f"a state after {self.epoch} epochs needs {self.epoch} losses, got {len(self.losses)}")
 
 
-def _cpu(tensors: dict) -> dict:
+def _cpu(tensors: dict[Any, Any]) -> dict[Any, Any]:
     """A copy of a (nested) dict of tensors, on the CPU."""
     return {k: _cpu(v) if isinstance(v, dict) else v.detach().to("cpu", copy=True) for k, v in tensors.items()}
 
@@ -174,7 +175,7 @@ def _cpu(tensors: dict) -> dict:
 def _snapshot(
     epoch: int,
     model: UNet,
-    best: dict,
+    best: dict[str, torch.Tensor],
     optimizer: torch.optim.Optimizer,
     generator: torch.Generator,
     losses: list[float],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class TrainedDDPM:
 
     model: UNet
     schedule: Schedule
-    normalization: dict = field(default_factory=dict)
+    normalization: dict[str, Any] = field(default_factory=dict)
     losses: tuple[float, ...] = ()
     noise_range: tuple[float, float] | None = None
 
@@ -52,7 +53,7 @@ class TrainedDDPM:
         """Whether the denoiser takes a condition (the noisy upload) beside x_t."""
         return self.model.conditional
 
-    def meta(self) -> dict:
+    def meta(self) -> dict[str, Any]:
         """Every field but the weights, JSON-ready."""
         return {
             "format": FORMAT,
@@ -121,7 +122,7 @@ def load_ddpm(path: Path | str, conditional: bool | None = None) -> TrainedDDPM:
     return described(lambda: ddpm_of(meta, arrays, path, held), path, DDPM_FILE)
 
 
-def ddpm_of(meta: dict, arrays: dict[str, np.ndarray], path: Path, conditional: bool) -> TrainedDDPM:
+def ddpm_of(meta: dict[str, Any], arrays: dict[str, np.ndarray], path: Path, conditional: bool) -> TrainedDDPM:
     """The model ``meta`` describes, with the weights ``arrays`` (checked) of the file at ``path``."""
     model = UNet(UNetConfig(**meta["unet"]), meta["side"], conditional)
     load_module_arrays(model, arrays, "unet", path, DDPM_FILE, "UNet")

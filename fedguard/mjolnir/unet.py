@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -77,7 +77,7 @@ class UNetConfig:
         """Channels of each level."""
         return tuple(self.base_channels * mult for mult in self.channel_mults)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (``channel_mults`` as a list)."""
         fields = asdict(self)
         fields["channel_mults"] = list(self.channel_mults)
