@@ -7,17 +7,20 @@ the launcher holds. The watcher also holds the run folder's lock (``fedguard.run
 the run inherits ``RUN_TOKEN_ENV`` in its environment (SuperLink, SuperExec, the simulation and its Ray
 cluster alike). When the launcher ends its run it writes ``DONE`` and the watcher exits. When the pipe closes
 without it (the launcher died), the watcher stops every process whose environment holds the run's token
-(SIGTERM, then SIGKILL ``GRACE`` seconds later), writes ``interrupted`` to ``status.json`` unless the run wrote
-its ending since the watcher started, and exits, which releases the lock. Standard library only.
+(SIGTERM, then SIGKILL ``GRACE`` seconds later, until none is left), writes ``interrupted`` to ``status.json``
+unless the run wrote its ending since the watcher started, and exits, which releases the lock. Standard library
+only.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 
-from fedguard.processes import Process, ProcessTracker, marked
+from fedguard.processes import Process, is_running, marked
 from fedguard.report.run_status import write_status
 from fedguard.run_folder import ROUNDS_FILE, STATUS_FILE, RunFileError, read_jsonl
 
@@ -25,8 +28,8 @@ RUN_TOKEN_ENV = "FEDGUARD_RUN_TOKEN"
 DONE = b"done"  # what the launcher writes on the lifeline when it ended its run itself
 GRACE = 3.0  # seconds the run's processes get between SIGTERM and SIGKILL
 LATE_GRACE = 0.5  # seconds a process found on a later pass gets (one started while the others stopped)
-QUIET = 0.5  # seconds with no new process of the run that end the search
-SEARCH = 6.0  # seconds the search for latecomers lasts at most (Ray may start workers while it stops)
+QUIET = 0.5  # seconds with no process of the run left that end the stop
+GIVE_UP = 60.0  # seconds after which the stop returns even if a process of the run still runs (one in state D)
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -38,22 +41,37 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
+def _signal(process: Process, signum: int) -> None:
+    try:
+        os.kill(process.pid, signum)
+    except OSError:  # gone meanwhile
+        pass
+
+
 def stop_run(token: str, grace: float = GRACE) -> int:
-    """Stop every process whose environment holds ``RUN_TOKEN_ENV=token`` (SIGTERM, SIGKILL ``grace`` seconds
-    later; those found on a later pass ``LATE_GRACE``), searching again until none is new for ``QUIET``
-    seconds or ``SEARCH`` seconds passed; returns how many there were."""
-    stopped: set[Process] = set()
-    deadline = time.monotonic() + SEARCH
-    quiet_since = time.monotonic()
-    while time.monotonic() < deadline and time.monotonic() - quiet_since < QUIET:
-        found = marked(f"{RUN_TOKEN_ENV}={token}") - stopped
-        if found:
-            ProcessTracker(seen=found).stop(patience=0.0, grace=min(grace, LATE_GRACE) if stopped else grace)
-            stopped |= found
-            quiet_since = time.monotonic()
-        else:
-            time.sleep(0.1)
-    return len(stopped)
+    """Stop every process whose environment holds ``RUN_TOKEN_ENV=token``: SIGTERM when first found, SIGKILL
+    ``grace`` seconds later (``LATE_GRACE`` for those found after the first pass: Ray may start workers while it
+    stops), SIGKILL again each pass while one still runs. Returns how many there were, once none has run for
+    ``QUIET`` seconds (or after ``GIVE_UP`` seconds)."""
+    termed: dict[Process, float] = {}  # process -> monotonic time of its SIGKILL deadline
+    start = time.monotonic()
+    last_seen = start
+    while time.monotonic() - start < GIVE_UP:
+        now = time.monotonic()
+        running = {p for p in marked(f"{RUN_TOKEN_ENV}={token}") if is_running(p)}
+        patience = min(grace, LATE_GRACE) if termed else grace
+        for process in running:
+            if process not in termed:
+                _signal(process, signal.SIGTERM)
+                termed[process] = now + patience
+            elif now >= termed[process]:
+                _signal(process, signal.SIGKILL)
+        if running:
+            last_seen = now
+        elif now - last_seen >= QUIET:
+            break
+        time.sleep(0.1)
+    return len(termed)
 
 
 def rounds_done(folder: Path) -> int:

@@ -40,7 +40,12 @@ def images(notebook: nbformat.NotebookNode) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
+@pytest.mark.parametrize(
+    "path",
+    # The first notebook in CI; the others share its machinery and are heavy.
+    [pytest.param(path, marks=[pytest.mark.heavy] if index else []) for index, path in enumerate(NOTEBOOKS)],
+    ids=[path.stem for path in NOTEBOOKS],
+)
 def test_a_notebook_runs_end_to_end_at_small_size(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FEDGUARD_NOTEBOOK_SIZE", "small")
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # this venv's kernel

@@ -48,7 +48,18 @@ def gone_within(tag: str, folder: Path, limit: float) -> float:
         if not tagged(tag) and read_status(folder) is not None:
             return time.monotonic() - start
         time.sleep(0.1)
-    raise AssertionError(f"after {limit:.0f} s: processes {tagged(tag)} left, status {read_status(folder)}")
+    left = {pid: describe(pid) for pid in tagged(tag)}
+    raise AssertionError(f"after {limit:.0f} s: processes {left} left, status {read_status(folder)}")
+
+
+def describe(pid: int) -> str:
+    """``pid``'s state and command line, read from /proc (empty when it is gone)."""
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        command = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+    return f"{state} {command[:200]}"
 
 
 def test_a_killed_launcher_leaves_no_process_and_an_interrupted_run(tmp_path: Path) -> None:
@@ -139,8 +150,11 @@ def test_sigkill_of_fedguard_run_ends_its_run_and_a_live_run_refuses_a_second_wr
         assert "already holds a run" in capsys.readouterr().err
         assert read_status(out) is None, "still running"
         process.send_signal(signal.SIGKILL)
-        took = gone_within(tag, out, LIMIT)
-        log = (tmp_path / "output.log").read_text()
+        try:
+            took = gone_within(tag, out, LIMIT)
+        finally:
+            log = (tmp_path / "output.log").read_text()
+            print(log[-3000:])
     finally:
         kill_all(tag)
     print(f"every process of the run gone and status.json written {took:.1f} s after SIGKILL")

@@ -107,6 +107,7 @@ def test_memory_reads_pss_and_refuses_too_many_clients() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_scale_benchmark_measures_both_tools(tmp_path: Path) -> None:
     bench = _benchmark()
