@@ -24,6 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CERTS_SCRIPT = ROOT / "docker" / "certs" / "generate.sh"
+PROXY_CONF = ROOT / "docker" / "fleet-proxy.conf"
 KEYS_SCRIPT = ROOT / "docker" / "keys" / "generate.sh"
 CONNECTION = "fedguard-deploy"
 
@@ -145,6 +146,49 @@ class Deployment:
             time.sleep(0.3)
         raise TimeoutError("the SuperLink did not start within 60 s")
 
+    def start_fleet_proxy(self) -> str:
+        """NGINX with docker/fleet-proxy.conf as compose.yaml mounts it, its container paths and the upstream's
+        name mapped to this machine; returns the address SuperNodes connect to."""
+        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        if not Path(nginx).is_file():
+            pytest.skip("nginx is not installed (Debian package nginx-light; .ci/run installs it)")
+        port, folder = free_port(), self.tmp / "nginx"
+        folder.mkdir()
+        server = PROXY_CONF.read_text()
+        for container, here in {
+            "listen 9092 ssl;": f"listen 127.0.0.1:{port} ssl;",
+            "https://superlink-api:8000/": f"https://127.0.0.1:{self.port}/",
+            "/certs/": f"{self.certs}/",
+        }.items():
+            assert container in server, f"{PROXY_CONF.name} no longer holds {container!r}"
+            server = server.replace(container, here)
+        (folder / "fleet-proxy.conf").write_text(server)
+        # What the official image's nginx.conf sets around conf.d/, in folders of this test.
+        temp = " ".join(
+            f"{kind}_temp_path {folder}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        (folder / "nginx.conf").write_text(
+            f"daemon off;\npid {folder}/nginx.pid;\nerror_log {folder}/error.log info;\nevents {{}}\n"
+            f"http {{ access_log {folder}/access.log; {temp} include {folder}/fleet-proxy.conf; }}\n"
+        )
+        self.spawn("fleet-proxy", [nginx, "-p", str(folder), "-c", str(folder / "nginx.conf")])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    return f"127.0.0.1:{port}"
+            if self.procs["fleet-proxy"].poll() is not None:
+                raise RuntimeError(f"nginx exited:\n{self.log('fleet-proxy').read_text()}")
+            time.sleep(0.2)
+        raise TimeoutError("the Fleet proxy did not listen within 30 s")
+
+    def connect(self, name: str, address: str) -> None:
+        """Add a connection ``name`` to ``address`` to the flwr CLI's configuration, with the CA certificate only."""
+        with open(self.home / "config.toml", "a") as config:
+            config.write(
+                f'\n[superlink.{name}]\naddress = "{address}"\nroot-certificates = "{self.certs / "ca.crt"}"\n'
+            )
+
     def flwr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run(
             [str(BIN / "flwr"), *args], env=self.env, cwd=self.tmp, capture_output=True, text=True, timeout=timeout
@@ -162,9 +206,16 @@ class Deployment:
         return {str(n["node-id"]): n["status"] for n in json.loads(result.stdout)["nodes"]}
 
     def start_supernode(
-        self, name: str, private_key: Path, partition_id: int, num_partitions: int, vault: Path | None = None
+        self,
+        name: str,
+        private_key: Path,
+        partition_id: int,
+        num_partitions: int,
+        vault: Path | None = None,
+        superlink: str = "",
     ) -> None:
-        """A SuperNode; with ``vault``, its node config opts in to keeping ground truth there."""
+        """A SuperNode connecting to ``superlink`` (default: the SuperLink itself); with ``vault``, its node config
+        opts in to keeping ground truth there."""
         home = self.tmp / f"{name}-home"
         home.mkdir()
         node_config = f"partition-id={partition_id} num-partitions={num_partitions}"
@@ -175,7 +226,7 @@ class Deployment:
             [
                 str(BIN / "flower-supernode"),
                 "--superlink",
-                f"127.0.0.1:{self.port}",
+                superlink or f"127.0.0.1:{self.port}",
                 "--root-certificates",
                 str(self.certs / "ca.crt"),
                 "--auth-supernode-private-key",
@@ -312,6 +363,41 @@ def test_two_authenticated_supernodes_over_tls_run_the_app(deployment: Deploymen
     assert all(len(p.parts) == 2 and p.parts[0].startswith("run-") for p in kept), kept
     assert not (out / "vault").exists()
     assert all(a["psnr"] is None and "no ground truth" in a["error"] for a in attacks), attacks
+
+
+def test_through_the_fleet_proxy_a_supernode_trains_and_a_ca_holder_cannot_touch_the_control_api(
+    deployment: Deployment, keys: Path, tmp_path: Path
+) -> None:
+    """The SuperNodes' side of compose.yaml reaches the SuperLink only through docker/fleet-proxy.conf: a
+    registered SuperNode trains through it, and a stranger holding ca.crt can neither register a key, unregister
+    the operator's node nor list the nodes there."""
+    dep = deployment
+    dep.start_superlink()
+    proxy = dep.start_fleet_proxy()
+    node = dep.register(keys / "supernode-1.pub")
+    dep.start_supernode("supernode-1", keys / "supernode-1", partition_id=0, num_partitions=1, superlink=proxy)
+    dep.wait_online({node})
+
+    dep.connect("stranger", proxy)
+    for command in (
+        ["supernode", "register", str(keys / "supernode-2.pub"), "stranger"],
+        ["supernode", "unregister", node, "stranger"],
+        ["supernode", "list", "stranger"],
+    ):
+        result = dep.flwr(*command)
+        assert result.returncode != 0, f"flwr {' '.join(command)} through the proxy:\n{result.stdout}{result.stderr}"
+    assert dep.nodes() == {node: "online"}, "the stranger changed nothing"
+    refused = [line for line in (tmp_path / "nginx" / "access.log").read_text().splitlines() if "/v1/control/" in line]
+    assert len(refused) >= 3 and all('" 404 ' in line for line in refused), refused
+
+    out = tmp_path / "run"
+    dep.run(
+        f"{SMALL_RUN} attack.name='none' partition.num-clients=1 train.clients-per-round=1 "
+        f"capture.rounds='none' out-dir='{out}'"
+    )
+    assert wait_finished(dep, "flwr-run", 200) == 0
+    assert [r["round"] for r in read_rows(out / "rounds.jsonl", 3)] == [0, 1, 2]
+    assert "/v1/fleet/" in (tmp_path / "nginx" / "access.log").read_text()
 
 
 def test_a_supernode_with_an_unregistered_key_is_refused(deployment: Deployment, keys: Path) -> None:

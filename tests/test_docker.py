@@ -54,6 +54,8 @@ CLIENTAPP_PREFIX = "superexec-clientapp-"
 PROXY_IMAGE = "nginxinc/nginx-unprivileged"
 PROXY_CONF = DOCKER / "fleet-proxy.conf"
 FLEET_PREFIX = "/v1/fleet/"
+# The SuperLink's name on the control network alone, which the proxy forwards to.
+CONTROL_ALIAS = "superlink-api"
 LOOPBACK = "127.0.0.1"
 # The uid:gid the fedguard image runs as (USER in the Dockerfile), and Compose runs Flower's images
 # as; owner of the mounted files.
@@ -687,7 +689,8 @@ def test_the_fleet_proxy_forwards_the_fleet_api_alone() -> None:
     assert locations["/"] == ["return 404"]
     command = [interpolate(str(a)) for a in superlink()["command"]]
     fleet = dict(d.split(None, 1) for d in locations[FLEET_PREFIX])
-    assert fleet["proxy_pass"] == f"https://superlink:{command[command.index('--port') + 1]}{FLEET_PREFIX}"
+    upstream = f"https://{CONTROL_ALIAS}:{command[command.index('--port') + 1]}{FLEET_PREFIX}"
+    assert fleet["proxy_pass"] == upstream
     assert fleet["proxy_ssl_verify"] == "on" and "proxy_ssl_trusted_certificate" in fleet
     server = dict(d.split(None, 1) for d in proxy_server_directives())
     volumes = services()["fleet"]["volumes"]
@@ -702,6 +705,35 @@ def test_the_fleet_proxy_forwards_the_fleet_api_alone() -> None:
         assert mounts[file] == superlink_mounts[command[command.index(flag) + 1]], f"{file} is not the SuperLink's"
     assert mounts["/etc/nginx/conf.d/default.conf"] == f"./{PROXY_CONF.name}"
     assert services()["fleet"]["user"] == APP_USER
+
+
+def networks(name: str) -> dict[str, list[str]]:
+    """Service ``name``'s networks -> its aliases there (interpolated with .env.example's values)."""
+    attached = services()[name].get("networks", ["default"])
+    if isinstance(attached, list):
+        return {network: [] for network in attached}
+    return {network: [interpolate(a) for a in (spec or {}).get("aliases", [])] for network, spec in attached.items()}
+
+
+def test_the_supernodes_side_reaches_the_superlink_through_the_fleet_proxy_alone() -> None:
+    """Two networks: control (SuperLink, superexec-serverapp, proxy) and nodes (proxy, SuperNodes, their ClientApp
+    SuperExecs). On nodes the SuperLink's certificate name is the proxy, so every SuperNode connects through it
+    and no container of the SuperNodes' side can reach the Control API; the proxy forwards to a name only the
+    control network knows."""
+    host = env_example()["FEDGUARD_SUPERLINK_HOST"]
+    assert set(compose(DOCKER / "compose.yaml")["networks"]) == {"control", "nodes"}
+    assert networks("superlink") == {"control": [host, CONTROL_ALIAS]}
+    assert networks(SERVERAPP) == {"control": []}
+    assert networks("fleet") == {"control": [], "nodes": [host]}
+    proxy_port = published(services()["fleet"]["ports"][0])[1]
+    for name in (*supernode_services(), *(CLIENTAPP_PREFIX + n for n in clientapp_services())):
+        assert networks(name) == {"nodes": []}, f"{name} is on {networks(name)}"
+    for name, node in supernode_services().items():
+        assert option(node, "--superlink") == f"{host}:{proxy_port}", f"{name} bypasses the proxy"
+        assert node["depends_on"] == ["fleet"], name
+    for name in services():
+        aliases = [a for aliases in networks(name).values() for a in aliases]
+        assert CONTROL_ALIAS not in aliases or name == "superlink", f"{name} answers to {CONTROL_ALIAS}"
 
 
 def test_superlink_gets_what_its_command_names() -> None:
