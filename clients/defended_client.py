@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 from pathlib import Path
 from typing import Any
@@ -18,21 +17,12 @@ from fedguard.data import Split, load_dataset
 from fedguard.data.federated import client_split
 from fedguard.defenses import Defense, LocalStep, build_defense, defense_report
 from fedguard.models import build_model
+from fedguard.protocols import Schedule
+from fedguard.protocols import protocol as run_protocol
 from fedguard.records import PROXIMAL_MU_KEY, ROUND_KEY
 from fedguard.seeding import client_generators
 from fedguard.sparse import ENCODING_KEY, SPARSE, byte_counts, encode_arrays
-from fedguard.training import (
-    compute_gradients,
-    evaluate,
-    get_arrays,
-    local_sgd,
-    loss_fn,
-    merge_by_mask,
-    parameters,
-    set_arrays,
-    split_by_mask,
-    trainable_mask,
-)
+from fedguard.training import evaluate, get_arrays, loss_fn, merge_by_mask, set_arrays, split_by_mask, trainable_mask
 from fedguard.vault import write_truth
 
 
@@ -108,34 +98,17 @@ class DefendedClient(NumPyClient):
         local = _local_data(cfg.data, cfg.partition, cfg.run.seed, self.client_id)
         model = self._load_model(parameters_in)
         mask = trainable_mask(model)
-        declared: dict[str, Any] = {"client": self.client_id, "protocol": cfg.train.protocol, "lr": cfg.train.lr}
-
-        if cfg.train.protocol == "fedsgd":
-            batch = rng.choice(len(local), size=min(cfg.train.batch_size, len(local)), replace=False)
-            x, y = local.batch(batch)
-            grads, loss = compute_gradients(model, x, y)
-            _, buffers = split_by_mask(get_arrays(model), mask)
-            set_arrays(model, parameters_in)
-            declared.update({"batch-size": len(y), "loss": loss})
-        else:
-            x, y = local.batch()
-            trained = copy.deepcopy(model)
-            mu = float(config.get(PROXIMAL_MU_KEY, 0.0))
-            steps, loss = local_sgd(
-                trained, x, y, cfg.train.lr, cfg.train.local_epochs, cfg.train.batch_size, rng, proximal_mu=mu
-            )
-            grads = [(g - t).detach() for g, t in zip(parameters(model), parameters(trained))]
-            _, buffers = split_by_mask(get_arrays(trained), mask)
-            declared.update(
-                {
-                    "batch-size": min(cfg.train.batch_size, len(y)),
-                    "local-epochs": cfg.train.local_epochs,
-                    "local-steps": steps,
-                    "loss": loss,
-                }
-            )
-            if mu > 0:
-                declared[PROXIMAL_MU_KEY] = mu
+        protocol = run_protocol(cfg.train.protocol)
+        mu = float(config.get(PROXIMAL_MU_KEY, 0.0))
+        schedule = Schedule(cfg.train.lr, cfg.train.batch_size, cfg.train.local_epochs)
+        update = protocol.local_step(model, local, schedule, rng, proximal_mu=mu)
+        x, y, grads = update.x, update.y, update.direction
+        _, buffers = split_by_mask(get_arrays(update.buffers_from), mask)
+        set_arrays(model, parameters_in)  # what the step ran through (BatchNorm's statistics) is undone
+        declared: dict[str, Any] = {"client": self.client_id, "protocol": protocol.name, "lr": cfg.train.lr}
+        declared.update(update.declared)
+        if mu > 0:
+            declared[PROXIMAL_MU_KEY] = mu
 
         if cfg.threat.labels:
             declared["labels"] = [int(v) for v in y.tolist()]
@@ -149,11 +122,7 @@ class DefendedClient(NumPyClient):
         declared.update(defense_report(defense, defense_state))
         self.state.store(round_, defense_state)
 
-        if cfg.train.protocol == "fedsgd":
-            param_arrays = [g.detach().cpu().numpy() for g in sent]
-        else:
-            param_arrays = [(p.detach() - g).cpu().numpy() for p, g in zip(parameters(model), sent)]
-        upload = merge_by_mask(param_arrays, buffers, mask)
+        upload = merge_by_mask(protocol.upload(model, sent), buffers, mask)
         size = byte_counts(upload)
         declared["dense-bytes"] = size.dense
         if 2 * size.encoded <= size.dense:  # a pruned upload travels coordinate-encoded (strategies.SparseUploads)

@@ -60,6 +60,8 @@ from fedguard.limits import (
     shown,
 )
 from fedguard.models import MODELS, build_model
+from fedguard.protocols import PROTOCOLS
+from fedguard.protocols import protocol as run_protocol
 from fedguard.registry import NoParams, Registry, RequiredFile, field_help
 from fedguard.selection import Selection
 from fedguard.spans import Spans, describe
@@ -134,8 +136,9 @@ class PartitionSection:
 class TrainSection:
     protocol: str = option(
         "fedsgd",
-        "fedsgd: one batch gradient per client; fedavg: local epochs, weights uploaded",
-        choices=lambda: ["fedavg", "fedsgd"],
+        "the federated protocol: fedsgd, one batch gradient per client; fedavg, local epochs, weights uploaded; "
+        "or a plugin's (fedguard.protocols)",
+        choices=PROTOCOLS.names,
     )
     rounds: int = option(20, "number of federated rounds", ge=1, le=MAX_ROUNDS)
     clients_per_round: int = option(10, "clients sampled in each round", ge=1, le=MAX_CLIENTS)
@@ -974,7 +977,7 @@ def _attack_problems(
     captured rounds are known)."""
     traits = attack_traits(attack.name, attack.params)
     problems = _file_problems("attack", attack, traits.files)
-    kind = "gradient" if sections["train"].protocol == "fedsgd" else "weights"
+    kind = run_protocol(sections["train"].protocol).upload_kind
     if kind not in traits.uploads:
         problems.append(
             f"attack {attack.name!r} attacks {', '.join(sorted(traits.uploads))} uploads, but "

@@ -42,6 +42,7 @@ from attackers.manipulation import HONEST, MANIPULATIONS
 from fedguard.config import Config
 from fedguard.limits import MAX_META_BYTES, shown
 from fedguard.observation import UPLOAD_KINDS, ModelCard, Observation
+from fedguard.protocols import protocol as run_protocol
 from fedguard.records import PROXIMAL_MU_KEY
 from fedguard.run_card import initial_model, model_card, upload_rules
 from fedguard.run_folder import upload_file_name
@@ -90,7 +91,7 @@ class RunExpectations:
         return cls(
             card,
             Layout.of(card.names, get_arrays(model)),
-            "gradient" if config.train.protocol == "fedsgd" else "weights",
+            run_protocol(config.train.protocol).upload_kind,
             config.train.rounds,
             upload_rules(config, card),
             {} if mu is None else {PROXIMAL_MU_KEY: mu},

@@ -42,6 +42,7 @@ from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status
 from fedguard.message_index import index_message_delivery, remove_message_index
 from fedguard.models import build_model
 from fedguard.observation import ModelCard
+from fedguard.protocols import protocol as run_protocol
 from fedguard.records import Upload, array_record
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
@@ -54,7 +55,7 @@ from fedguard.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_o
 from fedguard.tracking import Trackers, open_trackers
 from fedguard.training import evaluate, get_arrays, set_arrays
 from strategies import FedSGD, GradientStep, HonestButCurious, Malicious, RoundGuard, SparseUploads, StrategyContext
-from strategies.registry import GRADIENT_NATIVE, build_strategy, resolve
+from strategies.registry import aggregates_gradients, build_strategy, resolve
 from strategies.state import restore_strategy_state, strategy_state
 from strategies.upload_checks import NonFiniteModel, Rejection, nonfinite_problem
 
@@ -167,7 +168,7 @@ def build_attack_pool(config: Config, folder: Path, stop: StopRequest, trackers:
 def capture_strategy(config: Config, inner: Strategy, sink: Any, card: ModelCard) -> Strategy:
     """``inner`` wrapped to capture targeted uploads: honest-but-curious, or malicious when
     ``threat.malicious`` schedules manipulations."""
-    kind = "gradient" if config.train.protocol == "fedsgd" else "weights"
+    kind = run_protocol(config.train.protocol).upload_kind
     rounds, clients = config.capture.round_selection(), config.capture.client_selection()
     schedule = {
         round_: (name, build_manipulation(name, config.manipulation(name).params))
@@ -186,7 +187,7 @@ def aggregating_strategy(config: Config, card: ModelCard) -> Strategy:
     )
     name, protocol = config.server.strategy, config.train.protocol
     strategy = build_strategy(name, protocol, context, config.strategy.params)
-    if protocol == "fedsgd" and resolve(name, protocol) not in GRADIENT_NATIVE:
+    if run_protocol(protocol).upload_kind == "gradient" and not aggregates_gradients(resolve(name, protocol)):
         strategy = GradientStep(strategy, config.train.lr, card.trainable)
     return strategy if isinstance(strategy, FedSGD) else SparseUploads(strategy)
 

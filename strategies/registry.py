@@ -1,16 +1,17 @@
 """Server strategies by name: fedguard's FedSGD and Flower's built-in strategies.
 
-``server.strategy`` picks one and ``server.<name>.<parameter>`` sets its parameters. Each entry says which
-protocols it aggregates (``train.protocol``): FedSGD aggregates gradients only; Flower's strategies
-aggregate models, and run FedSGD through ``strategies.GradientStep`` (each gradient becomes the model one
-SGD step reaches), except FedProx, whose proximal term has a zero gradient at the global model where
-a FedSGD client computes its gradient, so that it would silently be FedAvg.
+``server.strategy`` picks one and ``server.<name>.<parameter>`` sets its parameters; ``auto`` is the run's
+protocol's own (``fedguard.protocols``). Each entry says what it aggregates: models (Flower's strategies,
+which take gradient uploads through ``strategies.GradientStep``: each gradient becomes the model one SGD step
+reaches) or gradients alone (fedguard's FedSGD), and whether it needs the clients to train locally
+(FedProx, whose proximal term has a zero gradient at the global model where a one-batch client computes its
+gradient, so that it would silently be FedAvg).
 
 A strategy of your own, in a module of yours::
 
     from strategies.registry import StrategyContext, register_strategy
 
-    @register_strategy("my-strategy", params=MyParams, protocols=("fedavg", "fedsgd"))
+    @register_strategy("my-strategy", params=MyParams)
     def build(context: StrategyContext, params: MyParams) -> Strategy:
         return MyStrategy(**context.sampling(), ...)
 
@@ -21,18 +22,19 @@ and ``server.plugins = "my_module"`` (imported before the configuration is check
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from flwr.serverapp import strategy as flower
 from flwr.serverapp.strategy import Strategy
 
+from fedguard.protocols import PROTOCOLS, Protocol, protocol
 from fedguard.registry import NoParams, Registry
 from strategies.fedsgd import FedSGD
 
 AUTO = "auto"
-PROTOCOLS = ("fedavg", "fedsgd")
+MODELS, GRADIENTS = "models", "gradients"
 
 
 @dataclass(frozen=True)
@@ -57,30 +59,47 @@ class StrategyContext:
 
 StrategyBuilder = Callable[[StrategyContext, Any], Strategy]
 STRATEGIES: Registry[StrategyBuilder] = Registry("strategy")
-_PROTOCOLS: dict[str, frozenset[str]] = {}
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """What a strategy aggregates: ``models`` (gradient uploads reach it through ``GradientStep``) or
+    ``gradients`` alone; ``local_training``: it only works when the clients train locally, and why."""
+
+    aggregates: str = MODELS
+    local_training: str = ""
+
+    def takes(self, run: Protocol) -> bool:
+        """Whether the uploads of the protocol ``run`` suit this aggregation."""
+        if self.aggregates == GRADIENTS and run.upload_kind != "gradient":
+            return False
+        return not (self.local_training and run.one_batch)
+
+
+_AGGREGATION: dict[str, Aggregation] = {}
 
 
 def register_strategy(
-    name: str, params: type = NoParams, protocols: Iterable[str] = PROTOCOLS
+    name: str, params: type = NoParams, aggregates: str = MODELS, local_training: str = ""
 ) -> Callable[[StrategyBuilder], StrategyBuilder]:
-    """Register a strategy builder ``(context, params) -> Strategy`` under ``name``, aggregating the uploads of
-    ``protocols`` ('fedavg': models; 'fedsgd': gradients, through ``GradientStep`` unless the entry is in
-    ``GRADIENT_NATIVE``)."""
-    unknown = set(protocols) - set(PROTOCOLS)
-    if unknown:
-        raise ValueError(f"strategy {name!r}: unknown protocols {sorted(unknown)}; choose from {', '.join(PROTOCOLS)}")
+    """Register a strategy builder ``(context, params) -> Strategy`` under ``name``. ``aggregates``: 'models'
+    (weight uploads as they come, gradient uploads through ``GradientStep``) or 'gradients' (gradient uploads
+    only); ``local_training``: non-empty when it needs clients that train locally, saying why."""
+    if aggregates not in (MODELS, GRADIENTS):
+        raise ValueError(f"strategy {name!r}: aggregates = {aggregates!r}; choose {MODELS!r} or {GRADIENTS!r}")
     register = STRATEGIES.register(name, params)
 
     def decorator(builder: StrategyBuilder) -> StrategyBuilder:
         register(builder)
-        _PROTOCOLS[name] = frozenset(protocols)
+        _AGGREGATION[name] = Aggregation(aggregates, local_training)
         return builder
 
     return decorator
 
 
-GRADIENT_NATIVE = frozenset({"fedsgd"})
-"""Strategies that aggregate gradient uploads themselves (no ``GradientStep`` in front)."""
+def aggregates_gradients(name: str) -> bool:
+    """Whether the registered strategy ``name`` takes gradient uploads itself (no ``GradientStep`` in front)."""
+    return _AGGREGATION[name].aggregates == GRADIENTS
 
 
 def strategy_names() -> list[str]:
@@ -88,27 +107,28 @@ def strategy_names() -> list[str]:
     return [AUTO, *STRATEGIES.names()]
 
 
-def resolve(name: str, protocol: str) -> str:
-    """The strategy ``name`` stands for under ``protocol`` ('auto': fedsgd for FedSGD, fedavg for FedAvg)."""
-    return protocol if name == AUTO else name
+def resolve(name: str, protocol_name: str) -> str:
+    """The strategy ``name`` stands for under the protocol ``protocol_name`` ('auto': the protocol's own)."""
+    return protocol(protocol_name).default_strategy if name == AUTO else name
 
 
-def protocol_problem(name: str, protocol: str) -> str | None:
-    """Why strategy ``name`` cannot aggregate ``protocol`` uploads, or None."""
-    resolved = resolve(name, protocol)
-    if resolved not in _PROTOCOLS or protocol in _PROTOCOLS[resolved]:
+def protocol_problem(name: str, protocol_name: str) -> str | None:
+    """Why strategy ``name`` cannot aggregate the uploads of the protocol ``protocol_name``, or None."""
+    resolved = resolve(name, protocol_name)
+    if resolved not in _AGGREGATION:
         return None
-    why = {
-        "fedprox": "its proximal term has no gradient at the global model, where a FedSGD client computes "
-        "its one gradient, so it would be FedAvg under another name"
-    }.get(resolved, "")
-    return (
-        f"server.strategy = {name!r} aggregates {' and '.join(sorted(_PROTOCOLS[resolved]))} uploads only, "
-        f"but train.protocol = {protocol!r}" + (f": {why}" if why else "")
+    aggregation = _AGGREGATION[resolved]
+    compatible = [p for p in PROTOCOLS.names() if aggregation.takes(protocol(p))]
+    if protocol_name in compatible:
+        return None
+    why = aggregation.local_training if protocol(protocol_name).one_batch else ""
+    takes = " and ".join(compatible) or "no registered protocol's"
+    return f"server.strategy = {name!r} aggregates {takes} uploads only, but train.protocol = {protocol_name!r}" + (
+        f": {why}" if why else ""
     )
 
 
-@register_strategy("fedsgd", protocols=("fedsgd",))
+@register_strategy("fedsgd", aggregates=GRADIENTS)
 def _fedsgd(context: StrategyContext, _: NoParams) -> Strategy:
     """fedguard's FedSGD: uniform mean of the gradients, one server SGD step of train.lr"""
     return FedSGD(lr=context.lr, trainable=context.trainable, **context.sampling())
@@ -210,15 +230,20 @@ FLOWER_STRATEGIES: dict[str, tuple[type, dict[str, tuple[type, Any, str]], str]]
 }
 
 
+_LOCAL_TRAINING = {
+    "fedprox": "its proximal term has no gradient at the global model, where a one-batch client computes "
+    "its one gradient, so it would be FedAvg under another name"
+}
+
+
 def _register_flower(name: str, cls: type, fields: dict[str, tuple[type, Any, str]], doc: str) -> None:
     params = _flower_params(f"{cls.__name__}Params", fields, doc)
-    protocols = ("fedavg",) if name == "fedprox" else PROTOCOLS
 
     def build(context: StrategyContext, values: Any) -> Strategy:
         return cls(**context.sampling(), **dataclasses.asdict(values))
 
     build.__doc__ = doc
-    register_strategy(name, params=params, protocols=protocols)(build)
+    register_strategy(name, params=params, local_training=_LOCAL_TRAINING.get(name, ""))(build)
 
 
 for _name, (_cls, _fields, _doc) in FLOWER_STRATEGIES.items():

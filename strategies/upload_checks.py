@@ -36,6 +36,7 @@ from numpy.lib import format as npy
 
 from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.limits import shown
+from fedguard.protocols import protocol
 from fedguard.records import ARRAYS, CLIENT_KEY, DECLARED, DEFENSE, LOSS_KEY, METRICS, NUM_EXAMPLES, PROXIMAL_MU_KEY
 from fedguard.sparse import ENCODING_KEY, INDEX, MASK, PARTS, SHAPE, SPARSE, mask_bytes, mask_flags, position_bytes
 from fedguard.sparse import check_positions as positions_in_range
@@ -87,7 +88,7 @@ class Layout:
 class UploadRules:
     """What the run lets a client declare.
 
-    ``protocol`` ('fedsgd' or 'fedavg'), ``lr``, ``batch_size`` (samples per batch, at most) and
+    ``protocol`` (a name of ``fedguard.protocols``), ``lr``, ``batch_size`` (samples per batch, at most) and
     ``local_epochs``: the run's ``train.*``; ``num_classes``: labels are in [0, num_classes);
     ``partition_sizes``: samples each client holds, by client id."""
 
@@ -172,9 +173,9 @@ def check_declared(
     holds = rules.partition_sizes[client]
     if num_examples > holds:
         raise UploadRefused(f"{NUM_EXAMPLES} = {num_examples}: client {client} holds {holds} samples")
-    if rules.protocol == "fedsgd" and num_examples > rules.batch_size:
+    if protocol(rules.protocol).one_batch and num_examples > rules.batch_size:
         raise UploadRefused(
-            f"{NUM_EXAMPLES} = {num_examples}: a FedSGD upload is one batch of at most "
+            f"{NUM_EXAMPLES} = {num_examples}: a {rules.protocol} upload is one batch of at most "
             f"train.batch-size = {rules.batch_size}"
         )
     expect_equal(declared, "protocol", rules.protocol, "the run's train.protocol")
@@ -183,12 +184,8 @@ def check_declared(
     expect_equal(declared, PROXIMAL_MU_KEY, instruction.get(PROXIMAL_MU_KEY), "the value the server sent")
     batch = check_batch_size(rules, num_examples, declared)
     if "local-steps" in declared:
-        expect_equal(
-            declared,
-            "local-steps",
-            rules.local_epochs * math.ceil(num_examples / batch),
-            f"{rules.local_epochs} epochs of {math.ceil(num_examples / batch)} batches",
-        )
+        steps, schedule = protocol(rules.protocol).local_steps(num_examples, batch, rules.local_epochs)
+        expect_equal(declared, "local-steps", steps, schedule)
     if "labels" in declared:
         check_labels(declared["labels"], num_examples, rules.num_classes)
     if ENCODING_KEY in declared and declared[ENCODING_KEY] != SPARSE:
@@ -214,9 +211,9 @@ def check_batch_size(rules: UploadRules, num_examples: int, declared: Mapping[st
             f"{min(rules.batch_size, num_examples)}] (train.batch-size = {rules.batch_size}, "
             f"{NUM_EXAMPLES} = {num_examples})"
         )
-    if rules.protocol == "fedsgd" and batch != num_examples:
+    if protocol(rules.protocol).one_batch and batch != num_examples:
         raise UploadRefused(
-            f"declares batch-size = {batch}, but a FedSGD upload of {num_examples} examples is "
+            f"declares batch-size = {batch}, but a {rules.protocol} upload of {num_examples} examples is "
             f"one batch of {num_examples}"
         )
     return int(batch)

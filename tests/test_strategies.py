@@ -128,7 +128,7 @@ def plugin_registry(monkeypatch: pytest.MonkeyPatch):
     import strategies.registry as registry
 
     monkeypatch.setattr(STRATEGIES, "_entries", dict(STRATEGIES._entries))
-    monkeypatch.setattr(registry, "_PROTOCOLS", dict(registry._PROTOCOLS))
+    monkeypatch.setattr(registry, "_AGGREGATION", dict(registry._AGGREGATION))
     monkeypatch.delitem(sys.modules, "extensions.norm_clipped", raising=False)
     yield
     sys.modules.pop("extensions.norm_clipped", None)
