@@ -20,6 +20,7 @@ import torch
 from attackers.base import AttackTraits, Reconstruction, register_attack
 from attackers.engine import SearchSpec
 from attackers.engine.search import search
+from attackers.engine.spec import leaves_some
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from attackers.jobs import stateless_model
 from fedguard.defenses.revealed import AlteredLayer, Revealed, revealed_by
@@ -64,7 +65,11 @@ class AdaptiveInvertingGradients(InvertingGradients):
 def adaptive_traits(params: InvertingGradientsParams) -> AttackTraits:
     """IG's uploads; it always needs the defense, simulates it only with ``eot`` > 0, and is adaptive."""
     return AttackTraits.of(
-        AdaptiveInvertingGradients, needs=frozenset({"defense"}), simulates_defense=params.eot > 0, adaptive=True
+        AdaptiveInvertingGradients,
+        needs=frozenset({"defense"}),
+        simulates_defense=params.eot > 0,
+        adaptive=True,
+        check_model=leaves_some(params.skip) if params.skip else None,
     )
 
 

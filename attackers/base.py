@@ -82,8 +82,9 @@ class AttackTraits:
     what it ``needs`` from the threat model (keys of ``NEEDS``) on every upload and ``needs_by_upload`` on some
     kinds only, the ``manipulation`` it exploits, whether it ``simulates_defense`` (EOT: the clients' defense
     must be able to simulate itself), whether it is ``adaptive`` (it uses what it knows of the clients' defense:
-    leaves out the layers it alters, simulates it, or reads its noise level; a sweep row says so), and the
-    ``files`` it loads on the server."""
+    leaves out the layers it alters, simulates it, or reads its noise level; a sweep row says so), the
+    ``files`` it loads on the server, and a ``check_model(model)`` raising ``ValueError`` for a model it cannot
+    attack (the configuration calls it on the run's model built on the meta device: structure, no values)."""
 
     uploads: frozenset[str]
     needs: frozenset[str] = frozenset()
@@ -92,11 +93,12 @@ class AttackTraits:
     simulates_defense: bool = False
     adaptive: bool = False
     files: tuple[RequiredFile, ...] = ()
+    check_model: Callable[[torch.nn.Module], None] | None = None
 
     @classmethod
     def of(cls, attack: type, **changes: Any) -> AttackTraits:
         """The traits ``attack``'s class attributes declare, with ``changes`` for those its parameters set."""
-        names = ("uploads", "needs", "needs_by_upload", "manipulation")
+        names = ("uploads", "needs", "needs_by_upload", "manipulation", "check_model")
         declared = {name: getattr(attack, name) for name in names if hasattr(attack, name)}
         return cls(**{**declared, **changes})
 

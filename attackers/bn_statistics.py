@@ -37,6 +37,16 @@ def batch_norm_layers(model: nn.Module) -> dict[str, _BatchNorm]:
     return {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats}
 
 
+def require_batch_norm(model: nn.Module) -> None:
+    """Raise ``ValueError`` when ``model`` has no BatchNorm layer whose statistics an upload reveals (an attack
+    needing them fails on every upload of it)."""
+    if not batch_norm_layers(model):
+        raise ValueError(
+            "the model has no BatchNorm layer with running statistics: there are no batch statistics to "
+            "recover (choose a BatchNorm model, e.g. convnet, resnet18 or mlp with batch-norm)"
+        )
+
+
 @torch.no_grad()
 def values_per_channel(model: nn.Module, layers: dict[str, _BatchNorm], shape: tuple[int, ...]) -> dict[str, int]:
     """Name -> how many values one example puts into each channel of that BatchNorm (H * W for 2d, 1 for 1d)."""

@@ -50,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attackers.base import check_search_params, class_traits, register_attack
+from attackers.bn_statistics import require_batch_norm
 from attackers.engine import OptimizationAttack, OptimizerSpec, SearchSpec, Term
 
 
@@ -88,6 +89,7 @@ class GradInversion(OptimizationAttack):
     """Gradient matching with image, BatchNorm and group-consistency priors, Adam with cosine decay."""
 
     needs = frozenset({"bn-statistics"})
+    check_model = staticmethod(require_batch_norm)  # the statistics are recovered from every upload, bn = 0 too
 
     def spec_of(self, params: GradInversionParams) -> SearchSpec:
         return SearchSpec(

@@ -30,7 +30,7 @@ from typing import Any
 from attackers.base import AttackTraits, check_search_params, register_attack
 from attackers.engine import OptimizationAttack, OptimizerSpec, SearchSpec, Term
 from attackers.engine.optimizers import check_schedule
-from attackers.engine.spec import check_precision
+from attackers.engine.spec import check_precision, leaves_some
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ def inverting_gradients_traits(params: InvertingGradientsParams) -> AttackTraits
         needs=frozenset({"defense"}) if params.eot else frozenset(),
         simulates_defense=params.eot > 0,
         adaptive=bool(params.skip) or params.eot > 0,
+        check_model=leaves_some(params.skip) if params.skip else None,
     )
 
 

@@ -29,20 +29,27 @@ import shlex
 import sys
 import tomllib
 import typing
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+import torch.nn as nn
+
 from attackers import ATTACKS
 from attackers.base import AttackTraits, attack_traits, missing_grants, required_manipulation
-from attackers.manipulation import HONEST, MANIPULATIONS
-from fedguard.data import DATASETS, SourceOptions
+from attackers.manipulation import HONEST, MANIPULATIONS, build_manipulation
+from fedguard.data import DATASETS, DataSpec, SourceOptions
 from fedguard.data.partition import PARTITIONERS, PartitionOptions
-from fedguard.data.registry import dataset_spec
-from fedguard.data.sizes import samples_needed, split_sizes
+from fedguard.data.partition import partition as split_among_clients
+from fedguard.data.registry import ROOTED, dataset_spec
+from fedguard.data.sizes import samples_needed, split_sizes, train_class_counts
 from fedguard.defenses import DEFENSES
 from fedguard.defenses.base import defense_traits
+from fedguard.defenses.dp_sgd import DPSGDParams
 from fedguard.limits import (
     INT64_MAX,
     INT64_MIN,
@@ -60,11 +67,13 @@ from fedguard.limits import (
     shown,
 )
 from fedguard.models import MODELS, build_model
+from fedguard.observation import ModelCard
 from fedguard.protocols import PROTOCOLS
 from fedguard.protocols import protocol as run_protocol
 from fedguard.registry import NoParams, Registry, RequiredFile, field_help
 from fedguard.selection import Selection
 from fedguard.spans import Spans, describe
+from fedguard.training import trainable_mask
 from strategies.registry import AUTO as AUTO_STRATEGY
 from strategies.registry import STRATEGIES, strategy_names
 from strategies.registry import protocol_problem as strategy_protocol_problem
@@ -756,7 +765,9 @@ def _cross_checks(sections: dict[str, Any], invalid: set[str]) -> list[str]:
             f"train.clients-per-round = {train.clients_per_round}: must be <= partition.num-clients "
             f"({partition.num_clients})"
         )
-    problems += _data_problems(sections["data"], partition, invalid)
+    data_problems = _data_problems(sections["data"], partition, invalid)
+    sizes, partition_problems = (None, []) if data_problems else _client_sizes(sections, invalid)
+    problems += data_problems + partition_problems
     problems += _path_problems(sections["run"], sections["data"])
     captured, capture_problems = _capture_problems(sections["capture"], train, partition, invalid)
     problems += capture_problems
@@ -776,6 +787,11 @@ def _cross_checks(sections: dict[str, Any], invalid: set[str]) -> list[str]:
     attack_names = ",".join(a.name for a in sections["attacks"])
     for attack in sections["attacks"]:
         problems += _chosen_by("attack", attack_names, _attack_problems(attack, sections, schedule, captured))
+    problems += _model_fit_problems(sections, invalid, sizes)
+    problems += _sample_rate_problems(defense, train, sizes, invalid)
+    problems += _strategy_problems(sections, invalid)
+    problems += _track_problems(sections["track"])
+    problems += _place_problems(sections["data"], sections["sim"], invalid)
     return problems
 
 
@@ -902,6 +918,209 @@ def _classes_problems(data: DataSection, partition: PartitionSection) -> list[st
         f"partition.classes-per-client = {partition.classes_per_client}: data.name = {data.name!r} has "
         f"{spec.num_classes} classes; choose 1 to {spec.num_classes}"
     ]
+
+
+PARTITION_KEYS = (*DATA_KEYS, "seed", "partition.alpha", "partition.max-per-client")
+
+
+def _client_sizes(sections: dict[str, Any], invalid: set[str]) -> tuple[list[int] | None, list[str]]:
+    """Each client's number of training samples, from the built-in partitioner run on labels of the data set's
+    known per-class training counts (its sizes follow from the counts and the seed alone; an iid split needs only
+    the total), and why the partitioner refuses (e.g. no Dirichlet draw gives every client its minimum); None when
+    only loading the data tells."""
+    data, partition, seed = sections["data"], sections["partition"], sections["run"].seed
+    built_in = PARTITIONERS.get(partition.name).factory.__module__ == split_among_clients.__module__
+    if not _usable(invalid, *PARTITION_KEYS) or not built_in:  # a plugin's may read more than the counts
+        return None, []
+    counts = train_class_counts(data.name, data.source_options())
+    split = split_sizes(data.name, data.source_options())
+    if counts is None and partition.name == "iid" and split is not None:
+        counts = (split.train,)  # the iid split ignores the labels
+    if counts is None:
+        return None, []
+    labels = np.repeat(np.arange(len(counts)), counts)
+    try:
+        with warnings.catch_warnings():  # the partitioner's notes (e.g. classes no client holds) are the run's
+            warnings.simplefilter("ignore")
+            shares = split_among_clients(labels, partition.num_clients, partition.name, partition.options(), seed)
+    except ValueError as error:
+        return None, [
+            f"data.name = {data.name!r}, partition.name = {partition.name!r}, partition.num-clients = "
+            f"{partition.num_clients}: {error}"
+        ]
+    return [len(share) for share in shares], []
+
+
+def _model_fit_problems(sections: dict[str, Any], invalid: set[str], sizes: list[int] | None) -> list[str]:
+    """What the run's model, built on the meta device (shapes, no values) for the data set's static spec, cannot
+    do in this run: take the data set's images, train on the batches the clients make of their ``sizes``, be
+    rewritten by the manipulations ``threat.malicious`` schedules, or be attacked by a chosen attack (its traits'
+    ``check_model``)."""
+    data, model = sections["data"], sections["model"]
+    spec = dataset_spec(data.name, data.source_options()) if _usable(invalid, *DATA_KEYS) else None
+    if spec is None or model.params is None:
+        return []  # known once the data are loaded, or reported already
+    try:
+        with torch.device("meta"):
+            net = build_model(model.name, spec, model.params)
+    except ValueError as error:
+        shape = "x".join(map(str, spec.shape))
+        return [f"model.name = {model.name!r} cannot take data.name = {data.name!r} ({shape} images): {error}"]
+    problems = _batch_problems(net, spec, sections, invalid, sizes)
+    problems += _manipulation_problems(net, spec, sections)
+    return problems + _attack_model_problems(net, sections)
+
+
+def _attack_model_problems(net: nn.Module, sections: dict[str, Any]) -> list[str]:
+    """Each chosen attack's ``check_model`` on the run's model: why the attack cannot attack it (with the
+    attack's parameters that differ from their defaults)."""
+    problems, names = [], ",".join(a.name for a in sections["attacks"])
+    for attack in sections["attacks"]:
+        check = attack_traits(attack.name, attack.params).check_model
+        try:
+            if check is not None:
+                check(net)
+        except ValueError as error:
+            defaults = dataclasses.asdict(type(attack.params)())
+            changed = {k: v for k, v in dataclasses.asdict(attack.params).items() if v != defaults[k]}
+            settings = f" ({_settings('attack', attack.name, changed)})" if changed else ""
+            problem = f"attack.{attack.name} with model.name = {sections['model'].name!r}: {error}{settings}"
+            problems += _chosen_by("attack", names, [problem])
+    return problems
+
+
+def _batch_problems(
+    net: nn.Module, spec: DataSpec, sections: dict[str, Any], invalid: set[str], sizes: list[int] | None
+) -> list[str]:
+    """A BatchNorm model's training forward pass (on the meta device) at each batch size the clients train on:
+    ``train.batch-size`` or a client's smaller share, and under a protocol of several batches the last one of an
+    epoch; a BatchNorm layer needs more than one value per channel."""
+    train, partition = sections["train"], sections["partition"]
+    keys = ("train.batch-size", "train.protocol", "partition.max-per-client")
+    if not _usable(invalid, *keys) or not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+        return []
+    size = train.batch_size
+    held = sizes if sizes is not None else [min(size, partition.max_per_client or size)]
+    batches = {min(size, n) for n in held if n}
+    if not run_protocol(train.protocol).one_batch:
+        batches |= {n % size for n in held if n % size}
+    for batch in sorted(batches):
+        try:
+            with torch.device("meta"), torch.no_grad():
+                net.train()(torch.zeros(batch, *spec.shape))
+        except (RuntimeError, NotImplementedError):
+            return []  # a module that reads values meta tensors lack: the run tells
+        except ValueError as error:
+            return [
+                f"model.name = {sections['model'].name!r} cannot train on a batch of {batch}, which this run "
+                f"makes (train.batch-size = {size}, partition.max-per-client = {partition.max_per_client}, "
+                f"train.protocol = {train.protocol!r}, {_held(sizes)}): {error}; choose batch sizes that leave "
+                f"no batch of {batch}, or a model without BatchNorm"
+            ]
+    return []
+
+
+def _held(sizes: list[int] | None) -> str:
+    """'clients hold 399-401 samples' (or that their sizes are known once the data are loaded)."""
+    if sizes is None:
+        return "client shares known once the data are loaded"
+    low, high = min(sizes), max(sizes)
+    return f"clients hold {low} samples" if low == high else f"clients hold {low}-{high} samples"
+
+
+def _manipulation_problems(net: nn.Module, spec: DataSpec, sections: dict[str, Any]) -> list[str]:
+    """Each manipulation ``threat.malicious`` schedules, run on zero arrays of the model's shapes: why it cannot
+    rewrite this model (e.g. no Linear layer on the flattened image, more bins than units)."""
+    model, threat = sections["model"], sections["threat"]
+    state = net.state_dict()
+    card = ModelCard(model.name, dataclasses.asdict(model.params), spec, tuple(state), tuple(trainable_mask(net)))
+    arrays = [np.zeros(tuple(t.shape), np.float32 if t.is_floating_point() else np.int64) for t in state.values()]
+    problems = []
+    for manipulation in sections["manipulations"]:
+        if manipulation.params is None:
+            continue  # reported already
+        try:
+            build_manipulation(manipulation.name, manipulation.params)(arrays, card, np.random.default_rng(0))
+        except ValueError as error:
+            values = dataclasses.asdict(manipulation.params)
+            settings = _settings("manipulation", manipulation.name, values)
+            problems.append(
+                f"threat.malicious = {shown(threat.malicious)}: manipulation {manipulation.name!r} cannot rewrite "
+                f"model.name = {model.name!r} for data.name = {sections['data'].name!r}: {error}"
+                + (f" ({settings})" if settings else "")
+            )
+    return problems
+
+
+def _sample_rate_problems(
+    defense: Component, train: TrainSection, sizes: list[int] | None, invalid: set[str]
+) -> list[str]:
+    """DP-SGD's ``dataset-size`` N below a batch B a client draws: its sampling rate q = B / N would exceed 1
+    (checked where the clients' shares are known)."""
+    params = defense.params
+    if not isinstance(params, DPSGDParams) or not params.dataset_size or sizes is None:
+        return []
+    largest = max((min(train.batch_size, n) for n in sizes), default=0)
+    if not _usable(invalid, "train.batch-size") or params.dataset_size >= largest:
+        return []
+    return [
+        f"defense.{defense.name}.dataset-size = {params.dataset_size}: clients draw batches of up to {largest} "
+        f"samples (train.batch-size = {train.batch_size}, {_held(sizes)}), and the sampling rate B / N cannot "
+        f"exceed 1: set it to the clients' data set size, at least {largest}, or 0 (each client's own size)"
+    ]
+
+
+BULYAN = "bulyan"  # Flower's Bulyan aggregates a round only from 4 f + 3 replies on (f: malicious nodes)
+
+
+def _strategy_problems(sections: dict[str, Any], invalid: set[str]) -> list[str]:
+    """A strategy that would never aggregate: Flower's Bulyan skips every round with fewer than 4 f + 3 replies,
+    and leaves the model as it was."""
+    train, strategy = sections["train"], sections["strategy"]
+    name = resolve_strategy(sections["server"].strategy, train.protocol)
+    if name != BULYAN or strategy.params is None or not _usable(invalid, "train.clients-per-round"):
+        return []
+    needed = 4 * strategy.params.num_malicious_nodes + 3
+    if train.clients_per_round >= needed:
+        return []
+    return [
+        f"server.{name}.num-malicious-nodes = {strategy.params.num_malicious_nodes}: Bulyan aggregates a round "
+        f"only from 4 * {strategy.params.num_malicious_nodes} + 3 = {needed} replies on, and train.clients-per-round "
+        f"= {train.clients_per_round}: no round would change the model; choose train.clients-per-round >= {needed} "
+        f"or fewer malicious nodes"
+    ]
+
+
+def _track_problems(track: TrackSection) -> list[str]:
+    """An MLflow experiment without a name (MLflow refuses it, and the run would go on untracked)."""
+    if track.mlflow and not track.mlflow_experiment.strip():
+        return [
+            f"track.mlflow-experiment = {shown(track.mlflow_experiment)}: MLflow needs an experiment name "
+            f"(track.mlflow = true)"
+        ]
+    return []
+
+
+def ray_address_problem(address: str, key: str) -> str | None:
+    """Why ``address`` (of ``key``) cannot name a Ray cluster: ``auto``, ``host:port`` or ``ray://host:port``."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if address == "auto" or (sep and host and port.isdigit()):
+        return None
+    return f"{key} = {address!r}: not a Ray cluster address; write host:port, ray://host:port or auto"
+
+
+def _place_problems(data: DataSection, sim: SimSection, invalid: set[str]) -> list[str]:
+    """Places a run cannot use, whatever the machine: no ``data.root`` for a data set that loads from it only, a
+    ``sim.address`` that is not an address (whether a cluster answers there is checked when the run starts)."""
+    problems = []
+    if _usable(invalid, "data.name", "data.root") and data.name in ROOTED and not data.root:
+        problems.append(
+            f"data.root = '': data.name = {data.name!r} does not ship with the packages; set data.root to the "
+            f"folder that holds it (data.download = true lets torchvision fetch it there)"
+        )
+    if _usable(invalid, "sim.address") and sim.address and (problem := ray_address_problem(sim.address, "sim.address")):
+        problems.append(problem)
+    return problems
 
 
 def _path_problems(run: RunSection, data: DataSection) -> list[str]:

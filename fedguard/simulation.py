@@ -25,7 +25,7 @@ from typing import Any
 
 import tomli_w
 
-from fedguard.config import Config, ConfigError, flatten
+from fedguard.config import Config, ConfigError, flatten, ray_address_problem
 from fedguard.launcher import CONNECTION, STOP_FILE_ENV, Interrupted, Launch, LaunchError, launch
 from fedguard.report.run_dir import unflatten
 
@@ -97,9 +97,9 @@ def _address_problem(address: str, source: str) -> str | None:
     address must read ``auto``, ``host:port`` or ``ray://host:port``, and something must answer there."""
     if address == "auto":
         return None
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not (sep and host and port.isdigit()):
-        return f"{source} = {address!r}: not a Ray cluster address; write host:port, ray://host:port or auto"
+    if problem := ray_address_problem(address, source):
+        return problem
+    host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_SECONDS).close()
     except OSError as error:

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from fedguard.config import Config, ConfigError, flatten, load_config, schema
 from fedguard.data.dataset import stratified_split
 from fedguard.data.federated import partitions
-from fedguard.data.partition import PartitionOptions
+from fedguard.data.partition import PartitionOptions, partition
 from fedguard.data.registry import SourceOptions, load_dataset
-from fedguard.data.sizes import CLASS_COUNTS, split_sizes
+from fedguard.data.sizes import CLASS_COUNTS, split_sizes, train_class_counts
 from fedguard.limits import INT64_MAX, INT64_MIN, MAX_LISTED, MAX_NESTING, MAX_ROUNDS
 from fedguard.selection import Selection
 from fedguard.spans import Spans
@@ -279,7 +279,10 @@ def test_the_dirichlet_partition_needs_two_samples_per_client() -> None:
     base = ["data.name=lfw-faces", "partition.name=dirichlet", "train.clients-per-round=2"]
     [problem] = problems_of([*base, "partition.num-clients=81"])
     assert "leaves 160 training samples" in problem and "'dirichlet' needs 2 per client" in problem
-    assert load_config(None, [*base, "partition.num-clients=80"]).partition.num_clients == 80
+    # at the default alpha = 0.5 no draw gives each of 80 clients a sample (refused too); a flat one does
+    assert load_config(None, [*base, "partition.num-clients=80", "partition.alpha=100"]).partition.num_clients == 80
+    [problem] = problems_of([*base, "partition.num-clients=80"])
+    assert "partition.alpha = 0.5 over 80 clients left a client with fewer than 1 samples" in problem
 
 
 def test_photos_larger_than_their_tiles_and_too_many_classes_are_refused() -> None:
@@ -403,3 +406,96 @@ def test_fedguard_run_refuses_a_name_that_leaves_the_runs_folder_before_writing_
         )
         assert result.returncode == 2 and "name = " in result.stderr and "one folder name" in result.stderr
     assert list(tmp_path.iterdir()) == [], "nothing is written"
+
+
+# 9. configurations that cannot run, refused before anything starts (issue 33, item 6)
+
+BN = "model.mlp.batch-norm=true"
+FEW_CLIENTS = ["partition.num-clients=50", "train.clients-per-round=2"]
+CANNOT_RUN = [
+    # a BatchNorm model on batches of one sample (its training step raises)
+    ([BN, "train.batch-size=1"], "train.batch-size"),
+    ([BN, "partition.max-per-client=1"], "partition.max-per-client"),
+    ([BN, "train.protocol=fedavg", "partition.max-per-client=9", "train.batch-size=8"], "train.batch-size"),
+    ([BN, "partition.name=classes", "train.protocol=fedavg", "train.batch-size=7"], "train.batch-size"),
+    (["data.name=digits", "model.name=resnet18", "train.batch-size=1"], "train.batch-size"),
+    # a model that cannot take the data set's images
+    (["data.name=digits", "model.name=convnet"], "model.name"),
+    (["data.name=photos", "data.image-size=8", "model.name=convnet"], "model.name"),
+    # a Dirichlet partition no draw of which gives every client its minimum
+    (["partition.name=dirichlet", "partition.alpha=0.001", *FEW_CLIENTS], "partition.alpha"),
+    (
+        ["data.name=lfw-faces", "partition.name=dirichlet", "partition.alpha=0.3", "partition.num-clients=20"],
+        "partition.alpha",
+    ),
+    # a manipulation that cannot rewrite the model
+    (["threat.malicious=1:imprint", "model.name=convnet"], "threat.malicious"),
+    (["threat.malicious=1:trap-weights", "model.name=lenet"], "threat.malicious"),
+    (["attack.name=imprint", "threat.malicious=1:imprint", "model.mlp.hidden=32"], "manipulation.imprint.bins"),
+    (["threat.malicious=1:imprint", "model.mlp.depth=0"], "manipulation.imprint.bins"),
+    # an attack that cannot attack the model
+    (["attack.name=gradinversion", "threat.bn-statistics=true"], "attack.name"),
+    (
+        ["attack.name=gradinversion", "threat.bn-statistics=true", "attack.gradinversion.bn=0", "model.name=lenet"],
+        "attack.name",
+    ),
+    (["attack.name=ig", "attack.ig.skip=1.,3.,5."], "attack.ig.skip"),
+    # DP-SGD's data set size below the batches the clients draw
+    (["defense.name=dp-sgd", "defense.dp-sgd.dataset-size=4", "train.batch-size=8"], "defense.dp-sgd.dataset-size"),
+    # Bulyan with fewer clients per round than it aggregates from: no round would change the model
+    (
+        ["server.strategy=bulyan", "server.bulyan.num-malicious-nodes=1", "train.clients-per-round=4"],
+        "train.clients-per-round",
+    ),
+    (["server.strategy=bulyan", "train.clients-per-round=2"], "server.bulyan.num-malicious-nodes"),
+    # MLflow without an experiment name (it would run untracked)
+    (["track.mlflow=true", "track.mlflow-experiment="], "track.mlflow-experiment"),
+    # places no machine has: a data set that loads from data.root only, without one; not an address
+    (["data.name=mnist"], "data.root"),
+    (["data.name=imagefolder"], "data.root"),
+    (["sim.address=notanaddress"], "sim.address"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), CANNOT_RUN, ids=[" ".join(o) for o, _ in CANNOT_RUN])
+def test_a_configuration_that_cannot_run_is_refused_naming_the_key(
+    overrides: list[str], key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each of these passed the check once and then failed in the run (a client, the server, an attack or the
+    strategy raised, or the run went on doing nothing); the check now refuses it, naming the key."""
+    monkeypatch.chdir(tmp_path)
+    problems = problems_of(overrides)
+    assert any(key in problem for problem in problems), problems
+    assert list(tmp_path.iterdir()) == [], "nothing is written"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [BN, "train.batch-size=2"],
+        [BN, "train.protocol=fedavg", "partition.max-per-client=10", "train.batch-size=8"],
+        ["data.name=digits", "model.name=lenet"],
+        ["data.name=photos", "data.image-size=9", "model.name=convnet"],
+        ["partition.name=dirichlet", "partition.alpha=0.5", *FEW_CLIENTS],
+        ["attack.name=imprint", "threat.malicious=1:imprint", "model.mlp.hidden=64"],
+        ["attack.name=gradinversion", "threat.bn-statistics=true", BN],
+        ["attack.name=ig", "attack.ig.skip=5."],
+        ["defense.name=dp-sgd", "defense.dp-sgd.dataset-size=32"],
+        ["server.strategy=bulyan", "train.clients-per-round=3"],
+        ["data.name=mnist", "data.root=/absent"],
+        ["sim.address=127.0.0.1:6379"],
+    ],
+)
+def test_their_neighbours_that_can_run_are_accepted(overrides: list[str]) -> None:
+    load_config(None, overrides)
+
+
+@pytest.mark.parametrize("name", sorted(CLASS_COUNTS))
+def test_training_class_counts_known_without_loading_match_the_loaded_data(name: str) -> None:
+    """The check partitions labels of these counts: the clients' shares are those of the loaded data."""
+    data = load_dataset(name, SourceOptions())
+    assert train_class_counts(name, SourceOptions()) == tuple(np.bincount(data.train.labels.numpy()).tolist())
+    options = PartitionOptions(alpha=0.3)
+    synthetic = np.repeat(np.arange(len(CLASS_COUNTS[name])), train_class_counts(name, SourceOptions()) or ())
+    real = partitions(name, SourceOptions(), "dirichlet", options, 4, 0)
+    assert [len(p) for p in partition(synthetic, 4, "dirichlet", options, 0)] == [len(p) for p in real]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from attackers.base import check_search_params
 from attackers.engine.optimizers import OptimizerSpec
@@ -57,11 +59,27 @@ class SearchSpec:
 
     def skipped(self, name: str) -> bool:
         """True when parameter ``name`` is left out of the gradient distance."""
-        return any(name.startswith(prefix.strip()) for prefix in self.skip.split(",") if prefix.strip())
+        return skipped_by(self.skip, name)
 
     def uses(self, prior: str) -> bool:
         """True when a term of the objective is ``prior`` (weighted or, at weight 0, only reported)."""
         return any(t.name == prior for t in self.terms)
+
+
+def skipped_by(skip: str, name: str) -> bool:
+    """True when one of the comma-separated prefixes ``skip`` starts parameter ``name``."""
+    return any(name.startswith(prefix.strip()) for prefix in skip.split(",") if prefix.strip())
+
+
+def leaves_some(skip: str) -> Callable[[nn.Module], None]:
+    """A ``check_model`` refusing a model all of whose trainable parameters ``skip`` leaves out of the distance."""
+
+    def check(model: nn.Module) -> None:
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        if names and all(skipped_by(skip, name) for name in names):
+            raise ValueError(f"skip = {skip!r} leaves no parameter to compare; parameters: {', '.join(names)}")
+
+    return check
 
 
 def check_precision(precision: str) -> None:

@@ -83,7 +83,7 @@ def _mnist_like(name: str, cls: Any, options: SourceOptions, root: Path | None =
     )
 
 
-@register_dataset("mnist", spec=fixed_spec(1, 28, 28, 10))
+@register_dataset("mnist", spec=fixed_spec(1, 28, 28, 10), needs_root=True)
 def load_mnist(options: SourceOptions) -> ImageData:
     """MNIST 60k + 10k, 1x28x28 (torchvision, from data.root)."""
     from torchvision.datasets import MNIST
@@ -135,7 +135,7 @@ def _cifar(name: str, cls: Any, folder: str, options: SourceOptions) -> ImageDat
     return _image_data(name, tuple(train.classes), (train.data, train.targets), (test.data, test.targets))
 
 
-@register_dataset("cifar10", spec=fixed_spec(3, 32, 32, 10))
+@register_dataset("cifar10", spec=fixed_spec(3, 32, 32, 10), needs_root=True)
 def load_cifar10(options: SourceOptions) -> ImageData:
     """CIFAR-10 50k + 10k, 3x32x32 (torchvision, from data.root)."""
     from torchvision.datasets import CIFAR10
@@ -143,7 +143,7 @@ def load_cifar10(options: SourceOptions) -> ImageData:
     return _cifar("cifar10", CIFAR10, "cifar-10-batches-py", options)
 
 
-@register_dataset("cifar100", spec=fixed_spec(3, 32, 32, 100))
+@register_dataset("cifar100", spec=fixed_spec(3, 32, 32, 100), needs_root=True)
 def load_cifar100(options: SourceOptions) -> ImageData:
     """CIFAR-100 50k + 10k, 3x32x32 (torchvision, from data.root)."""
     from torchvision.datasets import CIFAR100
@@ -151,7 +151,7 @@ def load_cifar100(options: SourceOptions) -> ImageData:
     return _cifar("cifar100", CIFAR100, "cifar-100-python", options)
 
 
-@register_dataset("svhn", spec=fixed_spec(3, 32, 32, 10))
+@register_dataset("svhn", spec=fixed_spec(3, 32, 32, 10), needs_root=True)
 def load_svhn(options: SourceOptions) -> ImageData:
     """SVHN 73k + 26k, 3x32x32 (torchvision, train_32x32.mat / test_32x32.mat in data.root)."""
     from torchvision.datasets import SVHN
@@ -186,7 +186,7 @@ def _read_folder(folder: Path, size: int) -> tuple[list[str], np.ndarray, np.nda
     return dataset.classes, images, np.array(dataset.targets)
 
 
-@register_dataset("imagefolder", spec=unknown_spec)  # its classes are its folders
+@register_dataset("imagefolder", spec=unknown_spec, needs_root=True)  # its classes are its folders
 def load_image_folder(options: SourceOptions) -> ImageData:
     """Images in class sub-folders of data.root (or of its train/ and test/), center-cropped to image_size."""
     root = _require_root("imagefolder", options, "one sub-folder per class, or train/ and test/ holding them")

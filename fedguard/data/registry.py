@@ -38,9 +38,18 @@ def unknown_spec(options: SourceOptions) -> None:
     return None
 
 
-def register_dataset(name: str, *, spec: SpecOf = unknown_spec) -> Callable[[DatasetLoader], DatasetLoader]:
+ROOTED: set[str] = set()
+"""The datasets that load from ``data.root`` only (registered with ``needs_root``)."""
+
+
+def register_dataset(
+    name: str, *, spec: SpecOf = unknown_spec, needs_root: bool = False
+) -> Callable[[DatasetLoader], DatasetLoader]:
     """Register the decorated loader under ``name``; ``spec(options)`` is the shape of its samples, known without
-    loading them (None: only the data tell)."""
+    loading them (None: only the data tell); ``needs_root``: it loads from ``data.root`` only, so that a run
+    without one is refused when it is configured."""
+    if needs_root:
+        ROOTED.add(name)
     return DATASETS.register(name, NoParams, spec)
 
 

@@ -65,6 +65,18 @@ def split_sizes(name: str, options: SourceOptions) -> SplitSizes | None:
     return None
 
 
+def train_class_counts(name: str, options: SourceOptions) -> tuple[int, ...] | None:
+    """Training samples of each class of dataset ``name`` loaded with ``options`` (a partition's sizes follow from
+    them and the seed alone); None when only loading it tells."""
+    if name in CLASS_COUNTS:
+        counts = CLASS_COUNTS[name]
+    elif name == "photos":
+        counts = tuple(photo_tiles(height, width, options.image_size) for height, width in PHOTO_SHAPES)
+    else:
+        return None
+    return tuple(count - round(count * options.test_fraction) for count in counts)
+
+
 def photo_tiles(height: int, width: int, size: int) -> int:
     """Tiles of ``size`` pixels cut from one photo at every scale (as ``offline.tile_photo`` cuts them)."""
     tiles = 0
