@@ -557,6 +557,7 @@ def run_bare(
     import tomli_w
 
     from fedguard.defenses.dgp import DGPParams
+    from fedguard.launcher import superlink_command, write_flower_home
     from fedguard.simulation import CONNECTION, _environment, federation_config
 
     # the configuration fedguard runs, for the run config, federation config and environment it would use
@@ -565,10 +566,7 @@ def run_bare(
     home.mkdir()
     timing = folder / "rounds.jsonl"
     port = _free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-        f'address = "127.0.0.1:{port}"\ninsecure = true\n'
-    )
+    write_flower_home(home, port)
     source = config.data
     (home / "run-config.toml").write_text(
         tomli_w.dumps(
@@ -594,18 +592,7 @@ def run_bare(
         env = _environment(home, config)
     env[MARKER] = token
     superlink_log, run_log = folder / "superlink.log", folder / "flwr-run.log"
-    superlink_command = [
-        "flower-superlink",
-        "--insecure",
-        "--simulation",
-        "--disable-runtime-dependency-installation",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--database",
-        str(home / "state.db"),
-    ]
+    superlink_args = superlink_command(port, home / "state.db")  # the SuperLink fedguard run starts
     run_command = [
         "flwr",
         "run",
@@ -621,7 +608,7 @@ def run_bare(
     with memory:
         with open(superlink_log, "w") as log:
             superlink = subprocess.Popen(
-                superlink_command, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                superlink_args, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         memory.add_root(superlink.pid)
         try:

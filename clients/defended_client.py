@@ -104,7 +104,8 @@ class DefendedClient(NumPyClient):
         update = protocol.local_step(model, local, schedule, rng, proximal_mu=mu)
         x, y, grads = update.x, update.y, update.direction
         _, buffers = split_by_mask(get_arrays(update.buffers_from), mask)
-        set_arrays(model, parameters_in)  # what the step ran through (BatchNorm's statistics) is undone
+        if update.buffers_from is model:  # the step ran through the global model: its BatchNorm statistics go back
+            set_arrays(model, parameters_in)
         declared: dict[str, Any] = {"client": self.client_id, "protocol": protocol.name, "lr": cfg.train.lr}
         declared.update(update.declared)
         if mu > 0:

@@ -12,7 +12,6 @@ Select it from the configuration (the module must be importable: this repository
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
@@ -20,7 +19,6 @@ import torch.nn as nn
 
 from fedguard.data import Split
 from fedguard.protocols import FedAvg, LocalUpdate, Schedule, register_protocol
-from fedguard.training import local_sgd, parameters
 
 
 @register_protocol("fedsgd-steps")
@@ -34,16 +32,7 @@ class LocalSteps(FedAvg):
         replacement, in batches of ``batch_size``; the direction is the model change ``w_global - w_local``."""
         drawn = rng.choice(len(local), size=min(len(local), schedule.local_epochs * schedule.batch_size), replace=False)
         x, y = local.batch(drawn)
-        trained = copy.deepcopy(model)
-        steps, loss = local_sgd(trained, x, y, schedule.lr, 1, schedule.batch_size, rng, proximal_mu=proximal_mu)
-        change = [(g - t).detach() for g, t in zip(parameters(model), parameters(trained))]
-        declared = {
-            "batch-size": min(schedule.batch_size, len(y)),
-            "local-epochs": schedule.local_epochs,
-            "local-steps": steps,
-            "loss": loss,
-        }
-        return LocalUpdate(x, y, change, loss, trained, declared)
+        return self.train_on(model, x, y, schedule, 1, rng, proximal_mu)
 
     def local_steps(self, num_examples: int, batch_size: int, local_epochs: int) -> tuple[int, str]:
         """One step per batch of the examples drawn: at most ``local_epochs``."""

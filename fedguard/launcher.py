@@ -204,18 +204,11 @@ def _supervised(plan: Launch, lock: int) -> int | None:
         watcher.wait()
 
 
-def _run(plan: Launch, env: dict[str, str]) -> int | None:
-    """Start the private SuperLink and the app on it with ``env``, wait for the run and stop what it started;
-    returns the signal that stopped it, or None."""
-    home = Path(plan.home)
-    port = _free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-        f'address = "127.0.0.1:{port}"\ninsecure = true\n'
-    )
-    log_file = home / "superlink.log"
-    command = [
-        "flower-superlink",
+def superlink_command(port: int, database: Path, program: str = "flower-superlink") -> list[str]:
+    """The command of a private simulation SuperLink: loopback ``port`` only (hence no TLS), its state in
+    ``database``, no app dependency installed at run time; ``program`` is ``flower-superlink`` or its path."""
+    return [
+        program,
         "--insecure",
         "--simulation",
         "--disable-runtime-dependency-installation",
@@ -224,8 +217,27 @@ def _run(plan: Launch, env: dict[str, str]) -> int | None:
         "--port",
         str(port),
         "--database",
-        str(home / "state.db"),
+        str(database),
     ]
+
+
+def write_flower_home(home: Path, port: int, connection: str = CONNECTION) -> None:
+    """``home/config.toml``: a Flower home whose default connection ``connection`` is the private SuperLink on
+    loopback ``port``."""
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{connection}"\n\n[superlink.{connection}]\n'
+        f'address = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
+
+
+def _run(plan: Launch, env: dict[str, str]) -> int | None:
+    """Start the private SuperLink and the app on it with ``env``, wait for the run and stop what it started;
+    returns the signal that stopped it, or None."""
+    home = Path(plan.home)
+    port = _free_port()
+    write_flower_home(home, port)
+    log_file = home / "superlink.log"
+    command = superlink_command(port, home / "state.db")
     tracker = ProcessTracker()
     with SignalStop(Path(env[STOP_FILE_ENV])) as stop:
         with open(log_file, "w") as log:

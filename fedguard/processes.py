@@ -75,7 +75,8 @@ def is_running(process: Process) -> bool:
     return stat is not None and stat[2] == process.started and stat[0] != "Z"
 
 
-def _signal(processes: set[Process], signum: int) -> None:
+def signal_all(processes: set[Process], signum: int) -> None:
+    """Send ``signum`` to each of ``processes``; one gone meanwhile, or not ours, is skipped."""
     for process in processes:
         try:
             os.kill(process.pid, signum)
@@ -118,7 +119,7 @@ class ProcessTracker:
         """Give the processes seen up to ``patience`` seconds to end on their own, then SIGTERM, ``grace``
         seconds later SIGKILL; returns those still running after that."""
         running = _wait(self.seen, patience)
-        _signal(running, signal.SIGTERM)
+        signal_all(running, signal.SIGTERM)
         running = _wait(running, grace)
-        _signal(running, signal.SIGKILL)
+        signal_all(running, signal.SIGKILL)
         return _wait(running, grace)

@@ -14,13 +14,12 @@ only.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
 from pathlib import Path
 
-from fedguard.processes import Process, is_running, marked
+from fedguard.processes import Process, is_running, marked, signal_all
 from fedguard.report.run_status import write_status
 from fedguard.run_folder import ROUNDS_FILE, STATUS_FILE, RunFileError, read_jsonl
 
@@ -41,13 +40,6 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
-def _signal(process: Process, signum: int) -> None:
-    try:
-        os.kill(process.pid, signum)
-    except OSError:  # gone meanwhile
-        pass
-
-
 def stop_run(token: str, grace: float = GRACE) -> int:
     """Stop every process whose environment holds ``RUN_TOKEN_ENV=token``: SIGTERM when first found, SIGKILL
     ``grace`` seconds later (``LATE_GRACE`` for those found after the first pass: Ray may start workers while it
@@ -59,13 +51,11 @@ def stop_run(token: str, grace: float = GRACE) -> int:
     while time.monotonic() - start < GIVE_UP:
         now = time.monotonic()
         running = {p for p in marked(f"{RUN_TOKEN_ENV}={token}") if is_running(p)}
+        found = running - termed.keys()
+        signal_all(found, signal.SIGTERM)
+        signal_all({p for p in running - found if now >= termed[p]}, signal.SIGKILL)
         patience = min(grace, LATE_GRACE) if termed else grace
-        for process in running:
-            if process not in termed:
-                _signal(process, signal.SIGTERM)
-                termed[process] = now + patience
-            elif now >= termed[process]:
-                _signal(process, signal.SIGKILL)
+        termed.update(dict.fromkeys(found, now + patience))
         if running:
             last_seen = now
         elif now - last_seen >= QUIET:

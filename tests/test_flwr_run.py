@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from fedguard.launcher import superlink_command, write_flower_home
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -42,23 +44,10 @@ def local_superlink(tmp_path: Path, cwd: Path, env: dict[str, str]) -> Iterator[
     port = free_port()
     home = tmp_path / "flwr-home"
     home.mkdir()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "fedguard"\n\n[superlink.fedguard]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
-    )
+    write_flower_home(home, port, "fedguard")
     env = {**env, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "PATH": f"{BIN}:{os.environ['PATH']}"}
     superlink = subprocess.Popen(
-        [
-            str(BIN / "flower-superlink"),
-            "--insecure",
-            "--simulation",
-            "--disable-runtime-dependency-installation",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--database",
-            str(tmp_path / "state.db"),
-        ],
+        superlink_command(port, tmp_path / "state.db", str(BIN / "flower-superlink")),
         env=env,
         cwd=cwd,
         stdout=open(tmp_path / "superlink.log", "w"),  # noqa: SIM115 - the SuperLink writes it as long as it runs

@@ -64,8 +64,9 @@ def test_fedavg_uploads_the_local_model_its_epochs_reach(setting) -> None:
         assert torch.equal(reached, replayed)
 
 
-def test_a_protocol_of_ones_own_runs_from_the_configuration(tmp_path: Path) -> None:
-    sys.modules.pop("extensions.local_steps", None)
+def test_a_protocol_of_ones_own_runs_from_the_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PROTOCOLS, "_entries", dict(PROTOCOLS._entries))  # the plugin registers into a copy
+    monkeypatch.delitem(sys.modules, "extensions.local_steps", raising=False)
     folder = run_in_process(
         tmp_path,
         "server.plugins=extensions.local_steps",
@@ -79,7 +80,6 @@ def test_a_protocol_of_ones_own_runs_from_the_configuration(tmp_path: Path) -> N
     assert all(not row.get("refused") for row in rows), rows
     loss = [row["loss"] for row in rows]
     assert loss[-1] < loss[0] - 0.01, loss
-    PROTOCOLS._entries.pop("fedsgd-steps")
 
 
 def test_no_module_outside_the_protocols_compares_a_protocol_to_a_string() -> None:

@@ -50,10 +50,22 @@ class FedAvg(Protocol):
         """``local_epochs`` epochs of SGD in reshuffled batches on a copy of ``model``; the direction is the model
         change ``w_global - w_local``."""
         x, y = local.batch()
+        return self.train_on(model, x, y, schedule, schedule.local_epochs, rng, proximal_mu)
+
+    def train_on(
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        schedule: Schedule,
+        epochs: int,
+        rng: np.random.Generator,
+        proximal_mu: float,
+    ) -> LocalUpdate:
+        """``epochs`` epochs of SGD on (``x``, ``y``) in reshuffled batches of ``schedule.batch_size`` on a copy of
+        ``model``, as the update of a client that declares ``schedule``."""
         trained = copy.deepcopy(model)
-        steps, loss = local_sgd(
-            trained, x, y, schedule.lr, schedule.local_epochs, schedule.batch_size, rng, proximal_mu=proximal_mu
-        )
+        steps, loss = local_sgd(trained, x, y, schedule.lr, epochs, schedule.batch_size, rng, proximal_mu=proximal_mu)
         change = [(g - t).detach() for g, t in zip(parameters(model), parameters(trained))]
         declared = {
             "batch-size": min(schedule.batch_size, len(y)),
