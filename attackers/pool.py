@@ -13,7 +13,9 @@ up to a limit and reports the rest as 'timeout', or as 'interrupted' once ``stop
 stopping (then nothing more is dispatched and ``close`` does not wait).
 
 Workers take one GPU each when CUDA is visible and the attack's device is not
-'cpu'; otherwise they take CPU threads. Inside a Flower simulation the pool
+'cpu' and Ray has a whole GPU free; when the simulated clients hold every GPU share
+(``sim.client-gpus``), they use the device beside them without a Ray claim (``gpu_options``).
+Otherwise they take CPU threads. Inside a Flower simulation the pool
 uses the simulation's Ray cluster; elsewhere it starts a local one, or joins
 the cluster at ``address``.
 """
@@ -39,6 +41,18 @@ from fedguard.observation import Observation
 log = logging.getLogger(__name__)
 
 ATTACKER_RESOURCE = "attacker"
+# Ray hides every GPU from an actor that claims none (CUDA_VISIBLE_DEVICES="") unless this is "0" in its process.
+OVERRIDE_ON_ZERO = "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"
+
+
+def gpu_options(free_gpus: float) -> dict[str, Any]:
+    """Ray actor options for an attack worker on the GPU, given the GPUs Ray has free (a count, may be
+    fractional): a whole GPU when one is free; else no claim and the devices left visible, so that the
+    worker shares the GPU the client actors reserved (Flower sizes its actor pool to take all of it)."""
+    if free_gpus >= 1:
+        return {"num_gpus": 1}
+    return {"num_gpus": 0, "runtime_env": {"env_vars": {OVERRIDE_ON_ZERO: "0"}}}
+
 
 AttackFactory = Callable[[], Any]
 
@@ -129,7 +143,7 @@ class AttackPool:
     threads : int
         Torch threads of each CPU worker.
     use_gpu : bool
-        One GPU per worker (only when CUDA is visible).
+        Workers on the GPU (only when CUDA is visible; see ``gpu_options``).
     address : str | None
         Address of an existing Ray cluster to join when Ray is not running yet.
     seed : int
@@ -175,6 +189,7 @@ class AttackPool:
         self.stop = stop
         self._last_failure = ""
         self._has_resource = False
+        self._gpu_options: dict[str, Any] = {}
         self._start_error: str | None = None
         self._workers: list[Any] = []
         self._ready: list[bool] = []
@@ -194,6 +209,12 @@ class AttackPool:
             resources: dict[str, float] | None = None if self.address else {ATTACKER_RESOURCE: self.num_workers}
             ray.init(address=self.address, include_dashboard=False, resources=resources)
         self._has_resource = ray.cluster_resources().get(ATTACKER_RESOURCE, 0) >= 1
+        self._gpu_options = gpu_options(ray.available_resources().get("GPU", 0.0)) if self.use_gpu else {}
+        if self._gpu_options.get("num_gpus") == 0:
+            log.warning(
+                "the attack workers share the GPU with the simulated clients: Ray has no whole GPU free "
+                "(sim.client-gpus reserved it), so they run on it without a Ray claim"
+            )
         self._workers = [None] * self.num_workers
         self._ready = [False] * self.num_workers
         for index in range(self.num_workers):
@@ -211,8 +232,7 @@ class AttackPool:
         options: dict[str, Any] = {"num_cpus": 0}
         if self._has_resource:
             options["resources"] = {ATTACKER_RESOURCE: 1}
-        if self.use_gpu:
-            options["num_gpus"] = 1
+        options.update(self._gpu_options)
         factories = {a.name: a.factory for a in self.attacks}
         return AttackWorkerActor.options(**options).remote(Call(AttackWorker, factories, self.threads))
 
