@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from attackers.base import build_attack, missing_grants
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from fedguard.config import Config, ConfigError
 from fedguard.defenses import LocalStep, build_defense
+from fedguard.defenses.base import DEFENSES, defense_traits
 from fedguard.defenses.dp_update import UpdateDPParams
 from fedguard.training import loss_fn
 from tests.devices import ATTACK_DEVICE
@@ -83,3 +86,17 @@ def test_eot_needs_the_defense_granted_and_simulable() -> None:
         build_attack("ig", config.attacks[0].params, ("soteria", None))
     with pytest.raises(ValueError, match="eot must be >= 0"):
         InvertingGradientsParams(eot=-1)
+
+
+SIMULATED = sorted(name for name in DEFENSES.names() if defense_traits(name).simulated)
+
+
+@pytest.mark.parametrize("name", SIMULATED)
+def test_eot_runs_through_every_defense_that_simulates_itself(name: str) -> None:
+    """The defense runs inside the search's ``torch.func`` transforms (no storage, no data-dependent branch)."""
+    config = Config.from_flat({"attack.name": "ig", "attack.ig.eot": 2, "defense.name": name, "threat.defense": True})
+    params = dataclasses.replace(config.attacks[0].params, iterations=3, restarts=2, device=ATTACK_DEVICE)
+    attack = build_attack("ig", params, (name, config.defense.params))
+    observations, _, _ = uploads()
+    (got,) = attack.reconstruct_many(observations[:1], 0)
+    assert got.images.shape == (1, *observations[0].spec.shape) and torch.isfinite(got.images).all()

@@ -38,16 +38,27 @@ def largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     above = magnitudes > threshold
     tied = magnitudes == threshold
     room = k - above.sum(-1, keepdim=True)
-    if magnitudes.device.type == "cpu" and bool((tied.sum(-1, keepdim=True) <= room).all()):
+    if on_host(magnitudes) and bool((tied.sum(-1, keepdim=True) <= room).all()):
         return above | tied  # no tie to break (the usual case): no running count
     return above | (tied & (tied.cumsum(-1) <= room))
 
 
+def on_host(values: torch.Tensor) -> bool:
+    """Whether ``values`` is a plain CPU tensor whose data numpy can read: not on an accelerator, not tracked by
+    autograd, and not a ``torch.func`` wrapper (an attack's EOT runs the defense inside ``grad`` and ``vmap``,
+    whose tensors have no storage of their own and allow no data-dependent branch)."""
+    return (
+        values.device.type == "cpu"
+        and not values.requires_grad
+        and not torch._C._functorch.is_functorch_wrapped_tensor(values)
+    )
+
+
 def kth_smallest(values: torch.Tensor, rank: int) -> torch.Tensor:
-    """(..., 1): the entry of 0-based ``rank`` in ascending order along the last dimension. On the CPU by numpy's
-    introselect (``np.partition``: 0.1 ms for 200,000 float32 entries, where ``torch.kthvalue`` took 5 ms on the
-    same machine); elsewhere by ``torch.kthvalue``."""
-    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and not values.requires_grad:
+    """(..., 1): the entry of 0-based ``rank`` in ascending order along the last dimension. On the host by
+    numpy's introselect (``np.partition``: 0.1 ms for 200,000 float32 entries, where ``torch.kthvalue`` took
+    5 ms on the same machine); elsewhere (an accelerator, autograd, ``torch.func``) by ``torch.kthvalue``."""
+    if on_host(values) and values.dtype in (torch.float32, torch.float64):
         picked = np.partition(values.numpy(), rank, axis=-1)[..., rank : rank + 1]
         return torch.from_numpy(np.ascontiguousarray(picked))
     return values.kthvalue(rank + 1, dim=-1, keepdim=True).values
