@@ -208,15 +208,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedguard.data import load_dataset
     from fedguard.defenses.base import check_defense_files
     from fedguard.report.run_dir import resolve_run_dir
-    from fedguard.simulation import prepare
+    from fedguard.simulation import prepare, resource_problems
     from fedguard.tracking import tracker_problems
 
     config = _resumed(args) if args.resume is not None else _resolve(args)
-    if problems := tracker_problems(config):
+    if problems := resource_problems(config) + tracker_problems(config):  # this machine's, before anything loads
         raise ConfigError(problems)
     check_attack_files(config.attacks)  # the simulated clients read this machine's files: check them all now
-    check_defense_files(config.defense.name, config.defense.params, clients_here=True)
     data = load_dataset(config.data.name, config.data.source_options())
+    check_defense_files(config.defense.name, config.defense.params, clients_here=True, spec=data.spec)
     folder = Path(config.run.out_dir) if config.run.resume else resolve_run_dir(config)
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder)))
     plan = prepare(config, verbose=args.verbose)

@@ -42,18 +42,24 @@ class Entry(Generic[F]):
 class RequiredFile:
     """A file a component loads: its parameter ``param`` names it and ``path`` is that parameter's value;
     ``unset`` explains an empty ``path``, ``missing`` a ``path`` with no file (each with the command that makes
-    it); ``load(path)`` reads and checks the file as the component does, raising ``TrainedFileError``."""
+    it); ``load(path)`` reads and checks the file as the component does, raising ``TrainedFileError``;
+    ``fits(loaded, spec)`` raises ``TrainedFileError`` when the loaded file cannot serve data of ``spec`` (a
+    ``DataSpec``; None: any data)."""
 
     param: str
     path: str
     unset: str
     missing: str
     load: Callable[[str], Any]
+    fits: Callable[[Any, Any], None] | None = None
 
-    def unusable(self) -> TrainedFileError | None:
-        """Why the file at ``path`` cannot be used (``load`` refuses it); None when it loads or is missing."""
+    def unusable(self, spec: Any = None) -> TrainedFileError | None:
+        """Why the file at ``path`` cannot be used (``load`` refuses it, or ``fits`` refuses it for data of
+        ``spec`` when given); None when it loads and fits, or is missing."""
         try:
-            self.load(self.path)
+            loaded = self.load(self.path)
+            if spec is not None and self.fits is not None:
+                self.fits(loaded, spec)
         except MissingTrainedFile:
             return None
         except TrainedFileError as error:

@@ -118,13 +118,14 @@ def _visible_gpus() -> int:
 
 
 def resource_problems(config: Config) -> list[str]:
-    """What in ``sim.*`` would leave the simulation waiting forever: clients that reserve more CPUs or GPUs than
-    a local cluster has, or a cluster to join (``sim.address``, ``RAY_ADDRESS``) that does not answer."""
+    """What this machine lacks for ``config``: in ``sim.*``, what would leave the simulation waiting forever
+    (clients that reserve more CPUs or GPUs than a local cluster has, a cluster to join, ``sim.address`` or
+    ``RAY_ADDRESS``, that does not answer); an attack asked to run on CUDA in a local cluster without it."""
     address = joins_cluster(config)
     if address:
         source = "sim.address" if config.sim.address else "RAY_ADDRESS (environment)"
         return [problem] if (problem := _address_problem(address, source)) else []
-    sim, problems = config.sim, []
+    sim, problems = config.sim, _device_problems(config)
     if sim.client_cpus > sim.num_cpus:
         problems.append(
             f"sim.client-cpus = {sim.client_cpus}: each client would reserve more CPU cores than the "
@@ -139,6 +140,20 @@ def resource_problems(config: Config) -> list[str]:
             f"visible ({gpus}); set it to at most {gpus}{hint}"
         )
     return problems
+
+
+def _device_problems(config: Config) -> list[str]:
+    """Attacks whose ``device`` names CUDA where this machine has none (a local cluster's workers run here)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    return [
+        f"attack.{attack.name}.device = {device!r}: CUDA is not available on this machine, where a local "
+        f"simulation's attack workers run; set it to auto (CUDA when present) or cpu"
+        for attack in config.attacks
+        if isinstance(device := getattr(attack.params, "device", None), str) and device.startswith("cuda")
+    ]
 
 
 def _environment(home: Path, config: Config) -> dict[str, str]:

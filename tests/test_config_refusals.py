@@ -454,6 +454,8 @@ CANNOT_RUN = [
     (["data.name=mnist"], "data.root"),
     (["data.name=imagefolder"], "data.root"),
     (["sim.address=notanaddress"], "sim.address"),
+    # a defense that cannot defend the model
+    (["defense.name=soteria", "defense.soteria.layer=fc"], "defense.soteria"),
 ]
 
 
@@ -484,6 +486,7 @@ def test_a_configuration_that_cannot_run_is_refused_naming_the_key(
         ["server.strategy=bulyan", "train.clients-per-round=3"],
         ["data.name=mnist", "data.root=/absent"],
         ["sim.address=127.0.0.1:6379"],
+        ["defense.name=soteria", "defense.soteria.layer=3"],
     ],
 )
 def test_their_neighbours_that_can_run_are_accepted(overrides: list[str]) -> None:
@@ -499,3 +502,48 @@ def test_training_class_counts_known_without_loading_match_the_loaded_data(name:
     synthetic = np.repeat(np.arange(len(CLASS_COUNTS[name])), train_class_counts(name, SourceOptions()) or ())
     real = partitions(name, SourceOptions(), "dirichlet", options, 4, 0)
     assert [len(p) for p in partition(synthetic, 4, "dirichlet", options, 0)] == [len(p) for p in real]
+
+
+# 10. what this machine lacks, refused by `fedguard run` before it loads or writes anything
+
+
+def test_an_attack_on_cuda_is_refused_where_a_local_run_has_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedguard.simulation import resource_problems
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = load_config(None, ["attack.name=ig, dlg", "attack.ig.device=cuda", "attack.dlg.device=cuda"])
+    assert resource_problems(config) == [
+        f"attack.{name}.device = {device!r}: CUDA is not available on this machine, where a local simulation's "
+        f"attack workers run; set it to auto (CUDA when present) or cpu"
+        for name, device in (("ig", "cuda"), ("dlg", "cuda"))
+    ]
+    assert resource_problems(load_config(None, ["attack.name=ig", "attack.ig.device=auto"])) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_fedguard_run_refuses_what_this_machine_lacks_before_writing_anything(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        silent = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    overrides = {
+        "attack.ig.device": "cuda",
+        "sim.client-gpus": "1",
+        "sim.client-cpus": "4096",
+        "track.mlflow-uri": silent,
+    }
+    command = [sys.executable, "-m", "fedguard", "run", "--set", "attack.name=ig", "--set", "track.mlflow=true"]
+    result = subprocess.run(
+        [*command, *(f"--set={key}={value}" for key, value in overrides.items())],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    for key in overrides:
+        assert f"  {key} = " in result.stderr, (key, result.stderr)
+    assert list(tmp_path.iterdir()) == [], "nothing is written"

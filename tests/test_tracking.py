@@ -165,3 +165,37 @@ def test_a_tracker_whose_package_is_missing_is_refused_before_the_run(monkeypatc
         "track.mlflow = true needs the mlflow package, which is not installed: pip install mlflow"
     ]
     assert tracker_problems(load_config(None)) == []
+
+
+def test_an_mlflow_server_that_does_not_answer_is_refused_before_the_run() -> None:
+    """Before, the run started and MLflow retried the dead address for minutes per call."""
+    uri = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    [problem] = tracker_problems(load_config(None, ["track.mlflow=true", f"track.mlflow-uri={uri}"]))
+    assert time.monotonic() - start < 5
+    assert problem.startswith(f"track.mlflow-uri = {uri!r}: no MLflow server answers there (")
+    assert "Connection refused" in problem
+    assert tracker_problems(load_config(None, ["track.mlflow=true"])) == []  # a store in the run folder
+
+
+def test_a_server_that_answers_at_the_mlflow_uri_passes_the_check() -> None:
+    """Whatever it answers (a proxy may refuse /health without credentials): only silence is refused."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        config = load_config(None, ["track.mlflow=true", f"track.mlflow-uri=http://127.0.0.1:{port}"])
+        assert tracker_problems(config) == []  # http.server answers 404 for /health
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

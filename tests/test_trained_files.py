@@ -446,6 +446,21 @@ def test_a_nan_evaluation_network_is_refused_by_the_defense_and_the_server_check
     check_defense_files("refiner", RefinerParams(evalnet=str(tmp_path / "on-the-clients.npz")))  # theirs to check
 
 
+def test_an_evaluation_network_for_other_images_is_refused_before_a_simulation_starts(
+    good: dict[str, Path],
+) -> None:
+    """Before, the check passed and every client failed at its first Refiner step."""
+    params = RefinerParams(evalnet=str(good["evalnet"]))
+    other = DataSpec(3, 32, 32, 10)
+    with pytest.raises(TrainedFileError) as caught:
+        check_defense_files("refiner", params, clients_here=True, spec=other)
+    assert f"defense.refiner.evalnet = {str(good['evalnet'])!r}: the evaluation network" in str(caught.value)
+    assert f"trained on images of shape {SPEC.shape} (digits), but these images have shape (3, 32, 32)" in str(
+        caught.value
+    )
+    check_defense_files("refiner", params, clients_here=True, spec=SPEC)
+
+
 def test_the_server_refuses_a_corrupt_file_before_round_1(good: dict[str, Path], tmp_path: Path) -> None:
     evalnet = inf_weights(good["evalnet"], tmp_path / "inf-evalnet.npz")
     out = tmp_path / "run"

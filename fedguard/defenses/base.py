@@ -178,16 +178,17 @@ def build_defense(name: str, params: Any = None) -> Defense:
     return DEFENSES.build(name, params=params)
 
 
-def check_defense_files(name: str, params: Any, clients_here: bool = False) -> None:
+def check_defense_files(name: str, params: Any, clients_here: bool = False, spec: Any = None) -> None:
     """Raise ``TrainedFileError`` naming every file the defense ``name`` with ``params`` loads that is there on
-    this machine but cannot be used (corrupt, non-finite, another kind of file); the server calls it before round
-    1. A missing file is left to the clients, which load it on their own machines, unless ``clients_here`` (a
-    simulation, checked before it starts): then it raises ``MissingTrainedFile`` for it too."""
+    this machine but cannot be used (corrupt, non-finite, another kind of file, or made for data other than
+    ``spec``'s when that ``DataSpec`` is given); the server calls it before round 1. A missing file is left to the
+    clients, which load it on their own machines, unless ``clients_here`` (a simulation, checked before it
+    starts): then it raises ``MissingTrainedFile`` for it too."""
     files = [file for file in defense_traits(name, params).files if file.path]
 
     def setting(file: RequiredFile) -> str:
         return f"defense.{name}.{file.param.replace('_', '-')} = {file.path!r}"
 
     missing = [f"{setting(file)}: {file.missing}" for file in files if clients_here and not Path(file.path).exists()]
-    unusable = [f"{setting(file)}: {problem}" for file in files if (problem := file.unusable()) is not None]
+    unusable = [f"{setting(file)}: {problem}" for file in files if (problem := file.unusable(spec)) is not None]
     refuse(missing, unusable, f"defense {name!r}")

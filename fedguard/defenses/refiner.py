@@ -317,7 +317,14 @@ def read_evalnet(evalnet: str) -> TrainedEvalNet:
 
 def refiner_traits(params: RefinerParams) -> DefenseTraits:
     """The class's traits and the evaluation network its clients load."""
-    evalnet = RequiredFile("evalnet", params.evalnet, NO_EVALNET, missing_evalnet(params.evalnet), read_evalnet)
+    evalnet = RequiredFile(
+        "evalnet",
+        params.evalnet,
+        NO_EVALNET,
+        missing_evalnet(params.evalnet),
+        read_evalnet,
+        lambda trained, spec: trained.check_shape(spec.shape, evalnet_path(params.evalnet)),
+    )
     return DefenseTraits.of(Refiner, files=(evalnet,))
 
 

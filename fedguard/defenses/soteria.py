@@ -57,6 +57,7 @@ Decisions where the paper is silent or its published code differs (notes: mjolni
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -64,7 +65,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from fedguard.defenses.base import LocalStep, class_traits, register_defense
+from fedguard.defenses.base import DefenseTraits, LocalStep, register_defense
 from fedguard.defenses.revealed import AlteredLayer
 
 
@@ -193,7 +194,19 @@ class Soteria:
         return sent
 
 
-@register_defense("soteria", params=SoteriaParams, traits=class_traits(Soteria))
+def check_layer(model: nn.Module, layer: str) -> None:
+    """Raise ``ValueError`` naming the choices unless ``layer`` is a Linear layer of ``model`` with a trainable
+    weight."""
+    weight_index(model, resolve_layer(model, layer))
+
+
+def soteria_traits(params: SoteriaParams) -> DefenseTraits:
+    """The class's traits, with the model check that the protected layer exists (run when the configuration is
+    checked)."""
+    return DefenseTraits.of(Soteria, check_model=functools.partial(check_layer, layer=params.layer))
+
+
+@register_defense("soteria", params=SoteriaParams, traits=soteria_traits)
 def build_soteria(params: SoteriaParams) -> Soteria:
     """Soteria (Sun et al. 2021): prune the most revealing input features of one Linear layer's gradient."""
     return Soteria(params)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,6 +21,8 @@ import numpy as np
 
 from fedguard.config import Config
 from fedguard.vault import read_scored_images
+
+PROBE_SECONDS = 3.0  # how long the check before a run waits for an MLflow server to answer
 
 log = logging.getLogger(__name__)
 MLFLOW_DB, MLFLOW_ARTIFACTS = "mlflow.db", "mlflow-artifacts"  # the local MLflow store in a run folder
@@ -117,11 +121,33 @@ def tracker_problems(config: Config) -> list[str]:
         ("track.tensorboard", "tensorboard", config.track.tensorboard),
         ("track.mlflow", "mlflow", config.track.mlflow),
     ]
-    return [
+    problems = [
         f"{key} = true needs the {package} package, which is not installed: pip install {package}"
         for key, package, on in needed
         if on and importlib.util.find_spec(package) is None
     ]
+    if config.track.mlflow and (problem := mlflow_server_problem(config.track.mlflow_uri)):
+        problems.append(problem)
+    return problems
+
+
+def mlflow_server_problem(uri: str) -> str | None:
+    """Why no MLflow tracking server answers at ``uri`` (an ``http(s)://`` URI; a local store needs no server),
+    probed at its ``/health`` within ``PROBE_SECONDS``; None when something answers there, whatever it says
+    (a proxy may ask for credentials the client has)."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=PROBE_SECONDS).close()
+    except urllib.error.HTTPError:
+        return None  # a server answered
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        reason = getattr(error, "reason", error)
+        return (
+            f"track.mlflow-uri = {uri!r}: no MLflow server answers there ({reason}); start it "
+            f"(mlflow server --host ... --port ...), or leave the key empty for a store in the run folder"
+        )
+    return None
 
 
 def open_trackers(config: Config, folder: Path) -> Trackers:

@@ -9,6 +9,7 @@ Artifacts: each attacked upload's true batch and reconstruction as PNG grids und
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from typing import Any
@@ -21,6 +22,9 @@ from fedguard.tracking import attack_scalars, round_scalars
 
 ENDINGS = {"completed": "FINISHED", "interrupted": "KILLED"}  # anything else: FAILED
 BATCH = 100  # parameters per log_batch call (MLflow's limit)
+# A server that stops answering mid-run costs one call of at most about a minute before the tracker is dropped
+# (MLflow's own defaults retry for minutes per call); the environment's own values win.
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 
 
 def mlflow_name(key: str) -> str:
@@ -37,6 +41,8 @@ class MLflowTracker:
             from mlflow import MlflowClient
         except ImportError as error:
             raise ImportError("track.mlflow = true needs the mlflow package: pip install mlflow") from error
+        for name, value in HTTP_LIMITS.items():
+            os.environ.setdefault(name, value)
         self.client = MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(experiment)
         self.experiment_id = (
