@@ -279,6 +279,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fedguard.sweep import load_sweep, run_sweep
 
     sweep = load_sweep(args.preset, args.out, args.overrides, args.only, args.seeds)
+    if problems := _machine_problems([(f"{run.setting}/{run.variant}", run.config) for run in sweep.runs]):
+        raise ConfigError(problems)
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated sweep stops its run as Ctrl-C does, results kept
     print(f"fedguard: sweep {sweep.name}: {len(sweep.runs)} runs in {sweep.folder}", flush=True)
     start = time.perf_counter()
@@ -286,6 +288,25 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print((sweep.folder / SUMMARY_FILE).read_text(), end="")
     print(f"fedguard: sweep done in {time.perf_counter() - start:.0f} s; summary in {sweep.folder / SUMMARY_FILE}")
     return 0 if all(row["status"] == "ok" and not row["failed_seeds"] for row in rows) else 1
+
+
+def _machine_problems(runs: list[tuple[str, Config]]) -> list[str]:
+    """What this machine lacks for any of the named ``runs``, each problem once with the first run it concerns;
+    runs alike in what is checked (``sim.*``, ``track.*``, the attacks' devices) are checked once."""
+    from fedguard.simulation import resource_problems
+    from fedguard.tracking import tracker_problems
+
+    problems: dict[str, str] = {}
+    checked: set[str] = set()
+    for label, config in runs:
+        devices = [(attack.name, getattr(attack.params, "device", None)) for attack in config.attacks]
+        key = repr((config.sim, config.track, devices))
+        if key in checked:
+            continue
+        checked.add(key)
+        for problem in resource_problems(config) + tracker_problems(config):
+            problems.setdefault(problem, label)
+    return [f"{label}: {problem}" for problem, label in problems.items()]
 
 
 def cmd_attack(args: argparse.Namespace) -> int:

@@ -547,3 +547,28 @@ def test_fedguard_run_refuses_what_this_machine_lacks_before_writing_anything(tm
     for key in overrides:
         assert f"  {key} = " in result.stderr, (key, result.stderr)
     assert list(tmp_path.iterdir()) == [], "nothing is written"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_fedguard_sweep_refuses_what_this_machine_lacks_before_any_run(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    preset = tmp_path / "two.toml"
+    preset.write_text(
+        '[attack]\nname = "ig"\n\n[sweep.variants]\nnone = {}\nprune = { "defense.name" = "prune" }\n'
+        'cuda = { "attack.ig.device" = "cuda" }\n'
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "fedguard", "sweep", str(preset), "--set", "sim.client-cpus=4096"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = [line.strip() for line in result.stderr.splitlines() if line.startswith("  ")]
+    assert len(lines) == 2, result.stderr  # each problem once, with the first run it concerns
+    assert lines[0].startswith("run/none: sim.client-cpus = 4096: ")
+    assert lines[1].startswith("run/cuda: attack.ig.device = 'cuda': CUDA is not available")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["two.toml"], "nothing is written"
