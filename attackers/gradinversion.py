@@ -35,7 +35,7 @@ without the group term. Defaults are for small images and small BatchNorm
 networks (the paper inverts ResNet-50 gradients of 224x224 ImageNet batches,
 with many more iterations): on randomly initialized BatchNorm networks gradient matching
 alone stalls, and the BatchNorm term is what lets it converge; ``bn`` = 0.1
-won over 0.01-10 on the README's attacks preset (batches of 4 digits through
+won over 0.01-10 on the attacks preset (batches of 4 digits through
 a BatchNorm MLP; ``benchmarks/attack_defaults.py --case gradinversion-mlp``);
 ``tv`` and ``l2`` are the small image priors of DeepInversion-style attacks;
 ``group`` = 0.01 from half-way on.

@@ -9,7 +9,7 @@ with SSIM > 0.9, seconds. The row marked ``*`` is the attack's current default;
 the table is sorted by mean SSIM.
 
 Cases: those of ``vs_breaching.py`` (batch-1 uploads of 32x32 photos), and the
-setting of the README's attacks preset (``experiments/attacks.toml``): batch-4
+setting of the attacks preset (``experiments/attacks.toml``): batch-4
 uploads of MNIST digits through the MLP of two hidden layers of 1,000 units,
 BatchNorm in the second, attacked by ``gradinversion`` (its BatchNorm statistics
 read off the upload's buffers) and ``ggl`` (a generator trained here on the

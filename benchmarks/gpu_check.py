@@ -19,8 +19,7 @@ its own limit or what is left; parts beyond the budget are listed as skipped (ru
 Writes two files to --out (default: $OUT if set, else gpu-check/ in the checkout): gpu-check.md, the
 summary (device and versions, then each part's status, wall seconds and headline figures), and
 gpu-check.log, every part's full output. Runs from the source tree without installing it: the checkout
-goes first on the parts' PYTHONPATH; the packages of `make gpu-wheels` must be importable (README, "GPU
-check").
+goes first on the parts' PYTHONPATH; the packages of `make gpu-wheels` must be importable (docs/how-to/gpu-check.md).
 
     make gpu-check
     python3 benchmarks/gpu_check.py [--device cuda|cpu] [--budget 330] [--only tests,mjolnir] [--smoke]

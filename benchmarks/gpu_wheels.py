@@ -12,7 +12,7 @@ the total in MiB.
     python3 benchmarks/gpu_wheels.py [--python-version 3.12] [--dest .whl]
 
 On the GPU machine: ``python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` and
-``PYTHONPATH=/tmp/site`` (README, "GPU check").
+``PYTHONPATH=/tmp/site`` (docs/how-to/gpu-check.md).
 """
 
 from __future__ import annotations

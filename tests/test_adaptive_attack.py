@@ -1,6 +1,6 @@
 """The adaptive IG (``ig-adaptive``) against the defenses it knows: batch-1 FedSGD uploads of 32x32 photo tiles on
 the MLP, the same budget as plain IG. Where it beats IG the test says by how much; where the measurement showed
-it does not, the test keeps that finding (README, "Adaptive attacks")."""
+it does not, the test keeps that finding (docs/explanation/threat-models.md, "Adaptive attacks")."""
 
 from __future__ import annotations
 

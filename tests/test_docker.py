@@ -816,9 +816,10 @@ def test_compose_builds_every_superexec_with_cpu_torch_and_the_gpu_overlay_the_s
 
 
 def test_certs_script_issues_each_supernode_its_runtime_api_certificate_from_the_deployments_ca(tmp_path: Path) -> None:
-    """`generate.sh --supernode supernode-1,...` after `generate.sh ADDRESS` (README's order): each compose
-    SuperNode gets a certificate for its own service name only, signed by the CA the SuperLink's certificate
-    came from (the one CA every container trusts), with its private key beside it, readable by its owner alone."""
+    """`generate.sh --supernode supernode-1,...` after `generate.sh ADDRESS` (docs/how-to/docker.md's order): each
+    compose SuperNode gets a certificate for its own service name only, signed by the CA the SuperLink's
+    certificate came from (the one CA every container trusts), with its private key beside it, readable by its
+    owner alone."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed: docker/certs/generate.sh needs it")
     script = DOCKER / "certs" / "generate.sh"

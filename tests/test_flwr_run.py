@@ -1,4 +1,5 @@
-"""`flwr run` on a SuperLink started by hand (simulation runtime, no runtime installs): the README's way."""
+"""`flwr run` on a SuperLink started by hand (simulation runtime, no runtime installs), as docs/how-to/flwr-run.md
+shows."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from tests.devices import ATTACK_DEVICE
 
 DIGITS = [3, 40, 101, 150]  # test-split digits of four different classes
 BN_MLP = {"hidden": 256, "depth": 2, "batch_norm": True}
-# bn 1 (the default before the study of README "How the defaults were chosen"): on these 8x8 digits at 300
+# bn 1 (the default before the study in docs/explanation/attack-defaults.md): on these 8x8 digits at 300
 # iterations it beats the default 0.1 (PSNR 14.1-16.9 dB, 6-8 dB above the floor, with 0.1)
 ATTACK = GradInversionParams(iterations=300, restarts=2, lr=0.1, bn=1.0, device=ATTACK_DEVICE)
 

@@ -1,5 +1,5 @@
-"""The shipped presets as the README runs them: trained files made with the README's commands, every path in the
-presets relative, the commands typed in a folder that is not the app's (the simulation's processes start in
+"""The shipped presets as the documentation runs them: trained files made with the documented commands, every path
+in the presets relative, the commands typed in a folder that is not the app's (the simulation's processes start in
 folders of their own). Quick forms: few rounds, few iterations, one or two variants of each sweep."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def sweep(folder: Path, preset: str, only: list[str], overrides: list[str], seed
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A user's folder: the checkout's presets under experiments/, evaluation networks and a generator made there
-    by the README's commands (tiny: one epoch, narrow), so that the presets' relative paths find them."""
+    by the documented commands (tiny: one epoch, narrow), so that the presets' relative paths find them."""
     folder = tmp_path_factory.mktemp("lab")
     (folder / "experiments").symlink_to(ROOT / "experiments")
     for data in ("photos", "mnist-5k"):
@@ -109,7 +109,7 @@ def test_each_paper_preset_runs_from_the_users_folder(lab: Path, preset: str, va
 
 @pytest.mark.heavy
 def test_the_mjolnir_paper_preset_runs_with_its_relative_denoiser(lab: Path) -> None:
-    # The README's command, at its smallest: the digits' own public split instead of Fashion-MNIST's (10x fewer
+    # The documented command, at its smallest: the digits' own public split instead of Fashion-MNIST's (10x fewer
     # surrogate steps), 16 gradients, one epoch.
     fedguard(
         lab,
