@@ -181,7 +181,9 @@ def test_batched_uploads_equal_uploads_one_by_one() -> None:
     together = GradInversion(params).reconstruct_many(uploads, 0)
     alone = [GradInversion(params).reconstruct_many([obs], 0)[0] for obs in uploads]
     for a, b in zip(together, alone):
-        torch.testing.assert_close(a.images, b.images, atol=1e-5, rtol=0)
+        # Equal up to the order of the kernels' sums, which depends on the batch and the CPU: 1e-5 held on AVX2,
+        # 8.8e-5 was measured on an AVX-512 CPU after 20 iterations; the group term itself moves pixels by up to 0.057.
+        torch.testing.assert_close(a.images, b.images, atol=1e-3, rtol=0)
         assert a.stats["batched_jobs"] == 4 and b.stats["batched_jobs"] == 2
 
 
