@@ -9,8 +9,9 @@ Manipulation. The first Linear layer on the flattened image, ``W`` (n, d) and ``
 
 with ascending edges ``e_i`` (``i >= 1``) the ``i / K`` quantiles of the server's prior on ``m``, so each bin
 ``[e_i, e_{i+1})`` holds 1/K of the inputs it expects: by default (``edges = 'normal'``) a normal
-``N(mean, std)`` as in the paper, ``e_i = mean + std * Phi^-1(i / K)``; with ``edges = 'public'`` the empirical
-distribution of ``m`` over a public data set's held-out split (``attackers.imprint_edges``). ``e_0``, far below
+``N(mean, std)`` as in the paper, ``e_i = mean + std * Phi^-1(i / K)``; with ``edges = 'public-normal'`` the
+same with ``mean`` and ``std`` fitted to ``m`` over a public data set's held-out split, with ``edges = 'public'``
+the empirical distribution of ``m`` there (``attackers.imprint_edges``). ``e_0``, far below
 every expected measurement, stands in for ``Phi^-1(0) = -inf``: unit 0 fires for every input. The next
 Linear layer's weight ``V`` (m, n) gets ``V[:, i] = V[:, 0]`` for every ``i < K``: then
 ``dl/dh_i(x) = V[:, i] . dl/dz(x)`` is one value ``c(x)`` for all bin units that ``x`` fires, the condition
@@ -61,10 +62,12 @@ SLACK = 1e-4  # pixel units: the tolerance of the consistency test
 @dataclass(frozen=True)
 class ImprintParams:
     """``bins``: bin units of the first layer (<= its units); ``edges``: the prior whose quantiles are the bin
-    edges, 'normal' (the paper's: N(mean, std)) or 'public' (the empirical distribution of the mean pixel over
-    the held-out split of the data set named by ``public``); ``mean``: mean of the normal prior on an image's mean pixel (pixels in [0, 1]);
-    ``std``: standard deviation of the normal prior (pixel units); ``public``: the data set whose held-out split
-    the server holds (edges = 'public'); ``gain``: gain of the bin units."""
+    edges, 'normal' (the paper's: N(mean, std)), 'public-normal' (a normal with the mean and standard deviation
+    of the mean pixels of the held-out split of the data set named by ``public``) or 'public' (the empirical
+    distribution of those mean pixels); ``mean``: mean of the normal prior on an image's mean pixel (pixels in
+    [0, 1]; edges = 'normal'); ``std``: standard deviation of the normal prior (pixel units; edges = 'normal');
+    ``public``: the data set whose held-out split the server holds (edges = 'public-normal' or 'public');
+    ``gain``: gain of the bin units."""
 
     bins: int = 64
     edges: str = "normal"
@@ -78,8 +81,8 @@ class ImprintParams:
             raise ValueError(f"bins must be >= 1, got {self.bins}")
         if self.edges not in EDGES:
             raise ValueError(f"edges {self.edges!r}: choose one of {', '.join(EDGES)}")
-        if self.edges == "public" and not self.public:
-            raise ValueError("edges = 'public' needs public = the data set the server holds (e.g. 'mnist-5k')")
+        if self.edges != "normal" and not self.public:
+            raise ValueError(f"edges = {self.edges!r} needs public = the data set the server holds (e.g. 'mnist-5k')")
         if not self.std > 0:
             raise ValueError(f"std must be > 0, got {self.std}")
         if not self.gain > 0:
@@ -90,9 +93,12 @@ class ImprintParams:
 
 def bin_edges(params: ImprintParams) -> np.ndarray:
     """(bins,) ascending float64 edges of ``params``' prior (``attackers.imprint_edges``)."""
-    if params.edges == "public":
-        return quantile_edges(params.bins, public_means(params.public))
-    return normal_edges(params.bins, params.mean, params.std)
+    if params.edges == "normal":
+        return normal_edges(params.bins, params.mean, params.std)
+    means = public_means(params.public)
+    if params.edges == "public-normal":
+        return normal_edges(params.bins, float(means.mean()), float(means.std()))
+    return quantile_edges(params.bins, means)
 
 
 def next_layer(arrays: list[np.ndarray], card: ModelCard, index: int) -> int:
@@ -182,8 +188,8 @@ class ImprintAttack:
         consistent = (
             in_box(candidates, SLACK) & (measured >= edges[filled] - SLACK) & (measured <= upper[filled] + SLACK)
         )
-        weight = delta_bias[filled].abs()
-        ranked = sorted(range(len(filled)), key=lambda j: (not bool(consistent[j]), -float(weight[j])))[:batch]
+        strength = delta_bias[filled].abs()
+        ranked = sorted(range(len(filled)), key=lambda j: (not bool(consistent[j]), -float(strength[j])))[:batch]
         labels, inferred = upload_labels(obs, batch)
         stats: dict[str, Any] = {
             "recovered": sum(bool(consistent[j]) for j in ranked),

@@ -8,9 +8,9 @@ them (``fedguard.metrics.match``); a true image is recovered when its match has 
 (``LEAK_SSIM``) and, stricter, MSE at most 1e-3; the shares are averaged over ``--seeds`` draws of the images
 and of the model's initialisation.
 
-Cases: imprint with ``16 x batch`` bins (at most ``--hidden``) of the paper's normal prior, hand-set (the
-defaults: 0.45 +- 0.2) and fitted (the mean and std of the data set's held-out mean pixels), and of the held-out
-quantiles (``edges = 'public'``), and trap weights (the paper's defaults), at each of ``--batches``; imprint on
+Cases: imprint with ``16 x batch`` bins (at most ``--hidden``) of each prior (``edges``): the paper's normal one
+hand-set (``normal``, the defaults 0.45 +- 0.2) and fitted to the data set's held-out split (``public-normal``),
+and that split's quantiles (``public``), and trap weights (the paper's defaults), at each of ``--batches``; imprint on
 FedAvg (``--fedavg examples,batch,bins``), each prior. The table's SSIM is the mean SSIM of the matches.
 
     .venv/bin/python benchmarks/malicious_batch_sizes.py [--data mnist-5k] [--batches 8,32,128,256]
@@ -32,7 +32,6 @@ import torch
 
 from attackers.base import Reconstruction, build_attack
 from attackers.imprint import ImprintParams
-from attackers.imprint_edges import public_means
 from attackers.manipulation import Manipulation, build_manipulation
 from fedguard.data import load_dataset
 from fedguard.data.dataset import ImageData, Split
@@ -146,16 +145,14 @@ def run_case(case: Case, data: ImageData, hidden: int, seeds: int) -> dict[str, 
 
 
 def imprint_cases(data: str, bins: int, protocol: str, batch: int, examples: int, lr: float = 0.0) -> list[Case]:
-    """Imprint with ``bins`` bins of three priors: the normal one of the defaults (hand-set), the normal one
-    fitted to ``data``'s held-out mean pixels (their mean and standard deviation), their quantiles
-    (``edges = 'public'``)."""
-    means = public_means(data)
-    priors = {
-        "normal (defaults)": ImprintParams(bins=bins),
-        "normal (fitted)": ImprintParams(bins=bins, mean=float(means.mean()), std=float(means.std())),
-        "public": ImprintParams(bins=bins, edges="public", public=data),
-    }
-    return [Case("imprint", label, params, protocol, batch, examples, lr) for label, params in priors.items()]
+    """Imprint with ``bins`` bins of each prior: ``normal`` with the defaults' hand-set mean and std, then
+    ``public-normal`` and ``public`` fitted to ``data``'s held-out split."""
+    priors = [
+        ImprintParams(bins=bins),
+        ImprintParams(bins=bins, edges="public-normal", public=data),
+        ImprintParams(bins=bins, edges="public", public=data),
+    ]
+    return [Case("imprint", params.edges, params, protocol, batch, examples, lr) for params in priors]
 
 
 def cases(data: str, batches: list[int], fedavg: tuple[int, int, int], lrs: list[float], hidden: int) -> list[Case]:

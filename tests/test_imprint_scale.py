@@ -14,7 +14,7 @@ import torch
 
 from attackers.base import Reconstruction, build_attack
 from attackers.imprint import ImprintParams, bin_edges, build_imprint
-from attackers.imprint_edges import LOW_EDGE_STDS, public_means, quantile_edges
+from attackers.imprint_edges import LOW_EDGE_STDS, normal_edges, public_means, quantile_edges
 from fedguard.data import load_dataset
 from fedguard.data.dataset import ImageData, Split
 from fedguard.observation import Observation
@@ -68,7 +68,7 @@ def test_imprint_keeps_nine_tenths_of_a_fedsgd_batch_of_256(bench: ModuleType, d
 
 
 def test_imprint_reads_a_fedavg_update_of_two_local_steps(bench: ModuleType, digits: ImageData) -> None:
-    params = ImprintParams(bins=1024, edges="public", public="mnist-5k")
+    params = ImprintParams(bins=1024, edges="public-normal", public="mnist-5k")
     share, recon, obs = recovered_share(bench, params, digits, "fedavg", Schedule(0.1, 32, 1), 64)
     print("fedavg 2 x 32:", share, recon.stats, obs.declared)
     assert obs.kind == "weights" and obs.declared["local-steps"] == 2
@@ -92,6 +92,14 @@ def test_public_edges_hold_equal_shares_of_the_held_out_digits(digits: ImageData
     assert edges[1:] == pytest.approx(np.quantile(means, np.arange(1, 8) / 8))
     counts = np.bincount(np.searchsorted(edges, means, side="right") - 1, minlength=8)
     assert counts.sum() == len(means) and abs(counts - len(means) / 8).max() <= 2, counts
+
+
+def test_public_normal_edges_are_the_normal_quantiles_of_the_public_mean_and_std(digits: ImageData) -> None:
+    means = digits.test.images.flatten(1).double().mean(1).numpy() / 255.0
+    edges = bin_edges(ImprintParams(bins=4, edges="public-normal", public="mnist-5k"))
+    assert edges == pytest.approx(normal_edges(4, means.mean(), means.std()))
+    assert edges[2] == pytest.approx(means.mean())  # the median edge is the public mean
+    assert edges[3] == pytest.approx(means.mean() + 0.6744897501960817 * means.std())  # Phi^-1(3/4)
 
 
 def test_the_manipulation_sends_the_fitted_edges(bench: ModuleType, digits: ImageData) -> None:

@@ -171,7 +171,7 @@ def test_imprint_needs_enough_units_and_a_next_layer(photos) -> None:
         (lambda: TrapWeightsParams(sigma=0.0), "sigma must be > 0, got 0.0"),
         (lambda: ImprintParams(std=-1.0), "std must be > 0, got -1.0"),
         (lambda: ImprintParams(bins=0), "bins must be >= 1, got 0"),
-        (lambda: ImprintParams(edges="uniform"), "edges 'uniform': choose one of normal, public"),
+        (lambda: ImprintParams(edges="uniform"), "edges 'uniform': choose one of normal, public-normal, public"),
         (lambda: ImprintParams(edges="public"), "edges = 'public' needs public = the data set the server holds"),
     ],
 )
