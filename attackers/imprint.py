@@ -92,7 +92,8 @@ class ImprintParams:
 
 
 def bin_edges(params: ImprintParams) -> np.ndarray:
-    """(bins,) ascending float64 edges of ``params``' prior (``attackers.imprint_edges``)."""
+    """(bins,) float64 edges of ``params``' prior, ascending (the public quantiles: non-decreasing, equal where
+    public means tie) (``attackers.imprint_edges``)."""
     if params.edges == "normal":
         return normal_edges(params.bins, params.mean, params.std)
     means = public_means(params.public)
