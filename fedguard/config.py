@@ -239,7 +239,7 @@ class DetectSection:
     action: str = option(
         "report",
         "what a client does with a model a detector flagged: report (train and upload as usual), skip (reply with "
-        "no upload) or refuse (fail the round with the findings as the reason)",
+        "its findings and no upload) or refuse (reply with an error whose reason holds its findings)",
         choices=lambda: ACTIONS,
     )
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from flwr.app import ConfigRecord, Error, Message, RecordDict
+from flwr.serverapp.strategy import FedAvg
 
 from attackers.imprint import ImprintParams, build_imprint
 from attackers.manipulation import Manipulation
@@ -28,10 +29,12 @@ from fedguard.detect.structure import longest_monotone_run, trap_sign
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard
-from fedguard.records import DETECT, read_findings, refusal_reason
+from fedguard.records import DETECT, REFUSED, array_record, declined_content, read_findings, refusal_reason
 from fedguard.server_app import run_server
 from fedguard.training import get_arrays, loss_fn, set_arrays, trainable_mask
-from tests.helpers import client_fit, config
+from strategies import RoundGuard
+from strategies.upload_checks import UploadRules
+from tests.helpers import Nodes, client_fit, config, reply
 from tests.local_grid import LocalGrid
 
 SPEC = load_dataset("mnist-5k").spec
@@ -45,7 +48,7 @@ def batch() -> Batch:
     return data.train.batch(np.random.default_rng(0).choice(len(data.train), 32, replace=False))
 
 
-def mlp(seed: int, hidden: int = 64) -> nn.Module:
+def mlp(seed: int, hidden: int = 256) -> nn.Module:
     torch.manual_seed(seed)
     return build_model("mlp", SPEC, MLPParams(hidden=hidden))
 
@@ -62,7 +65,7 @@ def trained(model: nn.Module, steps: int, seed: int) -> nn.Module:
     return model
 
 
-def manipulated(model: nn.Module, manipulation: Manipulation, hidden: int = 64) -> nn.Module:
+def manipulated(model: nn.Module, manipulation: Manipulation, hidden: int = 256) -> nn.Module:
     """A copy of the MLP ``model`` (``hidden`` units) loaded with what ``manipulation`` sends in its place."""
     card = ModelCard("mlp", {}, SPEC, tuple(model.state_dict()), tuple(trainable_mask(model)))
     sent = build_model("mlp", SPEC, MLPParams(hidden=hidden))
@@ -82,12 +85,13 @@ def test_monotone_runs_and_trap_sign_on_hand_built_arrays() -> None:
     assert longest_monotone_run(torch.tensor([3.0, 1.0, 2.0, 5.0, 9.0, 9.0, 4.0])) == 4
     assert longest_monotone_run(torch.tensor([5.0, 4.0, 3.0])) == 3
     assert longest_monotone_run(torch.tensor([1.0, 1.0])) == 1
-    symmetric = torch.tensor([[1.0, -1.0, 2.0, -2.0], [3.0, -3.0, 0.5, -0.5]])
+    symmetric = torch.tensor([[1.0, -1.0, 2.0, -2.0], [3.0, -3.0, 0.5, -0.5]]).repeat(16, 1)
     assert trap_sign(symmetric) == 0.0
-    # positive means 0.5 and 1.5 of negative means 1 and 2: l = log 0.5, log 0.75, mean -0.49, std 0.29
-    rows = torch.tensor([[0.5, -1.0], [1.5, -2.0]], dtype=torch.float64)
-    logs = torch.log(torch.tensor([0.5, 0.75], dtype=torch.float64))
-    assert trap_sign(rows) == pytest.approx(-math.sqrt(2) * float(logs.mean() / logs.std()))
+    # per row l = log(mean positive / mean negative magnitude) - log(positive count / negative count)
+    rows = torch.tensor([[0.5, -1.0, -1.0], [1.5, -2.0, 0.0]], dtype=torch.float64).repeat(16, 1)
+    logs = torch.tensor([math.log(0.5) - math.log(1 / 2), math.log(0.75)], dtype=torch.float64).repeat(16)
+    assert trap_sign(rows) == pytest.approx(-math.sqrt(32) * float(logs.mean() / logs.std()))
+    assert trap_sign(rows[:31]) == 0.0, "too few rows to read"
 
 
 def test_structure_flags_imprint_and_trap_weights_of_an_honest_model(batch: Batch) -> None:
@@ -98,11 +102,11 @@ def test_structure_flags_imprint_and_trap_weights_of_an_honest_model(batch: Batc
         assert finding.scores["repeated-rows"] == 1 and finding.scores["equal-columns"] == 1
         imprint = detector(received(manipulated(honest, IMPRINT), batch), {})
         assert imprint.flagged
-        # 16 bin rows and 48 zero rows; the bins' biases -gain * e_i descend; their next-layer columns are equal
-        assert imprint.scores["repeated-rows"] == 48 and imprint.scores["bias-ladder"] == 16
+        # 16 bin rows and 240 zero rows; the bins' biases -gain * e_i descend; their next-layer columns are equal
+        assert imprint.scores["repeated-rows"] == 240 and imprint.scores["bias-ladder"] == 16
         assert imprint.scores["equal-columns"] == 16
         trap = detector(received(manipulated(honest, TRAP), batch), {})
-        assert trap.flagged and trap.scores["trap-sign"] > 6 and trap.scores["repeated-rows"] == 1
+        assert trap.flagged and trap.scores["trap-sign"] > 8 and trap.scores["repeated-rows"] == 1
 
 
 def test_structure_does_not_flag_honest_lenets(batch: Batch) -> None:
@@ -226,14 +230,15 @@ def test_a_skipping_client_trains_nothing_and_a_reporting_one_trains() -> None:
     assert n == 8 and metrics["detect.flagged"] == 1.0 and metrics["detect.action"] == "report"
 
 
-def test_clients_refuse_a_manipulated_round_and_the_round_records_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("action", ["refuse", "skip"])
+def test_clients_decline_a_manipulated_round_and_the_round_records_it(tmp_path: Path, action: str) -> None:
     cfg = config(
         "train.rounds=3",
         "capture.rounds=2",
         "threat.malicious=2:imprint",
         "manipulation.imprint.bins=8",
         "detect.name=structure,drift",
-        "detect.action=refuse",
+        f"detect.action={action}",
         f"out-dir={tmp_path / 'run'}",
     )
     folder = run_server(LocalGrid(make_client_app(cfg), cfg.partition.num_clients), cfg)
@@ -243,10 +248,34 @@ def test_clients_refuse_a_manipulated_round_and_the_round_records_it(tmp_path: P
     assert all(f["action"] == "none" and f["flagged"] == 0 for f in by_round[1]["detect"])
     attacked = by_round[2]
     assert attacked["clients"] == 0 and attacked["declined"] == 3 and "failures" not in attacked
-    assert "model is unchanged" in attacked["skipped"]
+    assert "rejected" not in attacked and "model is unchanged" in attacked["skipped"]
     assert len({f["client"] for f in attacked["detect"]}) == 3
     for finding in attacked["detect"]:
-        assert finding["action"] == "refuse" and finding["structure.flagged"] == 1
+        assert finding["action"] == action and finding["structure.flagged"] == 1
         assert finding["structure.bias-ladder"] == 8 and finding["structure.equal-columns"] == 8
     assert attacked["loss"] == by_round[1]["loss"], "the refused round left the model as it was"
     assert by_round[3]["clients"] == 3 and "declined" not in by_round[3]
+
+
+def test_the_round_guard_rejects_a_skip_that_names_another_client_and_fails_a_garbled_refusal() -> None:
+    seen: list[tuple] = []
+    rules = UploadRules("fedsgd", lr=0.5, batch_size=8, local_epochs=1, num_classes=10, partition_sizes=(8, 8, 8))
+    guard = RoundGuard(FedAvg(min_train_nodes=3), lambda *a: seen.append(a), rules)
+    sent = sorted(
+        guard.configure_train(1, array_record(["w"], [np.zeros(2, np.float32)]), ConfigRecord(), Nodes(3)),
+        key=lambda m: m.metadata.dst_node_id,
+    )  # clients 0, 1, 2
+    for m in sent:
+        m.metadata.__dict__["_message_id"] = f"m{m.metadata.dst_node_id}"
+    findings: dict[str, float | str] = {"flagged": 1.0, "action": "skip"}
+    impostor = Message(declined_content(0, findings), reply_to=sent[1])
+    garbled = Message(Error(0, REFUSED + "{not json"), reply_to=sent[2])
+    replies = [reply(sent[0], [np.ones(2, np.float32)], 8, {"client": 0}), impostor, garbled]
+    for message, to in zip(replies[1:], sent[1:]):
+        message.metadata.__dict__["_src_node_id"] = to.metadata.dst_node_id
+    new, _ = guard.aggregate_train(1, replies)
+    assert new is not None and new.to_numpy_ndarrays()[0].tolist() == [1.0, 1.0]
+    _, uploads, errors, rejected, found = seen[0]
+    assert [u.client for u in uploads] == [0] and found == []
+    assert len(errors) == 1 and "not json" in errors[0]
+    assert [(r.client, "declares client 0" in r.reason) for r in rejected] == [(1, True)]

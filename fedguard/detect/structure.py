@@ -12,13 +12,16 @@ dimension is ``n``), read as ``n`` columns (n, m). Rows (columns) ``i`` and ``j`
   near-identical non-zero rows (0 without a bias or such a group): the imprint's bin edges ``b_i = -gain e_i``.
 - ``equal-columns``: the most columns of the next layer near-identical to one column: the imprint's
   ``V[:, i] = V[:, 0]``.
-- ``trap-sign``: ``-sqrt(r) mean(l) / std(l)`` over the ``r`` rows with positive and negative entries, where
-  ``l_i = log(P_i / N_i)``, ``P_i`` the mean of row i's positive entries and ``N_i`` that of the magnitudes of
-  its negative ones: the t-statistic of a shrunken positive part (means, not sums, so that the count of each
-  sign adds no noise). An honest row's entries are symmetric about 0 at initialisation (``l_i`` near 0, either
-  sign; training on non-negative pixels moved the rows of the MLPs measured towards ``l_i > 0``); trap weights
-  (``attackers.trap_weights``) scale every row's positive entries by ``s < 1``, so ``l_i`` is about ``log s`` in
-  every row.
+- ``trap-sign``: ``-sqrt(r) mean(l) / std(l)`` over the ``r`` rows with positive and negative entries (0 when
+  fewer than ``TRAP_ROWS``: the t-statistic of a few rows has heavy tails), where
+  ``l_i = log(P_i / N_i) - log(p_i / q_i)``: ``P_i`` the mean of row i's positive entries, ``N_i`` that of the
+  magnitudes of its negative ones, ``p_i`` and ``q_i`` their counts. It is the t-statistic of a positive part
+  shrunk while the signs stay balanced. Trap weights (``attackers.trap_weights``) scale every row's positive
+  entries by ``s < 1`` and leave each sign half the entries: ``l_i`` is about ``log s`` in every row. An honest
+  row at initialisation is symmetric about 0 (``l_i`` near 0, either sign); training on non-negative pixels
+  shifts a row's entries, which moves the magnitude ratio and the count ratio alike (exactly so for PyTorch's
+  uniform initialisation), so ``l_i`` stays near 0. The magnitude ratio alone, without the counts, reached
+  t = 7 on honest MLPs after 20 SGD steps on mnist-5k, and -11 the other way.
 
 The model is flagged when any score reaches its threshold.
 """
@@ -33,6 +36,8 @@ import torch.nn as nn
 
 from fedguard.detect.base import Finding, Received, register_detector
 
+TRAP_ROWS = 32  # fewest rows trap-sign reads: LeNet's 6 first-layer rows gave up to 4.1 at initialisation
+
 
 @dataclass(frozen=True)
 class StructureParams:
@@ -45,7 +50,7 @@ class StructureParams:
     rows: int = 3
     ladder: int = 3
     columns: int = 3
-    trap: float = 6.0
+    trap: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.tolerance < 1:
@@ -119,14 +124,14 @@ def bias_ladder(layers: FirstLayers, tolerance: float) -> int:
 
 
 def trap_sign(rows: torch.Tensor) -> float:
-    """The ``trap-sign`` t-statistic of rows (n, k); 0 with fewer than two rows holding both signs or a zero
-    spread."""
+    """The ``trap-sign`` t-statistic of rows (n, k); 0 with fewer than ``TRAP_ROWS`` rows holding both signs or
+    a zero spread."""
     positives, negatives = (rows > 0).sum(1), (rows < 0).sum(1)
     both = (positives > 0) & (negatives > 0)
-    positive = rows.clamp(min=0).sum(1)[both] / positives[both]
-    negative = (-rows).clamp(min=0).sum(1)[both] / negatives[both]
-    logs = torch.log(positive / negative)
-    if len(logs) < 2 or float(logs.std()) == 0:
+    p, q = positives[both].to(rows.dtype), negatives[both].to(rows.dtype)
+    magnitudes = (rows.clamp(min=0).sum(1)[both] / p) / ((-rows).clamp(min=0).sum(1)[both] / q)
+    logs = torch.log(magnitudes) - torch.log(p / q)
+    if len(logs) < TRAP_ROWS or float(logs.std()) == 0:
         return 0.0
     return -math.sqrt(len(logs)) * float(logs.mean()) / float(logs.std())
 
