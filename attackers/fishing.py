@@ -11,7 +11,10 @@ The loss gradient at the logits is ``p - e_y``; only row ``c`` reaches the featu
 every layer below the last is ``(p_c - [y = c]) W_c``-weighted: about ``-W_c`` for an example of class ``c``,
 about zero for every other. The batch gradient of the whole feature extractor is that of the batch's
 examples of class ``c`` alone (magnified against the rest by ``exp(shift - z_c)``). Every other array is sent
-unchanged: the architecture, BatchNorm included, is the clients'.
+unchanged: the architecture, BatchNorm included, is the clients'. That holds exactly for a model without
+BatchNorm (the DLG LeNet); BatchNorm on batch statistics (the ConvNet) normalizes the target with the
+batch's statistics and spreads its gradient over every example of the batch, which no parameter value
+undoes (``docs/explanation/attacks.md``, "Fishing").
 
 Attack. The attacker reads ``c`` back from the last layer it sent (the class whose bias is not ``shift``)
 and inverts the upload as the gradient of one example of class ``c`` with the Inverting Gradients engine.
@@ -64,7 +67,8 @@ def classifier(arrays: list[np.ndarray], trainable: tuple[bool, ...], classes: i
 class FishingParams:
     """``target``: the class fished, 0 .. classes - 1, or -1: drawn uniformly by the server each time it sends
     the model (it does not know the clients' batches); ``shift``: the logit of every other class (logit units;
-    the paper's 1000 puts ``p_c`` below ``exp(-900)`` on any input of a model whose logits stay under 100)."""
+    1000, as in the paper's code (breaching), puts ``p_c`` below ``exp(-900)`` on any input of a model whose
+    logits stay under 100)."""
 
     target: int = RANDOM_CLASS
     shift: float = 1000.0

@@ -62,8 +62,9 @@ def upload(model, card: ModelCard, sent, x: torch.Tensor, y: torch.Tensor) -> Ob
 
 
 def test_only_the_last_layer_changes_values_and_the_target_row_is_kept(tiles) -> None:
-    _, card, sent, honest = fished(tiles.spec, width=4)
+    _, card, _, honest = fished(tiles.spec, width=4)
     before = [a.copy() for a in honest]
+    sent = build_fishing(FishingParams(target=TARGET))(honest, card, np.random.default_rng(0))
     assert all(np.array_equal(a, b) for a, b in zip(honest, before)), "the input arrays were modified"
     assert [(a.shape, a.dtype) for a in sent] == [(a.shape, a.dtype) for a in honest]
     for key, old, new in zip(card.names, honest, sent):
