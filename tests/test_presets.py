@@ -156,6 +156,7 @@ def test_the_attacks_preset_runs_every_attack_with_the_generator_the_readme_trai
         "attack.gradinversion.restarts=2",
         "attack.ggl.iterations=10",
         "attack.ggl.restarts=1",
+        "attack.fishing.iterations=10",
         "pool.workers=1",
     ]
     fedguard(
@@ -181,7 +182,7 @@ def test_the_attacks_preset_runs_every_attack_with_the_generator_the_readme_trai
     assert sorted(r["attack"] for r in rows) == sorted(names)
     assert all(r["status"] == "ok" and r["psnr"] is not None and r["floor"]["psnr"] > 0 for r in rows), rows
     by_attack = {r["attack"]: r for r in rows}
-    assert {r["manipulation"] for r in rows} == {"none", "trap-weights", "imprint"}
+    assert {r["manipulation"] for r in rows} == {"none", "trap-weights", "imprint", "fishing"}
     for analytic in ("trap-weights", "imprint"):
         row = by_attack[analytic]
         recovered = row["stats"]["recovered"]
