@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from attackers.base import Reconstruction, class_traits, images_per_upload, register_attack
 from attackers.engine.search import search
@@ -134,6 +135,18 @@ def as_one_example(obs: Observation) -> tuple[Observation, int, float]:
     return single, target, count
 
 
+def trains_on_one_example(model: nn.Module) -> None:
+    """The attack's ``check_model``: the search runs the model in training mode on one image, which a
+    BatchNorm1d (one value per channel) refuses; raises ``ValueError`` naming the first such layer."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.BatchNorm1d):
+            raise ValueError(
+                f"fishing inverts the upload as the gradient of one example, and the BatchNorm1d layer {name!r} "
+                f"cannot train on one (one value per channel); choose a model without BatchNorm1d "
+                f"(lenet, convnet, mlp with batch-norm = false)"
+            )
+
+
 @dataclass(frozen=True)
 class FishingAttackParams:
     """The Inverting Gradients search run on the fished gradient (``attackers.inverting_gradients``):
@@ -172,6 +185,7 @@ class FishingAttack:
     needs_by_upload: Mapping[str, frozenset[str]] = {}
     uploads: frozenset[str] = frozenset({"gradient"})
     manipulation = "fishing"
+    check_model = staticmethod(trains_on_one_example)
 
     def __init__(self, params: FishingAttackParams) -> None:
         self.params = params

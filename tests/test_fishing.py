@@ -19,6 +19,7 @@ from fedguard.data.registry import SourceOptions
 from fedguard.metrics import cosine_similarity, score_batch
 from fedguard.models import build_model
 from fedguard.models.convnet import ConvNetParams
+from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard, Observation
 from fedguard.training import compute_gradients, get_arrays, merge_by_mask, set_arrays, split_by_mask, trainable_mask
 
@@ -162,3 +163,11 @@ def test_a_target_outside_the_classes_is_refused(tiles) -> None:
 def test_the_attack_declares_the_fishing_manipulation() -> None:
     traits = attack_traits("fishing")
     assert traits.manipulation == "fishing" and traits.uploads == {"gradient"} and not traits.needs
+
+
+def test_a_model_that_cannot_train_on_one_example_is_refused(tiles) -> None:
+    check = attack_traits("fishing").check_model
+    assert check is not None
+    check(build_model("convnet", tiles.spec, ConvNetParams(width=2)))  # BatchNorm2d: H * W values per channel
+    with pytest.raises(ValueError, match=r"BatchNorm1d layer '\d+' cannot train on one"):
+        check(build_model("mlp", tiles.spec, MLPParams(hidden=8, depth=2, batch_norm=True)))
