@@ -7,9 +7,12 @@ Manipulation. The first Linear layer on the flattened image, ``W`` (n, d) and ``
     W_i = (gain / d) 1_d,    b_i = -gain * e_i    for i < K,    h_i = ReLU(gain * (m(x) - e_i))
     W_i = 0,                 b_i = -gain          for i >= K    (switched off: never active)
 
-with ascending edges ``e_i = mean + std * Phi^-1(i / K)`` (``i >= 1``): the quantiles of the server's prior on
-``m``, a normal ``N(mean, std)`` as in the paper, so each bin ``[e_i, e_{i+1})`` holds 1/K of the inputs it
-expects. ``e_0 = mean - 10 std`` stands in for ``Phi^-1(0) = -inf``: unit 0 fires for every input. The next
+with ascending edges ``e_i`` (``i >= 1``) the ``i / K`` quantiles of the server's prior on ``m``, so each bin
+``[e_i, e_{i+1})`` holds 1/K of the inputs it expects: by default (``edges = 'normal'``) a normal
+``N(mean, std)`` as in the paper, ``e_i = mean + std * Phi^-1(i / K)``; with ``edges = 'public-normal'`` the
+same with ``mean`` and ``std`` fitted to ``m`` over a public data set's held-out split, with ``edges = 'public'``
+the empirical distribution of ``m`` there (``attackers.imprint_edges``). ``e_0``, far below
+every expected measurement, stands in for ``Phi^-1(0) = -inf``: unit 0 fires for every input. The next
 Linear layer's weight ``V`` (m, n) gets ``V[:, i] = V[:, 0]`` for every ``i < K``: then
 ``dl/dh_i(x) = V[:, i] . dl/dz(x)`` is one value ``c(x)`` for all bin units that ``x`` fires, the condition
 that makes the differences below exact. Every other array is sent unchanged.
@@ -19,12 +22,20 @@ Attack. Unit i fires for the inputs with ``m(x) > e_i``, so with ``c_k = c(x_k)`
     dL/dW_i = (1/B) sum_{k: m(x_k) > e_i} c_k x_k,    dL/db_i = (1/B) sum_{k: m(x_k) > e_i} c_k
     x = (dL/dW_i - dL/dW_{i+1}) / (dL/db_i - dL/db_{i+1})      (the last bin: dL/dW_{K-1} / dL/db_{K-1})
 
-is exactly the input whose measurement falls in ``[e_i, e_{i+1})`` when only one does. A bin is non-empty when
+is exactly the input whose measurement falls in ``[e_i, e_{i+1})`` when only one does. On FedAvg (a 'weights'
+upload) the same read-out runs on the model difference ``global - uploaded = lr * sum_t dL_t/dW``: the ratio
+needs no learning rate, and each input adds ``c_k x_k`` and ``c_k`` in the one step it is in. It is no longer
+exact: the first step moves the bin rows (so later inputs may land one bin over) and makes the next layer's
+bin columns differ slightly, so every bin difference is non-zero and the candidates carry small errors. A bin is
+non-empty when
 ``|dL/db_i - dL/db_{i+1}|`` exceeds ``TINY`` times the largest ``|dL/db_i|``. A bin holding several inputs
 returns their ``c``-weighted mean; it is counted as recovered only when consistent with one input: inside the
 pixel box [0, 1] and with its measurement in its bin (both up to ``SLACK``). A mixture whose weights differ in
 sign usually fails that test; one whose weights agree cannot be told from a single input. The B images
-returned are the non-empty bins, consistent ones first, in bin order; empty slots get a flat 0.5 image. The
+returned are the non-empty bins, consistent ones first, each group by decreasing ``|dL/db_i - dL/db_{i+1}|``
+(an input's bin carries ``|c_k| / B``; the spurious bins of a FedAvg update far less); empty slots get a flat
+0.5 image. On FedAvg few true inputs pass the consistency test, whose slack is exact-arithmetic tight, and the
+ranking by bias difference carries the read-out. The
 attacker reads the bin units and their edges from the first layer it sent.
 """
 
@@ -33,36 +44,45 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 import torch
 
 from attackers.base import Reconstruction, class_traits, images_per_upload, register_attack
+from attackers.imprint_edges import EDGES, normal_edges, public_means, quantile_edges
 from attackers.manipulation import register_manipulation
-from attackers.trap_weights import TINY, as_images, card_input_layer, first_layer_gradient, in_box, upload_labels
+from attackers.trap_weights import TINY, as_images, card_input_layer, first_layer_update, in_box, upload_labels
 from fedguard.observation import ModelCard, Observation
 from fedguard.registry import NoParams
 
-LOW_EDGE_STDS = 10.0  # e_0 = mean - LOW_EDGE_STDS * std: below every measurement the prior expects
 SLACK = 1e-4  # pixel units: the tolerance of the consistency test
 
 
 @dataclass(frozen=True)
 class ImprintParams:
-    """``bins``: bin units of the first layer (<= its units); ``mean``: mean of the server's normal prior on an
-    image's mean pixel (pixels in [0, 1]), whose quantiles are the bin edges; ``std``: standard deviation of the
-    server's prior on the mean pixel (pixel units); ``gain``: gain of the bin units."""
+    """``bins``: bin units of the first layer (<= its units); ``edges``: the prior whose quantiles are the bin
+    edges, 'normal' (the paper's: N(mean, std)), 'public-normal' (a normal with the mean and standard deviation
+    of the mean pixels of the held-out split of the data set named by ``public``) or 'public' (the empirical
+    distribution of those mean pixels); ``mean``: mean of the normal prior on an image's mean pixel (pixels in
+    [0, 1]; edges = 'normal'); ``std``: standard deviation of the normal prior (pixel units; edges = 'normal');
+    ``public``: the data set whose held-out split the server holds (edges = 'public-normal' or 'public');
+    ``gain``: gain of the bin units."""
 
     bins: int = 64
+    edges: str = "normal"
     mean: float = 0.45
     std: float = 0.2
+    public: str = ""
     gain: float = 1.0
 
     def __post_init__(self) -> None:
         if self.bins < 1:
             raise ValueError(f"bins must be >= 1, got {self.bins}")
+        if self.edges not in EDGES:
+            raise ValueError(f"edges {self.edges!r}: choose one of {', '.join(EDGES)}")
+        if self.edges != "normal" and not self.public:
+            raise ValueError(f"edges = {self.edges!r} needs public = the data set the server holds (e.g. 'mnist-5k')")
         if not self.std > 0:
             raise ValueError(f"std must be > 0, got {self.std}")
         if not self.gain > 0:
@@ -70,11 +90,16 @@ class ImprintParams:
         if not np.isfinite(self.mean):
             raise ValueError(f"mean must be finite, got {self.mean}")
 
-    def edges(self) -> np.ndarray:
-        """(bins,) ascending float64: ``mean - 10 std``, then the ``i / bins`` quantiles of ``N(mean, std)``."""
-        prior = NormalDist(self.mean, self.std)
-        inner = [prior.inv_cdf(i / self.bins) for i in range(1, self.bins)]
-        return np.array([self.mean - LOW_EDGE_STDS * self.std, *inner])
+
+def bin_edges(params: ImprintParams) -> np.ndarray:
+    """(bins,) float64 edges of ``params``' prior, ascending (the public quantiles: non-decreasing, equal where
+    public means tie) (``attackers.imprint_edges``)."""
+    if params.edges == "normal":
+        return normal_edges(params.bins, params.mean, params.std)
+    means = public_means(params.public)
+    if params.edges == "public-normal":
+        return normal_edges(params.bins, float(means.mean()), float(means.std()))
+    return quantile_edges(params.bins, means)
 
 
 def next_layer(arrays: list[np.ndarray], card: ModelCard, index: int) -> int:
@@ -96,6 +121,7 @@ class Imprint:
 
     def __init__(self, params: ImprintParams) -> None:
         self.params = params
+        self.edges = bin_edges(params)
 
     def __call__(self, arrays: list[np.ndarray], card: ModelCard, rng: np.random.Generator) -> list[np.ndarray]:
         index = card_input_layer(arrays, card)
@@ -108,7 +134,7 @@ class Imprint:
         weight = np.zeros((units, pixels))
         weight[:bins] = gain / pixels
         bias = np.full(units, -gain)
-        bias[:bins] = -gain * self.params.edges()
+        bias[:bins] = -gain * self.edges
         sent[index] = weight.astype(arrays[index].dtype)
         sent[index + 1] = bias.astype(arrays[index + 1].dtype)
         sent[after][:, :bins] = sent[after][:, :1]
@@ -143,14 +169,14 @@ class ImprintAttack:
 
     needs: frozenset[str] = frozenset()
     needs_by_upload: Mapping[str, frozenset[str]] = {}
-    uploads: frozenset[str] = frozenset({"gradient"})
+    uploads: frozenset[str] = frozenset({"gradient", "weights"})
     manipulation = "imprint"
 
     def reconstruct_one(self, obs: Observation) -> Reconstruction:
-        """The inputs behind one gradient upload of an imprint model."""
+        """The inputs behind one upload (gradient or weights) of an imprint model."""
         start = time.perf_counter()
         batch = images_per_upload(obs)
-        index, weight_grad, bias_grad = first_layer_gradient(obs)
+        index, weight_grad, bias_grad = first_layer_update(obs)
         units, edges, measure = sent_bins(obs, index)
         weight_grad, bias_grad = weight_grad[units], bias_grad[units]
         delta_weight = weight_grad - torch.cat([weight_grad[1:], torch.zeros_like(weight_grad[:1])])
@@ -163,7 +189,8 @@ class ImprintAttack:
         consistent = (
             in_box(candidates, SLACK) & (measured >= edges[filled] - SLACK) & (measured <= upper[filled] + SLACK)
         )
-        ranked = sorted(range(len(filled)), key=lambda j: (not bool(consistent[j]), j))[:batch]
+        strength = delta_bias[filled].abs()
+        ranked = sorted(range(len(filled)), key=lambda j: (not bool(consistent[j]), -float(strength[j])))[:batch]
         labels, inferred = upload_labels(obs, batch)
         stats: dict[str, Any] = {
             "recovered": sum(bool(consistent[j]) for j in ranked),

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from attackers.base import Reconstruction, class_traits, images_per_upload, register_attack
+from attackers.engine.problem import target_update
 from attackers.labels import declared_labels, upload_labels_inferred
 from attackers.manipulation import register_manipulation
 from fedguard.data.spec import DataSpec
@@ -79,19 +80,28 @@ def first_layer_gradient(obs: Observation) -> tuple[int, torch.Tensor, torch.Ten
     """(index of the input layer's weight, its gradient (units, d), its bias gradient (units,)), float64."""
     if obs.kind != "gradient":
         raise ValueError(f"this attack needs FedSGD gradients, got a {obs.kind!r} upload")
+    return first_layer_update(obs)
+
+
+def first_layer_update(obs: Observation) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(index of the input layer's weight, its update (units, d), its bias update (units,)), float64: the batch
+    gradient of a 'gradient' upload, the model difference ``global - uploaded`` of a 'weights' upload (``lr``
+    times the sum of the local steps' gradients)."""
     index = input_layer(obs.names, obs.trainable, [a.shape for a in obs.global_arrays], obs.spec)
-    weight = torch.tensor(obs.upload[index], dtype=torch.float64)
-    bias = torch.tensor(obs.upload[index + 1], dtype=torch.float64)
+    weight, bias = (torch.tensor(obs.upload[i], dtype=torch.float64) for i in (index, index + 1))
+    if obs.kind == "weights":
+        weight = torch.tensor(obs.global_arrays[index], dtype=torch.float64) - weight
+        bias = torch.tensor(obs.global_arrays[index + 1], dtype=torch.float64) - bias
     return index, weight, bias
 
 
 def upload_labels(obs: Observation, batch: int) -> tuple[torch.Tensor, bool]:
-    """(labels (batch,) int64, whether inferred): the declared ones, else inferred from the last layer's gradient."""
+    """(labels (batch,) int64, whether inferred): the declared ones, else inferred from the last layer's gradient
+    (or model difference, for a 'weights' upload)."""
     declared = declared_labels(obs.declared)
     if declared is not None:
         return declared, False
-    grads = [torch.tensor(a) for a, t in zip(obs.upload, obs.trainable) if t]
-    return upload_labels_inferred(obs, grads, batch), True
+    return upload_labels_inferred(obs, target_update(obs, torch.device("cpu")), batch), True
 
 
 def in_box(candidates: torch.Tensor, slack: float) -> torch.Tensor:

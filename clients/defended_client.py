@@ -1,25 +1,28 @@
-"""The Flower client: a local step, the configured defense, then the upload."""
+"""The Flower client: the configured detectors on the model received, a local step, the configured defense, then
+the upload."""
 
 from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+import torch
 import torch.nn as nn
 from flwr.app import RecordDict
 from flwr.client import NumPyClient
 
 from clients.state import ClientState, RecordState
-from fedguard.config import Config, DataSection, PartitionSection
+from fedguard.config import Component, Config, DataSection, PartitionSection
 from fedguard.data import Split, load_dataset
 from fedguard.data.federated import client_split
 from fedguard.defenses import Defense, LocalStep, build_defense, defense_report
+from fedguard.detect import STATE_PREFIX, Action, Detector, Received, Verdict, build_detector, detect
 from fedguard.models import build_model
 from fedguard.protocols import Schedule
 from fedguard.protocols import protocol as run_protocol
-from fedguard.records import PROXIMAL_MU_KEY, ROUND_KEY
+from fedguard.records import FINDING_PREFIX, PROXIMAL_MU_KEY, ROUND_KEY
 from fedguard.seeding import client_generators
 from fedguard.sparse import ENCODING_KEY, SPARSE, byte_counts, encode_arrays
 from fedguard.training import evaluate, get_arrays, loss_fn, merge_by_mask, set_arrays, split_by_mask, trainable_mask
@@ -35,6 +38,23 @@ def _model(name: str, params: Any, data: DataSection) -> nn.Module:
 @functools.lru_cache(maxsize=2)
 def _defense(name: str, params: Any) -> Defense:
     return build_defense(name, params)
+
+
+@functools.lru_cache(maxsize=2)
+def _detectors(chosen: tuple[Component, ...]) -> dict[str, Detector]:
+    return {c.name: build_detector(c.name, c.params) for c in chosen}
+
+
+DETECT_STREAM = 0x64657463  # seeds the batch the detectors check, apart from the training batches
+
+
+class ModelDeclined(Exception):
+    """The client's detectors flagged the model and ``detect.action`` declines the round (skip or refuse)."""
+
+    def __init__(self, client: int, verdict: Verdict) -> None:
+        super().__init__(f"client {client} declines the model ({verdict.action})")
+        self.client = client
+        self.verdict = verdict
 
 
 def _local_data(data: DataSection, partition: PartitionSection, seed: int, client: int) -> Split:
@@ -75,6 +95,19 @@ class DefendedClient(NumPyClient):
         capture = self.config.capture
         return round_ in capture.round_selection() and self.client_id in capture.client_selection()
 
+    def _inspect(self, model: nn.Module, local: Split, state: dict[str, torch.Tensor], round_: int) -> Verdict:
+        """The configured detectors' verdict on the received ``model``, checked on a batch of ``train.batch-size``
+        of the client's examples drawn for the round (apart from its training batches); their part of ``state``
+        is updated in place."""
+        cfg = self.config
+        rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, self.client_id, round_, DETECT_STREAM]))
+        x, y = local.batch(rng.choice(len(local), size=min(cfg.train.batch_size, len(local)), replace=False))
+        own = {k: v for k, v in state.items() if k.startswith(STATE_PREFIX)}
+        action = cast(Action, cfg.detect.action)  # one of ACTIONS: the configuration checks it
+        verdict = detect(_detectors(cfg.detectors), Received(model, x, y, loss_fn), own, action)
+        state.update(own)
+        return verdict
+
     def _load_model(self, arrays: list[np.ndarray]) -> nn.Module:
         model = _model(self.config.model.name, self.config.model.params, self.config.data)
         set_arrays(model, arrays)
@@ -83,20 +116,30 @@ class DefendedClient(NumPyClient):
     def fit(
         self, parameters_in: list[np.ndarray], config: dict[str, Any]
     ) -> tuple[list[np.ndarray], int, dict[str, Any]]:
-        """One round: local step, defense, upload.
+        """One round: detectors, local step, defense, upload.
 
+        The configured detectors check the model received first; when they flag it and ``detect.action`` is
+        ``skip`` or ``refuse``, nothing is trained or uploaded: ``ModelDeclined`` is raised with their verdict.
         ``config['server-round']`` is the server round; in a targeted round the true batch is written to
         ``vault`` for scoring (never uploaded, and never to a folder the server names);
         ``config['proximal-mu']`` (Flower's FedProx) adds the proximal term to FedAvg's local training.
         Returns the upload (coordinate-encoded when that halves it at least, marked by ``encoding``), the number of
         examples, and what the client declares: hyper-parameters, ``labels`` (a list, where the threat model
-        grants them), sizes and the defense's ``defense.*`` reports.
+        grants them), sizes, the defense's ``defense.*`` reports and the detectors' findings (``detect.*``).
         """
         round_ = int(config[ROUND_KEY])
         cfg = self.config
         rng, generator = client_generators(cfg.run.seed, self.client_id, round_)
         local = _local_data(cfg.data, cfg.partition, cfg.run.seed, self.client_id)
         model = self._load_model(parameters_in)
+        state = self.state.load(round_)
+        findings: dict[str, Any] = {}
+        if cfg.detectors:
+            verdict = self._inspect(model, local, state, round_)
+            if verdict.declines:
+                self.state.store(round_, state)
+                raise ModelDeclined(self.client_id, verdict)
+            findings = {f"{FINDING_PREFIX}{k}": v for k, v in verdict.row().items()}
         mask = trainable_mask(model)
         protocol = run_protocol(cfg.train.protocol)
         mu = float(config.get(PROXIMAL_MU_KEY, 0.0))
@@ -116,12 +159,13 @@ class DefendedClient(NumPyClient):
         if self.vault is not None and self._targeted(round_):
             write_truth(self.vault, round_, self.client_id, x, y)
 
-        defense_state = self.state.load(round_)
+        defense_state = {k: v for k, v in state.items() if not k.startswith(STATE_PREFIX)}
         step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id, len(local))
         defense = _defense(cfg.defense.name, cfg.defense.params)
         sent = defense(step, defense_state)
         declared.update(defense_report(defense, defense_state))
-        self.state.store(round_, defense_state)
+        declared.update(findings)
+        self.state.store(round_, {**defense_state, **{k: v for k, v in state.items() if k.startswith(STATE_PREFIX)}})
 
         upload = merge_by_mask(protocol.upload(model, sent), buffers, mask)
         size = byte_counts(upload)

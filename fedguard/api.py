@@ -90,7 +90,7 @@ class RunResults:
     def rounds(self) -> pd.DataFrame:
         """One row per round (0: the initial model): ``round``, ``accuracy``, ``loss``, ``seconds``, the
         defense's totals as ``defense.<name>``, upload sizes in bytes."""
-        return _frame(read_jsonl(self.folder / ROUNDS_FILE), drop=("uploads", "rejected"))
+        return _frame(read_jsonl(self.folder / ROUNDS_FILE), drop=("uploads", "rejected", "detect"))
 
     @property
     def uploads(self) -> pd.DataFrame:

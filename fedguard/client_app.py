@@ -12,6 +12,10 @@ engine, which runs the server and every client for one party, into the vault of 
 (``fedguard.run_folder.flwr_run_dir``: ``out-dir``, or one named after the Flower run id); on a SuperNode,
 only when its operator opts in with the node config's ``vault-dir``.
 
+A client whose detectors flag the model it received declines the round as ``detect.action`` says
+(``clients.defended_client.ModelDeclined``): ``skip`` replies with its findings and no upload, ``refuse`` with an
+error whose reason holds them (``fedguard.records``).
+
 A client's defense state (``clients.state``) lives in files under the simulated run's folder, on a SuperNode in
 its ``Context.state``.
 """
@@ -28,6 +32,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from clients import DefendedClient
+from clients.defended_client import ModelDeclined
 from clients.state import ClientState, FileState, RecordState
 from fedguard.app_code import AppCode
 from fedguard.config import Config, ConfigError
@@ -36,10 +41,13 @@ from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.records import (
     ARRAYS,
     CONFIG,
+    FINDING_PREFIX,
     NUM_EXAMPLES,
     PARTITION_KEY,
     array_record,
     cannot_train_reason,
+    declined_content,
+    refusal_reason,
     reply_content,
 )
 from fedguard.run_folder import CLIENT_STATE_DIR, VAULT_DIR, flwr_run_dir
@@ -115,15 +123,25 @@ def client_state(context: Context, config: Config, client: int) -> ClientState:
 def upload_reply(msg: Message, upload: list[np.ndarray], num_examples: int, metrics: dict[str, Any]) -> Message:
     """The reply carrying a ``DefendedClient.fit`` result as typed records."""
     reports = {k: v for k, v in metrics.items() if k.startswith(REPORT_PREFIX)}
-    declared = {k: v for k, v in metrics.items() if not k.startswith(REPORT_PREFIX)}
+    findings = {k[len(FINDING_PREFIX) :]: v for k, v in metrics.items() if k.startswith(FINDING_PREFIX)}
+    declared = {k: v for k, v in metrics.items() if not k.startswith((REPORT_PREFIX, FINDING_PREFIX))}
     if declared.get(ENCODING_KEY) == SPARSE:
         names = [f"encoded-{i}" for i in range(len(upload))]
     else:
         names = list(msg.content[ARRAYS].keys())
     content = reply_content(
-        array_record(names, upload), num_examples, float(declared.get("loss", 0.0)), declared, reports
+        array_record(names, upload), num_examples, float(declared.get("loss", 0.0)), declared, reports, findings
     )
     return Message(content=content, reply_to=msg)
+
+
+def declined_reply(msg: Message, declined: ModelDeclined) -> Message:
+    """The reply of a client that declines the round: its findings and no upload (``skip``), or an error whose
+    reason holds them (``refuse``)."""
+    findings = declined.verdict.row()
+    if declined.verdict.action == "refuse":
+        return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, refusal_reason(findings)), reply_to=msg)
+    return Message(content=declined_content(declined.client, findings), reply_to=msg)
 
 
 class ShippedClientApp(AppCode, ClientApp):
@@ -148,6 +166,8 @@ def make_client_app(config: Config | None = None) -> ClientApp:
             fitted = client(context, instruction).fit(arrays, dict(instruction))
         except PERMANENT_ERRORS as error:
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, cannot_train_reason(error)), reply_to=msg)
+        except ModelDeclined as declined:
+            return declined_reply(msg, declined)
         return upload_reply(msg, *fitted)
 
     @client_app.evaluate()

@@ -50,6 +50,7 @@ from fedguard.data.sizes import samples_needed, split_sizes, train_class_counts
 from fedguard.defenses import DEFENSES
 from fedguard.defenses.base import defense_traits
 from fedguard.defenses.dp_sgd import DPSGDParams
+from fedguard.detect import ACTIONS, DETECTORS
 from fedguard.limits import (
     INT64_MAX,
     INT64_MIN,
@@ -234,6 +235,16 @@ def _schedule_round(text: str, piece: str) -> int:
 
 
 @dataclass(frozen=True)
+class DetectSection:
+    action: str = option(
+        "report",
+        "what a client does with a model a detector flagged: report (train and upload as usual), skip (reply with "
+        "its findings and no upload) or refuse (reply with an error whose reason holds its findings)",
+        choices=lambda: ACTIONS,
+    )
+
+
+@dataclass(frozen=True)
 class PoolSection:
     workers: int = option(1, "attacker worker processes (one GPU each when CUDA is visible)", ge=1, le=MAX_PROCESSES)
     time_limit: float = option(900.0, "seconds one captured upload may take before its worker is restarted", gt=0.0)
@@ -320,10 +331,15 @@ COMPONENT_KINDS: dict[str, tuple[Registry[Any], str, str]] = {
     "model": (MODELS, "mlp", "model architecture"),
     "defense": (DEFENSES, "none", "client-side defense applied to every upload"),
     "attack": (ATTACKS, NO_ATTACK, "attacks run on captured uploads, comma-separated ('none': capture only)"),
+    "detect": (
+        DETECTORS,
+        NO_ATTACK,
+        "checks every client runs on the model it receives, before training, comma-separated ('none': no check)",
+    ),
 }
 # Kinds chosen elsewhere (threat.malicious names the manipulations); only their parameters are keys.
 PARAMETER_KINDS: dict[str, Registry[Any]] = {"manipulation": MANIPULATIONS}
-LISTED_KINDS = ("attack",)
+LISTED_KINDS = {"attack": "attacks", "detect": "detectors"}  # kind -> the Config field of its chosen components
 SECTIONS: dict[str, type] = {
     "": RunSection,
     "data": DataSection,
@@ -331,6 +347,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainSection,
     "capture": CaptureSection,
     "threat": ThreatSection,
+    "detect": DetectSection,
     "pool": PoolSection,
     "sim": SimSection,
     "server": ServerSection,
@@ -353,6 +370,8 @@ class Config:
     manipulations: tuple[Component, ...] = ()
     capture: CaptureSection = CaptureSection()
     threat: ThreatSection = ThreatSection()
+    detect: DetectSection = DetectSection()
+    detectors: tuple[Component, ...] = ()
     pool: PoolSection = PoolSection()
     sim: SimSection = SimSection()
     server: ServerSection = ServerSection()
@@ -386,8 +405,10 @@ class Config:
         return flat
 
     def components(self, kind: str) -> tuple[Component, ...]:
-        """The chosen components of ``kind`` ('model', 'defense', 'attack', 'manipulation')."""
-        if kind in LISTED_KINDS or kind in PARAMETER_KINDS:
+        """The chosen components of ``kind`` ('model', 'defense', 'attack', 'detect', 'manipulation')."""
+        if kind in LISTED_KINDS:
+            return getattr(self, LISTED_KINDS[kind])
+        if kind in PARAMETER_KINDS:
             return getattr(self, f"{kind}s")
         return (getattr(self, kind),)
 
@@ -431,7 +452,7 @@ def split_names(value: str) -> list[str]:
 
 def _choices(kind: str) -> list[str]:
     names = COMPONENT_KINDS[kind][0].names()
-    return [NO_ATTACK, *names] if kind == "attack" else names
+    return [NO_ATTACK, *names] if kind in LISTED_KINDS else names
 
 
 def _dash(name: str) -> str:
@@ -611,7 +632,7 @@ def _build(flat: Mapping[str, Any]) -> Config:
             problems.append(f"{kind}.name = {shown(value)}: names a component twice")
         params = _component_params(kind, registry, values, problems)
         chosen = tuple(Component(n, params.get(n)) for n in names if n in params)
-        sections[f"{kind}s" if kind in LISTED_KINDS else kind] = (
+        sections[LISTED_KINDS.get(kind, kind)] = (
             chosen if kind in LISTED_KINDS else (chosen[0] if chosen else Component(value, None))
         )
     try:
@@ -792,7 +813,20 @@ def _cross_checks(sections: dict[str, Any], invalid: set[str]) -> list[str]:
     problems += _strategy_problems(sections, invalid)
     problems += _track_problems(sections["track"])
     problems += _place_problems(sections["data"], sections["sim"], invalid)
+    problems += _detect_problems(sections, invalid)
     return problems
+
+
+def _detect_problems(sections: dict[str, Any], invalid: set[str]) -> list[str]:
+    """D-SNR compares an example's gradient with the others': it needs batches of two or more."""
+    chosen = [d.name for d in sections["detectors"]]
+    batch = sections["train"].batch_size
+    if "dsnr" in chosen and _usable(invalid, "train.batch-size") and batch < 2:
+        return [
+            f"detect.name = {shown(','.join(chosen))}: dsnr compares each example's gradient with the rest of the "
+            f"batch, train.batch-size = {batch} gives it one; set train.batch-size >= 2 or drop dsnr"
+        ]
+    return []
 
 
 def _chosen_by(kind: str, names: str, problems: list[str]) -> list[str]:

@@ -14,7 +14,15 @@ e.g. FedProx's ``proximal-mu``). A reply carries, as typed records:
   the server checks against the one it assigned; ``strategies.upload_checks``),
   ``protocol``, ``lr``, ``batch-size``, local schedule, ``labels`` (a list, when the threat model grants
   them), ``encoding``, ``upload-bytes``, ``dense-bytes``;
-- "defense" (``ConfigRecord``): the defense's reports (``fedguard.defenses.defense_report``).
+- "defense" (``ConfigRecord``): the defense's reports (``fedguard.defenses.defense_report``);
+- "detect" (``ConfigRecord``), when the client runs detectors (``fedguard.detect``): what they found of the model
+  it received (``fedguard.detect.Verdict.row``: ``<detector>.<score>`` numbers, ``flagged``, ``action``).
+
+A client whose detectors flagged the model declines the round per ``detect.action``: ``skip`` replies with
+"metrics" (``num-examples`` 0), "declared" (its ``client``) and "detect", and no "arrays" (``declined_content``);
+``refuse`` replies with an error whose reason starts with ``REFUSED``, followed by its findings as JSON
+(``refusal_reason``). Neither is a failure: the server records the findings and leaves the client out of the
+round (``read_findings``).
 
 A client that cannot train in any round (a trained file it needs is missing or unusable, its configuration is
 refused, its data set is absent) replies with an error whose reason starts with ``CANNOT_TRAIN``
@@ -23,6 +31,8 @@ refused, its data set is absent) replies with an error whose reason starts with 
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -37,6 +47,8 @@ CONFIG = "config"
 METRICS = "metrics"
 DECLARED = "declared"
 DEFENSE = "defense"
+DETECT = "detect"
+FINDING_PREFIX = "detect."  # prefix of the findings among what DefendedClient.fit returns
 ROUND_KEY = "server-round"
 NUM_EXAMPLES = "num-examples"
 LOSS_KEY = "loss"
@@ -44,6 +56,10 @@ CLIENT_KEY = "client"
 PARTITION_KEY = "partition-id"
 PROXIMAL_MU_KEY = "proximal-mu"  # the key Flower's FedProx puts in the train config
 CANNOT_TRAIN = "cannot train in any round: "
+REFUSED = "refused the model: "
+FINDING_ACTIONS = ("none", "report", "skip", "refuse")  # fedguard.detect.Verdict.row's ``action``
+MAX_FINDINGS = 64  # entries of a client's findings the server reads (three detectors report 13)
+MAX_FINDING_NAME = 64  # characters of a finding's name
 
 
 def cannot_train_reason(error: Exception) -> str:
@@ -54,6 +70,68 @@ def cannot_train_reason(error: Exception) -> str:
 def cannot_train(reason: str | None) -> bool:
     """Whether an error reason says its client cannot train in any round (an error may come without one)."""
     return reason is not None and reason.startswith(CANNOT_TRAIN)
+
+
+def refusal_reason(findings: Mapping[str, float | str]) -> str:
+    """The error reason of a client that refuses the model: ``REFUSED`` and its findings as JSON."""
+    return REFUSED + json.dumps(dict(findings), sort_keys=True)
+
+
+def declined_content(client: int, findings: Mapping[str, float | str]) -> RecordDict:
+    """The reply of a client that skips the round: no upload, its findings."""
+    return RecordDict(
+        {
+            METRICS: MetricRecord({NUM_EXAMPLES: 0, LOSS_KEY: 0.0}),
+            DECLARED: ConfigRecord({CLIENT_KEY: client}),
+            DETECT: ConfigRecord(dict(findings)),
+        }
+    )
+
+
+def declined(reply: Message) -> bool:
+    """Whether a successful reply skips the round: findings and no upload."""
+    return ARRAYS not in reply.content and DETECT in reply.content
+
+
+def read_findings(reply: Message) -> dict[str, float | str] | None:
+    """The findings a reply carries (a refusal's reason, or its "detect" record), None when it carries none;
+    raises ``ValueError`` for findings that are not ``check_findings``'s."""
+    if reply.has_error():
+        reason = reply.error.reason or ""
+        if not reason.startswith(REFUSED):
+            return None
+        try:
+            findings = json.loads(reason[len(REFUSED) :])
+        except ValueError:
+            raise ValueError(f"a refusal whose findings are not JSON: {reason[:200]!r}") from None
+    elif DETECT in reply.content:
+        findings = reply.content[DETECT]
+        if not isinstance(findings, ConfigRecord):
+            raise ValueError(f"{DETECT!r} is a {type(findings).__name__}, expected a ConfigRecord")
+    else:
+        return None
+    return check_findings(findings)
+
+
+def check_findings(findings: Any) -> dict[str, float | str]:
+    """``findings`` as read: at most ``MAX_FINDINGS`` entries named by strings of at most ``MAX_FINDING_NAME``
+    characters, numbers but for ``action``, one of ``FINDING_ACTIONS``; raises ``ValueError`` naming the
+    first entry that is not."""
+    if not isinstance(findings, Mapping) or len(findings) > MAX_FINDINGS:
+        raise ValueError(f"findings must be a mapping of at most {MAX_FINDINGS} entries")
+    checked: dict[str, float | str] = {}
+    for name, value in findings.items():
+        if not isinstance(name, str) or len(name) > MAX_FINDING_NAME:
+            raise ValueError(f"a finding's name must be a string of at most {MAX_FINDING_NAME} characters")
+        if name == "action":
+            if value not in FINDING_ACTIONS:
+                raise ValueError(f"finding action = {str(value)[:40]!r}: expected one of {', '.join(FINDING_ACTIONS)}")
+            checked[name] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+            checked[name] = float(value)
+        else:
+            raise ValueError(f"finding {name!r} = {str(value)[:40]!r}: expected a number")
+    return checked
 
 
 def array_record(names: list[str] | tuple[str, ...], arrays: list[np.ndarray]) -> ArrayRecord:
@@ -69,10 +147,15 @@ def array_record(names: list[str] | tuple[str, ...], arrays: list[np.ndarray]) -
 
 
 def reply_content(
-    arrays: ArrayRecord, num_examples: int, loss: float, declared: dict[str, Any], reports: dict[str, Any]
+    arrays: ArrayRecord,
+    num_examples: int,
+    loss: float,
+    declared: dict[str, Any],
+    reports: dict[str, Any],
+    findings: Mapping[str, float | str] | None = None,
 ) -> RecordDict:
-    """A client's train reply."""
-    return RecordDict(
+    """A client's train reply (with its detectors' ``findings`` when it ran any)."""
+    content = RecordDict(
         {
             ARRAYS: arrays,
             METRICS: MetricRecord({NUM_EXAMPLES: int(num_examples), LOSS_KEY: float(loss)}),
@@ -80,6 +163,9 @@ def reply_content(
             DEFENSE: ConfigRecord(reports),
         }
     )
+    if findings:
+        content[DETECT] = ConfigRecord(dict(findings))
+    return content
 
 
 @dataclass(frozen=True)

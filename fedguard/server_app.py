@@ -219,11 +219,18 @@ def wait_for_nodes(grid: Grid, config: Config, poll: float = 0.5) -> int:
 
 
 def round_accounting(recorder_extra: dict[str, Any]) -> Any:
-    """``on_replies`` of ``RoundGuard``: keeps the round's defense reports, sizes, reply counts and rejected
-    uploads (``rejected``: ``{"client", "reason"}`` each; ``skipped`` when none was left) for the row written
-    with its evaluation."""
+    """``on_replies`` of ``RoundGuard``: keeps the round's defense reports, sizes, reply counts, rejected
+    uploads (``rejected``: ``{"client", "reason"}`` each), the clients' detector findings (``detect``:
+    ``{"client", <finding>: value, ..., "action"}`` each; ``declined``: how many skipped or refused the round)
+    and ``skipped`` when no upload was left, for the row written with its evaluation."""
 
-    def on_replies(server_round: int, uploads: list[Upload], errors: list[str], rejected: list[Rejection]) -> None:
+    def on_replies(
+        server_round: int,
+        uploads: list[Upload],
+        errors: list[str],
+        rejected: list[Rejection],
+        findings: list[dict[str, Any]],
+    ) -> None:
         recorder_extra.clear()
         reports = aggregate_reports(
             [{**u.reports, **({"client": u.client} if u.client is not None else {})} for u in uploads]
@@ -245,8 +252,22 @@ def round_accounting(recorder_extra: dict[str, Any]) -> Any:
             recorder_extra["rejected"] = [r.row() for r in rejected]
             for r in rejected:
                 log.warning("round %d: the upload of client %s is rejected: %s", server_round, r.client, r.reason)
-            if not uploads:
-                recorder_extra["skipped"] = f"every upload was rejected ({len(rejected)}); the model is unchanged"
+        declined = [f for f in findings if f.get("action") in ("skip", "refuse")]
+        if findings:
+            recorder_extra["detect"] = findings
+        for finding in declined:
+            log.warning(
+                "round %d: client %s declined (%s): its detectors flagged the model",
+                *(server_round, finding["client"], finding["action"]),
+            )
+        if declined:
+            recorder_extra["declined"] = len(declined)
+        if not uploads and declined:
+            recorder_extra["skipped"] = (
+                f"no upload was left ({len(rejected)} rejected, {len(declined)} declined); the model is unchanged"
+            )
+        elif not uploads and rejected:
+            recorder_extra["skipped"] = f"every upload was rejected ({len(rejected)}); the model is unchanged"
 
     return on_replies
 

@@ -9,12 +9,17 @@ every upload, reply accounting, dtypes.
   left out of the round, with its client and the reason. One upload per instructed node and round.
 - Evaluation is central (the ServerApp scores the global model on the held-out split), so no node is
   asked to evaluate.
-- Every round's replies are counted: ``on_replies(server_round, uploads, errors, rejected)`` receives the
-  accepted uploads, the error reasons and the rejections; a round in which no node succeeded stops the
+- A client whose detectors flagged the model it received (``fedguard.detect``) may decline the round: it skips
+  it (a reply with its findings and no upload) or refuses it (an error whose reason holds its findings;
+  ``fedguard.records``). Neither is a failure nor an upload: its client is left out of the round.
+- Every round's replies are counted: ``on_replies(server_round, uploads, errors, rejected, findings)`` receives
+  the accepted uploads, the error reasons (refusals not among them), the rejections and what each client's
+  detectors found (``{"client", <finding>: value, ...}`` in client order); a round in which no node succeeded
+  (declining is not failing) stops the
   run with ``AllClientsFailed`` naming the reasons, instead of carrying on with an unchanged model; so does a
   client that says it cannot train in any round (``fedguard.records.cannot_train``: a missing trained file, a
-  refused configuration), whatever the others did; a round whose every upload was rejected leaves the model as
-  it was.
+  refused configuration), whatever the others did; a round whose every upload was rejected or declined leaves
+  the model as it was.
 - The aggregate keeps the global model's dtypes (Flower's averaging turns integer buffers into floats).
 - Rounds repeat exactly: the nodes a strategy samples (Flower's ``sample_nodes``) are drawn in node-id order
   from a generator seeded by the run seed and the round, and the accepted uploads reach aggregation in client
@@ -35,8 +40,18 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedguard.records import CONFIG, PARTITION_KEY, Upload, array_record, cannot_train, read_upload
-from strategies.upload_checks import Layout, Rejection, UploadRules, upload_problem
+from fedguard.records import (
+    CONFIG,
+    DECLARED,
+    PARTITION_KEY,
+    Upload,
+    array_record,
+    cannot_train,
+    declined,
+    read_findings,
+    read_upload,
+)
+from strategies.upload_checks import Layout, Rejection, UploadRefused, UploadRules, check_identity, upload_problem
 from strategies.wrapper import StrategyWrapper
 
 log = logging.getLogger(__name__)
@@ -58,9 +73,9 @@ class RoundGuard(StrategyWrapper):
     ----------
     strategy : Strategy
         The wrapped (decoding, capturing, aggregating) strategy.
-    on_replies : Callable[[int, list[Upload], list[str], list[Rejection]], None]
+    on_replies : Callable[[int, list[Upload], list[str], list[Rejection], list[dict[str, Any]]], None]
         Called with each round's accepted uploads (their declarations and reports; not their arrays), error
-        reasons and rejections, before aggregation.
+        reasons, rejections and the clients' findings, before aggregation.
     rules : UploadRules
         What the run lets a client declare.
     seed : int
@@ -72,7 +87,7 @@ class RoundGuard(StrategyWrapper):
     def __init__(
         self,
         strategy: Strategy,
-        on_replies: Callable[[int, list[Upload], list[str], list[Rejection]], None],
+        on_replies: Callable[[int, list[Upload], list[str], list[Rejection], list[dict[str, Any]]], None],
         rules: UploadRules,
         seed: int = 0,
         rounds_done: int = 0,
@@ -128,10 +143,20 @@ class RoundGuard(StrategyWrapper):
         server_round += self.rounds_done
         replies = list(replies)
         failed = [m for m in replies if m.has_error()]
-        errors = [f"node {m.metadata.src_node_id}: {m.error.reason}" for m in failed]
-        accepted, rejected = self.screen([m for m in replies if not m.has_error()])
+        findings, refusals = self.refusals(failed)
+        errors = [f"node {m.metadata.src_node_id}: {m.error.reason}" for m in failed if m not in refusals]
+        skips, skip_rejections = self.skips([m for m in replies if not m.has_error() and declined(m)])
+        accepted, rejected = self.screen([m for m in replies if not m.has_error() and not declined(m)])
         accepted.sort(key=lambda m: self.clients[m.metadata.src_node_id])
-        self.on_replies(server_round, [read_upload(m, arrays=False) for m in accepted], errors, rejected)
+        rejected += skip_rejections
+        for reply in accepted + skips:
+            findings[reply] = read_findings(reply)
+        found = [
+            {"client": self.clients[m.metadata.src_node_id], **f}
+            for m, f in sorted(findings.items(), key=lambda item: self.clients[item[0].metadata.src_node_id])
+            if f is not None
+        ]
+        self.on_replies(server_round, [read_upload(m, arrays=False) for m in accepted], errors, rejected, found)
         permanent = [m for m in failed if cannot_train(m.error.reason)]
         if permanent:
             node = permanent[0].metadata.src_node_id
@@ -139,7 +164,7 @@ class RoundGuard(StrategyWrapper):
                 f"round {server_round}: client {self.clients.get(node, '?')} (node {node}) "
                 f"{permanent[0].error.reason} ({len(permanent)} of {len(replies)} clients)"
             )
-        if not accepted and not rejected:
+        if not accepted and not rejected and not refusals and not skips:
             reasons = "; ".join(errors[:3]) + (f"; ... ({len(errors) - 3} more)" if len(errors) > 3 else "")
             raise AllClientsFailed(
                 f"round {server_round}: every one of {len(errors)} clients failed ({reasons or 'no node replied'})"
@@ -152,6 +177,38 @@ class RoundGuard(StrategyWrapper):
             for a, d in zip(aggregated.to_numpy_ndarrays(), self._layout.dtypes)
         ]
         return array_record(list(aggregated.keys()), arrays), metrics
+
+    def refusals(self, failed: list[Message]) -> tuple[dict[Message, Any], list[Message]]:
+        """The findings of the failed replies that refuse the model, and those replies; a refusal from a node
+        not assigned a client, or with findings that do not read, stays a failure."""
+        findings: dict[Message, Any] = {}
+        for reply in failed:
+            try:
+                found = read_findings(reply)
+            except ValueError:
+                continue
+            if found is not None and reply.metadata.src_node_id in self.clients:
+                findings[reply] = found
+        return findings, list(findings)
+
+    def skips(self, replies: list[Message]) -> tuple[list[Message], list[Rejection]]:
+        """The replies that skip the round split into those accepted as skips (from an instructed node, as its
+        client, with findings that read) and rejections."""
+        accepted: list[Message] = []
+        rejected: list[Rejection] = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if self._instructions.pop(node, None) is None:
+                rejected.append(Rejection(self.clients.get(node), f"node {node} skipped a round it was not asked to"))
+                continue
+            try:
+                check_identity(self.clients[node], dict(reply.content[DECLARED]))
+                read_findings(reply)
+            except (UploadRefused, ValueError, TypeError, KeyError) as problem:
+                rejected.append(Rejection(self.clients[node], f"a skip whose records do not read: {problem}"))
+                continue
+            accepted.append(reply)
+        return accepted, rejected
 
     def screen(self, replies: list[Message]) -> tuple[list[Message], list[Rejection]]:
         """The successful replies split into accepted ones and rejections: one per instructed node, each

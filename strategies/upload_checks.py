@@ -4,7 +4,8 @@ A reply is refused (``UploadRefused``, whose message is the reason) when
 
 - its records are not the layout of ``fedguard.records``: one ``ArrayRecord`` "arrays", one ``MetricRecord``
   "metrics" holding exactly ``num-examples`` (an integer) and ``loss`` (a number), a ``ConfigRecord``
-  "declared", defense reports that are numbers;
+  "declared", defense reports that are numbers, detector findings as ``fedguard.records.check_findings`` reads
+  them;
 - the client it declares is not the one the server assigned to the node that sent it;
 - an array differs from the global model's in number, name, shape or dtype, or holds a NaN or an infinity; a
   coordinate-encoded upload (``fedguard.sparse``) breaks that format's invariants (int32 positions, strictly
@@ -37,7 +38,18 @@ from numpy.lib import format as npy
 from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.limits import shown
 from fedguard.protocols import protocol
-from fedguard.records import ARRAYS, CLIENT_KEY, DECLARED, DEFENSE, LOSS_KEY, METRICS, NUM_EXAMPLES, PROXIMAL_MU_KEY
+from fedguard.records import (
+    ARRAYS,
+    CLIENT_KEY,
+    DECLARED,
+    DEFENSE,
+    DETECT,
+    LOSS_KEY,
+    METRICS,
+    NUM_EXAMPLES,
+    PROXIMAL_MU_KEY,
+    check_findings,
+)
 from fedguard.sparse import ENCODING_KEY, INDEX, MASK, PARTS, SHAPE, SPARSE, mask_bytes, mask_flags, position_bytes
 from fedguard.sparse import check_positions as positions_in_range
 
@@ -129,6 +141,13 @@ def check_records(content: RecordDict) -> None:
         raise UploadRefused(f"lacks the ConfigRecord {DECLARED!r}")
     if DEFENSE in content:
         check_reports(content[DEFENSE])
+    if DETECT in content:
+        if not isinstance(content[DETECT], ConfigRecord):
+            raise UploadRefused(f"{DETECT!r} is a {type(content[DETECT]).__name__}, expected a ConfigRecord")
+        try:
+            check_findings(content[DETECT])
+        except ValueError as error:
+            raise UploadRefused(f"{DETECT!r}: {error}") from None
 
 
 def check_reports(reports: Any) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attackers.base import build_attack
-from attackers.imprint import ImprintParams, build_imprint
+from attackers.imprint import ImprintParams, bin_edges, build_imprint
 from attackers.manipulation import build_manipulation
 from attackers.trap_weights import TrapWeightsParams, build_trap_weights
 from fedguard.data import load_dataset
@@ -82,7 +82,7 @@ def test_imprint_recovers_every_input_alone_in_its_bin(photos) -> None:
     x, y = photos.test.batch(IMPRINT_BATCH)
     recon = build_attack("imprint").reconstruct_many([upload(model, card, sent, x, y, "imprint")], 0)[0]
     got = paired_psnr(recon.images, x)
-    bins = np.searchsorted(params.edges(), x.flatten(1).double().mean(1).numpy(), side="right") - 1
+    bins = np.searchsorted(bin_edges(params), x.flatten(1).double().mean(1).numpy(), side="right") - 1
     alone = np.array([np.sum(bins == b) == 1 for b in bins])
     print("imprint stats", recon.stats, "psnr", got, "bins", bins)
     assert alone.sum() >= 6
@@ -136,9 +136,9 @@ def test_imprint_layout_bins_columns_and_switched_off_units(photos) -> None:
     )
     pixels = weight.shape[1]
     assert np.allclose(weight[:8], 2.0 / pixels) and (weight[8:] == 0).all() and (bias[8:] < 0).all()
-    assert np.allclose(-bias[:8] / 2.0, params.edges().astype(np.float32))
-    assert (np.diff(params.edges()) > 0).all()
-    assert params.edges()[4] == pytest.approx(0.4)  # the median bin edge is the prior's mean
+    assert np.allclose(-bias[:8] / 2.0, bin_edges(params).astype(np.float32))
+    assert (np.diff(bin_edges(params)) > 0).all()
+    assert bin_edges(params)[4] == pytest.approx(0.4)  # the median bin edge is the prior's mean
     assert (after[:, :8] == after[:, :1]).all(), "bin columns of the next layer must be equal"
     assert np.array_equal(after[:, 8:], arrays[2][:, 8:])
 
@@ -171,6 +171,8 @@ def test_imprint_needs_enough_units_and_a_next_layer(photos) -> None:
         (lambda: TrapWeightsParams(sigma=0.0), "sigma must be > 0, got 0.0"),
         (lambda: ImprintParams(std=-1.0), "std must be > 0, got -1.0"),
         (lambda: ImprintParams(bins=0), "bins must be >= 1, got 0"),
+        (lambda: ImprintParams(edges="uniform"), "edges 'uniform': choose one of normal, public-normal, public"),
+        (lambda: ImprintParams(edges="public"), "edges = 'public' needs public = the data set the server holds"),
     ],
 )
 def test_bad_parameters_name_the_value(bad, message: str) -> None:
@@ -179,6 +181,6 @@ def test_bad_parameters_name_the_value(bad, message: str) -> None:
 
 
 def test_attacks_declare_the_manipulation_they_exploit() -> None:
-    for name in ("trap-weights", "imprint"):
+    for name, uploads in (("trap-weights", {"gradient"}), ("imprint", {"gradient", "weights"})):
         attack = build_attack(name)
-        assert attack.manipulation == name and attack.uploads == {"gradient"} and not attack.needs
+        assert attack.manipulation == name and attack.uploads == uploads and not attack.needs

@@ -1,0 +1,218 @@
+"""Class fishing (Wen et al., "Fishing for User Data in Large-Batch Federated Learning via Gradient
+Magnification", ICML 2022, arXiv 2202.00580), for any model whose last layer is a Linear classifier.
+
+Manipulation. The server rewrites only the last layer, ``W`` (K, f) and ``b`` (K,): every row of a class
+``k != c`` becomes zero and its bias ``shift``, the target class ``c`` keeps its row and bias::
+
+    z_k = shift (k != c),    z_c = W_c . phi(x) + b_c
+
+With ``shift`` far above ``z_c`` the model is sure of a class other than ``c`` on every input: ``p_c ~ 0``.
+The loss gradient at the logits is ``p - e_y``; only row ``c`` reaches the features ``phi``, so the gradient of
+every layer below the last is ``(p_c - [y = c]) W_c``-weighted: about ``-W_c`` for an example of class ``c``,
+about zero for every other. The batch gradient of the whole feature extractor is that of the batch's
+examples of class ``c`` alone (magnified against the rest by ``exp(shift - z_c)``). Every other array is sent
+unchanged: the architecture, BatchNorm included, is the clients'. That holds exactly for a model without
+BatchNorm (the DLG LeNet); BatchNorm on batch statistics (the ConvNet) normalizes the target with the
+batch's statistics and spreads its gradient over every example of the batch, which no parameter value
+undoes (``docs/explanation/attacks.md``, "Fishing").
+
+Attack. The attacker reads ``c`` back from the last layer it sent (the class whose bias is not ``shift``)
+and inverts the upload as the gradient of one example of class ``c`` with the Inverting Gradients engine.
+Of the last layer's gradient only row ``c`` is about the target example(s); the rows of the other classes
+mix every example of the batch, so the attack replaces them with what one example of class ``c`` gives
+there (``p_k = (1 - p_c) / (K - 1)`` for every ``k != c``): ``-(row c) / (K - 1)``, exact for the dummy
+image the search compares with. The target bias gradient ``-(n_c / B)(1 - p_c)`` counts the examples of
+class ``c`` in the batch (``target_examples``): more than one and the inverted image is their mixture.
+The reconstruction is one image per batch, in every slot (the evaluator's matching then pairs it with each
+true image, and the best match counts; a flat fill would pair with flat true tiles); every slot is labelled
+``c``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from attackers.base import Reconstruction, class_traits, images_per_upload, register_attack
+from attackers.engine.search import search
+from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
+from attackers.labels import last_layer
+from attackers.manipulation import register_manipulation
+from fedguard.observation import ModelCard, Observation
+
+RANDOM_CLASS = -1  # ``target`` value: the server draws the target class uniformly at each sending
+
+
+def classifier(arrays: list[np.ndarray], trainable: tuple[bool, ...], classes: int) -> tuple[int, int]:
+    """``state_dict`` indices (weight (K, f), bias (K,)) of the last trainable Linear layer with ``classes``
+    outputs; raises ``ValueError`` naming the model's shapes when it has no such layer with a bias."""
+    kept = [i for i, t in enumerate(trainable) if t]
+    try:
+        weight, bias = last_layer([torch.from_numpy(np.asarray(arrays[i])) for i in kept], classes)
+    except ValueError as missing:
+        raise ValueError(f"fishing needs a last Linear layer with {classes} outputs: {missing}") from None
+    if weight is None or bias is None:
+        shapes = [tuple(arrays[i].shape) for i in kept]
+        raise ValueError(f"fishing needs a last Linear layer with {classes} outputs and a bias; shapes {shapes}")
+    return kept[weight], kept[bias]
+
+
+@dataclass(frozen=True)
+class FishingParams:
+    """``target``: the class fished, 0 .. classes - 1, or -1: drawn uniformly by the server each time it sends
+    the model (it does not know the clients' batches); ``shift``: the logit of every other class (logit units;
+    1000, as in the paper's code (breaching), puts ``p_c`` below ``exp(-900)`` on any input of a model whose
+    logits stay under 100)."""
+
+    target: int = RANDOM_CLASS
+    shift: float = 1000.0
+
+    def __post_init__(self) -> None:
+        if self.target < RANDOM_CLASS:
+            raise ValueError(f"target must be a class index >= 0 or -1 (drawn at random), got {self.target}")
+        if not (np.isfinite(self.shift) and self.shift > 0):
+            raise ValueError(f"shift must be finite and > 0, got {self.shift}")
+
+
+class Fishing:
+    """The manipulation: the last layer's other-class rows zeroed and their biases set to ``shift``."""
+
+    def __init__(self, params: FishingParams) -> None:
+        self.params = params
+
+    def __call__(self, arrays: list[np.ndarray], card: ModelCard, rng: np.random.Generator) -> list[np.ndarray]:
+        classes = card.spec.num_classes
+        target = int(rng.integers(classes)) if self.params.target == RANDOM_CLASS else self.params.target
+        if target >= classes:
+            raise ValueError(f"target = {target} is not a class of this model; choose 0 .. {classes - 1} or -1")
+        weight, bias = classifier(arrays, card.trainable, classes)
+        sent = [a.copy() for a in arrays]
+        others = np.arange(classes) != target
+        sent[weight][others] = 0
+        sent[bias][others] = self.params.shift
+        return sent
+
+
+@register_manipulation("fishing", params=FishingParams)
+def build_fishing(params: FishingParams) -> Fishing:
+    """Class fishing (Wen et al. 2022): every class but one made certain, so its examples alone leave gradient."""
+    return Fishing(params)
+
+
+def fished_class(obs: Observation) -> tuple[int, int, int]:
+    """(target class, index of the last weight, of its bias) read from the last layer the server sent; raises
+    ``ValueError`` unless every other class's row is zero (the upload was not computed on a fished model)."""
+    weight, bias = classifier(obs.global_arrays, obs.trainable, obs.spec.num_classes)
+    sent_weight, sent_bias = obs.global_arrays[weight], obs.global_arrays[bias]
+    target = int(np.argmin(sent_bias))
+    others = np.arange(len(sent_bias)) != target
+    if np.any(sent_weight[others] != 0):
+        raise ValueError(
+            f"the last layer {obs.names[weight]} the server sent has non-zero rows outside class {target}; "
+            f"was the upload computed on a fishing model?"
+        )
+    return target, weight, bias
+
+
+def as_one_example(obs: Observation) -> tuple[Observation, int, float]:
+    """(``obs`` as the upload of one example of the fished class, that class, how many examples of it the
+    batch held: ``-B * dL/db_c``, (1 - p_c) taken as 1)."""
+    target, weight, bias = fished_class(obs)
+    upload = [a.copy() for a in obs.upload]
+    others = np.arange(obs.spec.num_classes) != target
+    share = 1.0 / (obs.spec.num_classes - 1)
+    upload[weight][others] = -share * upload[weight][target]
+    upload[bias][others] = -share * upload[bias][target]
+    count = -images_per_upload(obs) * float(obs.upload[bias][target])
+    single = dataclasses.replace(obs, upload=upload, num_examples=1, declared={"batch-size": 1, "labels": [target]})
+    return single, target, count
+
+
+def trains_on_one_example(model: nn.Module) -> None:
+    """The attack's ``check_model``: the search runs the model in training mode on one image, which a
+    BatchNorm1d (one value per channel) refuses; raises ``ValueError`` naming the first such layer."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.BatchNorm1d):
+            raise ValueError(
+                f"fishing inverts the upload as the gradient of one example, and the BatchNorm1d layer {name!r} "
+                f"cannot train on one (one value per channel); choose a model without BatchNorm1d "
+                f"(lenet, convnet, mlp with batch-norm = false)"
+            )
+
+
+@dataclass(frozen=True)
+class FishingAttackParams:
+    """The Inverting Gradients search run on the fished gradient (``attackers.inverting_gradients``):
+    ``iterations``: signed-Adam iterations; ``restarts``: random starts per upload, the best kept; ``lr``: step
+    on [0, 1] pixels; ``tv``: weight of the total-variation prior; ``device``: 'auto', 'cpu' or 'cuda';
+    ``compile``: 'auto', 'on' or 'off'; ``schedule``: 'step' (the paper's), 'cosine' or 'none'."""
+
+    iterations: int = 2000
+    restarts: int = 1
+    lr: float = 0.025
+    tv: float = 0.01
+    device: str = "auto"
+    compile: str = "auto"
+    schedule: str = "step"
+
+    def inverting_gradients(self) -> InvertingGradientsParams:
+        """The IG parameters these stand for (checked there)."""
+        return InvertingGradientsParams(
+            iterations=self.iterations,
+            restarts=self.restarts,
+            lr=self.lr,
+            tv=self.tv,
+            device=self.device,
+            compile=self.compile,
+            schedule=self.schedule,
+        )
+
+    def __post_init__(self) -> None:
+        self.inverting_gradients()
+
+
+class FishingAttack:
+    """Inverting Gradients on the fished gradient, as that of one example of the target class."""
+
+    needs: frozenset[str] = frozenset()
+    needs_by_upload: Mapping[str, frozenset[str]] = {}
+    uploads: frozenset[str] = frozenset({"gradient"})
+    manipulation = "fishing"
+    check_model = staticmethod(trains_on_one_example)
+
+    def __init__(self, params: FishingAttackParams) -> None:
+        self.params = params
+        self.spec = InvertingGradients(params.inverting_gradients()).spec
+
+    def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
+        """One image per upload, searched for all uploads together from the starting points ``seed`` gives."""
+        start = time.perf_counter()
+        fished = [as_one_example(obs) for obs in observations]
+        searched = search(self.spec, [single for single, _, _ in fished], seed)
+        seconds = (time.perf_counter() - start) / max(len(observations), 1)
+        results = []
+        for obs, (_, target, count), found in zip(observations, fished, searched):
+            batch = images_per_upload(obs)
+            stats: dict[str, Any] = {
+                **found.stats,
+                "target_class": target,
+                "target_examples": round(count, 3),
+                "seconds": seconds,
+            }
+            images = found.images[:1].expand(batch, *obs.spec.shape).clone()
+            labels = torch.full((batch,), target, dtype=torch.long)
+            results.append(Reconstruction(images, labels, stats))
+        return results
+
+
+@register_attack("fishing", params=FishingAttackParams, traits=class_traits(FishingAttack))
+def build_fishing_attack(params: FishingAttackParams) -> FishingAttack:
+    """Fishing (Wen et al. 2022): Inverting Gradients on a class-fished gradient, one image per upload."""
+    return FishingAttack(params)
