@@ -76,6 +76,20 @@ def test_imprint_reads_a_fedavg_update_of_two_local_steps(bench: ModuleType, dig
     assert share >= 0.5, (share, recon.stats)
 
 
+@pytest.mark.skipif(
+    not Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").is_file(),
+    reason="Debian package dataset-fashion-mnist not installed (.ci/run installs it where apt-get may)",
+)
+def test_imprint_with_its_defaults_keeps_nine_tenths_of_256_fashion_images(bench: ModuleType) -> None:
+    """The paper's hand-set normal prior (the defaults) and 4,096 bins on a FedSGD batch of 256."""
+    params = ImprintParams(bins=4096)
+    share, recon, _ = recovered_share(
+        bench, params, load_dataset("fashion-mnist"), "fedsgd", Schedule(0.1, 256, 1), 256
+    )
+    print("fashion fedsgd 256, defaults:", share, recon.stats)
+    assert share >= 0.9, (share, recon.stats)
+
+
 def test_public_edges_are_the_quantiles_of_the_public_means() -> None:
     means = np.array([0.3, 0.1, 0.4, 0.0, 0.2])  # sorted: 0, 0.1, 0.2, 0.3, 0.4
     edges = quantile_edges(4, means)
