@@ -199,3 +199,30 @@ def test_report_renders_in_chromium(tmp_path: Path) -> None:
     assert pixels.shape[:2] == (2400, 1280) and pixels.std() > 20, "the screenshot is not blank"
     if keep := os.environ.get("FEDGUARD_REPORT_SHOT"):  # a path, to look at the page
         shutil.copy(shot, keep)
+
+
+def test_a_plugin_run_is_reported_where_its_plugins_cannot_be_imported(tmp_path: Path) -> None:
+    """The report reads the keys config.toml recorded: no plugin imported, nothing validated again."""
+    import tomllib
+
+    import tomli_w
+
+    folder = make_run(tmp_path, [OK_ROW])
+    recorded = tomllib.loads((folder / "config.toml").read_text())
+    recorded["server"]["plugins"] = "lab_plugins.sign_flip"  # importable only in the lab's own folder
+    recorded["defense"]["name"] = "sign-flip"
+    recorded["defense"]["sign-flip"] = {"scale": 2.5}
+    (folder / "config.toml").write_text(tomli_w.dumps(recorded))
+    page = build_report(folder).read_text()
+    assert "could not be read" not in page and "cannot import" not in page
+    assert "<dt>defense</dt><dd>sign-flip (scale=2.5)</dd>" in page
+    assert "<h1>report-test</h1>" in page and "<dt>dataset</dt><dd>photos</dd>" in page
+
+
+def test_a_missing_or_broken_configuration_is_named_and_the_report_still_written(tmp_path: Path) -> None:
+    folder = make_run(tmp_path, [OK_ROW])
+    (folder / "config.toml").write_text("train = [unclosed")
+    page = build_report(folder).read_text()
+    assert "config.toml could not be read: preset" in page and "is not valid TOML" in page
+    (folder / "config.toml").unlink()
+    assert "config.toml is missing" in build_report(folder).read_text()

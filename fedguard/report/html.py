@@ -13,7 +13,6 @@ row: ``fedguard.report.row_values``).
 from __future__ import annotations
 
 import base64
-import dataclasses
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -22,15 +21,15 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any
 
-from fedguard.config import Config, ConfigError, load_config
+from fedguard.config import NO_ATTACK, ConfigError
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.report.comparison import write_comparison
 from fedguard.report.images import load_png
+from fedguard.report.recorded import RecordedConfig, read_recorded_config
 from fedguard.report.row_values import read_rows
 from fedguard.report.run_status import read_status
 from fedguard.run_folder import (
     ATTACKS_FILE,
-    CONFIG_FILE,
     GRID_KINDS,
     REPORT_FILE,
     ROUNDS_FILE,
@@ -40,6 +39,7 @@ from fedguard.run_folder import (
     warn,
     write_atomic,
 )
+from strategies.registry import AUTO as AUTO_STRATEGY
 from strategies.registry import resolve as resolve_strategy
 
 DASH = "\u2014"
@@ -74,14 +74,12 @@ def _ending(run_dir: Path) -> list[str]:
     return [f"Run status: {status.get('status')} after {status.get('rounds')} rounds{why}."]
 
 
-def _load_config(run_dir: Path) -> tuple[Config | None, str | None]:
-    path = run_dir / CONFIG_FILE
-    if not path.is_file():
-        return None, f"{CONFIG_FILE} is missing"
+def _load_config(run_dir: Path) -> tuple[RecordedConfig | None, str | None]:
+    """The configuration the run recorded (no plugin imported, nothing validated again), or why there is none."""
     try:
-        return load_config(path), None
+        return read_recorded_config(run_dir), None
     except ConfigError as error:
-        return None, f"{CONFIG_FILE} could not be read: {error}"
+        return None, "; ".join(error.problems)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,47 +275,45 @@ def _leakage_png(curves: dict[str, list[tuple[int, float]]], rounds: list[dict[s
 # ----------------------------------------------------------------------------------------------
 
 
-def _params_text(params: Any) -> str:
-    if not dataclasses.is_dataclass(params):
-        return ""
-    values = dataclasses.asdict(params)  # type: ignore[arg-type]  # params is an instance, never a class
-    return ", ".join(f"{key.replace('_', '-')}={value}" for key, value in values.items())
+def _strategy(recorded: RecordedConfig) -> str:
+    """The strategy the run used: ``server.strategy``, with ``auto`` resolved for its protocol where this
+    process knows the protocol (a protocol plugin's may not be importable here)."""
+    name = str(recorded.value("server.strategy", AUTO_STRATEGY))
+    try:
+        return resolve_strategy(name, str(recorded.value("train.protocol", "")))
+    except (KeyError, ValueError):
+        return name
 
 
-def _header(run_dir: Path, config: Config | None, problems: list[str], rounds: list[dict[str, Any]]) -> str:
-    name = config.run.name if config else run_dir.name
+def _chips(recorded: RecordedConfig, done: int) -> list[tuple[str, str]]:
+    """(label, text) of the run's settings for the header, from the recorded keys; ``done``: rounds logged."""
+    get = recorded.value
+    model = (recorded.names("model") or ["?"])[0]
+    defense = (recorded.names("defense") or ["?"])[0]
+    strategy = _strategy(recorded)
+    attacks = [a for a in recorded.names("attack") if a != NO_ATTACK]
+    planned, lr = _number(get("train.rounds")), _number(get("train.lr"))
+    clients = f"{get('train.clients-per-round', '?')} of {get('partition.num-clients', '?')} per round"
+    return [
+        ("dataset", str(get("data.name", "?"))),
+        ("model", recorded.described(f"model.{model}", model)),
+        ("protocol", str(get("train.protocol", "?"))),
+        ("rounds", f"{done} of {int(planned)}" if planned is not None and done < planned else str(done)),
+        ("clients", f"{clients} ({get('partition.name', '?')})"),
+        ("strategy", recorded.described(f"server.{strategy}", strategy)),
+        ("defense", recorded.described(f"defense.{defense}", defense)),
+        ("attacks", "; ".join(recorded.described(f"attack.{a}", a) for a in attacks) or "none"),
+        ("batch", f"{get('train.batch-size', '?')}" + (f", lr {lr:g}" if lr is not None else "")),
+        ("seed", str(get("seed", "?"))),
+    ]
+
+
+def _header(run_dir: Path, recorded: RecordedConfig | None, problems: list[str], rounds: list[dict[str, Any]]) -> str:
+    name = str(recorded.value("name", run_dir.name)) if recorded else run_dir.name
     done = max((int(n) for row in rounds if (n := _number(row.get("round"))) is not None), default=0)
     chips: list[tuple[str, str]] = []
-    if config:
-        defense = config.defense.name
-        if params := _params_text(config.defense.params):
-            defense += f" ({params})"
-        model = config.model.name
-        if params := _params_text(config.model.params):
-            model += f" ({params})"
-        strategy = resolve_strategy(config.strategy.name, config.train.protocol)
-        if params := _params_text(config.strategy.params):
-            strategy += f" ({params})"
-        attacks = (
-            "; ".join(a.name + (f" ({params})" if (params := _params_text(a.params)) else "") for a in config.attacks)
-            or "none"
-        )
-        chips = [
-            ("dataset", config.data.name),
-            ("model", model),
-            ("protocol", config.train.protocol),
-            ("rounds", f"{done} of {config.train.rounds}" if done < config.train.rounds else str(done)),
-            (
-                "clients",
-                f"{config.train.clients_per_round} of {config.partition.num_clients} per round "
-                f"({config.partition.name})",
-            ),
-            ("strategy", strategy),
-            ("defense", defense),
-            ("attacks", attacks),
-            ("batch", f"{config.train.batch_size}, lr {config.train.lr:g}"),
-            ("seed", str(config.run.seed)),
-        ]
+    if recorded:
+        chips = _chips(recorded, done)
     parts = [
         '<header class="top">',
         '<div class="eyebrow">fedguard run report</div>',
@@ -670,7 +666,7 @@ def _page(run_dir: Path, notes: _Notes) -> str:
     )
     attacks = sorted(read_rows(run_dir, ATTACKS_FILE, notes), key=_sort_key)
     images = EmbeddedImages()
-    title = config.run.name if config else run_dir.name
+    title = str(config.value("name", run_dir.name)) if config else run_dir.name
     sections = [_stats(rounds, attacks), _training(rounds, attacks, images), _attacks(run_dir, attacks, images, notes)]
     problems = ([config_problem] if config_problem else []) + _ending(run_dir)
     body = "\n".join(
