@@ -11,6 +11,7 @@ from attackers import (  # noqa: F401  (registration)
     generative,
     gradinversion,
     imprint,
+    imprint_hidden,
     inverting_gradients,
     mjolnir,
     trap_weights,

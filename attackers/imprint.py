@@ -42,7 +42,7 @@ attacker reads the bin units and their edges from the first layer it sent.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,16 +102,16 @@ def bin_edges(params: ImprintParams) -> np.ndarray:
     return quantile_edges(params.bins, means)
 
 
-def next_layer(arrays: list[np.ndarray], card: ModelCard, index: int) -> int:
+def next_layer(arrays: list[np.ndarray], names: Sequence[str], trainable: Sequence[bool], index: int) -> int:
     """Index of the first trainable weight after entry ``index + 1`` that takes the ``index`` layer's units as
     input; raises ``ValueError`` naming the model's entries when there is none."""
     units = arrays[index].shape[0]
     for j in range(index + 2, len(arrays)):
-        if card.trainable[j] and arrays[j].ndim == 2 and arrays[j].shape[1] == units:
+        if trainable[j] and arrays[j].ndim == 2 and arrays[j].shape[1] == units:
             return j
-    entries = ", ".join(f"{n} {a.shape}" for n, a in zip(card.names, arrays))
+    entries = ", ".join(f"{n} {a.shape}" for n, a in zip(names, arrays))
     raise ValueError(
-        f"no trainable Linear layer takes the {units} units of {card.names[index]} as input "
+        f"no trainable Linear layer takes the {units} units of {names[index]} as input "
         f"(imprint needs one); the model's entries: {entries}"
     )
 
@@ -129,7 +129,7 @@ class Imprint:
         bins, gain = self.params.bins, self.params.gain
         if bins > units:
             raise ValueError(f"bins = {bins} exceeds the {units} units of {card.names[index]}; choose bins <= {units}")
-        after = next_layer(arrays, card, index)
+        after = next_layer(arrays, card.names, card.trainable, index)
         sent = [a.copy() for a in arrays]
         weight = np.zeros((units, pixels))
         weight[:bins] = gain / pixels
@@ -175,35 +175,47 @@ class ImprintAttack:
     def reconstruct_one(self, obs: Observation) -> Reconstruction:
         """The inputs behind one upload (gradient or weights) of an imprint model."""
         start = time.perf_counter()
-        batch = images_per_upload(obs)
         index, weight_grad, bias_grad = first_layer_update(obs)
         units, edges, measure = sent_bins(obs, index)
-        weight_grad, bias_grad = weight_grad[units], bias_grad[units]
-        delta_weight = weight_grad - torch.cat([weight_grad[1:], torch.zeros_like(weight_grad[:1])])
-        delta_bias = bias_grad - torch.cat([bias_grad[1:], torch.zeros_like(bias_grad[:1])])
-        scale = float(bias_grad.abs().max())
-        filled = torch.nonzero(delta_bias.abs() > TINY * scale).flatten()
-        candidates = delta_weight[filled] / delta_bias[filled, None]
-        upper = torch.cat([edges[1:], torch.tensor([torch.inf], dtype=torch.float64)])
-        measured = (measure[filled] * candidates).sum(1)
-        consistent = (
-            in_box(candidates, SLACK) & (measured >= edges[filled] - SLACK) & (measured <= upper[filled] + SLACK)
-        )
-        strength = delta_bias[filled].abs()
-        ranked = sorted(range(len(filled)), key=lambda j: (not bool(consistent[j]), -float(strength[j])))[:batch]
-        labels, inferred = upload_labels(obs, batch)
-        stats: dict[str, Any] = {
-            "recovered": sum(bool(consistent[j]) for j in ranked),
-            "non_empty": len(filled),
-            "bins": len(units),
-            "labels_inferred": inferred,
-            "seconds": time.perf_counter() - start,
-        }
-        return Reconstruction(as_images([candidates[j] for j in ranked], batch, obs.spec), labels, stats)
+        return read_bins(obs, edges, measure, weight_grad[units], bias_grad[units], start)
 
     def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
         """``reconstruct_one`` of each upload (closed form: nothing to batch, nothing random: ``seed`` unused)."""
         return [self.reconstruct_one(obs) for obs in observations]
+
+
+def read_bins(
+    obs: Observation,
+    edges: torch.Tensor,
+    measure: torch.Tensor,
+    weight_grad: torch.Tensor,
+    bias_grad: torch.Tensor,
+    start: float,
+) -> Reconstruction:
+    """The read-out of bins in ascending edge order (module docstring): their ``edges`` (K,), measurement rows
+    ``measure`` (K, d) with unit gain, and the upload's ``weight_grad`` (K, d) and ``bias_grad`` (K,) of those
+    bins, each as if its next-layer column were the first bin's (float64); ``start``: ``time.perf_counter()``
+    when the read-out began (the ``seconds`` it reports)."""
+    batch = images_per_upload(obs)
+    delta_weight = weight_grad - torch.cat([weight_grad[1:], torch.zeros_like(weight_grad[:1])])
+    delta_bias = bias_grad - torch.cat([bias_grad[1:], torch.zeros_like(bias_grad[:1])])
+    scale = float(bias_grad.abs().max())
+    filled = torch.nonzero(delta_bias.abs() > TINY * scale).flatten()
+    candidates = delta_weight[filled] / delta_bias[filled, None]
+    upper = torch.cat([edges[1:], torch.tensor([torch.inf], dtype=torch.float64)])
+    measured = (measure[filled] * candidates).sum(1)
+    consistent = in_box(candidates, SLACK) & (measured >= edges[filled] - SLACK) & (measured <= upper[filled] + SLACK)
+    strength = delta_bias[filled].abs()
+    ranked = sorted(range(len(filled)), key=lambda j: (not bool(consistent[j]), -float(strength[j])))[:batch]
+    labels, inferred = upload_labels(obs, batch)
+    stats: dict[str, Any] = {
+        "recovered": sum(bool(consistent[j]) for j in ranked),
+        "non_empty": len(filled),
+        "bins": len(edges),
+        "labels_inferred": inferred,
+        "seconds": time.perf_counter() - start,
+    }
+    return Reconstruction(as_images([candidates[j] for j in ranked], batch, obs.spec), labels, stats)
 
 
 @register_attack("imprint", traits=class_traits(ImprintAttack))

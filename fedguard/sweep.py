@@ -22,7 +22,8 @@ holds ``rounds.jsonl`` with every round is kept, not run again (a stopped sweep 
 holds one row per run, ``sweep.jsonl`` one row per cell over its seeds (``summarize_runs``: means, the
 ``privacy`` object of ``fedguard.report.leakage``, accuracy with its interval over seeds; a failed run is
 left out and counted in ``failed_seeds``) and ``summary.md`` the table per variant; a reproduction
-preset's ``[sweep.paper]`` (``fedguard.report.paper_table``) adds the paper's numbers beside ours. Run logs
+preset's ``[sweep.paper]`` (``fedguard.report.paper_table``) adds the paper's numbers beside ours; runs whose
+clients ran detectors add the detection table (``fedguard.report.detection``). Run logs
 are read and the sweep's files written as ``fedguard.run_folder`` says: a torn last line of a run's log is
 skipped with a warning, and every file appears whole.
 """
@@ -41,6 +42,7 @@ from typing import Any
 
 from attackers.base import attack_traits
 from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, read_toml, resolve_paths
+from fedguard.report.detection import detection_table, pooled_findings
 from fedguard.report.leakage import SUCCESS_SSIM, privacy
 from fedguard.report.leakage_table import leakage_tables
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
@@ -616,6 +618,9 @@ def run_sweep(
     leakage = leakage_tables(cells)
     if leakage:
         summary += "\n" + leakage
+    detection = detection_table(*pooled_findings([Path(row["folder"]) for row in rows if row["status"] == "ok"]))
+    if detection:
+        summary += "\n" + detection
     if sweep.paper is not None:
         summary += "\n" + render_paper_table(sweep.paper, cells, sweep.baseline)
     write_atomic(sweep.folder / SUMMARY_FILE, summary)

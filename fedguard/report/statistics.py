@@ -4,7 +4,8 @@ Over images (hundreds of scores, no assumed shape): the mean, the median and the
 interval of the mean (``RESAMPLES`` resamples drawn by ``numpy.random.default_rng(BOOTSTRAP_SEED)``, so the
 same scores give the same interval). Over seeds (three or so final accuracies): the Student t 95 % interval of
 the mean, since a bootstrap of three values has ten distinct resample means and an interval far too narrow.
-Both give ``[v, v]`` for a single value and nothing for none. None and NaN values are left out of every
+Both give ``[v, v]`` for a single value and nothing for none. A proportion (k of n, e.g. a detection rate) gets
+the Wilson score 95 % interval. None and NaN values are left out of every
 statistic and counted (``Summary.missing``).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -87,3 +89,15 @@ def success_rate(values: Iterable[float | None], threshold: float, above: bool =
     if not len(kept):
         return None
     return float(np.mean(kept > threshold if above else kept < threshold))
+
+
+def wilson_interval(successes: int, trials: int, confidence: float = CONFIDENCE) -> list[float]:
+    """Wilson score interval [low, high] of a proportion: ``successes`` of ``trials`` (0 <= successes <= trials,
+    trials >= 1); unlike the normal approximation it stays inside [0, 1] and is not empty at 0 or 1."""
+    if trials < 1 or not 0 <= successes <= trials:
+        raise ValueError(f"a proportion needs 0 <= successes <= trials and trials >= 1, got {successes} of {trials}")
+    z = NormalDist().inv_cdf((1 + confidence) / 2)
+    share = successes / trials
+    centre = (share + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(share * (1 - share) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return [max(0.0, centre - half), min(1.0, centre + half)]

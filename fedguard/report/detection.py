@@ -1,0 +1,212 @@
+"""The detection table: what the clients' detectors flagged, on honest and on malicious rounds, beside what the
+attack behind each manipulation recovered.
+
+A client-round is one client's check of the model it received in one round (an entry of a round's ``detect``
+list in ``rounds.jsonl``: ``<detector>.flagged`` per detector). It is malicious when the run's
+``threat.malicious`` schedules a manipulation in that round (the server sends it to every client of the
+round), honest otherwise. Per detector, and for ``any`` (the union: flagged by at least one), the detection
+rate is the share of malicious client-rounds flagged and the false-alarm rate the share of honest ones
+flagged, each as k of n with its Wilson 95 % interval (``fedguard.report.statistics.wilson_interval``). Per
+manipulation and round, the same counts beside the images its attack recovered: the share of the scored
+images of ``attacks.jsonl`` rows of that manipulation and round with SSIM above ``RECOVERED_SSIM``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedguard.config import parse_schedule
+from fedguard.report.leakage import RECOVERED_SSIM
+from fedguard.report.statistics import wilson_interval
+from fedguard.run_folder import ATTACKS_FILE, CONFIG_FILE, ROUNDS_FILE, RUNS_FILE, read_jsonl
+
+HONEST = "honest"  # the manipulation of an honest client-round
+ANY = "any"  # the union of the detectors
+FLAGGED = ".flagged"  # suffix of a detector's flag among a client's findings
+
+
+@dataclass(frozen=True)
+class ClientRound:
+    """One client's findings on the model of one round: the ``manipulation`` sent (``HONEST`` for none) and,
+    per detector, whether it flagged the model."""
+
+    manipulation: str
+    round: int
+    client: int
+    flags: dict[str, bool]
+
+
+@dataclass(frozen=True)
+class Rate:
+    """``k`` of ``n`` with the Wilson 95 % interval [low, high] of k / n (None when n is 0)."""
+
+    k: int
+    n: int
+    ci95: list[float] | None
+
+    @property
+    def share(self) -> float | None:
+        return self.k / self.n if self.n else None
+
+
+@dataclass(frozen=True)
+class DetectorRow:
+    """A detector's (or ``any``'s) ``detected`` malicious and ``false_alarms`` honest client-rounds."""
+
+    detector: str
+    detected: Rate
+    false_alarms: Rate
+
+
+@dataclass(frozen=True)
+class ManipulationRow:
+    """The malicious client-rounds of one manipulation in one round: how many, those ``flagged`` per detector
+    (and ``any``), and the attack's ``recovered`` images (SSIM above ``RECOVERED_SSIM``) of those it scored."""
+
+    manipulation: str
+    round: int
+    client_rounds: int
+    flagged: dict[str, Rate]
+    recovered: Rate
+
+
+def rate(k: int, n: int) -> Rate:
+    """``k`` of ``n`` with its interval."""
+    return Rate(k, n, wilson_interval(k, n) if n else None)
+
+
+def client_rounds(rounds: list[dict[str, Any]], schedule: dict[int, str]) -> list[ClientRound]:
+    """The client-rounds of one run's ``rounds.jsonl`` rows, malicious where ``schedule`` (round -> manipulation,
+    ``fedguard.config.parse_schedule``) names a manipulation."""
+    return [
+        ClientRound(
+            schedule.get(row["round"], HONEST),
+            row["round"],
+            int(entry["client"]),
+            {key[: -len(FLAGGED)]: bool(value) for key, value in entry.items() if key.endswith(FLAGGED)},
+        )
+        for row in rounds
+        for entry in row.get("detect") or []
+    ]
+
+
+def detectors(found: list[ClientRound]) -> list[str]:
+    """The detectors that scored any of ``found``, in order of appearance, then ``ANY``; empty when none did."""
+    names = list(dict.fromkeys(name for c in found for name in c.flags))
+    return [*names, ANY] if names else []
+
+
+def flagged(c: ClientRound, detector: str) -> bool:
+    """Whether ``detector`` (or ``ANY``: one of them) flagged the client-round ``c``."""
+    return any(c.flags.values()) if detector == ANY else c.flags.get(detector, False)
+
+
+def detector_rows(found: list[ClientRound]) -> list[DetectorRow]:
+    """Per detector and ``ANY``: its detection rate on the malicious client-rounds and false-alarm rate on the
+    honest ones."""
+    malicious = [c for c in found if c.manipulation != HONEST]
+    honest = [c for c in found if c.manipulation == HONEST]
+    return [
+        DetectorRow(
+            name,
+            rate(sum(flagged(c, name) for c in malicious), len(malicious)),
+            rate(sum(flagged(c, name) for c in honest), len(honest)),
+        )
+        for name in detectors(found)
+    ]
+
+
+def recovered_images(attacks: list[dict[str, Any]], manipulation: str, round_: int) -> Rate:
+    """The images above ``RECOVERED_SSIM`` among those scored by the ``attacks.jsonl`` rows (status 'ok') of
+    ``manipulation`` in round ``round_``."""
+    scores = [
+        image.get("ssim")
+        for row in attacks
+        if row.get("status") == "ok" and row.get("manipulation") == manipulation and row.get("round") == round_
+        for image in row.get("per_image") or []
+    ]
+    kept = [s for s in scores if isinstance(s, (int, float))]
+    return rate(sum(s > RECOVERED_SSIM for s in kept), len(kept))
+
+
+def manipulation_rows(found: list[ClientRound], attacks: list[dict[str, Any]]) -> list[ManipulationRow]:
+    """Per (manipulation, round) of the malicious client-rounds, in order of appearance: the detectors' counts
+    and the images its attack recovered."""
+    names = detectors(found)
+    keys = dict.fromkeys((c.manipulation, c.round) for c in found if c.manipulation != HONEST)
+    rows = []
+    for manipulation, round_ in keys:
+        group = [c for c in found if (c.manipulation, c.round) == (manipulation, round_)]
+        counts = {name: rate(sum(flagged(c, name) for c in group), len(group)) for name in names}
+        rows.append(
+            ManipulationRow(manipulation, round_, len(group), counts, recovered_images(attacks, manipulation, round_))
+        )
+    return rows
+
+
+def run_findings(folder: Path) -> tuple[list[ClientRound], list[dict[str, Any]]]:
+    """(the client-rounds, the ``attacks.jsonl`` rows) of the run in ``folder``, its schedule read from its
+    ``config.toml``."""
+    with (folder / CONFIG_FILE).open("rb") as file:
+        malicious = tomllib.load(file).get("threat", {}).get("malicious", "")
+    found = client_rounds(read_jsonl(folder / ROUNDS_FILE), parse_schedule(malicious))
+    return found, read_jsonl(folder / ATTACKS_FILE)
+
+
+def pooled_findings(folders: list[Path]) -> tuple[list[ClientRound], list[dict[str, Any]]]:
+    """``run_findings`` of every run folder, pooled."""
+    found: list[ClientRound] = []
+    attacks: list[dict[str, Any]] = []
+    for folder in folders:
+        more, rows = run_findings(folder)
+        found += more
+        attacks += rows
+    return found, attacks
+
+
+def sweep_folders(folder: Path) -> list[Path]:
+    """The folders of the completed runs of the sweep in ``folder`` (its ``runs.jsonl`` rows of status 'ok');
+    raises ``FileNotFoundError`` when it holds no ``runs.jsonl``."""
+    runs = folder / RUNS_FILE
+    if not runs.is_file():
+        raise FileNotFoundError(f"{runs} not found: is {folder} the folder of a finished fedguard sweep?")
+    return [Path(row["folder"]) for row in read_jsonl(runs) if row.get("status") == "ok"]
+
+
+def _count(r: Rate) -> str:
+    return "-" if r.share is None else f"{r.k} of {r.n} ({100 * r.share:.0f}%)"
+
+
+def _interval(r: Rate) -> str:
+    return "-" if r.ci95 is None else f"[{100 * r.ci95[0]:.0f}, {100 * r.ci95[1]:.0f}]%"
+
+
+def detection_table(found: list[ClientRound], attacks: list[dict[str, Any]]) -> str:
+    """Markdown: the rates per detector, then per manipulation and round with its attack's recovered images;
+    empty when no client-round was scored."""
+    if not found:
+        return ""
+    lines = [
+        "## Detection",
+        "",
+        "| detector | detected (malicious client-rounds) | 95% CI | false alarms (honest client-rounds) | 95% CI |",
+        "|---|---|---|---|---|",
+    ]
+    for row in detector_rows(found):
+        lines.append(
+            f"| {row.detector} | {_count(row.detected)} | {_interval(row.detected)} "
+            f"| {_count(row.false_alarms)} | {_interval(row.false_alarms)} |"
+        )
+    names = detectors(found)
+    lines += [
+        "",
+        f"| manipulation | round | {' | '.join(f'flagged by {n}' for n in names)} | images SSIM > {RECOVERED_SSIM} |",
+        "|---|---|" + "---|" * (len(names) + 1),
+    ]
+    for m in manipulation_rows(found, attacks):
+        cells = " | ".join(_count(m.flagged[n]) for n in names)
+        lines.append(f"| {m.manipulation} | {m.round} | {cells} | {_count(m.recovered)} |")
+    return "\n".join(lines) + "\n"
