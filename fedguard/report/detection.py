@@ -13,15 +13,15 @@ images of ``attacks.jsonl`` rows of that manipulation and round with SSIM above 
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedguard.config import parse_schedule
+from fedguard.config import ConfigError, parse_schedule
 from fedguard.report.leakage import RECOVERED_SSIM
+from fedguard.report.recorded import read_recorded_config
 from fedguard.report.statistics import wilson_interval
-from fedguard.run_folder import ATTACKS_FILE, CONFIG_FILE, ROUNDS_FILE, RUNS_FILE, read_jsonl
+from fedguard.run_folder import ATTACKS_FILE, ROUNDS_FILE, RUNS_FILE, read_jsonl
 
 HONEST = "honest"  # the manipulation of an honest client-round
 ANY = "any"  # the union of the detectors
@@ -149,9 +149,11 @@ def manipulation_rows(found: list[ClientRound], attacks: list[dict[str, Any]]) -
 
 def run_findings(folder: Path) -> tuple[list[ClientRound], list[dict[str, Any]]]:
     """(the client-rounds, the ``attacks.jsonl`` rows) of the run in ``folder``, its schedule read from its
-    ``config.toml``."""
-    with (folder / CONFIG_FILE).open("rb") as file:
-        malicious = tomllib.load(file).get("threat", {}).get("malicious", "")
+    ``config.toml``; none of either when that is missing or unreadable (which rounds were malicious is unknown)."""
+    try:
+        malicious = str(read_recorded_config(folder).value("threat.malicious", ""))
+    except ConfigError:
+        return [], []
     found = client_rounds(read_jsonl(folder / ROUNDS_FILE), parse_schedule(malicious))
     return found, read_jsonl(folder / ATTACKS_FILE)
 
