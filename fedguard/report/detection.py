@@ -49,6 +49,7 @@ class Rate:
 
     @property
     def share(self) -> float | None:
+        """k / n, None when n is 0."""
         return self.k / self.n if self.n else None
 
 
@@ -149,11 +150,13 @@ def manipulation_rows(found: list[ClientRound], attacks: list[dict[str, Any]]) -
 
 def run_findings(folder: Path) -> tuple[list[ClientRound], list[dict[str, Any]]]:
     """(the client-rounds, the ``attacks.jsonl`` rows) of the run in ``folder``, its schedule read from its
-    ``config.toml``."""
+    ``config.toml``; none of either when its clients ran no detector."""
+    rounds = read_jsonl(folder / ROUNDS_FILE)
+    if not any(row.get("detect") for row in rounds):
+        return [], []
     with (folder / CONFIG_FILE).open("rb") as file:
         malicious = tomllib.load(file).get("threat", {}).get("malicious", "")
-    found = client_rounds(read_jsonl(folder / ROUNDS_FILE), parse_schedule(malicious))
-    return found, read_jsonl(folder / ATTACKS_FILE)
+    return client_rounds(rounds, parse_schedule(malicious)), read_jsonl(folder / ATTACKS_FILE)
 
 
 def pooled_findings(folders: list[Path]) -> tuple[list[ClientRound], list[dict[str, Any]]]:
