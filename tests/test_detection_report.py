@@ -107,6 +107,9 @@ def test_the_table_of_a_sweep_folder(tmp_path: Path) -> None:
     write_run(tmp_path / "b", "2:imprint", [])
     rows = [{"status": "ok", "folder": str(tmp_path / "a")}, {"status": "ok", "folder": str(tmp_path / "b")}]
     rows.append({"status": "failed", "folder": str(tmp_path / "c")})
+    (tmp_path / "d").mkdir()  # a run without detectors (and here without config.toml): read no further
+    (tmp_path / "d" / "rounds.jsonl").write_text(json.dumps({"round": 1, "accuracy": 0.5}) + "\n")
+    rows.append({"status": "ok", "folder": str(tmp_path / "d")})
     (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = detection_table(*pooled_findings(sweep_folders(tmp_path)))
     print(table)

@@ -49,6 +49,7 @@ class Rate:
 
     @property
     def share(self) -> float | None:
+        """k / n, None when n is 0."""
         return self.k / self.n if self.n else None
 
 
@@ -149,13 +150,16 @@ def manipulation_rows(found: list[ClientRound], attacks: list[dict[str, Any]]) -
 
 def run_findings(folder: Path) -> tuple[list[ClientRound], list[dict[str, Any]]]:
     """(the client-rounds, the ``attacks.jsonl`` rows) of the run in ``folder``, its schedule read from its
-    ``config.toml``; none of either when that is missing or unreadable (which rounds were malicious is unknown)."""
+    ``config.toml``; none of either when its clients ran no detector, or when that file is missing or unreadable
+    (which rounds were malicious is unknown)."""
+    rounds = read_jsonl(folder / ROUNDS_FILE)
+    if not any(row.get("detect") for row in rounds):
+        return [], []
     try:
         malicious = str(read_recorded_config(folder).value("threat.malicious", ""))
     except ConfigError:
         return [], []
-    found = client_rounds(read_jsonl(folder / ROUNDS_FILE), parse_schedule(malicious))
-    return found, read_jsonl(folder / ATTACKS_FILE)
+    return client_rounds(rounds, parse_schedule(malicious)), read_jsonl(folder / ATTACKS_FILE)
 
 
 def pooled_findings(folders: list[Path]) -> tuple[list[ClientRound], list[dict[str, Any]]]:
