@@ -186,8 +186,8 @@ def test_the_attacks_preset_runs_every_attack_with_the_generator_the_readme_trai
     assert sorted(r["attack"] for r in rows) == sorted(names)
     assert all(r["status"] == "ok" and r["psnr"] is not None and r["floor"]["psnr"] > 0 for r in rows), rows
     by_attack = {r["attack"]: r for r in rows}
-    assert {r["manipulation"] for r in rows} == {"none", "trap-weights", "imprint"}
-    for analytic in ("trap-weights", "imprint"):
+    assert {r["manipulation"] for r in rows} == {"none", "trap-weights", "imprint", "imprint-hidden"}
+    for analytic in ("trap-weights", "imprint", "imprint-hidden"):
         row = by_attack[analytic]
         recovered = row["stats"]["recovered"]
         assert recovered >= 2, row["stats"]
