@@ -46,8 +46,10 @@ from fedguard.registry import NoParams
 @dataclass(frozen=True)
 class HiddenImprintParams:
     """``bins``: bin units of the first layer (<= its units; fewer bins change less of the layer, which keeps
-    ``drift`` low, and hold more collisions); ``edges``, ``mean``, ``std``, ``public``: the prior of the bin
-    edges, as for ``imprint`` (``attackers.imprint.ImprintParams``)."""
+    ``drift`` low, and hold more collisions); ``edges``: the prior whose quantiles are the bin edges, as for
+    ``imprint`` (``attackers.imprint.ImprintParams``); ``mean``: mean of the normal prior on an image's mean
+    pixel (edges = 'normal'); ``std``: standard deviation of the normal prior (edges = 'normal'); ``public``: the
+    data set whose held-out split the server holds (edges = 'public-normal' or 'public')."""
 
     bins: int = 32
     edges: str = "normal"
