@@ -164,15 +164,7 @@ class FishingAttackParams:
 
     def inverting_gradients(self) -> InvertingGradientsParams:
         """The IG parameters these stand for (checked there)."""
-        return InvertingGradientsParams(
-            iterations=self.iterations,
-            restarts=self.restarts,
-            lr=self.lr,
-            tv=self.tv,
-            device=self.device,
-            compile=self.compile,
-            schedule=self.schedule,
-        )
+        return InvertingGradientsParams(**dataclasses.asdict(self))
 
     def __post_init__(self) -> None:
         self.inverting_gradients()

@@ -158,6 +158,15 @@ def sent_bins(obs: Observation, index: int) -> tuple[torch.Tensor, torch.Tensor,
             f"the first layer {obs.names[index]} the server sent has no bin units (all rows are zero); "
             f"was the upload computed on an imprint model?"
         )
+    return ordered_bins(weight, bias, units)
+
+
+def ordered_bins(
+    weight: torch.Tensor, bias: torch.Tensor, units: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``units`` in ascending edge order, their edges ``-b_i / g_i``, their measurement rows ``W_i / g_i``
+    (K, d)) of the bin ``units`` of a first layer ``weight`` (n, d), ``bias`` (n,), with gains ``g_i``, the
+    rows' sums."""
     gains = weight[units].sum(1)
     edges = -bias[units] / gains
     order = torch.argsort(edges)

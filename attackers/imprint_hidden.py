@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from attackers.base import Reconstruction, class_traits, register_attack
-from attackers.imprint import ImprintParams, bin_edges, next_layer, read_bins
+from attackers.imprint import ImprintParams, bin_edges, next_layer, ordered_bins, read_bins
 from attackers.manipulation import register_manipulation
 from attackers.trap_weights import card_input_layer, first_layer_update
 from fedguard.observation import ModelCard, Observation
@@ -119,15 +119,12 @@ def hidden_bins(obs: Observation, index: int) -> tuple[torch.Tensor, torch.Tenso
             f"the first layer {obs.names[index]} the server sent has no bin units (no row of equal positive "
             f"entries); was the upload computed on an imprint-hidden model?"
         )
-    gains = weight[units].sum(1)
-    edges = -bias[units] / gains
-    order = torch.argsort(edges)
-    units, edges, gains = units[order], edges[order], gains[order]
+    units, edges, measure = ordered_bins(weight, bias, units)
     after = next_layer(obs.global_arrays, obs.names, obs.trainable, index)
     columns = torch.tensor(obs.global_arrays[after], dtype=torch.float64)[:, units]
     first = columns[:, 0]
     scales = (first @ columns) / (first @ first)
-    return units, edges, weight[units] / gains[:, None], scales
+    return units, edges, measure, scales
 
 
 class HiddenImprintAttack:

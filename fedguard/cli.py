@@ -299,8 +299,7 @@ def _machine_problems(runs: list[tuple[str, Config]]) -> list[str]:
     problems: dict[str, str] = {}
     checked: set[str] = set()
     for label, config in runs:
-        devices = [(attack.name, getattr(attack.params, "device", None)) for attack in config.attacks]
-        key = repr((config.sim, config.track, devices))
+        key = repr((config.sim, config.track, config.attack_devices()))
         if key in checked:
             continue
         checked.add(key)

@@ -412,6 +412,10 @@ class Config:
             return getattr(self, f"{kind}s")
         return (getattr(self, kind),)
 
+    def attack_devices(self) -> dict[str, str]:
+        """Each chosen attack's ``device`` ('auto', 'cpu', 'cuda') by name, for the attacks that have one."""
+        return {a.name: device for a in self.attacks if isinstance(device := getattr(a.params, "device", None), str)}
+
     def attack_names(self) -> list[str]:
         """The names of the attacks run on captured uploads (empty: capture only)."""
         return [a.name for a in self.attacks]

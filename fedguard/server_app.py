@@ -158,7 +158,7 @@ def build_attack_pool(config: Config, folder: Path, stop: StopRequest, trackers:
         time_limit=config.pool.time_limit,
         group=config.pool.group,
         threads=config.pool.threads,
-        use_gpu=any(getattr(a.params, "device", "cpu") != "cpu" for a in config.attacks),
+        use_gpu=any(device != "cpu" for device in config.attack_devices().values()),
         address=config.pool.address or None,
         seed=config.run.seed,
         stop=stop.reason,

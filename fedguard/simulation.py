@@ -149,10 +149,10 @@ def _device_problems(config: Config) -> list[str]:
     if torch.cuda.is_available():
         return []
     return [
-        f"attack.{attack.name}.device = {device!r}: CUDA is not available on this machine, where a local "
+        f"attack.{name}.device = {device!r}: CUDA is not available on this machine, where a local "
         f"simulation's attack workers run; set it to auto (CUDA when present) or cpu"
-        for attack in config.attacks
-        if isinstance(device := getattr(attack.params, "device", None), str) and device.startswith("cuda")
+        for name, device in config.attack_devices().items()
+        if device.startswith("cuda")
     ]
 
 
