@@ -8,10 +8,10 @@ Manipulation. The first Linear layer on the flattened image, ``W`` (n, d) and ``
     W_i = 0,                 b_i = -gain          for i >= K    (switched off: never active)
 
 with ascending edges ``e_i`` (``i >= 1``) the ``i / K`` quantiles of the server's prior on ``m``, so each bin
-``[e_i, e_{i+1})`` holds 1/K of the inputs it expects: by default (``edges = 'normal'``) a normal
-``N(mean, std)`` as in the paper, ``e_i = mean + std * Phi^-1(i / K)``; with ``edges = 'public-normal'`` the
-same with ``mean`` and ``std`` fitted to ``m`` over a public data set's held-out split, with ``edges = 'public'``
-the empirical distribution of ``m`` there (``attackers.imprint_edges``). ``e_0``, far below
+``[e_i, e_{i+1})`` holds 1/K of the inputs it expects: a normal ``N(mean, std)`` as in the paper,
+``e_i = mean + std * Phi^-1(i / K)``, by default (``edges = 'public-normal'``) with ``mean`` and ``std`` those
+of ``m`` over the held-out split of the run's data set (or of ``public``), with ``edges = 'normal'`` hand-set;
+with ``edges = 'public'`` the empirical distribution of ``m`` there (``attackers.imprint_edges``). ``e_0``, far below
 every expected measurement, stands in for ``Phi^-1(0) = -inf``: unit 0 fires for every input. The next
 Linear layer's weight ``V`` (m, n) gets ``V[:, i] = V[:, 0]`` for every ``i < K``: then
 ``dl/dh_i(x) = V[:, i] . dl/dz(x)`` is one value ``c(x)`` for all bin units that ``x`` fires, the condition
@@ -53,6 +53,7 @@ from attackers.base import Reconstruction, class_traits, images_per_upload, regi
 from attackers.imprint_edges import EDGES, normal_edges, public_means, quantile_edges
 from attackers.manipulation import register_manipulation
 from attackers.trap_weights import TINY, as_images, card_input_layer, first_layer_update, in_box, upload_labels
+from fedguard.data import SourceOptions
 from fedguard.observation import ModelCard, Observation
 from fedguard.registry import NoParams
 
@@ -62,15 +63,15 @@ SLACK = 1e-4  # pixel units: the tolerance of the consistency test
 @dataclass(frozen=True)
 class ImprintParams:
     """``bins``: bin units of the first layer (<= its units); ``edges``: the prior whose quantiles are the bin
-    edges, 'normal' (the paper's: N(mean, std)), 'public-normal' (a normal with the mean and standard deviation
-    of the mean pixels of the held-out split of the data set named by ``public``) or 'public' (the empirical
-    distribution of those mean pixels); ``mean``: mean of the normal prior on an image's mean pixel (pixels in
-    [0, 1]; edges = 'normal'); ``std``: standard deviation of the normal prior (pixel units; edges = 'normal');
-    ``public``: the data set whose held-out split the server holds (edges = 'public-normal' or 'public');
-    ``gain``: gain of the bin units."""
+    edges, 'public-normal' (the paper's normal prior with the mean and standard deviation of the mean pixels of a
+    held-out split the server holds), 'normal' (that prior with hand-set ``mean`` and ``std``) or 'public' (the
+    empirical distribution of those mean pixels); ``mean``: mean of the normal prior on an image's mean pixel
+    (pixels in [0, 1]; edges = 'normal'); ``std``: standard deviation of the normal prior (pixel units;
+    edges = 'normal'); ``public``: the data set whose held-out split the server fits the edges to, '' for the
+    run's own (edges = 'public-normal' or 'public'); ``gain``: gain of the bin units."""
 
     bins: int = 64
-    edges: str = "normal"
+    edges: str = "public-normal"
     mean: float = 0.45
     std: float = 0.2
     public: str = ""
@@ -81,8 +82,6 @@ class ImprintParams:
             raise ValueError(f"bins must be >= 1, got {self.bins}")
         if self.edges not in EDGES:
             raise ValueError(f"edges {self.edges!r}: choose one of {', '.join(EDGES)}")
-        if self.edges != "normal" and not self.public:
-            raise ValueError(f"edges = {self.edges!r} needs public = the data set the server holds (e.g. 'mnist-5k')")
         if not self.std > 0:
             raise ValueError(f"std must be > 0, got {self.std}")
         if not self.gain > 0:
@@ -91,12 +90,26 @@ class ImprintParams:
             raise ValueError(f"mean must be finite, got {self.mean}")
 
 
-def bin_edges(params: ImprintParams) -> np.ndarray:
+def public_source(params: ImprintParams, card: ModelCard | None) -> tuple[str, SourceOptions]:
+    """(the data set whose held-out split the edges are fitted to, how it loads): ``params.public``, else the
+    run's own (``card.data``); raises ``ValueError`` when neither names one."""
+    if params.public:
+        return params.public, SourceOptions()
+    if card is None or not card.data:
+        raise ValueError(
+            f"edges = {params.edges!r} fits the bins to a held-out split, and neither public nor the model card "
+            f"names a data set: set public (e.g. 'mnist-5k'), or edges = 'normal' with mean and std"
+        )
+    return card.data, card.source
+
+
+def bin_edges(params: ImprintParams, card: ModelCard | None = None) -> np.ndarray:
     """(bins,) float64 edges of ``params``' prior, ascending (the public quantiles: non-decreasing, equal where
-    public means tie) (``attackers.imprint_edges``)."""
+    public means tie), fitted where they are to the held-out split ``public_source`` names
+    (``attackers.imprint_edges``)."""
     if params.edges == "normal":
         return normal_edges(params.bins, params.mean, params.std)
-    means = public_means(params.public)
+    means = public_means(*public_source(params, card))
     if params.edges == "public-normal":
         return normal_edges(params.bins, float(means.mean()), float(means.std()))
     return quantile_edges(params.bins, means)
@@ -121,7 +134,6 @@ class Imprint:
 
     def __init__(self, params: ImprintParams) -> None:
         self.params = params
-        self.edges = bin_edges(params)
 
     def __call__(self, arrays: list[np.ndarray], card: ModelCard, rng: np.random.Generator) -> list[np.ndarray]:
         index = card_input_layer(arrays, card)
@@ -130,11 +142,12 @@ class Imprint:
         if bins > units:
             raise ValueError(f"bins = {bins} exceeds the {units} units of {card.names[index]}; choose bins <= {units}")
         after = next_layer(arrays, card.names, card.trainable, index)
+        edges = bin_edges(self.params, card)
         sent = [a.copy() for a in arrays]
         weight = np.zeros((units, pixels))
         weight[:bins] = gain / pixels
         bias = np.full(units, -gain)
-        bias[:bins] = -gain * self.edges
+        bias[:bins] = -gain * edges
         sent[index] = weight.astype(arrays[index].dtype)
         sent[index + 1] = bias.astype(arrays[index + 1].dtype)
         sent[after][:, :bins] = sent[after][:, :1]

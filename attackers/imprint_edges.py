@@ -2,10 +2,11 @@
 
 Three priors (``manipulation.imprint.edges``):
 
-- ``normal``, the paper's (Fowl et al. 2022): ``N(mean, std)`` with hand-set ``mean`` and ``std``;
-- ``public-normal``: the paper's normal prior with its mean and standard deviation fitted to the mean pixels
-  of the held-out (``test``) split of a public data set the clients do not train on, the data a server that
-  fits its bins holds;
+- ``public-normal`` (the default): the paper's (Fowl et al. 2022) normal prior ``N(mean, std)`` on the
+  measurement, its mean and standard deviation those of the mean pixels of the held-out (``test``) split of a
+  data set the clients do not train on: by default the run's own data set's, which the server holds (it
+  evaluates the model on it); the paper takes the measurement's distribution as known to the server;
+- ``normal``: the same prior with hand-set ``mean`` and ``std``;
 - ``public``: the empirical distribution of those mean pixels. It puts ``1 / bins`` of the public images in
   each bin whatever the shape of their distribution (real means are skewed: MNIST digits have a long right
   tail), but with more bins than public images its edges interpolate between few order statistics, and
@@ -18,11 +19,12 @@ input), then the ``i / bins`` quantiles for ``i = 1 .. bins - 1``.
 
 from __future__ import annotations
 
+import functools
 from statistics import NormalDist
 
 import numpy as np
 
-from fedguard.data import load_dataset
+from fedguard.data import SourceOptions, load_dataset
 
 EDGES = ("normal", "public-normal", "public")
 LOW_EDGE_STDS = 10.0  # e_0 = (lowest expected mean) - LOW_EDGE_STDS * (spread): below every measurement expected
@@ -44,7 +46,11 @@ def quantile_edges(bins: int, means: np.ndarray) -> np.ndarray:
     return np.array([means.min() - LOW_EDGE_STDS * means.std(), *inner])
 
 
-def public_means(dataset: str) -> np.ndarray:
-    """(N,) float64: the mean pixel (pixels in [0, 1]) of each image of ``dataset``'s held-out ``test`` split."""
-    images = load_dataset(dataset).test.images
-    return images.flatten(1).double().mean(1).numpy() / 255.0
+@functools.lru_cache(maxsize=8)
+def public_means(dataset: str, source: SourceOptions = SourceOptions()) -> np.ndarray:
+    """(N,) float64, read-only: the mean pixel (pixels in [0, 1]) of each image of ``dataset``'s held-out ``test``
+    split, loaded with ``source``."""
+    images = load_dataset(dataset, source).test.images
+    means = images.flatten(1).double().mean(1).numpy() / 255.0
+    means.flags.writeable = False
+    return means

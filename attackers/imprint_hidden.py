@@ -49,10 +49,11 @@ class HiddenImprintParams:
     ``drift`` low, and hold more collisions); ``edges``: the prior whose quantiles are the bin edges, as for
     ``imprint`` (``attackers.imprint.ImprintParams``); ``mean``: mean of the normal prior on an image's mean
     pixel (edges = 'normal'); ``std``: standard deviation of the normal prior (edges = 'normal'); ``public``: the
-    data set whose held-out split the server holds (edges = 'public-normal' or 'public')."""
+    data set whose held-out split the server fits the edges to, '' for the run's own (edges = 'public-normal'
+    or 'public')."""
 
     bins: int = 32
-    edges: str = "normal"
+    edges: str = "public-normal"
     mean: float = 0.45
     std: float = 0.2
     public: str = ""
@@ -76,7 +77,6 @@ class HiddenImprint:
 
     def __init__(self, params: HiddenImprintParams) -> None:
         self.params = params
-        self.edges = bin_edges(params.imprint())
 
     def __call__(self, arrays: list[np.ndarray], card: ModelCard, rng: np.random.Generator) -> list[np.ndarray]:
         index = card_input_layer(arrays, card)
@@ -85,6 +85,7 @@ class HiddenImprint:
         if bins > units:
             raise ValueError(f"bins = {bins} exceeds the {units} units of {card.names[index]}; choose bins <= {units}")
         after = next_layer(arrays, card.names, card.trainable, index)
+        edges = bin_edges(self.params.imprint(), card)
         chosen = rng.choice(units, size=bins, replace=False)
         weight, bias = arrays[index].astype(np.float64), arrays[index + 1].astype(np.float64)
         columns = arrays[after].astype(np.float64)
@@ -93,7 +94,7 @@ class HiddenImprint:
         first = columns[:, chosen[0]]
         direction = first / lengths[0] if first.any() else np.full(len(first), 1 / math.sqrt(len(first)))
         weight[chosen] = gains[:, None] / pixels
-        bias[chosen] = -gains * self.edges
+        bias[chosen] = -gains * edges
         columns[:, chosen] = direction[:, None] * lengths[None, :]
         sent = [a.copy() for a in arrays]
         for i, values in ((index, weight), (index + 1, bias), (after, columns)):

@@ -87,8 +87,8 @@ def main() -> None:
     torch.set_num_threads(1)
     data = load_dataset("mnist-5k")
     manipulations: dict[str, Callable[[], Manipulation]] = {
-        "imprint-64": lambda: build_imprint(ImprintParams(bins=64)),
-        "imprint-16": lambda: build_imprint(ImprintParams(bins=16)),
+        "imprint-64": lambda: build_imprint(ImprintParams(bins=64, edges="normal")),
+        "imprint-16": lambda: build_imprint(ImprintParams(bins=16, edges="normal")),
         "trap-weights": lambda: build_trap_weights(TrapWeightsParams()),
     }
     counts: dict[str, dict[str, int]] = {}

@@ -9,7 +9,7 @@ them (``fedguard.metrics.match``); a true image is recovered when its match has 
 and of the model's initialisation.
 
 Cases: imprint with ``16 x batch`` bins (at most ``--hidden``) of each prior (``edges``): the paper's normal one
-hand-set (``normal``, the defaults 0.45 +- 0.2) and fitted to the data set's held-out split (``public-normal``),
+fitted to the data set's held-out split (``public-normal``, the default) and hand-set (``normal``, 0.45 +- 0.2),
 and that split's quantiles (``public``), and trap weights (the paper's defaults), at each of ``--batches``; imprint on
 FedAvg (``--fedavg examples,batch,bins``), each prior. The table's SSIM is the mean SSIM of the matches.
 
@@ -70,17 +70,19 @@ def capture_upload(
     name: str,
     local: Split,
     spec: DataSpec,
+    data: str,
     protocol: str,
     schedule: Schedule,
     hidden: int,
     seed: int,
 ) -> tuple[Observation, torch.Tensor]:
     """(the observation of one client's upload on every image of ``local`` from the MLP ``manipulation``
-    rewrote, the true images (N, C, H, W)). FedSGD: one batch of all of ``local``; FedAvg: one local epoch."""
+    rewrote, the true images (N, C, H, W)), the run's data set named ``data``. FedSGD: one batch of all of
+    ``local``; FedAvg: one local epoch."""
     torch.manual_seed(seed)
     model = build_model("mlp", spec, MLPParams(hidden=hidden, depth=2))
     mask = trainable_mask(model)
-    card = ModelCard("mlp", {"hidden": hidden, "depth": 2}, spec, tuple(model.state_dict()), tuple(mask))
+    card = ModelCard("mlp", {"hidden": hidden, "depth": 2}, spec, tuple(model.state_dict()), tuple(mask), data)
     sent = manipulation(get_arrays(model), card, np.random.default_rng(seed))
     set_arrays(model, sent)
     client = PROTOCOLS[protocol]
@@ -115,7 +117,9 @@ def run_once(case: Case, data: ImageData, hidden: int, seed: int) -> tuple[dict[
     local = Split(data.train.images[picked], data.train.labels[picked])
     manipulation = build_manipulation(case.attack, case.params)
     schedule = Schedule(case.lr, case.batch, 1)
-    obs, truth = capture_upload(manipulation, case.attack, local, data.spec, case.protocol, schedule, hidden, seed)
+    obs, truth = capture_upload(
+        manipulation, case.attack, local, data.spec, data.name, case.protocol, schedule, hidden, seed
+    )
     recon: Reconstruction = build_attack(case.attack).reconstruct_many([obs], seed)[0]
     return recovered(recon.images, truth), int(obs.declared.get("local-steps", 1)), int(recon.stats["recovered"])
 
@@ -145,11 +149,11 @@ def run_case(case: Case, data: ImageData, hidden: int, seeds: int) -> dict[str, 
 
 
 def imprint_cases(data: str, bins: int, protocol: str, batch: int, examples: int, lr: float = 0.0) -> list[Case]:
-    """Imprint with ``bins`` bins of each prior: ``normal`` with the defaults' hand-set mean and std, then
-    ``public-normal`` and ``public`` fitted to ``data``'s held-out split."""
+    """Imprint with ``bins`` bins of each prior: the default ``public-normal`` fitted to the run's data set's
+    held-out split, ``normal`` with the hand-set mean and std, and ``public`` fitted to ``data``'s."""
     priors = [
         ImprintParams(bins=bins),
-        ImprintParams(bins=bins, edges="public-normal", public=data),
+        ImprintParams(bins=bins, edges="normal"),
         ImprintParams(bins=bins, edges="public", public=data),
     ]
     return [Case("imprint", params.edges, params, protocol, batch, examples, lr) for params in priors]

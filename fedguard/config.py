@@ -42,7 +42,7 @@ import torch.nn as nn
 from attackers import ATTACKS
 from attackers.base import AttackTraits, attack_traits, missing_grants, required_manipulation
 from attackers.manipulation import HONEST, MANIPULATIONS, build_manipulation
-from fedguard.data import DATASETS, DataSpec, SourceOptions
+from fedguard.data import DATASETS, DatasetNotFoundError, DataSpec, SourceOptions
 from fedguard.data.partition import PARTITIONERS, PartitionOptions
 from fedguard.data.partition import partition as split_among_clients
 from fedguard.data.registry import ROOTED, dataset_spec
@@ -1069,9 +1069,12 @@ def _held(sizes: list[int] | None) -> str:
 def _manipulation_problems(net: nn.Module, spec: DataSpec, sections: dict[str, Any]) -> list[str]:
     """Each manipulation ``threat.malicious`` schedules, run on zero arrays of the model's shapes: why it cannot
     rewrite this model (e.g. no Linear layer on the flattened image, more bins than units)."""
-    model, threat = sections["model"], sections["threat"]
+    model, threat, data = sections["model"], sections["threat"], sections["data"]
     state = net.state_dict()
-    card = ModelCard(model.name, dataclasses.asdict(model.params), spec, tuple(state), tuple(trainable_mask(net)))
+    names, trainable = tuple(state), tuple(trainable_mask(net))
+    card = ModelCard(
+        model.name, dataclasses.asdict(model.params), spec, names, trainable, data.name, data.source_options()
+    )
     arrays = [np.zeros(tuple(t.shape), np.float32 if t.is_floating_point() else np.int64) for t in state.values()]
     problems = []
     for manipulation in sections["manipulations"]:
@@ -1079,6 +1082,8 @@ def _manipulation_problems(net: nn.Module, spec: DataSpec, sections: dict[str, A
             continue  # reported already
         try:
             build_manipulation(manipulation.name, manipulation.params)(arrays, card, np.random.default_rng(0))
+        except DatasetNotFoundError:
+            continue  # data the manipulation fits to that is absent here: the run's start reports it
         except ValueError as error:
             values = dataclasses.asdict(manipulation.params)
             settings = _settings("manipulation", manipulation.name, values)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from fedguard.data.registry import SourceOptions
 from fedguard.data.spec import DataSpec
 from fedguard.run_folder import UPLOAD_GLOB, upload_file_name
 
@@ -127,13 +128,17 @@ def load_observations(folder: Path) -> list[Observation]:
 
 @dataclass(frozen=True)
 class ModelCard:
-    """What the server knows of the model it distributes: architecture, data shape, layout."""
+    """What the server knows of the model it distributes: architecture, data shape, layout, and the data set the
+    run draws its clients' data from (``data``: its name, '' when unknown; ``source``: how it loads), whose held-out
+    split the server holds."""
 
     model: str
     model_params: dict[str, Any]
     spec: DataSpec
     names: tuple[str, ...]
     trainable: tuple[bool, ...]
+    data: str = ""
+    source: SourceOptions = SourceOptions()
 
     def observe(
         self,

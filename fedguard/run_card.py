@@ -31,6 +31,8 @@ def model_card(config: Config, model: torch.nn.Module) -> ModelCard:
         spec=load_dataset(config.data.name, config.data.source_options()).spec,
         names=tuple(model.state_dict()),
         trainable=tuple(trainable_mask(model)),
+        data=config.data.name,
+        source=config.data.source_options(),
     )
 
 

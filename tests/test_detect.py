@@ -77,7 +77,7 @@ def received(model: nn.Module, batch: Batch) -> Received:
     return Received(model, batch[0], batch[1], loss_fn)
 
 
-IMPRINT = build_imprint(ImprintParams(bins=16))
+IMPRINT = build_imprint(ImprintParams(bins=16, edges="normal"))
 TRAP = build_trap_weights(TrapWeightsParams())
 
 
@@ -150,7 +150,7 @@ def test_dsnr_is_low_for_honest_models_and_high_when_one_example_dominates(batch
     brightest = int(x.flatten(1).norm(dim=1).argmax())
     fishing = detector(received(one_example_fishing(x[brightest]), batch), {})
     assert fishing.flagged and fishing.scores["dsnr"] == math.inf
-    imprint = detector(received(manipulated(mlp(0), build_imprint(ImprintParams(bins=64))), batch), {})
+    imprint = detector(received(manipulated(mlp(0), build_imprint(ImprintParams(bins=64, edges="normal"))), batch), {})
     assert imprint.scores["dsnr"] < 0.5, "64 bins over 32 examples: no example dominates a layer (see the docs)"
 
 
@@ -221,7 +221,7 @@ def test_a_skipping_client_trains_nothing_and_a_reporting_one_trains() -> None:
     torch.manual_seed(0)
     honest = build_model("mlp", load_dataset("digits").spec, cfg.model.params)
     card = ModelCard("mlp", {}, load_dataset("digits").spec, tuple(honest.state_dict()), (True,) * 6)
-    sent = build_imprint(ImprintParams(bins=8))(get_arrays(honest), card, np.random.default_rng(0))
+    sent = build_imprint(ImprintParams(bins=8, edges="normal"))(get_arrays(honest), card, np.random.default_rng(0))
     with pytest.raises(ModelDeclined) as declined:
         client_fit(cfg, 1, sent, round_=2)
     assert declined.value.verdict.action == "skip" and declined.value.client == 1

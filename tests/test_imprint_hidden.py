@@ -27,9 +27,9 @@ from tests.test_detect import trained
 from tests.test_malicious_attacks import card_of, paired_psnr, upload
 
 DATA = load_dataset("mnist-5k")
-PARAMS = HiddenImprintParams(bins=32, mean=0.13, std=0.04)
+PARAMS = HiddenImprintParams(bins=32, edges="normal", mean=0.13, std=0.04)
 HIDDEN = build_hidden_imprint(PARAMS)
-PLAIN = build_imprint(ImprintParams(bins=64, mean=0.13, std=0.04))
+PLAIN = build_imprint(ImprintParams(bins=64, edges="normal", mean=0.13, std=0.04))
 BATCH = np.arange(8)  # test digits 0-7
 EXACT_DB = 40.0  # dB: an image recovered exactly
 

@@ -53,7 +53,15 @@ def recovered_share(
 ) -> tuple[float, Reconstruction, Observation]:
     """(share of ``count`` digits recovered above SSIM 0.9, the reconstruction) from one imprint upload."""
     obs, truth = bench.capture_upload(
-        build_imprint(params), "imprint", held_in(data, count), data.spec, protocol, schedule, params.bins, seed=0
+        build_imprint(params),
+        "imprint",
+        held_in(data, count),
+        data.spec,
+        data.name,
+        protocol,
+        schedule,
+        params.bins,
+        seed=0,
     )
     recon = build_attack("imprint").reconstruct_many([obs], 0)[0]
     return bench.recovered(recon.images, truth)["ssim_share"], recon, obs
@@ -67,8 +75,11 @@ def test_imprint_keeps_nine_tenths_of_a_fedsgd_batch_of_256(bench: ModuleType, d
     assert share >= 0.9, (share, recon.stats)
 
 
-def test_imprint_reads_a_fedavg_update_of_two_local_steps(bench: ModuleType, digits: ImageData) -> None:
-    params = ImprintParams(bins=1024, edges="public-normal", public="mnist-5k")
+def test_imprint_with_its_defaults_reads_a_fedavg_update_of_two_local_steps(
+    bench: ModuleType, digits: ImageData
+) -> None:
+    """The defaults: the paper's normal prior fitted to the run's own held-out digits; 1,024 bins."""
+    params = ImprintParams(bins=1024)
     share, recon, obs = recovered_share(bench, params, digits, "fedavg", Schedule(0.1, 32, 1), 64)
     print("fedavg 2 x 32:", share, recon.stats, obs.declared)
     assert obs.kind == "weights" and obs.declared["local-steps"] == 2
@@ -81,7 +92,8 @@ def test_imprint_reads_a_fedavg_update_of_two_local_steps(bench: ModuleType, dig
     reason="Debian package dataset-fashion-mnist not installed (.ci/run installs it where apt-get may)",
 )
 def test_imprint_with_its_defaults_keeps_nine_tenths_of_256_fashion_images(bench: ModuleType) -> None:
-    """The paper's hand-set normal prior (the defaults) and 4,096 bins on a FedSGD batch of 256."""
+    """The defaults (the paper's normal prior fitted to the held-out Fashion-MNIST images) and 4,096 bins on a
+    FedSGD batch of 256."""
     params = ImprintParams(bins=4096)
     share, recon, _ = recovered_share(
         bench, params, load_dataset("fashion-mnist"), "fedsgd", Schedule(0.1, 256, 1), 256
@@ -119,7 +131,41 @@ def test_public_normal_edges_are_the_normal_quantiles_of_the_public_mean_and_std
 def test_the_manipulation_sends_the_fitted_edges(bench: ModuleType, digits: ImageData) -> None:
     params = ImprintParams(bins=16, edges="public", public="mnist-5k", gain=2.0)
     obs, _ = bench.capture_upload(
-        build_imprint(params), "imprint", held_in(digits, 4), digits.spec, "fedsgd", Schedule(0.1, 4, 1), 32, 0
+        build_imprint(params), "imprint", held_in(digits, 4), digits.spec, "", "fedsgd", Schedule(0.1, 4, 1), 32, 0
     )
     assert -obs.global_arrays[1][:16] / 2.0 == pytest.approx(bin_edges(params).astype(np.float32), abs=1e-6)
     assert torch.equal(torch.tensor(obs.global_arrays[1][16:]), torch.full((16,), -2.0))
+
+
+def test_the_default_edges_fit_the_runs_own_held_out_split(bench: ModuleType, digits: ImageData) -> None:
+    """``public`` unset: the normal prior is fitted to the data set the model card names, the run's."""
+    obs, _ = bench.capture_upload(
+        build_imprint(ImprintParams(bins=8)),
+        "imprint",
+        held_in(digits, 4),
+        digits.spec,
+        "mnist-5k",
+        "fedsgd",
+        Schedule(0.1, 4, 1),
+        16,
+        0,
+    )
+    fitted = bin_edges(ImprintParams(bins=8, public="mnist-5k"))
+    assert -obs.global_arrays[1][:8] == pytest.approx(fitted.astype(np.float32), abs=1e-6)
+    means = public_means("mnist-5k")
+    assert fitted[4] == pytest.approx(means.mean())  # the median edge: the held-out digits' mean brightness
+
+
+def test_fitted_edges_without_a_data_set_are_refused_with_the_choices(bench: ModuleType, digits: ImageData) -> None:
+    with pytest.raises(ValueError, match="neither public nor the model card names a data set.*edges = 'normal'"):
+        bench.capture_upload(
+            build_imprint(ImprintParams(bins=8)),
+            "imprint",
+            held_in(digits, 4),
+            digits.spec,
+            "",
+            "fedsgd",
+            Schedule(0.1, 4, 1),
+            16,
+            0,
+        )

@@ -77,7 +77,7 @@ def test_trap_weights_reads_out_the_inputs_that_fire_a_unit_alone(photos) -> Non
 
 
 def test_imprint_recovers_every_input_alone_in_its_bin(photos) -> None:
-    params = ImprintParams(bins=64)
+    params = ImprintParams(bins=64, edges="normal")
     model, card, sent = manipulated(photos.spec, build_imprint(params), hidden=256)
     x, y = photos.test.batch(IMPRINT_BATCH)
     recon = build_attack("imprint").reconstruct_many([upload(model, card, sent, x, y, "imprint")], 0)[0]
@@ -92,7 +92,7 @@ def test_imprint_recovers_every_input_alone_in_its_bin(photos) -> None:
 
 
 def test_declared_labels_are_returned_as_declared(photos) -> None:
-    model, card, sent = manipulated(photos.spec, build_imprint(ImprintParams(bins=8)), hidden=16)
+    model, card, sent = manipulated(photos.spec, build_imprint(ImprintParams(bins=8, edges="normal")), hidden=16)
     x, y = photos.test.batch([0, 1, 2])
     obs = upload(model, card, sent, x, y, "imprint", {"labels": y.tolist()})
     recon = build_attack("imprint").reconstruct_many([obs], 0)[0]
@@ -106,7 +106,7 @@ def test_only_the_first_layer_and_for_imprint_the_next_one_change(photos, name: 
     card = card_of(model, "mlp", photos.spec)
     arrays = get_arrays(model)
     before = [a.copy() for a in arrays]
-    sent = build_manipulation(name, ImprintParams(bins=8) if name == "imprint" else None)(
+    sent = build_manipulation(name, ImprintParams(bins=8, edges="normal") if name == "imprint" else None)(
         arrays, card, np.random.default_rng(0)
     )
     changed = {"trap-weights": {"1.weight", "1.bias"}, "imprint": {"1.weight", "1.bias", "3.weight"}}[name]
@@ -128,7 +128,7 @@ def test_trap_rows_have_their_positive_part_scaled(photos) -> None:
 
 
 def test_imprint_layout_bins_columns_and_switched_off_units(photos) -> None:
-    params = ImprintParams(bins=8, mean=0.4, std=0.1, gain=2.0)
+    params = ImprintParams(bins=8, edges="normal", mean=0.4, std=0.1, gain=2.0)
     model = build_model("mlp", photos.spec, MLPParams(hidden=32, depth=2))
     arrays = get_arrays(model)
     weight, bias, after, _, _head, _ = build_imprint(params)(
@@ -146,7 +146,7 @@ def test_imprint_layout_bins_columns_and_switched_off_units(photos) -> None:
 def test_a_model_without_a_linear_layer_on_the_image_is_refused(photos) -> None:
     model = build_model("lenet", photos.spec)
     card = card_of(model, "lenet", photos.spec)
-    for manipulation in (build_trap_weights(TrapWeightsParams()), build_imprint(ImprintParams())):
+    for manipulation in (build_trap_weights(TrapWeightsParams()), build_imprint(ImprintParams(edges="normal"))):
         with pytest.raises(ValueError, match=r"no trainable Linear layer .*3x32x32.* body\.0\.weight \(12, 3, 5, 5\)"):
             manipulation(get_arrays(model), card, np.random.default_rng(0))
 
@@ -154,12 +154,12 @@ def test_a_model_without_a_linear_layer_on_the_image_is_refused(photos) -> None:
 def test_imprint_needs_enough_units_and_a_next_layer(photos) -> None:
     model = build_model("mlp", photos.spec, MLPParams(hidden=256, depth=2))
     with pytest.raises(ValueError, match=r"bins = 300 exceeds the 256 units of 1\.weight; choose bins <= 256"):
-        build_imprint(ImprintParams(bins=300))(
+        build_imprint(ImprintParams(bins=300, edges="normal"))(
             get_arrays(model), card_of(model, "mlp", photos.spec), np.random.default_rng(0)
         )
     linear = build_model("mlp", photos.spec, MLPParams(depth=0))
     with pytest.raises(ValueError, match=r"no trainable Linear layer takes the 10 units of 1\.weight"):
-        build_imprint(ImprintParams(bins=4))(
+        build_imprint(ImprintParams(bins=4, edges="normal"))(
             get_arrays(linear), card_of(linear, "mlp", photos.spec), np.random.default_rng(0)
         )
 
@@ -170,9 +170,8 @@ def test_imprint_needs_enough_units_and_a_next_layer(photos) -> None:
         (lambda: TrapWeightsParams(scale_factor=1.5), "scale_factor must be in \\(0, 1\\], got 1.5"),
         (lambda: TrapWeightsParams(sigma=0.0), "sigma must be > 0, got 0.0"),
         (lambda: ImprintParams(std=-1.0), "std must be > 0, got -1.0"),
-        (lambda: ImprintParams(bins=0), "bins must be >= 1, got 0"),
+        (lambda: ImprintParams(bins=0, edges="normal"), "bins must be >= 1, got 0"),
         (lambda: ImprintParams(edges="uniform"), "edges 'uniform': choose one of normal, public-normal, public"),
-        (lambda: ImprintParams(edges="public"), "edges = 'public' needs public = the data set the server holds"),
     ],
 )
 def test_bad_parameters_name_the_value(bad, message: str) -> None:
