@@ -15,7 +15,10 @@ with ``edges = 'public'`` the empirical distribution of ``m`` there (``attackers
 every expected measurement, stands in for ``Phi^-1(0) = -inf``: unit 0 fires for every input. The next
 Linear layer's weight ``V`` (m, n) gets ``V[:, i] = V[:, 0]`` for every ``i < K``: then
 ``dl/dh_i(x) = V[:, i] . dl/dz(x)`` is one value ``c(x)`` for all bin units that ``x`` fires, the condition
-that makes the differences below exact. Every other array is sent unchanged.
+that makes the differences below exact. Every other array is sent unchanged. With ``layout = 'one-shot'`` only
+units 0 and 1 are rewritten, with the edges of the bin of the ``K`` that holds the prior's ``target`` quantile,
+and only column 1 of ``V`` (made column 0); every other unit keeps its row, bias and column: the read-out gives
+back the input alone in that bin, if one is.
 
 Attack. Unit i fires for the inputs with ``m(x) > e_i``, so with ``c_k = c(x_k)``::
 
@@ -58,6 +61,7 @@ from fedguard.observation import ModelCard, Observation
 from fedguard.registry import NoParams
 
 SLACK = 1e-4  # pixel units: the tolerance of the consistency test
+LAYOUTS = ("cumulative", "one-shot")
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,10 @@ class ImprintParams:
     empirical distribution of those mean pixels); ``mean``: mean of the normal prior on an image's mean pixel
     (pixels in [0, 1]; edges = 'normal'); ``std``: standard deviation of the normal prior (pixel units;
     edges = 'normal'); ``public``: the data set whose held-out split the server fits the edges to, '' for the
-    run's own (edges = 'public-normal' or 'public'); ``gain``: gain of the bin units."""
+    run's own (edges = 'public-normal' or 'public'); ``gain``: gain of the bin units; ``layout``: 'cumulative'
+    (the paper's: ``bins`` bin units), or 'one-shot' (two units bounding one of ``bins`` bins of the prior, the
+    others left as they were); ``target``: the quantile of the prior inside the one-shot bin (layout =
+    'one-shot')."""
 
     bins: int = 64
     edges: str = "public-normal"
@@ -76,6 +83,8 @@ class ImprintParams:
     std: float = 0.2
     public: str = ""
     gain: float = 1.0
+    layout: str = "cumulative"
+    target: float = 0.5
 
     def __post_init__(self) -> None:
         if self.bins < 1:
@@ -88,6 +97,12 @@ class ImprintParams:
             raise ValueError(f"gain must be > 0, got {self.gain}")
         if not np.isfinite(self.mean):
             raise ValueError(f"mean must be finite, got {self.mean}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r}: choose one of {', '.join(LAYOUTS)}")
+        if self.layout == "one-shot" and self.bins < 2:
+            raise ValueError(f"layout = 'one-shot' bounds one of bins >= 2 bins of the prior, got bins = {self.bins}")
+        if not 0 <= self.target < 1:
+            raise ValueError(f"target must be a quantile in [0, 1), got {self.target}")
 
 
 def public_source(params: ImprintParams, card: ModelCard | None) -> tuple[str, SourceOptions]:
@@ -138,20 +153,34 @@ class Imprint:
     def __call__(self, arrays: list[np.ndarray], card: ModelCard, rng: np.random.Generator) -> list[np.ndarray]:
         index = card_input_layer(arrays, card)
         units, pixels = arrays[index].shape
-        bins, gain = self.params.bins, self.params.gain
-        if bins > units:
-            raise ValueError(f"bins = {bins} exceeds the {units} units of {card.names[index]}; choose bins <= {units}")
+        one_shot = self.params.layout == "one-shot"
+        needed = 2 if one_shot else self.params.bins
+        if needed > units:
+            raise ValueError(
+                f"bins = {self.params.bins} exceeds the {units} units of {card.names[index]}; choose bins <= {units}"
+            )
         after = next_layer(arrays, card.names, card.trainable, index)
         edges = bin_edges(self.params, card)
+        if one_shot:
+            edges = one_shot_edges(edges, self.params.target)
         sent = [a.copy() for a in arrays]
-        weight = np.zeros((units, pixels))
-        weight[:bins] = gain / pixels
-        bias = np.full(units, -gain)
-        bias[:bins] = -gain * edges
+        weight, bias = sent[index].astype(np.float64), sent[index + 1].astype(np.float64)
+        if not one_shot:
+            weight[:] = 0
+            bias[:] = -self.params.gain  # switched off: never active
+        weight[:needed] = self.params.gain / pixels
+        bias[:needed] = -self.params.gain * edges
         sent[index] = weight.astype(arrays[index].dtype)
         sent[index + 1] = bias.astype(arrays[index + 1].dtype)
-        sent[after][:, :bins] = sent[after][:, :1]
+        sent[after][:, :needed] = sent[after][:, :1]
         return sent
+
+
+def one_shot_edges(edges: np.ndarray, target: float) -> np.ndarray:
+    """(2,) the lower and upper edge of the bin of ``edges`` (K,) that holds the prior's ``target`` quantile (the
+    last bin, unbounded above, gives way to the one below it)."""
+    lower = min(int(target * len(edges)), len(edges) - 2)
+    return edges[lower : lower + 2]
 
 
 @register_manipulation("imprint", params=ImprintParams)
@@ -162,14 +191,16 @@ def build_imprint(params: ImprintParams) -> Imprint:
 
 def sent_bins(obs: Observation, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(bin unit indices in ascending edge order, their edges, their measurement rows (K, d) with unit gain), all
-    read from the first layer the server sent (float64)."""
+    read from the first layer the server sent (float64): the bin units are its rows of one non-zero value
+    repeated, which no trained or freshly drawn row is."""
     weight = torch.tensor(obs.global_arrays[index], dtype=torch.float64)
     bias = torch.tensor(obs.global_arrays[index + 1], dtype=torch.float64)
-    units = torch.nonzero(weight.abs().sum(1) > 0).flatten()
+    constant = (weight.amax(1) == weight.amin(1)) & (weight.abs().sum(1) > 0)
+    units = torch.nonzero(constant).flatten()
     if len(units) == 0:
         raise ValueError(
-            f"the first layer {obs.names[index]} the server sent has no bin units (all rows are zero); "
-            f"was the upload computed on an imprint model?"
+            f"the first layer {obs.names[index]} the server sent has no bin units (no row is one non-zero value "
+            f"repeated); was the upload computed on an imprint model?"
         )
     return ordered_bins(weight, bias, units)
 

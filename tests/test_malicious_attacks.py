@@ -91,6 +91,30 @@ def test_imprint_recovers_every_input_alone_in_its_bin(photos) -> None:
     assert alone.sum() <= recon.stats["recovered"] <= recon.stats["non_empty"]
 
 
+def test_one_shot_imprint_changes_two_units_and_returns_the_image_alone_in_its_bin(photos) -> None:
+    """Two units bound the bin of 16 that holds the prior's 0.2 quantile (the fourth); every other unit stays as
+    it was. Of the IMPRINT_BATCH tiles exactly one falls in that bin (checked below), and it comes back exactly."""
+    params = ImprintParams(bins=16, edges="normal", layout="one-shot", target=0.2)
+    torch.manual_seed(0)
+    honest = get_arrays(build_model("mlp", photos.spec, MLPParams(hidden=256, depth=2)))
+    model, card, sent = manipulated(photos.spec, build_imprint(params), hidden=256)
+    changed = [n for n, a, b in zip(card.names, honest, sent) if not np.array_equal(a, b)]
+    assert changed == ["1.weight", "1.bias", "3.weight"]
+    rows = np.flatnonzero(np.any(honest[card.names.index("1.weight")] != sent[card.names.index("1.weight")], axis=1))
+    columns = np.flatnonzero(np.any(honest[card.names.index("3.weight")] != sent[card.names.index("3.weight")], axis=0))
+    assert rows.tolist() == [0, 1] and columns.tolist() == [1]
+    lower, upper = bin_edges(params)[3:5]
+    assert -sent[card.names.index("1.bias")][:2] == pytest.approx([lower, upper])
+    x, y = photos.test.batch(IMPRINT_BATCH)
+    means = x.flatten(1).double().mean(1).numpy()
+    inside = (means >= lower) & (means < upper)
+    assert inside.sum() == 1, means
+    recon = build_attack("imprint").reconstruct_many([upload(model, card, sent, x, y, "imprint")], 0)[0]
+    assert recon.stats["bins"] == 2 and recon.stats["recovered"] >= 1
+    got = psnr_from_mse(pairwise_mse(recon.images[:1], x[inside])).item()
+    assert got > EXACT_DB, got
+
+
 def test_declared_labels_are_returned_as_declared(photos) -> None:
     model, card, sent = manipulated(photos.spec, build_imprint(ImprintParams(bins=8, edges="normal")), hidden=16)
     x, y = photos.test.batch([0, 1, 2])
@@ -172,6 +196,9 @@ def test_imprint_needs_enough_units_and_a_next_layer(photos) -> None:
         (lambda: ImprintParams(std=-1.0), "std must be > 0, got -1.0"),
         (lambda: ImprintParams(bins=0, edges="normal"), "bins must be >= 1, got 0"),
         (lambda: ImprintParams(edges="uniform"), "edges 'uniform': choose one of normal, public-normal, public"),
+        (lambda: ImprintParams(layout="sparse"), "layout 'sparse': choose one of cumulative, one-shot"),
+        (lambda: ImprintParams(layout="one-shot", bins=1), "one of bins >= 2 bins of the prior, got bins = 1"),
+        (lambda: ImprintParams(target=1.0), r"target must be a quantile in \[0, 1\), got 1.0"),
     ],
 )
 def test_bad_parameters_name_the_value(bad, message: str) -> None:
