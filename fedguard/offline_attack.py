@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from attackers.base import ATTACKS, AttackOutcome, build_attack, check_attack_files, required_manipulation, shape_key
-from fedguard.config import Config, ConfigError, load_config
+from fedguard.absent_plugins import without_absent_plugins
+from fedguard.config import Config, ConfigError, load_config, read_preset
 from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
 from fedguard.observation import Observation
 from fedguard.observation_files import ObservationRefused, RunExpectations, read_observation
@@ -34,10 +35,17 @@ def locate(capture_dir: Path) -> tuple[Path, Path]:
     raise FileNotFoundError(f"{capture_dir} holds no captured observations ({UPLOAD_GLOB}, or {OBSERVATIONS_DIR}/)")
 
 
-def offline_config(run_dir: Path, overrides: list[str]) -> Config:
-    """The run's own configuration (if saved) with ``overrides``; at least one attack must be chosen."""
+def offline_config(run_dir: Path, overrides: list[str], progress: Callable[[str], None] = print) -> Config:
+    """The run's own configuration (if saved) with ``overrides``; at least one attack must be chosen. The
+    components of plugins that cannot be imported here are left out, each said through ``progress``
+    (``fedguard.absent_plugins``)."""
     preset = run_dir / CONFIG_FILE
-    config = load_config(preset if preset.is_file() else None, overrides)
+    recorded: dict[str, Any] = {}
+    if preset.is_file():
+        recorded, notes = without_absent_plugins(read_preset(preset))
+        for note in notes:
+            progress(f"fedguard: {note}")
+    config = load_config(None, overrides, keys=recorded)
     if not config.attacks:
         raise ConfigError(
             [
@@ -71,7 +79,7 @@ def attack_capture(
     report. Observations that cannot be read or do not fit the run are skipped, each named. Returns (run folder,
     new rows)."""
     run_dir, folder = locate(capture_dir)
-    config = offline_config(run_dir, overrides)
+    config = offline_config(run_dir, overrides, progress)
     check_attack_files(config.attacks)  # every missing generator or denoiser named before any attack runs
     observations, skipped = readable_observations(folder, run_dir, RunExpectations.of(config), progress)
     evaluator = Evaluator(run_dir, attack_contexts(config, source="offline"))

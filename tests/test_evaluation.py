@@ -151,3 +151,36 @@ def test_attack_command_needs_an_attack(tmp_path: Path, capsys: pytest.CaptureFi
     assert "choose attacks" in capsys.readouterr().err
     assert main(["attack", str(tmp_path / "nothing"), "--set", "attack.name=ig"]) == 2
     assert "no captured observations" in capsys.readouterr().err
+
+
+def test_attack_command_runs_on_a_plugin_run_where_its_plugins_cannot_be_imported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plugin defense, detector and manipulation are left out and named; the built-in model stays; the
+    captured uploads are attacked. A plugin model cannot be left out: refused, naming it."""
+    import tomllib
+
+    import tomli_w
+
+    folder = make_run(tmp_path, clients=2)
+    recorded = tomllib.loads((folder / "config.toml").read_text())
+    recorded["server"]["plugins"] = "lab_plugins.sign_flip"  # importable only in the lab's own folder
+    recorded["defense"] = {"name": "sign-flip", "sign-flip": {"scale": 2.5}}
+    recorded["detect"] = {**recorded.get("detect", {}), "name": "structure, lab-check", "lab-check": {"k": 3}}
+    recorded["threat"] = {**recorded.get("threat", {}), "malicious": "4:lab-bins"}
+    recorded["manipulation"] = {"lab-bins": {"bins": 8}}
+    (folder / "config.toml").write_text(tomli_w.dumps(recorded))
+    ig = ["--set", "attack.name=ig", "--set", "attack.ig.iterations=5", "--set", "attack.ig.device=cpu"]
+    assert main(["attack", str(folder), *ig]) == 0
+    out = capsys.readouterr().out
+    left_out = "fedguard: server.plugins = 'lab_plugins.sign_flip' cannot be imported here; left out:"
+    assert f"{left_out} defense 'sign-flip' (the attacks treat the uploads as undefended" in out, out
+    assert f"{left_out} detect 'lab-check'" in out and f"{left_out} manipulation 'lab-bins'" in out
+    assert "detect 'structure'" not in out and "ig on 2 of 2 observations" in out
+    rows = [json.loads(line) for line in (folder / ATTACKS_FILE).read_text().splitlines()]
+    assert [(row["client"], row["status"]) for row in rows] == [(0, "ok"), (1, "ok")]
+
+    recorded["model"] = {"name": "lab-net"}
+    (folder / "config.toml").write_text(tomli_w.dumps(recorded))
+    assert main(["attack", str(folder), *ig]) == 2
+    assert "model.name = 'lab-net' comes from server.plugins = 'lab_plugins.sign_flip'" in capsys.readouterr().err
