@@ -4,9 +4,9 @@ Honest models: ``--models`` of each architecture (the MLP of ``model.mlp`` defau
 from its own seed, checked at random initialisation and after 1 to ``--steps`` SGD steps (learning rate
 ``--lr``; batches of 320 images, one aggregated FedSGD round of 10 clients of 32). ``structure`` and ``dsnr``
 see each of them on a batch of 32 of the client's images; ``drift`` compares the trained model with the same
-model three steps earlier (a client that sat out two rounds). Manipulated models: imprint (64 and 16 bins) and
-trap weights (defaults) written by ``attackers`` from each trained MLP, with ``drift`` against that honest
-model. A cell is the share of models flagged.
+model three steps earlier (a client that sat out two rounds) as its one reference (``references = 1``).
+Manipulated models: imprint (64 and 16 bins) and trap weights (defaults) written by ``attackers`` from each
+trained MLP, with ``drift`` against that honest model. A cell is the share of models flagged.
 
     .venv/bin/python benchmarks/detect_false_alarms.py [--models 50] [--steps 20] [--lr 0.5] [--seed 0]
 """
@@ -58,11 +58,11 @@ def sgd_steps(model: nn.Module, data: ImageData, steps: int, lr: float, rng: np.
 def findings(
     model: nn.Module, reference: nn.Module | None, batch: tuple[torch.Tensor, torch.Tensor]
 ) -> dict[str, Finding]:
-    """Each detector's finding on ``model``; ``drift`` against ``reference`` (not flagged without one)."""
+    """Each detector's finding on ``model``; ``drift`` against ``reference`` alone (not flagged without one)."""
     received = Received(model, batch[0], batch[1], loss_fn)
     found = {name: build_detector(name)(received, {}) for name in ("structure", "dsnr")}
     state: dict[str, torch.Tensor] = {}
-    drift = DriftDetector(DriftParams())
+    drift = DriftDetector(DriftParams(references=1))
     if reference is not None:
         drift.remember(Received(reference, batch[0], batch[1], loss_fn), state)
     found["drift"] = drift(received, state)

@@ -42,7 +42,7 @@ from typing import Any
 
 from attackers.base import attack_traits
 from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, read_toml, resolve_paths
-from fedguard.report.detection import detection_table, pooled_findings
+from fedguard.report.detection import completed_runs, detection_table, pooled_findings
 from fedguard.report.leakage import SUCCESS_SSIM, privacy
 from fedguard.report.leakage_table import leakage_tables
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
@@ -618,7 +618,7 @@ def run_sweep(
     leakage = leakage_tables(cells)
     if leakage:
         summary += "\n" + leakage
-    detection = detection_table(*pooled_findings([Path(row["folder"]) for row in rows if row["status"] == "ok"]))
+    detection = detection_table(*pooled_findings(completed_runs(rows)))
     if detection:
         summary += "\n" + detection
     if sweep.paper is not None:

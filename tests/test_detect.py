@@ -23,6 +23,7 @@ from fedguard.client_app import make_client_app
 from fedguard.config import ConfigError, load_config
 from fedguard.data import load_dataset
 from fedguard.detect import Finding, Received, Verdict, build_detector, detect
+from fedguard.detect.base import weights
 from fedguard.detect.drift import DriftDetector, DriftParams, relative_changes
 from fedguard.detect.dsnr import dsnr
 from fedguard.detect.structure import longest_monotone_run, trap_sign
@@ -154,7 +155,7 @@ def test_dsnr_is_low_for_honest_models_and_high_when_one_example_dominates(batch
     assert imprint.scores["dsnr"] < 0.5, "64 bins over 32 examples: no example dominates a layer (see the docs)"
 
 
-def test_drift_flags_a_manipulated_round_after_an_honest_one(batch: Batch) -> None:
+def test_drift_flags_a_manipulated_round_after_two_honest_ones(batch: Batch) -> None:
     detector = DriftDetector(DriftParams())
     state: dict[str, torch.Tensor] = {}
     start = mlp(0)
@@ -164,8 +165,52 @@ def test_drift_flags_a_manipulated_round_after_an_honest_one(batch: Batch) -> No
     honest = trained(mlp(0), 10, 0)
     step = detector(received(honest, batch), state)
     assert step.scores["reference"] == 1 and 0 < step.scores["drift"] < DriftParams().threshold
+    assert not detector(received(manipulated(honest, TRAP), batch), state).flagged, "one reference: no verdict"
+    detector.remember(received(honest, batch), state)
     attacked = detector(received(manipulated(honest, TRAP), batch), state)
     assert attacked.flagged and attacked.scores["layer"] == 0 and attacked.scores["drift"] > 0.7
+    assert attacked.scores["reference"] == 2
+
+
+def test_drift_after_an_unflagged_manipulation(batch: Batch) -> None:
+    """A manipulated model accepted in a client's first round: the honest models after it are not flagged, it
+    leaves the references after two accepted rounds, and a rewritten layer is flagged again; with one reference
+    every honest model after it is flagged, and sent every other round it stays near one of two references."""
+    trapped, honest = manipulated(mlp(0), TRAP), [trained(mlp(0), steps, 0) for steps in (5, 10, 15)]
+    detector, single = DriftDetector(DriftParams()), DriftDetector(DriftParams(references=1))
+    state: dict[str, torch.Tensor] = {}
+    detector.remember(received(trapped, batch), state)
+    for model in honest[:2]:
+        finding = detector(received(model, batch), state)
+        assert not finding.flagged, finding
+        detector.remember(received(model, batch), state)
+    assert detector(received(trapped, batch), state).flagged, "it left the references"
+    assert detector(received(manipulated(honest[1], TRAP), batch), state).flagged
+    assert not detector(received(honest[2], batch), state).flagged
+
+    alone: dict[str, torch.Tensor] = {}
+    single.remember(received(trapped, batch), alone)
+    assert all(single(received(model, batch), alone).flagged for model in honest), "stuck on the trapped model"
+
+    alternate: dict[str, torch.Tensor] = {}
+    detector.remember(received(trapped, batch), alternate)
+    detector.remember(received(honest[0], batch), alternate)
+    assert not detector(received(trapped, batch), alternate).flagged, "the same manipulation two rounds later"
+
+
+def test_drift_keeps_its_references_newest_first_in_the_state(batch: Batch) -> None:
+    detector = DriftDetector(DriftParams(references=2))
+    state = {"detect.drift.0": torch.ones(3), "detect.other": torch.zeros(1)}  # an older layout is dropped
+    models = [mlp(seed) for seed in range(3)]
+    for model in models:
+        detector.remember(received(model, batch), state)
+    kept = sorted(k for k in state if k.startswith("detect.drift."))
+    assert kept == [f"detect.drift.{slot}.{i}" for slot in (0, 1) for i in range(3)]
+    assert torch.equal(state["detect.drift.0.0"], weights(models[2])[0])
+    assert torch.equal(state["detect.drift.1.0"], weights(models[1])[0])
+    assert torch.equal(state["detect.other"], torch.zeros(1))
+    with pytest.raises(ValueError, match="references"):
+        DriftParams(references=0)
 
 
 def test_relative_change_is_bounded_and_checks_the_layout() -> None:

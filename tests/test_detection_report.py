@@ -18,7 +18,8 @@ from fedguard.report.detection import (
     detector_rows,
     manipulation_rows,
     pooled_findings,
-    sweep_folders,
+    setting_rows,
+    sweep_runs,
 )
 from fedguard.report.statistics import wilson_interval
 
@@ -102,16 +103,25 @@ def write_run(folder: Path, malicious: str, attacks: list[dict[str, Any]]) -> No
     (folder / "attacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in attacks))
 
 
+def write_sweep_runs(folder: Path) -> None:
+    """A sweep folder of two runs with detectors, settings 'sgd' (run a: rounds 1 and 3 imprint) and 'avg' (run
+    b: round 2), a failed run and one without detectors."""
+    write_run(folder / "a", "1:imprint, 3:imprint", ATTACKS)
+    write_run(folder / "b", "2:imprint", [])
+    rows = [
+        {"setting": "sgd", "status": "ok", "folder": str(folder / "a")},
+        {"setting": "avg", "status": "ok", "folder": str(folder / "b")},
+        {"setting": "avg", "status": "failed", "folder": str(folder / "c")},
+    ]
+    (folder / "d").mkdir()  # a run without detectors (and here without config.toml): read no further
+    (folder / "d" / "rounds.jsonl").write_text(json.dumps({"round": 1, "accuracy": 0.5}) + "\n")
+    rows.append({"setting": "avg", "status": "ok", "folder": str(folder / "d")})
+    (folder / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def test_the_table_of_a_sweep_folder(tmp_path: Path) -> None:
-    write_run(tmp_path / "a", "1:imprint, 3:imprint", ATTACKS)
-    write_run(tmp_path / "b", "2:imprint", [])
-    rows = [{"status": "ok", "folder": str(tmp_path / "a")}, {"status": "ok", "folder": str(tmp_path / "b")}]
-    rows.append({"status": "failed", "folder": str(tmp_path / "c")})
-    (tmp_path / "d").mkdir()  # a run without detectors (and here without config.toml): read no further
-    (tmp_path / "d" / "rounds.jsonl").write_text(json.dumps({"round": 1, "accuracy": 0.5}) + "\n")
-    rows.append({"status": "ok", "folder": str(tmp_path / "d")})
-    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    table = detection_table(*pooled_findings(sweep_folders(tmp_path)))
+    write_sweep_runs(tmp_path)
+    table = detection_table(*pooled_findings(sweep_runs(tmp_path)))
     print(table)
     # a: 4 malicious (structure flags 3), 2 honest (0); b: 2 malicious in round 2 (0), 4 honest (3)
     assert "| structure | 3 of 6 (50%) | [19, 81]% | 3 of 6 (50%) | [19, 81]% |" in table
@@ -120,4 +130,21 @@ def test_the_table_of_a_sweep_folder(tmp_path: Path) -> None:
     assert "| imprint | 2 | 0 of 2 (0%) | 1 of 2 (50%) | 1 of 2 (50%) | - |" in table
     assert detection_table([], []) == ""
     with pytest.raises(FileNotFoundError, match="runs.jsonl not found"):
-        sweep_folders(tmp_path / "a")
+        sweep_runs(tmp_path / "a")
+
+
+def test_rates_per_setting(tmp_path: Path) -> None:
+    write_sweep_runs(tmp_path)
+    found, attacks = pooled_findings(sweep_runs(tmp_path))
+    per_setting = setting_rows(found)
+    assert list(per_setting) == ["sgd", "avg"]
+    avg = {r.detector: r for r in per_setting["avg"]}
+    assert (avg["structure"].detected.k, avg["structure"].detected.n) == (0, 2)
+    assert (avg["structure"].false_alarms.k, avg["structure"].false_alarms.n) == (3, 4)
+    assert (avg["drift"].detected.k, avg["drift"].false_alarms.k, avg[ANY].false_alarms.k) == (1, 2, 4)
+    table = detection_table(found, attacks)
+    assert "| sgd | structure | 3 of 4 (75%) | [30, 95]% | 0 of 2 (0%) | [0, 66]% |" in table
+    assert "| avg | any | 1 of 2 (50%) | [9, 91]% | 4 of 4 (100%) | [51, 100]% |" in table
+    assert table.index("Per setting:") < table.index("| manipulation |")
+    one_setting = [c for c in found if c.setting == "sgd"]
+    assert list(setting_rows(one_setting)) == ["sgd"] and "Per setting" not in detection_table(one_setting, [])

@@ -70,7 +70,7 @@ def test_only_values_change_in_the_chosen_rows_and_columns() -> None:
 def test_structure_and_drift_pass_it_and_flag_the_plain_imprint() -> None:
     model = honest()
     structure = build_detector("structure")
-    drift = DriftDetector(DriftParams())
+    drift = DriftDetector(DriftParams(references=1))  # against the honest model alone
     state: dict[str, torch.Tensor] = {}
     drift.remember(received(model), state)
     hidden, plain = sent_model(model, HIDDEN)[0], sent_model(model, PLAIN)[0]

@@ -1,5 +1,5 @@
 """sweep.html: the privacy-utility points from the cells, the figures beside the page, summary.md's tables as
-HTML, and the page rendered in headless Chromium with every figure decoded."""
+HTML, the detection panel, and the page rendered in headless Chromium with every figure decoded."""
 
 from __future__ import annotations
 
@@ -12,10 +12,20 @@ import pytest
 from PIL import Image
 
 from fedguard.cli import main
+from fedguard.report.detection import detection_table, pooled_findings, sweep_runs
 from fedguard.report.leakage import privacy
 from fedguard.report.leakage_table import leakage_tables
-from fedguard.report.sweep_html import SWEEP_PAGE, leakage_per_round_png, markdown_html, privacy_utility_points
+from fedguard.report.sweep_html import (
+    DETECTION_FIGURE,
+    SWEEP_PAGE,
+    detection_png,
+    leakage_per_round_png,
+    markdown_html,
+    privacy_utility_points,
+    split_section,
+)
 from fedguard.sweep import summary_table
+from tests.test_detection_report import write_sweep_runs
 from tests.test_report_html import CHROMIUM, chromium, img_count
 
 
@@ -106,6 +116,30 @@ def test_summary_markdown_becomes_tables_lists_and_paragraphs() -> None:
     ) in html
     assert "<ul><li><code>s/v</code> seed 0 <b>failed</b>: &lt;oops&gt;</li></ul>" in html
     assert html.endswith("<p>Text <code>c</code>.</p>")
+
+
+def test_summary_sections_split_at_their_headings() -> None:
+    markdown = "| a |\n\n## Detection\n\n| d |\n\n## The paper\n\n| p |\n"
+    assert split_section(markdown, "Detection") == ("| a |\n\n## The paper\n\n| p |", "\n| d |\n")
+    assert split_section("| a |\n", "Detection") == ("| a |\n", "")
+    assert markdown_html("## Detection") == "<h3>Detection</h3>"
+
+
+def test_the_sweep_page_shows_the_detection_rates_per_detector_and_setting(tmp_path: Path) -> None:
+    folder = write_sweep(tmp_path / "sweep")
+    write_sweep_runs(folder)
+    found, attacks = pooled_findings(sweep_runs(folder))
+    summary = folder / "summary.md"
+    summary.write_text(summary.read_text() + "\n" + detection_table(found, attacks))
+    assert main(["report", str(folder)]) == 0
+    page = (folder / SWEEP_PAGE).read_text()
+    panel = page[page.index("<h2>Detection</h2>") : page.index("<h2>Tables</h2>")]
+    assert (folder / DETECTION_FIGURE).is_file() and img_count(page) == 4 and img_count(panel) == 1
+    cells = '</td><td class="">'.join(["sgd", "structure", "3 of 4 (75%)", "[30, 95]%", "0 of 2 (0%)", "[0, 66]%"])
+    assert cells in panel and '<td class="">any</td><td class="">5 of 6 (83%)' in panel
+    assert page.count("flagged by structure") == 1, "the detection tables are in the panel, not again in Tables"
+    assert "## " not in page and "Mean SSIM [95% CI] per attack" in page[page.index("<h2>Tables</h2>") :]
+    assert detection_png([]) is None
 
 
 def test_fedguard_report_on_a_sweep_folder_writes_the_page_and_its_figures(tmp_path: Path) -> None:

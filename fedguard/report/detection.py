@@ -8,7 +8,8 @@ round), honest otherwise. Per detector, and for ``any`` (the union: flagged by a
 rate is the share of malicious client-rounds flagged and the false-alarm rate the share of honest ones
 flagged, each as k of n with its Wilson 95 % interval (``fedguard.report.statistics.wilson_interval``). Per
 manipulation and round, the same counts beside the images its attack recovered: the share of the scored
-images of ``attacks.jsonl`` rows of that manipulation and round with SSIM above ``RECOVERED_SSIM``.
+images of ``attacks.jsonl`` rows of that manipulation and round with SSIM above ``RECOVERED_SSIM``. Per setting of
+a sweep (``[sweep.settings]``: protocol, server strategy), the detector rates of its runs alone.
 """
 
 from __future__ import annotations
@@ -25,18 +26,20 @@ from fedguard.run_folder import ATTACKS_FILE, ROUNDS_FILE, RUNS_FILE, read_jsonl
 
 HONEST = "honest"  # the manipulation of an honest client-round
 ANY = "any"  # the union of the detectors
+HEADING = "Detection"  # the table's section title in summary.md
 FLAGGED = ".flagged"  # suffix of a detector's flag among a client's findings
 
 
 @dataclass(frozen=True)
 class ClientRound:
-    """One client's findings on the model of one round: the ``manipulation`` sent (``HONEST`` for none) and,
-    per detector, whether it flagged the model."""
+    """One client's findings on the model of one round: the ``manipulation`` sent (``HONEST`` for none),
+    per detector whether it flagged the model, and the sweep ``setting`` of its run ("" outside a sweep)."""
 
     manipulation: str
     round: int
     client: int
     flags: dict[str, bool]
+    setting: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,15 +82,16 @@ def rate(k: int, n: int) -> Rate:
     return Rate(k, n, wilson_interval(k, n) if n else None)
 
 
-def client_rounds(rounds: list[dict[str, Any]], schedule: dict[int, str]) -> list[ClientRound]:
+def client_rounds(rounds: list[dict[str, Any]], schedule: dict[int, str], setting: str = "") -> list[ClientRound]:
     """The client-rounds of one run's ``rounds.jsonl`` rows, malicious where ``schedule`` (round -> manipulation,
-    ``fedguard.config.parse_schedule``) names a manipulation."""
+    ``fedguard.config.parse_schedule``) names a manipulation; ``setting``: the run's sweep setting."""
     return [
         ClientRound(
             schedule.get(row["round"], HONEST),
             row["round"],
             int(entry["client"]),
             {key[: -len(FLAGGED)]: bool(value) for key, value in entry.items() if key.endswith(FLAGGED)},
+            setting,
         )
         for row in rounds
         for entry in row.get("detect") or []
@@ -120,6 +124,12 @@ def detector_rows(found: list[ClientRound]) -> list[DetectorRow]:
     ]
 
 
+def setting_rows(found: list[ClientRound]) -> dict[str, list[DetectorRow]]:
+    """Per sweep setting, in order of appearance: ``detector_rows`` of its client-rounds alone."""
+    settings = dict.fromkeys(c.setting for c in found)
+    return {s: detector_rows([c for c in found if c.setting == s]) for s in settings}
+
+
 def recovered_images(attacks: list[dict[str, Any]], manipulation: str, round_: int) -> Rate:
     """The images above ``RECOVERED_SSIM`` among those scored by the ``attacks.jsonl`` rows (status 'ok') of
     ``manipulation`` in round ``round_``."""
@@ -148,10 +158,10 @@ def manipulation_rows(found: list[ClientRound], attacks: list[dict[str, Any]]) -
     return rows
 
 
-def run_findings(folder: Path) -> tuple[list[ClientRound], list[dict[str, Any]]]:
-    """(the client-rounds, the ``attacks.jsonl`` rows) of the run in ``folder``, its schedule read from its
-    ``config.toml``; none of either when its clients ran no detector, or when that file is missing or unreadable
-    (which rounds were malicious is unknown)."""
+def run_findings(folder: Path, setting: str = "") -> tuple[list[ClientRound], list[dict[str, Any]]]:
+    """(the client-rounds, the ``attacks.jsonl`` rows) of the run in ``folder`` (of sweep setting ``setting``),
+    its schedule read from its ``config.toml``; none of either when its clients ran no detector, or when that file
+    is missing or unreadable (which rounds were malicious is unknown)."""
     rounds = read_jsonl(folder / ROUNDS_FILE)
     if not any(row.get("detect") for row in rounds):
         return [], []
@@ -159,27 +169,32 @@ def run_findings(folder: Path) -> tuple[list[ClientRound], list[dict[str, Any]]]
         malicious = str(read_recorded_config(folder).value("threat.malicious", ""))
     except ConfigError:
         return [], []
-    return client_rounds(rounds, parse_schedule(malicious)), read_jsonl(folder / ATTACKS_FILE)
+    return client_rounds(rounds, parse_schedule(malicious), setting), read_jsonl(folder / ATTACKS_FILE)
 
 
-def pooled_findings(folders: list[Path]) -> tuple[list[ClientRound], list[dict[str, Any]]]:
-    """``run_findings`` of every run folder, pooled."""
+def pooled_findings(runs: list[tuple[str, Path]]) -> tuple[list[ClientRound], list[dict[str, Any]]]:
+    """``run_findings`` of every (setting, run folder), pooled."""
     found: list[ClientRound] = []
     attacks: list[dict[str, Any]] = []
-    for folder in folders:
-        more, rows = run_findings(folder)
+    for setting, folder in runs:
+        more, rows = run_findings(folder, setting)
         found += more
         attacks += rows
     return found, attacks
 
 
-def sweep_folders(folder: Path) -> list[Path]:
-    """The folders of the completed runs of the sweep in ``folder`` (its ``runs.jsonl`` rows of status 'ok');
-    raises ``FileNotFoundError`` when it holds no ``runs.jsonl``."""
+def completed_runs(rows: list[dict[str, Any]]) -> list[tuple[str, Path]]:
+    """(setting, folder) of the ``runs.jsonl`` rows of status 'ok'."""
+    return [(str(row.get("setting", "")), Path(row["folder"])) for row in rows if row.get("status") == "ok"]
+
+
+def sweep_runs(folder: Path) -> list[tuple[str, Path]]:
+    """(setting, folder) of the completed runs of the sweep in ``folder``; raises ``FileNotFoundError`` when it
+    holds no ``runs.jsonl``."""
     runs = folder / RUNS_FILE
     if not runs.is_file():
         raise FileNotFoundError(f"{runs} not found: is {folder} the folder of a finished fedguard sweep?")
-    return [Path(row["folder"]) for row in read_jsonl(runs) if row.get("status") == "ok"]
+    return completed_runs(read_jsonl(runs))
 
 
 def _count(r: Rate) -> str:
@@ -190,29 +205,57 @@ def _interval(r: Rate) -> str:
     return "-" if r.ci95 is None else f"[{100 * r.ci95[0]:.0f}, {100 * r.ci95[1]:.0f}]%"
 
 
-def detection_table(found: list[ClientRound], attacks: list[dict[str, Any]]) -> str:
-    """Markdown: the rates per detector, then per manipulation and round with its attack's recovered images;
-    empty when no client-round was scored."""
-    if not found:
-        return ""
-    lines = [
-        "## Detection",
-        "",
-        "| detector | detected (malicious client-rounds) | 95% CI | false alarms (honest client-rounds) | 95% CI |",
-        "|---|---|---|---|---|",
-    ]
-    for row in detector_rows(found):
-        lines.append(
-            f"| {row.detector} | {_count(row.detected)} | {_interval(row.detected)} "
-            f"| {_count(row.false_alarms)} | {_interval(row.false_alarms)} |"
-        )
+RATE_COLUMNS = "detected (malicious client-rounds) | 95% CI | false alarms (honest client-rounds) | 95% CI"
+
+
+def _rates(row: DetectorRow) -> str:
+    return (
+        f"{_count(row.detected)} | {_interval(row.detected)} | {_count(row.false_alarms)} "
+        f"| {_interval(row.false_alarms)}"
+    )
+
+
+def detector_lines(found: list[ClientRound]) -> list[str]:
+    """Markdown: the rates per detector over every client-round."""
+    lines = [f"| detector | {RATE_COLUMNS} |", "|---|---|---|---|---|"]
+    return lines + [f"| {row.detector} | {_rates(row)} |" for row in detector_rows(found)]
+
+
+def setting_lines(found: list[ClientRound]) -> list[str]:
+    """Markdown: the rates per sweep setting and detector; none when the client-rounds are of one setting."""
+    per_setting = setting_rows(found)
+    if len(per_setting) < 2:
+        return []
+    lines = ["Per setting:", "", f"| setting | detector | {RATE_COLUMNS} |", "|---|---|---|---|---|---|"]
+    for setting, rows in per_setting.items():
+        lines += [f"| {setting} | {row.detector} | {_rates(row)} |" for row in rows]
+    return ["", *lines]
+
+
+def manipulation_lines(found: list[ClientRound], attacks: list[dict[str, Any]]) -> list[str]:
+    """Markdown: per manipulation and round, the client-rounds each detector flagged and the images recovered."""
     names = detectors(found)
-    lines += [
-        "",
+    lines = [
         f"| manipulation | round | {' | '.join(f'flagged by {n}' for n in names)} | images SSIM > {RECOVERED_SSIM} |",
         "|---|---|" + "---|" * (len(names) + 1),
     ]
     for m in manipulation_rows(found, attacks):
         cells = " | ".join(_count(m.flagged[n]) for n in names)
         lines.append(f"| {m.manipulation} | {m.round} | {cells} | {_count(m.recovered)} |")
+    return lines
+
+
+def detection_table(found: list[ClientRound], attacks: list[dict[str, Any]]) -> str:
+    """Markdown: the rates per detector, per setting (when there are several), then per manipulation and round
+    with its attack's recovered images; empty when no client-round was scored."""
+    if not found:
+        return ""
+    lines = [
+        f"## {HEADING}",
+        "",
+        *detector_lines(found),
+        *setting_lines(found),
+        "",
+        *manipulation_lines(found, attacks),
+    ]
     return "\n".join(lines) + "\n"

@@ -3,8 +3,12 @@
 Per setting: privacy against utility (each variant's accuracy as a share of the baseline's, with its interval
 over seeds, against the headline attack's mean SSIM with its interval over images), the leakage per attacked
 round (each variant's best attack), the cost (seconds per round, and the upload's size as a share of the dense
-update where a defense changes it), then ``summary.md``'s tables. Each figure is also written beside the page
-as ``<figure>-<setting>.png``. Everything is read from ``sweep.jsonl``; nothing is loaded from outside the file.
+update where a defense changes it), then ``summary.md``'s tables. Where the clients ran detectors, a detection
+panel: each detector's detection and false-alarm rates with their Wilson 95 % intervals, pooled and per setting
+(read from the runs' folders that ``runs.jsonl`` lists, ``fedguard.report.detection``), beside ``summary.md``'s
+detection section. Each figure is also written beside the page as ``<figure>-<setting>.png`` (the detection
+figure as ``detection.png``). Everything else is read from ``sweep.jsonl``; the page embeds its figures and
+loads nothing from elsewhere.
 """
 
 from __future__ import annotations
@@ -14,12 +18,23 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from fedguard.report.detection import (
+    HEADING,
+    ClientRound,
+    DetectorRow,
+    detector_rows,
+    pooled_findings,
+    setting_rows,
+    sweep_runs,
+)
 from fedguard.report.html import CSS, EmbeddedImages, figure_png, page_html, plot_axes
 from fedguard.report.leakage import SUCCESS_SSIM
-from fedguard.run_folder import SUMMARY_FILE, SWEEP_FILE, read_jsonl, write_atomic
+from fedguard.run_folder import RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, read_jsonl, write_atomic
 
 SWEEP_PAGE = "sweep.html"
 FIGURES = ("privacy-utility", "leakage-per-round", "cost")
+DETECTION_FIGURE = "detection.png"
+ALL_SETTINGS = "all settings"  # the pooled panel of the detection figure
 BLUE, GREY, RED = "#2563eb", "#9ca3af", "#dc2626"
 
 
@@ -143,6 +158,50 @@ def cost_png(cells: list[dict[str, Any]]) -> bytes | None:
     return figure_png(figure)
 
 
+def _rate_points(rows: list[DetectorRow], detected: bool) -> tuple[list[float], list[list[float]]]:
+    """Per detector: the rate in % and its [below, above] error from the Wilson interval (0 where n is 0)."""
+    rates = [r.detected if detected else r.false_alarms for r in rows]
+    shares = [100 * (r.share or 0.0) for r in rates]
+    errors = [_errors(share / 100, r.ci95, 100) for share, r in zip(shares, rates)]
+    return shares, errors
+
+
+def detection_png(found: list[ClientRound]) -> bytes | None:
+    """Each detector's detection rate (malicious client-rounds) and false-alarm rate (honest ones), in %, with
+    bars for their Wilson 95 % intervals: pooled, then one panel per setting when there are several; None
+    without a client-round."""
+    if not found:
+        return None
+    panels = {ALL_SETTINGS: detector_rows(found)}
+    per_setting = setting_rows(found)
+    if len(per_setting) > 1:
+        panels.update(per_setting)
+    figure, axes = plot_axes(3.2 * len(panels) + 1.4, 3.6, len(panels))
+    for axis, (title, rows) in zip(axes, panels.items()):
+        xs = list(range(len(rows)))
+        for detected, colour, marker, offset, label in (
+            (True, BLUE, "o", -0.12, "detected"),
+            (False, RED, "s", 0.12, "false alarms"),
+        ):
+            shares, errors = _rate_points(rows, detected)
+            axis.errorbar(
+                [x + offset for x in xs],
+                shares,
+                yerr=[[e[0] for e in errors], [e[1] for e in errors]],
+                fmt=marker,
+                color=colour,
+                capsize=3,
+                label=label,
+            )
+        axis.set_xticks(xs, [r.detector for r in rows])
+        axis.set_ylim(-3, 103)
+        axis.set_title(title, fontsize=10)
+    axes[0].set_ylabel("client-rounds flagged, %")
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=9)
+    figure.tight_layout()
+    return figure_png(figure)
+
+
 def _inline(text: str) -> str:
     """Markdown's ``code`` and **bold** in escaped text."""
     text = escape(text)
@@ -151,7 +210,7 @@ def _inline(text: str) -> str:
 
 
 def markdown_html(markdown: str) -> str:
-    """The subset of markdown ``summary.md`` uses: pipe tables, list items and paragraphs."""
+    """The subset of markdown ``summary.md`` uses: ``##`` headings, pipe tables, list items and paragraphs."""
     blocks: list[str] = []
     table: list[list[str]] = []
     items: list[str] = []
@@ -180,6 +239,9 @@ def markdown_html(markdown: str) -> str:
             table.append([cell.strip() for cell in stripped.strip("|").split("|")])
         elif stripped.startswith("- "):
             items.append(stripped[2:])
+        elif stripped.startswith("## "):
+            flush()
+            blocks.append(f"<h3>{_inline(stripped[3:])}</h3>")
         else:
             flush()
             if stripped:
@@ -223,6 +285,43 @@ def _setting_panel(
     return "\n".join(parts)
 
 
+def split_section(markdown: str, title: str) -> tuple[str, str]:
+    """(``markdown`` without its ``## title`` section, the section's lines after the heading); a section runs to
+    the next ``##`` heading or the end; ``(markdown, "")`` without one."""
+    lines = markdown.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == f"## {title}"), None)
+    if start is None:
+        return markdown, ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join(lines[:start] + lines[end:]), "\n".join(lines[start + 1 : end])
+
+
+def sweep_findings(folder: Path) -> list[ClientRound]:
+    """The detectors' client-rounds of the sweep's completed runs (none without ``runs.jsonl``)."""
+    return pooled_findings(sweep_runs(folder))[0] if (folder / RUNS_FILE).is_file() else []
+
+
+def _detection_panel(folder: Path, found: list[ClientRound], tables: str, images: EmbeddedImages) -> str:
+    """The detection figure (written beside the page as ``DETECTION_FIGURE``) and ``summary.md``'s detection
+    section ``tables``; empty when there is neither."""
+    png = detection_png(found)
+    path = folder / DETECTION_FIGURE
+    if png is None:
+        path.unlink(missing_ok=True)
+    else:
+        write_atomic(path, png)
+    if png is None and not tables.strip():
+        return ""
+    caption = "Detection and false-alarm rates per detector, with Wilson 95% intervals"
+    shown = "" if png is None else f'<figure class="curve">{images.tag(png, caption, "plot")}</figure>'
+    return (
+        f'<section class="panel"><h2>{HEADING}</h2><p class="lead">What the clients\' detectors flagged: a '
+        "client-round is one client's check of the model of one round, malicious when the run's "
+        "<code>threat.malicious</code> schedules a manipulation in that round; bars and columns: Wilson 95% "
+        f"intervals.</p>{shown}{markdown_html(tables)}</section>"
+    )
+
+
 def render_sweep(folder: Path, baseline: str | None = None) -> str:
     """The HTML of ``folder``'s sweep page (see ``build_sweep_page``)."""
     cells = read_jsonl(folder / SWEEP_FILE)
@@ -233,13 +332,15 @@ def render_sweep(folder: Path, baseline: str | None = None) -> str:
     settings = list(dict.fromkeys(c["setting"] for c in cells))
     panels = [_setting_panel(folder, s, [c for c in cells if c["setting"] == s], baseline, images) for s in settings]
     summary = folder / SUMMARY_FILE
-    tables = markdown_html(summary.read_text()) if summary.is_file() else '<p class="empty">No summary.md.</p>'
+    rest, detection = split_section(summary.read_text(), HEADING) if summary.is_file() else ("", "")
+    tables = markdown_html(rest) if summary.is_file() else '<p class="empty">No summary.md.</p>'
     name = folder.name
     body = "\n".join(
         [
             f'<header class="top"><div class="eyebrow">fedguard sweep</div><h1>{escape(name)}</h1>'
             f'<div class="folder">{escape(str(folder))}</div></header>',
             *panels,
+            _detection_panel(folder, sweep_findings(folder), detection, images),
             f'<section class="panel"><h2>Tables</h2><p class="lead">As in summary.md; baseline '
             f"<code>{escape(baseline)}</code>.</p>{tables}</section>",
             f"<footer>Written by <code>fedguard sweep</code>; {images.count} embedded image"
