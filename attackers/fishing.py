@@ -17,15 +17,18 @@ batch's statistics and spreads its gradient over every example of the batch, whi
 undoes (``docs/explanation/attacks.md``, "Fishing").
 
 Attack. The attacker reads ``c`` back from the last layer it sent (the class whose bias is not ``shift``)
-and inverts the upload as the gradient of one example of class ``c`` with the Inverting Gradients engine.
-Of the last layer's gradient only row ``c`` is about the target example(s); the rows of the other classes
-mix every example of the batch, so the attack replaces them with what one example of class ``c`` gives
-there (``p_k = (1 - p_c) / (K - 1)`` for every ``k != c``): ``-(row c) / (K - 1)``, exact for the dummy
-image the search compares with. The target bias gradient ``-(n_c / B)(1 - p_c)`` counts the examples of
-class ``c`` in the batch (``target_examples``): more than one and the inverted image is their mixture.
-The reconstruction is one image per batch, in every slot (the evaluator's matching then pairs it with each
-true image, and the best match counts; a flat fill would pair with flat true tiles); every slot is labelled
-``c``.
+and inverts the upload with the Inverting Gradients engine. The target bias gradient ``-(n_c / B)(1 - p_c)``
+counts the examples of class ``c`` in the batch (``target_examples``). With ``images = "one"`` (the paper's)
+the upload is inverted as the gradient of one example of class ``c``: more than one and the inverted image is
+their mixture. With ``images = "counted"`` it is inverted as the gradient of a batch of ``n = round(n_c)``
+examples all of class ``c`` (at least 1, at most ``max_images``): below the last layer the fished gradient is
+exactly theirs, scaled by ``n / B`` (the mean loss divides by ``B`` where the dummy batch divides by ``n``),
+which the search's cosine does not see. Of the last layer's gradient only row ``c`` is about the target
+examples; the rows of the other classes mix every example of the batch, so the attack replaces them with what
+examples of class ``c`` give there (``p_k = (1 - p_c) / (K - 1)`` for every ``k != c``): ``-(row c) / (K - 1)``,
+the same for any ``n`` and exact for the dummy images the search compares with. The reconstruction fills every
+slot of the batch with the inverted images in turn (the evaluator's matching then pairs each with the true
+images, and the best match counts; a flat fill would pair with flat true tiles); every slot is labelled ``c``.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch.nn as nn
 
 from attackers.base import Reconstruction, class_traits, images_per_upload, register_attack
 from attackers.engine.search import search
+from attackers.engine.spec import SearchSpec
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from attackers.labels import last_layer
 from attackers.manipulation import register_manipulation
@@ -121,18 +125,23 @@ def fished_class(obs: Observation) -> tuple[int, int, int]:
     return target, weight, bias
 
 
-def as_one_example(obs: Observation) -> tuple[Observation, int, float]:
-    """(``obs`` as the upload of one example of the fished class, that class, how many examples of it the
-    batch held: ``-B * dL/db_c``, (1 - p_c) taken as 1)."""
+def target_examples(obs: Observation) -> float:
+    """How many examples of the fished class the batch held: ``-B * dL/db_c``, (1 - p_c) taken as 1."""
+    target, _, bias = fished_class(obs)
+    return -images_per_upload(obs) * float(obs.upload[bias][target])
+
+
+def as_target_examples(obs: Observation, examples: int) -> tuple[Observation, int]:
+    """(``obs`` as the upload of ``examples`` examples of the fished class, that class): the last layer's rows
+    of the other classes replaced by ``-(row c) / (K - 1)``, the batch size and labels declared."""
     target, weight, bias = fished_class(obs)
     upload = [a.copy() for a in obs.upload]
     others = np.arange(obs.spec.num_classes) != target
     share = 1.0 / (obs.spec.num_classes - 1)
     upload[weight][others] = -share * upload[weight][target]
     upload[bias][others] = -share * upload[bias][target]
-    count = -images_per_upload(obs) * float(obs.upload[bias][target])
-    single = dataclasses.replace(obs, upload=upload, num_examples=1, declared={"batch-size": 1, "labels": [target]})
-    return single, target, count
+    declared = {"batch-size": examples, "labels": [target] * examples}
+    return dataclasses.replace(obs, upload=upload, num_examples=examples, declared=declared), target
 
 
 def trains_on_one_example(model: nn.Module) -> None:
@@ -147,12 +156,17 @@ def trains_on_one_example(model: nn.Module) -> None:
             )
 
 
+IMAGES = ("one", "counted")  # ``images``: what the fished gradient is inverted as
+
+
 @dataclass(frozen=True)
 class FishingAttackParams:
     """The Inverting Gradients search run on the fished gradient (``attackers.inverting_gradients``):
     ``iterations``: signed-Adam iterations; ``restarts``: random starts per upload, the best kept; ``lr``: step
     on [0, 1] pixels; ``tv``: weight of the total-variation prior; ``device``: 'auto', 'cpu' or 'cuda';
-    ``compile``: 'auto', 'on' or 'off'; ``schedule``: 'step' (the paper's), 'cosine' or 'none'."""
+    ``compile``: 'auto', 'on' or 'off'; ``schedule``: 'step' (the paper's), 'cosine' or 'none'; ``images``:
+    'one' (the paper's: the gradient of one example of the fished class) or 'counted' (of as many examples as
+    the bias gradient counts); ``max_images``: the most examples 'counted' inverts."""
 
     iterations: int = 2000
     restarts: int = 1
@@ -161,17 +175,30 @@ class FishingAttackParams:
     device: str = "auto"
     compile: str = "auto"
     schedule: str = "step"
+    images: str = "one"
+    max_images: int = 8
 
     def inverting_gradients(self) -> InvertingGradientsParams:
         """The IG parameters these stand for (checked there)."""
-        return InvertingGradientsParams(**dataclasses.asdict(self))
+        search = {k: v for k, v in dataclasses.asdict(self).items() if k not in {"images", "max_images"}}
+        return InvertingGradientsParams(**search)
+
+    def examples(self, counted: float) -> int:
+        """How many examples the fished gradient is inverted as, given the count of the target class's."""
+        if self.images == "one":
+            return 1
+        return min(max(round(counted), 1), self.max_images)
 
     def __post_init__(self) -> None:
         self.inverting_gradients()
+        if self.images not in IMAGES:
+            raise ValueError(f"images {self.images!r}: choose one of {', '.join(IMAGES)}")
+        if self.max_images < 1:
+            raise ValueError(f"max-images must be >= 1, got {self.max_images}")
 
 
 class FishingAttack:
-    """Inverting Gradients on the fished gradient, as that of one example of the target class."""
+    """Inverting Gradients on the fished gradient, as that of one (or the counted) examples of the target class."""
 
     needs: frozenset[str] = frozenset()
     needs_by_upload: Mapping[str, frozenset[str]] = {}
@@ -184,27 +211,39 @@ class FishingAttack:
         self.spec = InvertingGradients(params.inverting_gradients()).spec
 
     def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
-        """One image per upload, searched for all uploads together from the starting points ``seed`` gives."""
+        """Per upload, its inverted images in turn in every slot; uploads inverted as equally many examples
+        are searched together from the starting points ``seed`` gives."""
         start = time.perf_counter()
-        fished = [as_one_example(obs) for obs in observations]
-        searched = search(self.spec, [single for single, _, _ in fished], seed)
+        counts = [target_examples(obs) for obs in observations]
+        fished = [as_target_examples(obs, self.params.examples(count)) for obs, count in zip(observations, counts)]
+        found = searched_by_size([sub for sub, _ in fished], self.spec, seed)
         seconds = (time.perf_counter() - start) / max(len(observations), 1)
         results = []
-        for obs, (_, target, count), found in zip(observations, fished, searched):
+        for obs, count, (sub, target), recon in zip(observations, counts, fished, found):
             batch = images_per_upload(obs)
             stats: dict[str, Any] = {
-                **found.stats,
+                **recon.stats,
                 "target_class": target,
                 "target_examples": round(count, 3),
+                "images_inverted": sub.num_examples,
                 "seconds": seconds,
             }
-            images = found.images[:1].expand(batch, *obs.spec.shape).clone()
+            images = recon.images[torch.arange(batch) % sub.num_examples]
             labels = torch.full((batch,), target, dtype=torch.long)
             results.append(Reconstruction(images, labels, stats))
         return results
 
 
+def searched_by_size(observations: list[Observation], spec: SearchSpec, seed: int) -> list[Reconstruction]:
+    """``search`` of each observation, those with one batch size together, in the order given."""
+    found: dict[int, Reconstruction] = {}
+    for size in sorted({obs.num_examples for obs in observations}):
+        group = [i for i, obs in enumerate(observations) if obs.num_examples == size]
+        found.update(zip(group, search(spec, [observations[i] for i in group], seed)))
+    return [found[i] for i in range(len(observations))]
+
+
 @register_attack("fishing", params=FishingAttackParams, traits=class_traits(FishingAttack))
 def build_fishing_attack(params: FishingAttackParams) -> FishingAttack:
-    """Fishing (Wen et al. 2022): Inverting Gradients on a class-fished gradient, one image per upload."""
+    """Fishing (Wen et al. 2022): Inverting Gradients on a class-fished gradient, as one example or the counted ones."""
     return FishingAttack(params)

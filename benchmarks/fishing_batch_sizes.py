@@ -1,13 +1,14 @@
-"""Class fishing against batch size: the best SSIM of the one image the attack returns per batch.
+"""Class fishing against batch size: the best SSIM of the images the attack returns per batch.
 
 Per model and batch size, ``--batches`` batches of held-out 32x32 photo tiles (drawn at random, seeded); the
 server fishes the class of a tile drawn from each batch (the paper's attacker targets a user's image), the
 client computes its FedSGD gradient on the fished model, and the ``fishing`` attack inverts it as that of one
-image. A row per batch: how many tiles of the target class it held, how many the attack counted, and the
-evaluator's scores of the reconstruction (``score_batch``: the best-matching true tile counts). The table
-gives the mean best SSIM and the share of batches with an image above SSIM 0.6 (``RECOVERED_SSIM``), how many of
-those matched a tile of the target class (the others are chance likenesses among the batch's tiles), and the
-same over the batches holding one tile of the target class.
+image (``--images one``, the paper's) or of as many as it counts (``--images counted``). A row per batch: how
+many tiles of the target class it held, how many the attack counted and inverted, and the evaluator's scores
+of the reconstruction (``score_batch``: the best-matching true tile counts). The table gives the mean best
+SSIM and the share of batches with an image above SSIM 0.6 (``RECOVERED_SSIM``), how many of those matched a
+tile of the target class (the others are chance likenesses among the batch's tiles), and the same over the
+batches holding one tile of the target class.
 
     python benchmarks/fishing_batch_sizes.py --models lenet,convnet --batch-sizes 8,32 --batches 4 --out rows.json
 """
@@ -74,6 +75,8 @@ def measure(args: argparse.Namespace, model_name: str, batch_size: int) -> list[
             schedule=args.schedule,
             device=args.device,
             compile=args.compile,
+            images=args.images,
+            max_images=args.max_images,
         ),
     )
     start = time.perf_counter()
@@ -87,11 +90,13 @@ def measure(args: argparse.Namespace, model_name: str, batch_size: int) -> list[
         rows.append(
             {
                 "model": model_name if model_name != "convnet" else f"convnet-{args.width}",
+                "images": args.images,
                 "batch_size": batch_size,
                 "batch": b,
                 "target_class": target,
                 "target_examples": int((y == target).sum()),
                 "counted": recon.stats["target_examples"],
+                "inverted": recon.stats["images_inverted"],
                 "best_ssim": round(scores["per_image"][best]["ssim"], 4),
                 "best_psnr": round(scores["per_image"][best]["psnr"], 2),
                 "best_is_target_class": int(y[best]) == target,
@@ -103,8 +108,8 @@ def measure(args: argparse.Namespace, model_name: str, batch_size: int) -> list[
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: per model and batch size, mean best SSIM and the share of batches above ``RECOVERED_SSIM``, over
-    all batches and over those with one tile of the target class."""
+    """Markdown: per model, ``images`` option and batch size, mean best SSIM and the share of batches above
+    ``RECOVERED_SSIM``, over all batches and over those with one tile of the target class."""
 
     def summary(part: list[dict[str, Any]]) -> str:
         if not part:
@@ -116,16 +121,16 @@ def table(rows: list[dict[str, Any]]) -> str:
         return sum(r["best_ssim"] > RECOVERED_SSIM and r["best_is_target_class"] for r in part)
 
     lines = [
-        f"| model | batch | best SSIM, mean / batches above {RECOVERED_SSIM:g} | of those, a tile of the class "
-        "| the same, one tile of the class | tiles of the class (mean) | s per batch |",
-        "|---|---|---|---|---|---|---|",
+        f"| model | images | batch | best SSIM, mean / batches above {RECOVERED_SSIM:g} "
+        "| of those, a tile of the class | the same, one tile of the class | tiles of the class (mean) | s per batch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for model, size in sorted({(r["model"], r["batch_size"]) for r in rows}):
-        part = [r for r in rows if (r["model"], r["batch_size"]) == (model, size)]
+    for model, images, size in sorted({(r["model"], r["images"], r["batch_size"]) for r in rows}):
+        part = [r for r in rows if (r["model"], r["images"], r["batch_size"]) == (model, images, size)]
         alone = [r for r in part if r["target_examples"] == 1]
         examples = np.mean([r["target_examples"] for r in part])
         lines.append(
-            f"| {model} | {size} | {summary(part)} | {of_class(part)} | {summary(alone)} | {examples:.1f} "
+            f"| {model} | {images} | {size} | {summary(part)} | {of_class(part)} | {summary(alone)} | {examples:.1f} "
             f"| {part[0]['seconds']:.0f} |"
         )
     return "\n".join(lines)
@@ -143,6 +148,8 @@ def main() -> None:
     parser.add_argument("--schedule", default="step")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--compile", default="auto")
+    parser.add_argument("--images", default="one", help="what the attack inverts: one, counted")
+    parser.add_argument("--max-images", type=int, default=8, help="the most images 'counted' inverts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = parser.parse_args()
