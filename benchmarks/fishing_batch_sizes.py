@@ -1,6 +1,7 @@
 """Class fishing against batch size: the best SSIM of the images the attack returns per batch.
 
-Per model and batch size, ``--batches`` batches of held-out 32x32 photo tiles (drawn at random, seeded); the
+Per model and batch size, ``--batches`` batches of held-out 32x32 photo tiles (or of ``--data``'s held-out images;
+drawn at random, seeded); the
 server fishes the class of a tile drawn from each batch (the paper's attacker targets a user's image), the
 client computes its FedSGD gradient on the fished model, and the ``fishing`` attack inverts it as that of one
 image (``--images one``, the paper's) or of as many as it counts (``--images counted``). A row per batch: how
@@ -58,7 +59,7 @@ def fished_upload(
 
 def measure(args: argparse.Namespace, model_name: str, batch_size: int) -> list[dict[str, Any]]:
     """One row per batch of ``batch_size`` tiles: the attack's reconstruction scored against the batch."""
-    data = load_dataset("photos")
+    data = load_dataset(args.data)
     rng = np.random.default_rng([args.seed, batch_size])
     draws = [rng.choice(len(data.test), batch_size, replace=False) for _ in range(args.batches)]
     _, labels = data.test.batch()
@@ -89,7 +90,8 @@ def measure(args: argparse.Namespace, model_name: str, batch_size: int) -> list[
         best = max(range(batch_size), key=lambda i: scores["per_image"][i]["ssim"])
         rows.append(
             {
-                "model": model_name if model_name != "convnet" else f"convnet-{args.width}",
+                "model": (model_name if model_name != "convnet" else f"convnet-{args.width}")
+                + ("" if args.data == "photos" else f" on {args.data}"),
                 "images": args.images,
                 "batch_size": batch_size,
                 "batch": b,
@@ -140,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="lenet,convnet", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--width", type=int, default=16, help="ConvNet width (64: the paper's)")
+    parser.add_argument("--data", default="photos", help="data set whose held-out images make the batches")
     parser.add_argument("--batch-sizes", default="8,32")
     parser.add_argument("--batches", type=int, default=4, help="batches per model and batch size")
     parser.add_argument("--iterations", type=int, default=2000)
