@@ -26,6 +26,7 @@ bias raised by ``SURE`` so ``p_c = 1`` on any input); the Inverting Gradients en
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -160,3 +161,65 @@ def isolated(a: Observation, b: Observation) -> Observation:
     surrogate[bias][target] += SURE
     declared = {"batch-size": 1, "labels": [label]}
     return dataclasses.replace(low, global_arrays=surrogate, upload=upload, num_examples=1, declared=declared)
+
+
+STEEPNESS = 1e4  # the scale m the search sends, times the spread (std) of the public projections
+
+
+class ThresholdSearch:
+    """The server's choice of thresholds, one a round, for one client whose batch does not change.
+
+    Thresholds are public quantiles of ``s``, ``t = Q(u)``, probed at quantile levels ``u`` in [0, 1]. The first
+    two enclose ``1 / B`` of the public mass about the median. Each round's signed count gives, with the
+    neighbouring probes', how many examples lie between them; then a gap holding one example ends the search,
+    else the gap holding the fewest (``k >= 2``) is split at ``1 / k`` of its mass (where one of them alone
+    is likeliest), else (no example between the probes) the probed span doubles towards the side with more
+    public mass.
+    """
+
+    def __init__(self, public: np.ndarray, batch: int) -> None:
+        """``public``: projections ``s`` (N,) of public images; ``batch``: the client's batch size ``B``."""
+        if len(public) < 2 or batch < 1:
+            raise ValueError(f"need >= 2 public projections and a batch >= 1, got {len(public)} and {batch}")
+        self.public = np.sort(np.asarray(public, dtype=np.float64))
+        self.batch = batch
+        self.probes: dict[float, int] = {}
+
+    @property
+    def scale(self) -> float:
+        """``m`` to send: ``STEEPNESS`` over the public spread (logits per unit of ``s``)."""
+        return STEEPNESS / max(float(self.public.std()), 1e-12)
+
+    def threshold(self, level: float) -> float:
+        """The public quantile ``Q(level)`` (units of ``s``)."""
+        return float(np.quantile(self.public, level))
+
+    def record(self, level: float, count: float) -> None:
+        """The signed count ``N`` of the upload at threshold ``Q(level)``."""
+        self.probes[level] = round(count)
+
+    def gaps(self) -> list[tuple[float, float, int]]:
+        """(lower level, upper level, examples between) of each pair of neighbouring probes."""
+        levels = sorted(self.probes)
+        return [(a, b, self.probes[a] - self.probes[b]) for a, b in itertools.pairwise(levels)]
+
+    def found(self) -> tuple[float, float] | None:
+        """The levels of two probes with exactly one example between them, or None."""
+        return next(((a, b) for a, b, n in self.gaps() if n == 1), None)
+
+    def next_level(self) -> float | None:
+        """The quantile level to probe next; None once ``found`` or with nothing left to try."""
+        if len(self.probes) < 2:
+            half = 0.5 / self.batch
+            return next(u for u in (0.5 - half, 0.5 + half) if u not in self.probes)
+        if self.found():
+            return None
+        crowded = [(n, b - a, a, b) for a, b, n in self.gaps() if n >= 2]
+        if crowded:
+            n, _, a, b = min(crowded)
+            return a + (b - a) / n
+        low, high = min(self.probes), max(self.probes)
+        span = high - low
+        if low <= 0 and high >= 1:
+            return None
+        return min(1.0, high + span) if 1 - high >= low else max(0.0, low - span)
