@@ -36,7 +36,6 @@ import torch.nn as nn
 
 from attackers.base import images_per_upload
 from attackers.fishing import classifier
-from attackers.manipulation import register_manipulation
 from fedguard.observation import ModelCard, Observation
 
 SURE = 1e6  # logits added to row c's bias in the surrogate: p_c = 1 wherever m |s - t| stays below it
@@ -84,9 +83,10 @@ class FeatureFishing:
         return sent
 
 
-@register_manipulation("feature-fishing", params=FeatureFishingParams)
 def build_feature_fishing(params: FeatureFishingParams) -> FeatureFishing:
-    """Feature fishing (Wen et al. 2022): ``p_c`` a step at a threshold on one projection of the features."""
+    """Feature fishing (Wen et al. 2022): ``p_c`` a step at a threshold on one projection of the features. Not
+    in the manipulation registry: its threshold comes from a search per client across rounds, fed by each
+    round's upload, and a run's manipulations send one fixed model to every client of a round."""
     return FeatureFishing(params)
 
 
