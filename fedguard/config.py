@@ -77,6 +77,7 @@ from fedguard.spans import Spans, describe
 from fedguard.training import trainable_mask
 from strategies.registry import AUTO as AUTO_STRATEGY
 from strategies.registry import STRATEGIES, strategy_names
+from strategies.registry import min_replies as strategy_min_replies
 from strategies.registry import protocol_problem as strategy_protocol_problem
 from strategies.registry import resolve as resolve_strategy
 
@@ -1113,24 +1114,21 @@ def _sample_rate_problems(
     ]
 
 
-BULYAN = "bulyan"  # Flower's Bulyan aggregates a round only from 4 f + 3 replies on (f: malicious nodes)
-
-
 def _strategy_problems(sections: dict[str, Any], invalid: set[str]) -> list[str]:
-    """A strategy that would never aggregate: Flower's Bulyan skips every round with fewer than 4 f + 3 replies,
-    and leaves the model as it was."""
+    """A strategy that would never aggregate: one that needs more replies a round than a round has (Flower's
+    Bulyan skips every round with fewer than 4 f + 3 and leaves the model as it was)."""
     train, strategy = sections["train"], sections["strategy"]
     name = resolve_strategy(sections["server"].strategy, train.protocol)
-    if name != BULYAN or strategy.params is None or not _usable(invalid, "train.clients-per-round"):
+    if name not in STRATEGIES or strategy.params is None or not _usable(invalid, "train.clients-per-round"):
         return []
-    needed = 4 * strategy.params.num_malicious_nodes + 3
+    needed = strategy_min_replies(name, strategy.params)
     if train.clients_per_round >= needed:
         return []
+    settings = _settings(STRATEGY_PREFIX, name, dataclasses.asdict(strategy.params))
     return [
-        f"server.{name}.num-malicious-nodes = {strategy.params.num_malicious_nodes}: Bulyan aggregates a round "
-        f"only from 4 * {strategy.params.num_malicious_nodes} + 3 = {needed} replies on, and train.clients-per-round "
-        f"= {train.clients_per_round}: no round would change the model; choose train.clients-per-round >= {needed} "
-        f"or fewer malicious nodes"
+        f"{settings + ': ' if settings else ''}server.strategy = {shown(name)} aggregates a round only from "
+        f"{needed} replies on, and train.clients-per-round = {train.clients_per_round}: no round would change the "
+        f"model; choose train.clients-per-round >= {needed}" + (" or other parameters" if settings else "")
     ]
 
 

@@ -64,10 +64,13 @@ STRATEGIES: Registry[StrategyBuilder] = Registry("strategy")
 @dataclass(frozen=True)
 class Aggregation:
     """What a strategy aggregates: ``models`` (gradient uploads reach it through ``GradientStep``) or
-    ``gradients`` alone; ``local_training``: it only works when the clients train locally, and why."""
+    ``gradients`` alone; ``local_training``: it only works when the clients train locally, and why;
+    ``min_replies``: the fewest replies a round needs to change the model, given the strategy's parameters
+    (None: one)."""
 
     aggregates: str = MODELS
     local_training: str = ""
+    min_replies: Callable[[Any], int] | None = None
 
     def takes(self, run: Protocol) -> bool:
         """Whether the uploads of the protocol ``run`` suit this aggregation."""
@@ -80,18 +83,24 @@ _AGGREGATION: dict[str, Aggregation] = {}
 
 
 def register_strategy(
-    name: str, params: type = NoParams, aggregates: str = MODELS, local_training: str = ""
+    name: str,
+    params: type = NoParams,
+    aggregates: str = MODELS,
+    local_training: str = "",
+    min_replies: Callable[[Any], int] | None = None,
 ) -> Callable[[StrategyBuilder], StrategyBuilder]:
     """Register a strategy builder ``(context, params) -> Strategy`` under ``name``. ``aggregates``: 'models'
     (weight uploads as they come, gradient uploads through ``GradientStep``) or 'gradients' (gradient uploads
-    only); ``local_training``: non-empty when it needs clients that train locally, saying why."""
+    only); ``local_training``: non-empty when it needs clients that train locally, saying why; ``min_replies``:
+    ``params -> int``, the fewest replies a round needs to change the model (a run with fewer clients per round
+    is refused)."""
     if aggregates not in (MODELS, GRADIENTS):
         raise ValueError(f"strategy {name!r}: aggregates = {aggregates!r}; choose {MODELS!r} or {GRADIENTS!r}")
     register = STRATEGIES.register(name, params)
 
     def decorator(builder: StrategyBuilder) -> StrategyBuilder:
         register(builder)
-        _AGGREGATION[name] = Aggregation(aggregates, local_training)
+        _AGGREGATION[name] = Aggregation(aggregates, local_training, min_replies)
         return builder
 
     return decorator
@@ -100,6 +109,13 @@ def register_strategy(
 def aggregates_gradients(name: str) -> bool:
     """Whether the registered strategy ``name`` takes gradient uploads itself (no ``GradientStep`` in front)."""
     return _AGGREGATION[name].aggregates == GRADIENTS
+
+
+def min_replies(name: str, params: Any) -> int:
+    """The fewest replies a round of the registered strategy ``name`` with ``params`` needs to change the
+    model (1 unless it declares more)."""
+    needed = _AGGREGATION[name].min_replies
+    return 1 if needed is None else needed(params)
 
 
 def strategy_names() -> list[str]:
@@ -230,6 +246,9 @@ FLOWER_STRATEGIES: dict[str, tuple[type, dict[str, tuple[type, Any, str]], str]]
 }
 
 
+_MIN_REPLIES: dict[str, Callable[[Any], int]] = {
+    "bulyan": lambda params: 4 * params.num_malicious_nodes + 3,  # Flower's Bulyan skips a round with fewer
+}
 _LOCAL_TRAINING = {
     "fedprox": "its proximal term has no gradient at the global model, where a one-batch client computes "
     "its one gradient, so it would be FedAvg under another name"
@@ -243,7 +262,9 @@ def _register_flower(name: str, cls: type, fields: dict[str, tuple[type, Any, st
         return cls(**context.sampling(), **dataclasses.asdict(values))
 
     build.__doc__ = doc
-    register_strategy(name, params=params, local_training=_LOCAL_TRAINING.get(name, ""))(build)
+    register_strategy(
+        name, params=params, local_training=_LOCAL_TRAINING.get(name, ""), min_replies=_MIN_REPLIES.get(name)
+    )(build)
 
 
 for _name, (_cls, _fields, _doc) in FLOWER_STRATEGIES.items():
