@@ -39,7 +39,12 @@ from fedguard.data.dataset import ImageData
 from fedguard.metrics.image import ssim
 from fedguard.models import build_model
 from fedguard.observation import ModelCard, Observation
-from fedguard.training import compute_gradients, get_arrays, merge_by_mask, set_arrays, split_by_mask, trainable_mask
+from fedguard.training import (
+    get_arrays,
+    gradient_upload,
+    set_arrays,
+    trainable_mask,
+)
 
 RECOVERED_SSIM = 0.6  # a batch counts as leaking when an image the attack returns scores above this SSIM
 
@@ -49,9 +54,7 @@ def upload(
 ) -> Observation:
     """The client's FedSGD upload of the batch (x, y) on the arrays ``sent``."""
     set_arrays(model, sent)
-    grads, _ = compute_gradients(model, x, y)
-    mask = list(card.trainable)
-    arrays = merge_by_mask([g.numpy() for g in grads], split_by_mask(get_arrays(model), mask)[1], mask)
+    arrays = gradient_upload(model, x, y)
     return card.observe(1, 0, "gradient", sent, arrays, len(y), {"batch-size": len(y)}, manipulation="feature-fishing")
 
 

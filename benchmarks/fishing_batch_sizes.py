@@ -33,7 +33,12 @@ from fedguard.metrics import score_batch
 from fedguard.models import build_model
 from fedguard.models.convnet import ConvNetParams
 from fedguard.observation import ModelCard, Observation
-from fedguard.training import compute_gradients, get_arrays, merge_by_mask, set_arrays, split_by_mask, trainable_mask
+from fedguard.training import (
+    get_arrays,
+    gradient_upload,
+    set_arrays,
+    trainable_mask,
+)
 
 MODELS = ("lenet", "convnet")
 RECOVERED_SSIM = 0.6  # a batch counts as leaking when its best-matched tile scores above this SSIM
@@ -51,9 +56,7 @@ def fished_upload(
     sent = build_fishing(FishingParams(target=target))(get_arrays(model), card, np.random.default_rng(seed))
     set_arrays(model, sent)
     x, y = data.test.batch(indices)
-    grads, _ = compute_gradients(model, x, y)
-    mask = list(card.trainable)
-    arrays = merge_by_mask([g.numpy() for g in grads], split_by_mask(get_arrays(model), mask)[1], mask)
+    arrays = gradient_upload(model, x, y)
     return card.observe(1, seed, "gradient", sent, arrays, len(y), {"batch-size": len(y)}, manipulation="fishing")
 
 

@@ -120,3 +120,11 @@ def merge_by_mask(params: list[np.ndarray], buffers: list[np.ndarray], mask: lis
     """Inverse of ``split_by_mask``."""
     p, b = iter(params), iter(buffers)
     return [next(p) if m else next(b) for m in mask]
+
+
+def gradient_upload(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[np.ndarray]:
+    """The FedSGD upload of the batch (x, y) in ``state_dict`` order: the mean-loss gradient of each trainable
+    entry, and each buffer as the training-mode forward pass leaves it (BatchNorm's running statistics)."""
+    grads, _ = compute_gradients(model, x, y)
+    mask = trainable_mask(model)
+    return merge_by_mask([g.numpy() for g in grads], split_by_mask(get_arrays(model), mask)[1], mask)

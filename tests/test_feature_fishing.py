@@ -31,7 +31,13 @@ from fedguard.data.registry import SourceOptions
 from fedguard.metrics.image import ssim
 from fedguard.models import build_model
 from fedguard.observation import ModelCard, Observation
-from fedguard.training import compute_gradients, get_arrays, merge_by_mask, set_arrays, split_by_mask, trainable_mask
+from fedguard.training import (
+    compute_gradients,
+    get_arrays,
+    gradient_upload,
+    set_arrays,
+    trainable_mask,
+)
 
 TARGET = 3  # the row fished
 BATCH = np.arange(0, 896, 28)  # 32 test tiles, of every class
@@ -64,9 +70,7 @@ def upload(lenet: LeNet, threshold: float, x: torch.Tensor, y: torch.Tensor, cli
     model, card, _ = lenet
     sent = sent_at(lenet, threshold)
     set_arrays(model, sent)
-    grads, _ = compute_gradients(model, x, y)
-    mask = list(card.trainable)
-    arrays = merge_by_mask([g.numpy() for g in grads], split_by_mask(get_arrays(model), mask)[1], mask)
+    arrays = gradient_upload(model, x, y)
     return card.observe(1, client, "gradient", sent, arrays, len(y), {"batch-size": len(y)}, manipulation="feature")
 
 

@@ -21,7 +21,13 @@ from fedguard.models import build_model
 from fedguard.models.convnet import ConvNetParams
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard, Observation
-from fedguard.training import compute_gradients, get_arrays, merge_by_mask, set_arrays, split_by_mask, trainable_mask
+from fedguard.training import (
+    compute_gradients,
+    get_arrays,
+    gradient_upload,
+    set_arrays,
+    trainable_mask,
+)
 
 TARGET = 3  # the fished class
 BATCH = [0, 40, 80, 120, 160, 200, 215, 230]  # test tiles of 16 pixels
@@ -56,9 +62,7 @@ def fished(spec, width: int, params: FishingParams | None = None, seed: int = 0,
 
 def upload(model, card: ModelCard, sent, x: torch.Tensor, y: torch.Tensor) -> Observation:
     """The observation of one client's FedSGD upload on the batch (x, y)."""
-    grads, _ = compute_gradients(model, x, y)
-    mask = list(card.trainable)
-    arrays = merge_by_mask([g.numpy() for g in grads], split_by_mask(get_arrays(model), mask)[1], mask)
+    arrays = gradient_upload(model, x, y)
     return card.observe(1, 0, "gradient", sent, arrays, len(y), {"batch-size": len(y)}, manipulation="fishing")
 
 

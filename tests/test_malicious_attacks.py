@@ -21,7 +21,12 @@ from fedguard.metrics.matching import pairwise_mse
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard, Observation
-from fedguard.training import compute_gradients, get_arrays, merge_by_mask, set_arrays, split_by_mask, trainable_mask
+from fedguard.training import (
+    get_arrays,
+    gradient_upload,
+    set_arrays,
+    trainable_mask,
+)
 
 EXACT_DB = 40.0  # dB: PSNR above which an image counts as recovered exactly
 IMPRINT_BATCH = [177, 16, 3, 107, 65, 57, 8, 133]  # test tiles; 3 and 8 share one of 64 brightness bins
@@ -51,9 +56,7 @@ def upload(
     model, card: ModelCard, sent, x: torch.Tensor, y: torch.Tensor, name: str, declared: dict | None = None
 ) -> Observation:
     """The observation of one client's FedSGD upload on the batch (x, y)."""
-    grads, _ = compute_gradients(model, x, y)
-    mask = list(card.trainable)
-    arrays = merge_by_mask([g.numpy() for g in grads], split_by_mask(get_arrays(model), mask)[1], mask)
+    arrays = gradient_upload(model, x, y)
     declared = {"batch-size": len(y), **(declared or {})}
     return card.observe(1, 0, "gradient", sent, arrays, len(y), declared, manipulation=name)
 
