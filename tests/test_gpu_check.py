@@ -3,24 +3,13 @@ summary lists every part, and Ray's repacked wheel leaves out what it names and 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
 import zipfile
 from pathlib import Path
-from types import ModuleType
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _benchmark(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_module import load_benchmark
 
 
 def _gone(pid: int, within_s: float) -> bool:
@@ -36,7 +25,7 @@ def _gone(pid: int, within_s: float) -> bool:
 
 
 def test_a_part_past_its_limit_is_stopped_with_the_process_it_started(tmp_path: Path) -> None:
-    check = _benchmark("gpu_check")
+    check = load_benchmark("gpu_check")
     child = tmp_path / "child.pid"
     script = (
         "import subprocess, sys, time; "
@@ -53,7 +42,7 @@ def test_a_part_past_its_limit_is_stopped_with_the_process_it_started(tmp_path: 
 
 
 def test_the_summary_lists_every_part_with_its_status_and_figures(tmp_path: Path) -> None:
-    check = _benchmark("gpu_check")
+    check = load_benchmark("gpu_check")
     parts = check.plan("cpu", True, {}, tmp_path)
     assert tuple(p.name for p in parts) == check.PART_NAMES
     outcomes = [
@@ -69,7 +58,7 @@ def test_the_summary_lists_every_part_with_its_status_and_figures(tmp_path: Path
 
 
 def test_rays_repacked_wheel_leaves_out_the_named_folders_and_keeps_the_rest(tmp_path: Path) -> None:
-    wheels = _benchmark("gpu_wheels")
+    wheels = load_benchmark("gpu_wheels")
     wheel = tmp_path / "ray-2.55.1-cp312-cp312-manylinux2014_x86_64.whl"
     kept = {"ray/_raylet.so": b"\x7fELF" + bytes(range(256)) * 64, "ray/__init__.py": b"import os\n"}
     dropped = {"ray/jars/ray_dist.jar": b"PK", "ray/rllib/__init__.py": b""}

@@ -3,8 +3,6 @@ data: uploads made by ``fedguard.protocols`` on real MNIST digits (``benchmarks/
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -19,22 +17,12 @@ from fedguard.data import load_dataset
 from fedguard.data.dataset import ImageData, Split
 from fedguard.observation import Observation
 from fedguard.protocols import Schedule
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("malicious_batch_sizes", BENCHMARKS / "malicious_batch_sizes.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_module import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return _benchmark()
+    return load_benchmark("malicious_batch_sizes")
 
 
 @pytest.fixture(scope="module")

@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vs_breaching", BENCHMARKS / "vs_breaching.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_module import load_benchmark
 
 
 def _row(tool: str, ssim: float, ratio: float, iterations: int = 500) -> dict[str, Any]:
@@ -25,7 +12,7 @@ def _row(tool: str, ssim: float, ratio: float, iterations: int = 500) -> dict[st
 
 
 def test_the_fastest_batched_row_at_breaching_quality_decides() -> None:
-    bench = _benchmark()
+    bench = load_benchmark("vs_breaching")
     rows = [
         _row(bench.BATCHED, 0.28, 1.3),
         _row(bench.ONE_AT_A_TIME, 0.28, 1.2),
@@ -37,7 +24,7 @@ def test_the_fastest_batched_row_at_breaching_quality_decides() -> None:
 
 
 def test_a_fast_row_below_breaching_quality_does_not_count() -> None:
-    bench = _benchmark()
+    bench = load_benchmark("vs_breaching")
     rows = [
         _row(bench.BATCHED, 0.28, 1.3),
         _row(bench.ONE_AT_A_TIME, 0.28, 0.9),
