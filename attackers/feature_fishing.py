@@ -16,11 +16,15 @@ examples (``isolated``). Row ``c``'s bias gradient times ``B`` is the signed cou
 
 Server. ``ThresholdSearch`` places the first two thresholds at the quantiles of ``s`` over public images that
 enclose ``1 / B`` of their mass, then splits or widens the probed intervals round after round from the
-counts until one holds exactly one example.
+counts until one holds exactly one example. In a run the manipulation ``feature-fishing``
+(``FeatureFishingServer``, a ``ClientManipulation``) freezes the model of its first round, runs one search per
+node on its held-out split's projections and sends each node the model fished at its own next threshold.
 
-Attack. With one example in the interval the difference is one image's gradient. ``isolated`` turns it into
-the upload of one example labelled ``k != c`` on a surrogate model (the lower threshold's, with row ``c``'s
-bias raised by ``SURE`` so ``p_c = 1`` on any input); the Inverting Gradients engine inverts it.
+Attack. With one example in the interval the difference is one image's gradient. ``isolated`` is that
+difference, kept as the upload of the client's batch (the observation the server hands the attacker);
+``one_example`` turns it into the upload of one example labelled ``k != c`` on a surrogate model (the lower
+threshold's, with row ``c``'s bias raised by ``SURE`` so ``p_c = 1`` on any input), which the attack
+``feature-fishing`` inverts with the Inverting Gradients engine.
 """
 
 from __future__ import annotations
@@ -28,14 +32,21 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from attackers.base import images_per_upload
-from attackers.fishing import classifier
+from attackers.base import Reconstruction, class_traits, images_per_upload, register_attack
+from attackers.engine.search import search
+from attackers.fishing import RANDOM_CLASS, FishedSearchParams, classifier
+from attackers.inverting_gradients import InvertingGradients
+from attackers.manipulation import register_manipulation
+from fedguard.data import load_dataset
+from fedguard.models import MODELS, build_model
 from fedguard.observation import ModelCard, Observation
 
 SURE = 1e6  # logits added to row c's bias in the surrogate: p_c = 1 wherever m |s - t| stays below it
@@ -84,9 +95,9 @@ class FeatureFishing:
 
 
 def build_feature_fishing(params: FeatureFishingParams) -> FeatureFishing:
-    """Feature fishing (Wen et al. 2022): ``p_c`` a step at a threshold on one projection of the features. Not
-    in the manipulation registry: its threshold comes from a search per client across rounds, fed by each
-    round's upload, and a run's manipulations send one fixed model to every client of a round."""
+    """Feature fishing (Wen et al. 2022) at one threshold: ``p_c`` a step on one projection of the features. The
+    registered manipulation ``feature-fishing`` (``FeatureFishingServer``) sends it to each node at the
+    threshold of that node's search."""
     return FeatureFishing(params)
 
 
@@ -144,23 +155,44 @@ def ordered(a: Observation, b: Observation) -> tuple[Observation, Observation, i
     return low, high, target, weight, bias
 
 
+ISOLATED = "isolated"  # key of ``declared`` that describes an upload ``isolated`` made
+
+
 def isolated(a: Observation, b: Observation) -> Observation:
-    """The difference of two uploads of one batch at two thresholds, as the upload of one example labelled
-    ``k = (c + 1) mod K`` on the surrogate: the lower threshold's model with row ``c``'s bias raised by
-    ``SURE`` (``p_c = 1``). Below the last layer the difference is that example's surrogate gradient over
-    ``B``; of the last layer, row ``c`` is kept, row ``k`` is its negative and the other rows zero (what the
-    surrogate gives; the difference's, ``-(row c) / (K - 1)`` each, would need a soft label)."""
-    low, high, target, weight, bias = ordered(a, b)
+    """The difference of two uploads of one batch at two thresholds: the gradient of the one example between them,
+    divided by the batch ``B``, kept as the upload of the client's batch (round: the later upload's). The lower
+    threshold's model is sent with it and ``declared[ISOLATED]`` holds the fished row, the surrogate's label
+    ``k = (c + 1) mod K`` and the two rounds; ``one_example`` makes it the upload of that one example."""
+    low, high, target, _, _ = ordered(a, b)
     label = (target + 1) % low.spec.num_classes
     upload = [x - y if t else x.copy() for x, y, t in zip(low.upload, high.upload, low.trainable)]
+    declared = {**low.declared, ISOLATED: {"row": target, "label": label, "rounds": sorted([a.round, b.round])}}
+    return dataclasses.replace(low, round=max(a.round, b.round), upload=upload, declared=declared)
+
+
+def one_example(obs: Observation) -> Observation:
+    """An ``isolated`` upload as that of one example labelled ``k`` on the surrogate: the model sent with row
+    ``c``'s bias raised by ``SURE`` (``p_c = 1``). Below the last layer the difference is that example's surrogate
+    gradient over ``B``; of the last layer, row ``c`` is kept, row ``k`` is its negative and the other rows zero
+    (what the surrogate gives; the difference's, ``-(row c) / (K - 1)`` each, would need a soft label). Raises
+    ``ValueError`` for an upload ``isolated`` did not make."""
+    about = obs.declared.get(ISOLATED)
+    if not isinstance(about, dict):
+        raise ValueError(
+            f"the upload of round {obs.round}, client {obs.client} is not the difference of two feature-fishing "
+            f"uploads (it declares no {ISOLATED!r}); the feature-fishing server hands over only those"
+        )
+    target, weight, bias = fished_row(obs)
+    label = int(about["label"])
+    upload = [x.copy() for x in obs.upload]
     for i in (weight, bias):
+        row = upload[i][target].copy()
         upload[i][:] = 0
-        upload[i][target] = low.upload[i][target] - high.upload[i][target]
-        upload[i][label] = -upload[i][target]
-    surrogate = [x.copy() for x in low.global_arrays]
+        upload[i][target], upload[i][label] = row, -row
+    surrogate = [x.copy() for x in obs.global_arrays]
     surrogate[bias][target] += SURE
     declared = {"batch-size": 1, "labels": [label]}
-    return dataclasses.replace(low, global_arrays=surrogate, upload=upload, num_examples=1, declared=declared)
+    return dataclasses.replace(obs, global_arrays=surrogate, upload=upload, num_examples=1, declared=declared)
 
 
 STEEPNESS = 1e4  # the scale m the search sends, times the spread (std) of the public projections
@@ -170,33 +202,36 @@ class ThresholdSearch:
     """The server's choice of thresholds, one a round, for one client whose batch does not change.
 
     Thresholds are public quantiles of ``s``, ``t = Q(u)``, probed at quantile levels ``u`` in [0, 1]. The first
-    two enclose ``1 / B`` of the public mass about the median. Each round's signed count gives, with the
-    neighbouring probes', how many examples lie between them; then a gap holding one example ends the search,
-    else the gap holding the fewest (``k >= 2``) is split at ``1 / k`` of its mass (where one of them alone
-    is likeliest), else (no example between the probes) the probed span doubles towards the side with more
-    public mass.
+    two enclose ``1 / B`` of the public mass about the median (the first at the median itself while ``B`` is
+    unknown; then the second ``1 / B`` above it). Each round's signed count gives, with the neighbouring probes',
+    how many examples lie between them; then a gap holding one example ends the search, else the gap holding
+    the fewest (``k >= 2``) is split at ``1 / k`` of its mass (where one of them alone is likeliest), else (no
+    example between the probes) the probed span doubles towards the side with more public mass.
     """
 
-    def __init__(self, public: np.ndarray, batch: int) -> None:
-        """``public``: projections ``s`` (N,) of public images; ``batch``: the client's batch size ``B``."""
-        if len(public) < 2 or batch < 1:
+    def __init__(self, public: np.ndarray, batch: int | None = None, steepness: float = STEEPNESS) -> None:
+        """``public``: projections ``s`` (N,) of public images; ``batch``: the client's batch size ``B``, None
+        until its first upload tells (``record``); ``steepness``: ``m`` times the public spread."""
+        if len(public) < 2 or (batch is not None and batch < 1):
             raise ValueError(f"need >= 2 public projections and a batch >= 1, got {len(public)} and {batch}")
         self.public = np.sort(np.asarray(public, dtype=np.float64))
         self.batch = batch
+        self.steepness = steepness
         self.probes: dict[float, int] = {}
 
     @property
     def scale(self) -> float:
-        """``m`` to send: ``STEEPNESS`` over the public spread (logits per unit of ``s``)."""
-        return STEEPNESS / max(float(self.public.std()), 1e-12)
+        """``m`` to send: ``steepness`` over the public spread (logits per unit of ``s``)."""
+        return self.steepness / max(float(self.public.std()), 1e-12)
 
     def threshold(self, level: float) -> float:
         """The public quantile ``Q(level)`` (units of ``s``)."""
         return float(np.quantile(self.public, level))
 
-    def record(self, level: float, count: float) -> None:
-        """The signed count ``N`` of the upload at threshold ``Q(level)``."""
+    def record(self, level: float, count: float, batch: int | None = None) -> None:
+        """The signed count ``N`` of the upload at threshold ``Q(level)``, and the batch ``B`` it came from."""
         self.probes[level] = round(count)
+        self.batch = self.batch or batch
 
     def gaps(self) -> list[tuple[float, float, int]]:
         """(lower level, upper level, examples between) of each pair of neighbouring probes."""
@@ -209,9 +244,13 @@ class ThresholdSearch:
 
     def next_level(self) -> float | None:
         """The quantile level to probe next; None once ``found`` or with nothing left to try."""
-        if len(self.probes) < 2:
-            half = 0.5 / self.batch
-            return next(u for u in (0.5 - half, 0.5 + half) if u not in self.probes)
+        if not self.probes:
+            return 0.5 if self.batch is None else 0.5 - 0.5 / self.batch
+        if len(self.probes) == 1:
+            if self.batch is None:
+                raise ValueError("the batch size is still unknown after the first upload; give it to record")
+            first = next(iter(self.probes))  # 0.5 - 1 / (2 B), or the median while B was unknown
+            return 1 - first if first < 0.5 else min(1.0, first + 1 / self.batch)
         if self.found():
             return None
         crowded = [(n, b - a, a, b) for a, b, n in self.gaps() if n >= 2]
@@ -223,3 +262,143 @@ class ThresholdSearch:
         if low <= 0 and high >= 1:
             return None
         return min(1.0, high + span) if 1 - high >= low else max(0.0, low - span)
+
+
+@dataclass(frozen=True)
+class FeatureFishingSearchParams:
+    """``target``: the row ``c`` fished, 0 .. classes - 1, or -1: drawn by the server at its first round (then
+    fixed); ``shift``: the logit of every other class; ``steepness``: the scale ``m`` times the spread (std) of
+    the public projections (the sharper, the closer ``p_c`` is to a step)."""
+
+    target: int = RANDOM_CLASS
+    shift: float = 1000.0
+    steepness: float = STEEPNESS
+
+    def __post_init__(self) -> None:
+        if self.target < RANDOM_CLASS:
+            raise ValueError(f"target must be a class index >= 0 or -1 (drawn at random), got {self.target}")
+        if not math.isfinite(self.shift):
+            raise ValueError(f"shift must be finite, got {self.shift}")
+        if not (math.isfinite(self.steepness) and self.steepness > 0):
+            raise ValueError(f"steepness must be finite and > 0, got {self.steepness}")
+
+
+class FeatureFishingServer:
+    """The ``ClientManipulation`` of feature fishing: the model of its first round frozen, one ``ThresholdSearch``
+    a node on the projections of the run's held-out split (``card.data``), each node sent that model fished at
+    its own next threshold until two of its uploads enclose one example; the node is then sent the honest model.
+    """
+
+    def __init__(self, params: FeatureFishingSearchParams) -> None:
+        self.params = params
+        self.base: list[np.ndarray] | None = None
+        self.target = params.target
+        self.public = np.zeros(0)
+        self.searches: dict[int, ThresholdSearch] = {}
+        self.pending: dict[int, float] = {}
+        """Node -> the quantile level of the model it was last sent, until its upload is learned."""
+        self.uploads: dict[int, dict[float, Observation]] = {}
+
+    def check(self, arrays: list[np.ndarray], card: ModelCard) -> None:
+        """Raise ``ValueError`` unless the model has a last Linear classifier with a bias and ``target`` is a class."""
+        params = FeatureFishingParams(max(self.target, 0), 0.0, 1.0, self.params.shift)
+        FeatureFishing(params)(arrays, card, np.random.default_rng(0))
+
+    def send(
+        self, node: int, arrays: list[np.ndarray], card: ModelCard, rng: np.random.Generator
+    ) -> list[np.ndarray] | None:
+        """The frozen model fished at ``node``'s next threshold; None once its search is over."""
+        if self.base is None:
+            self.freeze(arrays, card, rng)
+        assert self.base is not None
+        search = self.searches.setdefault(node, ThresholdSearch(self.public, steepness=self.params.steepness))
+        level = search.next_level()
+        if level is None:
+            return None
+        self.pending[node] = level
+        params = FeatureFishingParams(self.target, search.threshold(level), search.scale, self.params.shift)
+        return FeatureFishing(params)(self.base, card, rng)
+
+    def freeze(self, arrays: list[np.ndarray], card: ModelCard, rng: np.random.Generator) -> None:
+        """Keep ``arrays`` as the model every search fishes, draw the row when ``target`` is -1, and project the
+        held-out split of ``card.data`` on it."""
+        if not card.data:
+            raise ValueError("feature fishing projects the run's held-out split, and the model card names no data set")
+        self.check(arrays, card)
+        if self.target == RANDOM_CLASS:
+            self.target = int(rng.integers(card.spec.num_classes))
+        model = build_model(card.model, card.spec, MODELS.get(card.model).params(**card.model_params))
+        model.load_state_dict({name: torch.tensor(a) for name, a in zip(card.names, arrays)})
+        held_out = load_dataset(card.data, card.source).test
+        self.public = projections(model, held_out.batch(np.arange(len(held_out)))[0], self.target).numpy()
+        self.base = [a.copy() for a in arrays]
+
+    def learn(self, node: int, obs: Observation) -> Observation | None:
+        """Record the count of ``node``'s upload at its pending threshold; the ``isolated`` difference once two of
+        its uploads enclose exactly one example."""
+        level = self.pending.pop(node, None)
+        if level is None:
+            return None
+        search = self.searches[node]
+        search.record(level, signed_count(obs), images_per_upload(obs))
+        self.uploads.setdefault(node, {})[level] = obs
+        pair = search.found()
+        if pair is None:
+            return None
+        uploads = self.uploads.pop(node)
+        return isolated(uploads[pair[0]], uploads[pair[1]])
+
+
+@register_manipulation("feature-fishing", params=FeatureFishingSearchParams)
+def build_feature_fishing_server(params: FeatureFishingSearchParams) -> FeatureFishingServer:
+    """Feature fishing across rounds (Wen et al. 2022): a threshold search per node on one feature projection,
+    until two uploads of its batch differ by one example's gradient."""
+    return FeatureFishingServer(params)
+
+
+def has_no_batch_norm(model: nn.Module) -> None:
+    """The attack's ``check_model``: the difference of two uploads is one example's gradient only when no
+    BatchNorm couples the batch's examples; raises ``ValueError`` naming the first BatchNorm layer."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise ValueError(
+                f"feature fishing separates one example by differencing two uploads of its batch, and the "
+                f"BatchNorm layer {name!r} couples the batch's examples; choose a model without BatchNorm "
+                f"(lenet, mlp with batch-norm = false)"
+            )
+
+
+class FeatureFishingAttack:
+    """Inverting Gradients on an ``isolated`` upload, as the gradient of one example on the surrogate."""
+
+    needs: frozenset[str] = frozenset()
+    needs_by_upload: Mapping[str, frozenset[str]] = {}
+    uploads: frozenset[str] = frozenset({"gradient"})
+    manipulation = "feature-fishing"
+    check_model = staticmethod(has_no_batch_norm)
+
+    def __init__(self, params: FishedSearchParams) -> None:
+        self.params = params
+        self.spec = InvertingGradients(params.inverting_gradients()).spec
+
+    def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
+        """Per upload, the one inverted image in every slot of the client's batch (the evaluator pairs it with
+        the true images, and the best match counts); its label is unknown: -1."""
+        start = time.perf_counter()
+        found = search(self.spec, [one_example(obs) for obs in observations], seed)
+        seconds = (time.perf_counter() - start) / max(len(observations), 1)
+        results = []
+        for obs, recon in zip(observations, found):
+            batch = images_per_upload(obs)
+            about = obs.declared[ISOLATED]
+            stats = {**recon.stats, "row": about["row"], "rounds": about["rounds"], "seconds": seconds}
+            images = recon.images[:1].expand(batch, *recon.images.shape[1:]).clone()
+            results.append(Reconstruction(images, torch.full((batch,), -1, dtype=torch.long), stats))
+        return results
+
+
+@register_attack("feature-fishing", params=FishedSearchParams, traits=class_traits(FeatureFishingAttack))
+def build_feature_fishing_attack(params: FishedSearchParams) -> FeatureFishingAttack:
+    """Feature fishing (Wen et al. 2022): Inverting Gradients on the difference of two uploads that isolates one
+    example."""
+    return FeatureFishingAttack(params)

@@ -160,13 +160,11 @@ IMAGES = ("one", "counted")  # ``images``: what the fished gradient is inverted 
 
 
 @dataclass(frozen=True)
-class FishingAttackParams:
-    """The Inverting Gradients search run on the fished gradient (``attackers.inverting_gradients``):
+class FishedSearchParams:
+    """The Inverting Gradients search run on a fished gradient (``attackers.inverting_gradients``):
     ``iterations``: signed-Adam iterations; ``restarts``: random starts per upload, the best kept; ``lr``: step
     on [0, 1] pixels; ``tv``: weight of the total-variation prior; ``device``: 'auto', 'cpu' or 'cuda';
-    ``compile``: 'auto', 'on' or 'off'; ``schedule``: 'step' (the paper's), 'cosine' or 'none'; ``images``:
-    'one' (the paper's: the gradient of one example of the fished class) or 'counted' (of as many examples as
-    the bias gradient counts); ``max_images``: the most examples 'counted' inverts."""
+    ``compile``: 'auto', 'on' or 'off'; ``schedule``: 'step' (the paper's), 'cosine' or 'none'."""
 
     iterations: int = 2000
     restarts: int = 1
@@ -175,13 +173,24 @@ class FishingAttackParams:
     device: str = "auto"
     compile: str = "auto"
     schedule: str = "step"
-    images: str = "one"
-    max_images: int = 8
+
+    def __post_init__(self) -> None:
+        self.inverting_gradients()
 
     def inverting_gradients(self) -> InvertingGradientsParams:
         """The IG parameters these stand for (checked there)."""
-        search = {k: v for k, v in dataclasses.asdict(self).items() if k not in {"images", "max_images"}}
+        search = {f.name: getattr(self, f.name) for f in dataclasses.fields(FishedSearchParams)}
         return InvertingGradientsParams(**search)
+
+
+@dataclass(frozen=True)
+class FishingAttackParams(FishedSearchParams):
+    """The search of ``FishedSearchParams``, and ``images``: 'one' (the paper's: the gradient of one example of
+    the fished class) or 'counted' (of as many examples as the bias gradient counts); ``max_images``: the most
+    examples 'counted' inverts."""
+
+    images: str = "one"
+    max_images: int = 8
 
     def examples(self, counted: float) -> int:
         """How many examples the fished gradient is inverted as, given the count of the target class's."""
@@ -190,7 +199,7 @@ class FishingAttackParams:
         return min(max(round(counted), 1), self.max_images)
 
     def __post_init__(self) -> None:
-        self.inverting_gradients()
+        super().__post_init__()
         if self.images not in IMAGES:
             raise ValueError(f"images {self.images!r}: choose one of {', '.join(IMAGES)}")
         if self.max_images < 1:

@@ -30,6 +30,7 @@ from attackers.feature_fishing import (
     ThresholdSearch,
     build_feature_fishing,
     isolated,
+    one_example,
     projections,
     signed_count,
 )
@@ -83,7 +84,7 @@ def fish(
         return None, row
     low, high = (server.threshold(u) for u in pair)
     row["isolated_index"] = int(np.flatnonzero((truth > low) & (truth <= high))[0])
-    return isolated(uploads[pair[0]], uploads[pair[1]]), row
+    return one_example(isolated(uploads[pair[0]], uploads[pair[1]])), row
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from attackers import ATTACKS
 from attackers.base import AttackTraits, attack_traits, missing_grants, required_manipulation
-from attackers.manipulation import HONEST, MANIPULATIONS, build_manipulation
+from attackers.manipulation import HONEST, MANIPULATIONS, ClientManipulation, build_manipulation
 from fedguard.data import DATASETS, DatasetNotFoundError, DataSpec, SourceOptions
 from fedguard.data.partition import PARTITIONERS, PartitionOptions
 from fedguard.data.partition import partition as split_among_clients
@@ -186,7 +186,7 @@ class ThreatSection:
     malicious: str = option(
         "",
         "rounds in which a malicious server manipulates the model it sends, as "
-        "round:manipulation pairs, e.g. '2:trap-weights, 3:imprint' ('': an honest server)",
+        "round:manipulation pairs, e.g. '2:trap-weights, 3:imprint, 4-9:feature-fishing' ('': an honest server)",
     )
 
     def schedule(self) -> dict[int, str]:
@@ -205,13 +205,18 @@ class ThreatSection:
 
 
 def parse_schedule(text: str) -> dict[int, str]:
-    """'2:trap-weights, 3:imprint' -> {2: 'trap-weights', 3: 'imprint'}; '' -> {}."""
+    """'2:trap-weights, 3:imprint, 5-7:feature-fishing' -> {2: 'trap-weights', 3: 'imprint', 5: 'feature-fishing',
+    6: ..., 7: ...}; '' -> {}."""
     schedule: dict[int, str] = {}
     for piece in (p.strip() for p in text.split(",")):
         if not piece:
             continue
-        round_text, _, name = (part.strip() for part in piece.partition(":"))
-        round_ = _schedule_round(round_text, piece)
+        rounds_text, _, name = (part.strip() for part in piece.partition(":"))
+        first_text, dash, last_text = (part.strip() for part in rounds_text.partition("-"))
+        first = _schedule_round(first_text, piece)
+        last = _schedule_round(last_text, piece) if dash else first
+        if last < first:
+            raise ValueError(f"threat.malicious: {shown(piece)}: the rounds {first}-{last} run backwards")
         if not name:
             raise ValueError(f"threat.malicious: {shown(piece)} is not round:manipulation (e.g. '2:trap-weights')")
         if name not in MANIPULATIONS:
@@ -219,9 +224,10 @@ def parse_schedule(text: str) -> dict[int, str]:
                 f"threat.malicious: manipulation {shown(name)} in {shown(piece)}: choose one of "
                 f"{', '.join(MANIPULATIONS.names())}"
             )
-        if round_ in schedule:
-            raise ValueError(f"threat.malicious: round {round_} is manipulated twice")
-        schedule[round_] = name
+        for round_ in range(first, last + 1):
+            if round_ in schedule:
+                raise ValueError(f"threat.malicious: round {round_} is manipulated twice")
+            schedule[round_] = name
     return schedule
 
 
@@ -802,10 +808,12 @@ def _cross_checks(sections: dict[str, Any], invalid: set[str]) -> list[str]:
     except ValueError:
         schedule = None  # reported with the components
     if schedule is not None and captured is not None:
-        for round_ in sorted(r for r in schedule if r not in captured):
+        uncaptured = sorted(r for r in schedule if r not in captured)
+        if uncaptured:
+            which = f"round {uncaptured[0]}" if len(uncaptured) == 1 else f"rounds {', '.join(map(str, uncaptured))}"
             problems.append(
-                f"threat.malicious manipulates round {round_}, which is not a captured round of "
-                f"this run (capture.rounds = {shown(sections['capture'].rounds)}, "
+                f"threat.malicious manipulates {which}, which {'is' if len(uncaptured) == 1 else 'are'} not "
+                f"captured in this run (capture.rounds = {shown(sections['capture'].rounds)}, "
                 f"train.rounds = {train.rounds})"
             )
     defense = sections["defense"]
@@ -1006,7 +1014,7 @@ def _model_fit_problems(sections: dict[str, Any], invalid: set[str], sizes: list
         shape = "x".join(map(str, spec.shape))
         return [f"model.name = {model.name!r} cannot take data.name = {data.name!r} ({shape} images): {error}"]
     problems = _batch_problems(net, spec, sections, invalid, sizes)
-    problems += _manipulation_problems(net, spec, sections)
+    problems += _manipulation_problems(net, spec, sections, sizes)
     return problems + _attack_model_problems(net, sections)
 
 
@@ -1067,9 +1075,12 @@ def _held(sizes: list[int] | None) -> str:
     return f"clients hold {low} samples" if low == high else f"clients hold {low}-{high} samples"
 
 
-def _manipulation_problems(net: nn.Module, spec: DataSpec, sections: dict[str, Any]) -> list[str]:
-    """Each manipulation ``threat.malicious`` schedules, run on zero arrays of the model's shapes: why it cannot
-    rewrite this model (e.g. no Linear layer on the flattened image, more bins than units)."""
+def _manipulation_problems(
+    net: nn.Module, spec: DataSpec, sections: dict[str, Any], sizes: list[int] | None
+) -> list[str]:
+    """Each manipulation ``threat.malicious`` schedules, run (or checked, for a search across rounds) on zero arrays
+    of the model's shapes: why it cannot rewrite this model (e.g. no Linear layer on the flattened image, more
+    bins than units), or why a search's clients do not upload one unchanging batch (``_same_batch_problems``)."""
     model, threat, data = sections["model"], sections["threat"], sections["data"]
     state = net.state_dict()
     names, trainable = tuple(state), tuple(trainable_mask(net))
@@ -1082,7 +1093,12 @@ def _manipulation_problems(net: nn.Module, spec: DataSpec, sections: dict[str, A
         if manipulation.params is None:
             continue  # reported already
         try:
-            build_manipulation(manipulation.name, manipulation.params)(arrays, card, np.random.default_rng(0))
+            built = build_manipulation(manipulation.name, manipulation.params)
+            if isinstance(built, ClientManipulation):
+                built.check(arrays, card)
+                problems += _same_batch_problems(manipulation.name, sections, sizes)
+            else:
+                built(arrays, card, np.random.default_rng(0))
         except DatasetNotFoundError:
             continue  # data the manipulation fits to that is absent here: the run's start reports it
         except ValueError as error:
@@ -1094,6 +1110,27 @@ def _manipulation_problems(net: nn.Module, spec: DataSpec, sections: dict[str, A
                 + (f" ({settings})" if settings else "")
             )
     return problems
+
+
+def _same_batch_problems(name: str, sections: dict[str, Any], sizes: list[int] | None) -> list[str]:
+    """Why the clients of a search across rounds (``ClientManipulation``) would not upload the gradient of one
+    unchanging batch: a protocol of several batches or weights, or a client holding more than ``train.batch-size``
+    samples (its batch is then drawn anew each round)."""
+    train, partition = sections["train"], sections["partition"]
+    if not run_protocol(train.protocol).one_batch or run_protocol(train.protocol).upload_kind != "gradient":
+        return [
+            f"manipulation {name!r} needs one batch gradient per upload: train.protocol = 'fedsgd', "
+            f"not {train.protocol!r}"
+        ]
+    held = max(sizes) if sizes is not None else partition.max_per_client
+    if held and held <= train.batch_size:
+        return []
+    return [
+        f"manipulation {name!r} compares uploads of one batch across rounds, and clients holding more than "
+        f"train.batch-size = {train.batch_size} samples draw a new batch each round ({_held(sizes)}, "
+        f"partition.max-per-client = {partition.max_per_client}); set partition.max-per-client to at most "
+        f"{train.batch_size}"
+    ]
 
 
 def _sample_rate_problems(

@@ -102,10 +102,11 @@ def describe_row(row: dict[str, Any]) -> str:
         return f"{where}: {row.get('status')} ({row.get('seconds', 0):.1f} s) {detail[0]}".rstrip()
     floor = (row.get("floor") or {}).get("psnr")
     against = f" (flat-image floor {floor:.1f} dB)" if floor is not None else ""
+    images = row.get("per_image") or []
+    best = f" (best image {max(image['ssim'] for image in images):.3f})" if images else ""
     return (
         f"{where}: {row['status']} ({row['seconds']:.1f} s) PSNR {row['psnr']:.2f} dB{against}, "
-        f"SSIM {row['ssim']:.3f}, {row.get('leaked_images', 0)} of {len(row.get('per_image') or [])} images "
-        f"above SSIM {LEAK_SSIM:g}"
+        f"SSIM {row['ssim']:.3f}{best}, {row.get('leaked_images', 0)} of {len(images)} images above SSIM {LEAK_SSIM:g}"
     )
 
 

@@ -73,17 +73,19 @@ _LITERAL = re.compile(r"``([^`]+)``")
 
 def field_help(params: type, name: str) -> str:
     """The one-line help of field ``name`` of the parameter dataclass ``params``: its ``help`` metadata, else its
-    description in the class docstring, written ``name``: text, up to the next field described so; else the
-    docstring's first line. Field names read as keys (``noise_multiplier`` -> noise-multiplier)."""
+    description in the docstring of the class or of the first class it inherits the field from, written
+    ``name``: text, up to the next field described so; else the docstring's first line. Field names read as keys
+    (``noise_multiplier`` -> noise-multiplier)."""
     fields = {f.name: f for f in dataclasses.fields(params)}
     if fields[name].metadata.get("help"):
         return fields[name].metadata["help"]
-    doc = params.__doc__ or ""
-    marks = [m for m in _FIELD_MARK.finditer(doc) if m.group(1) in fields]
-    for mark, after in zip(marks, marks[1:] + [None]):
-        if mark.group(1) == name:
-            return _plain(doc[mark.end() : after.start() if after else len(doc)], fields)
-    return _plain(doc.strip().split("\n")[0], fields)
+    for cls in params.__mro__:
+        doc = cls.__doc__ or ""
+        marks = [m for m in _FIELD_MARK.finditer(doc) if m.group(1) in fields]
+        for mark, after in zip(marks, marks[1:] + [None]):
+            if mark.group(1) == name:
+                return _plain(doc[mark.end() : after.start() if after else len(doc)], fields)
+    return _plain((params.__doc__ or "").strip().split("\n")[0], fields)
 
 
 def _plain(text: str, fields: Container[str]) -> str:

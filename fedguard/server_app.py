@@ -170,10 +170,9 @@ def capture_strategy(config: Config, inner: Strategy, sink: Any, card: ModelCard
     ``threat.malicious`` schedules manipulations."""
     kind = run_protocol(config.train.protocol).upload_kind
     rounds, clients = config.capture.round_selection(), config.capture.client_selection()
-    schedule = {
-        round_: (name, build_manipulation(name, config.manipulation(name).params))
-        for round_, name in config.threat.schedule().items()
-    }
+    names = config.threat.schedule()
+    built = {name: build_manipulation(name, config.manipulation(name).params) for name in set(names.values())}
+    schedule = {round_: (name, built[name]) for round_, name in names.items()}  # one instance across its rounds
     if schedule:
         return Malicious(inner, sink, card, kind, rounds, clients, schedule, seed=config.run.seed)
     return HonestButCurious(inner, sink, card, kind, rounds, clients)

@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import Strategy
 
 from attackers.manipulation import HONEST
 from attackers.sinks import ObservationSink
-from fedguard.observation import UPLOAD_KINDS, ModelCard
+from fedguard.observation import UPLOAD_KINDS, ModelCard, Observation
 from fedguard.records import CLIENT_KEY, Upload, read_upload
 from fedguard.selection import Selection
 from strategies.wrapper import StrategyWrapper
@@ -106,15 +106,24 @@ class HonestButCurious(StrategyWrapper):
 
     def capture(self, server_round: int, sent: list[np.ndarray], manipulation: str, upload: Upload) -> None:
         """Submit an ``Observation`` of ``upload`` when ``should_capture`` says so."""
+        if upload.client is not None and not self.should_capture(server_round, upload):
+            return
+        obs = self.observation(server_round, sent, manipulation, upload)
+        if obs is not None:
+            self.sink.submit(obs)
+            self.captured += 1
+
+    def observation(
+        self, server_round: int, sent: list[np.ndarray], manipulation: str, upload: Upload
+    ) -> Observation | None:
+        """What the server saw of ``upload``, computed on ``sent``; None (with a warning) when it names no client."""
         if upload.client is None:
             log.warning(
                 "round %d: an upload from node %d declares no %r; not captured", server_round, upload.node, CLIENT_KEY
             )
-            return
-        if not self.should_capture(server_round, upload):
-            return
+            return None
         declared = {k: v for k, v in upload.declared.items() if k != CLIENT_KEY}
-        obs = self.card.observe(
+        return self.card.observe(
             server_round,
             upload.client,
             self.upload_kind,
@@ -124,5 +133,3 @@ class HonestButCurious(StrategyWrapper):
             declared,
             manipulation,
         )
-        self.sink.submit(obs)
-        self.captured += 1

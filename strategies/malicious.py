@@ -9,6 +9,14 @@ gradients the clients computed on the manipulated ones; for weight uploads the
 server applies the clients' mean change to the honest model
 (``honest + aggregate - sent``). The utility cost of the attack is that round's
 update having been computed on another model.
+
+A ``ClientManipulation`` (feature fishing) is a search across rounds instead: in
+its rounds each node is sent its own model, each upload is handed back to the
+manipulation (``learn``), and what it derives (the difference of two uploads
+that isolates one example) is what the attacker receives, for a targeted round
+and client. The server aggregates only the uploads computed on the honest model
+in those rounds (of the nodes whose search is over), and keeps the model when
+there are none: the others, computed on a magnified last layer, would wreck it.
 """
 
 from __future__ import annotations
@@ -16,14 +24,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from attackers.manipulation import Manipulation
+from attackers.manipulation import HONEST, ClientManipulation, Manipulation
 from attackers.sinks import ObservationSink
 from fedguard.observation import ModelCard
-from fedguard.records import array_record
+from fedguard.records import array_record, read_upload
 from fedguard.selection import Selection
 from strategies.honest_but_curious import HonestButCurious
 
@@ -35,8 +43,9 @@ class Malicious(HonestButCurious):
     ----------
     strategy, sink, card, upload_kind, rounds, clients
         As for ``HonestButCurious``.
-    schedule : dict[int, tuple[str, Manipulation]]
-        Round -> (manipulation name, manipulation) applied to the model sent in that round.
+    schedule : dict[int, tuple[str, Manipulation | ClientManipulation]]
+        Round -> (manipulation name, manipulation) applied to the model sent in that round; a
+        ``ClientManipulation`` needs gradient uploads (FedSGD).
     seed : int
         Seed of the manipulations' randomness (one stream per round).
     """
@@ -49,29 +58,38 @@ class Malicious(HonestButCurious):
         upload_kind: str,
         rounds: Selection,
         clients: Selection,
-        schedule: dict[int, tuple[str, Manipulation]],
+        schedule: dict[int, tuple[str, Manipulation | ClientManipulation]],
         seed: int = 0,
     ) -> None:
         super().__init__(strategy, sink, card, upload_kind, rounds, clients)
         bad = [r for r in schedule if r < 1]
         if bad:
             raise ValueError(f"schedule rounds must be >= 1, got {bad}")
+        searches = sorted({name for name, m in schedule.values() if isinstance(m, ClientManipulation)})
+        if searches and upload_kind != "gradient":
+            raise ValueError(
+                f"manipulations {searches} search across rounds on gradient uploads (FedSGD), not {upload_kind}"
+            )
         self.schedule = dict(schedule)
         self.seed = seed
         self._honest: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self._per_node: dict[int, dict[int, tuple[list[np.ndarray], str]]] = {}
+        """Round -> node -> (the arrays it was sent, the manipulation that made them), in a search's rounds."""
 
     def __repr__(self) -> str:
         plan = ", ".join(f"{r}:{name}" for r, (name, _) in sorted(self.schedule.items()))
         return f"Malicious({self.strategy!r}, schedule={plan!r}, rounds={self.rounds.spec!r})"
 
+    def rng(self, server_round: int) -> np.random.Generator:
+        """The manipulations' randomness in ``server_round``."""
+        return np.random.default_rng(np.random.SeedSequence([self.seed, server_round]))
+
     def manipulated(self, server_round: int, honest: list[np.ndarray]) -> list[np.ndarray]:
         """The arrays sent in ``server_round`` in place of ``honest``; checked to keep shapes and dtypes."""
         name, manipulation = self.schedule[server_round]
-        rng = np.random.default_rng(np.random.SeedSequence([self.seed, server_round]))
-        sent = manipulation([a.copy() for a in honest], self.card, rng)
-        if len(sent) != len(honest) or any(s.shape != h.shape or s.dtype != h.dtype for s, h in zip(sent, honest)):
-            raise ValueError(f"manipulation {name!r} changed the model's layout; it may only change values")
-        return sent
+        if isinstance(manipulation, ClientManipulation):
+            raise TypeError(f"manipulation {name!r} sends each node its own model (configure_per_node)")
+        return same_layout(name, manipulation([a.copy() for a in honest], self.card, self.rng(server_round)), honest)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -80,6 +98,8 @@ class Malicious(HonestButCurious):
         manipulated one in its place."""
         if server_round not in self.schedule:
             return super().configure_train(server_round, arrays, config, grid)
+        if isinstance(self.schedule[server_round][1], ClientManipulation):
+            return self.configure_per_node(server_round, arrays, config, grid)
         honest = arrays.to_numpy_ndarrays()
         sent = self.manipulated(server_round, honest)
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
@@ -96,7 +116,13 @@ class Malicious(HonestButCurious):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Capture and aggregate; after a manipulated round of weight uploads, move the honest model by
-        the clients' change."""
+        the clients' change. In a search's round, hand each upload to the search and keep the model."""
+        if server_round in self._per_node:
+            sent_by_node = self._per_node.pop(server_round)
+            replies = list(replies)
+            self.learn(server_round, sent_by_node, replies)
+            on_honest = [r for r in replies if sent_by_node.get(r.metadata.src_node_id, ((), ""))[1] == HONEST]
+            return self.strategy.aggregate_train(server_round, on_honest) if on_honest else (None, None)
         aggregated, metrics = super().aggregate_train(server_round, replies)
         honest_sent = self._honest.pop(server_round, None)
         if honest_sent is None or aggregated is None or self.upload_kind == "gradient":
@@ -104,3 +130,52 @@ class Malicious(HonestButCurious):
         honest, sent = honest_sent
         moved = [(h + (a - s)).astype(h.dtype) for h, a, s in zip(honest, aggregated.to_numpy_ndarrays(), sent)]
         return array_record(list(aggregated.keys()), moved), metrics
+
+    def configure_per_node(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Message]:
+        """Configure as ``strategy`` does with the honest model, then send each node what the search gives it (the
+        honest model once its search is over)."""
+        name, search = self.schedule[server_round]
+        assert isinstance(search, ClientManipulation)
+        honest, rng = arrays.to_numpy_ndarrays(), self.rng(server_round)
+        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        sent_by_node: dict[int, tuple[list[np.ndarray], str]] = {}
+        for message in messages:
+            node = message.metadata.dst_node_id
+            sent = search.send(node, [a.copy() for a in honest], self.card, rng)
+            sent_by_node[node] = (honest, HONEST) if sent is None else (same_layout(name, sent, honest), name)
+            payload = array_record(list(arrays.keys()), sent_by_node[node][0])
+            # a content of its own: the wrapped strategy's messages may share one RecordDict
+            message.content = RecordDict({**message.content, **dict.fromkeys(message.content.array_records, payload)})
+        self._per_node[server_round] = sent_by_node
+        return messages
+
+    def learn(
+        self, server_round: int, sent_by_node: dict[int, tuple[list[np.ndarray], str]], replies: list[Message]
+    ) -> None:
+        """Hand each upload of a search's round to the search, and to the sink what it derives (for a targeted
+        round and client); an upload on the honest model is captured as ``HonestButCurious`` does."""
+        _, search = self.schedule[server_round]
+        assert isinstance(search, ClientManipulation)
+        for reply in replies:
+            if reply.has_error() or reply.metadata.src_node_id not in sent_by_node:
+                continue
+            upload = read_upload(reply)
+            sent, name = sent_by_node[upload.node]
+            if name == HONEST:
+                if self.targets_round(server_round):
+                    self.capture(server_round, sent, HONEST, upload)
+                continue
+            obs = self.observation(server_round, sent, name, upload)
+            derived = None if obs is None else search.learn(upload.node, obs)
+            if derived is not None and self.targets_round(server_round) and self.should_capture(server_round, upload):
+                self.sink.submit(derived)
+                self.captured += 1
+
+
+def same_layout(name: str, sent: list[np.ndarray], honest: list[np.ndarray]) -> list[np.ndarray]:
+    """``sent``, raising ``ValueError`` when manipulation ``name`` changed the shapes or dtypes of ``honest``."""
+    if len(sent) != len(honest) or any(s.shape != h.shape or s.dtype != h.dtype for s, h in zip(sent, honest)):
+        raise ValueError(f"manipulation {name!r} changed the model's layout; it may only change values")
+    return sent

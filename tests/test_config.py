@@ -291,11 +291,17 @@ def test_malicious_schedule_is_parsed_and_checked() -> None:
         ("x:imprint", "round:manipulation"),
         ("2:imprnt", "choose one of"),
         ("2:imprint,2:trap-weights", "twice"),
+        ("1-3:fishing, 3:imprint", "round 3 is manipulated twice"),
+        ("3-1:fishing", "run backwards"),
+        ("1-x:fishing", "round:manipulation"),
     ]:
         [problem] = problems_of({"threat.malicious": text, "capture.rounds": "all"})
         assert fragment in problem, problem
     [problem] = problems_of({"threat.malicious": "2:imprint", "capture.rounds": "1"})
     assert "round 2" in problem and "capture.rounds" in problem
+    schedule = {"threat.malicious": "1:fishing, 2-4:feature-fishing", "capture.rounds": "all"}
+    spans = Config.from_flat({**schedule, "partition.max-per-client": 32})
+    assert spans.threat.schedule() == {1: "fishing", 2: "feature-fishing", 3: "feature-fishing", 4: "feature-fishing"}
 
 
 def test_attacks_are_matched_to_the_rounds_they_can_attack() -> None:

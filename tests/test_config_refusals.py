@@ -433,6 +433,16 @@ CANNOT_RUN = [
     (["threat.malicious=1:trap-weights", "model.name=lenet"], "threat.malicious"),
     (["attack.name=imprint", "threat.malicious=1:imprint", "model.mlp.hidden=32"], "manipulation.imprint.bins"),
     (["threat.malicious=1:imprint", "model.mlp.depth=0"], "manipulation.imprint.bins"),
+    # a search across rounds whose clients would not upload one unchanging batch, or not a gradient
+    (["threat.malicious=1-4:feature-fishing", "model.name=lenet", "data.name=digits"], "partition.max-per-client"),
+    (
+        ["threat.malicious=1-4:feature-fishing", "partition.max-per-client=8", "train.protocol=fedavg"],
+        "train.protocol",
+    ),
+    (
+        ["attack.name=feature-fishing", "threat.malicious=1:feature-fishing", BN, "partition.max-per-client=8"],
+        "attack.name",
+    ),
     # an attack that cannot attack the model
     (["attack.name=gradinversion", "threat.bn-statistics=true"], "attack.name"),
     (
@@ -480,6 +490,12 @@ def test_a_configuration_that_cannot_run_is_refused_naming_the_key(
         ["data.name=photos", "data.image-size=9", "model.name=convnet"],
         ["partition.name=dirichlet", "partition.alpha=0.5", *FEW_CLIENTS],
         ["attack.name=imprint", "threat.malicious=1:imprint", "model.mlp.hidden=64"],
+        [
+            "attack.name=feature-fishing",
+            "threat.malicious=1-4:feature-fishing",
+            "capture.rounds=1-4",
+            "partition.max-per-client=32",
+        ],
         ["attack.name=gradinversion", "threat.bn-statistics=true", BN],
         ["attack.name=ig", "attack.ig.skip=5."],
         ["defense.name=dp-sgd", "defense.dp-sgd.dataset-size=32"],

@@ -75,7 +75,7 @@ def test_evaluator_scores_after_matching_and_writes_grids(tmp_path: Path) -> Non
     worse = evaluator(AttackOutcome(obs, "ok", noisy, attack="ig"))
     assert worse["psnr"] < 15 and worse["ssim"] < 0.3 and worse["leaked_images"] == 0
     assert describe_row(row).startswith("ig round 1 client 0: ok (1.5 s) PSNR 100.00 dB (flat-image floor ")
-    assert describe_row(row).endswith("SSIM 1.000, 3 of 3 images above SSIM 0.9")
+    assert describe_row(row).endswith("SSIM 1.000 (best image 1.000), 3 of 3 images above SSIM 0.9")
     failed = evaluator(AttackOutcome(obs, "timeout", error="no result within 5 s", attack="ig"))
     assert describe_row(failed) == "ig round 1 client 0: timeout (0.0 s) no result within 5 s"
     assert failed["psnr"] is None and failed["error"] == "no result within 5 s"

@@ -8,29 +8,40 @@ photo tiles.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from attackers.base import build_attack
 from attackers.engine.search import search
 from attackers.feature_fishing import (
+    ISOLATED,
     FeatureFishingParams,
     ThresholdSearch,
     build_feature_fishing,
     interval_count,
     isolated,
+    one_example,
     projections,
     signed_count,
 )
+from attackers.fishing import FishedSearchParams
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
+from fedguard import client_app
+from fedguard.client_app import make_client_app
+from fedguard.config import load_config
 from fedguard.data import load_dataset
 from fedguard.data.dataset import ImageData
 from fedguard.data.registry import SourceOptions
 from fedguard.metrics.image import ssim
-from fedguard.models import build_model
-from fedguard.observation import ModelCard, Observation
+from fedguard.models import build_model, global_model
+from fedguard.observation import ModelCard, Observation, load_observations
+from fedguard.run_folder import OBSERVATIONS_DIR, ROUNDS_FILE, VAULT_DIR
+from fedguard.server_app import run_server
 from fedguard.training import (
     compute_gradients,
     get_arrays,
@@ -38,6 +49,8 @@ from fedguard.training import (
     set_arrays,
     trainable_mask,
 )
+from fedguard.vault import read_truth
+from tests.local_grid import LocalGrid
 
 TARGET = 3  # the row fished
 BATCH = np.arange(0, 896, 28)  # 32 test tiles, of every class
@@ -149,7 +162,13 @@ def test_the_isolated_upload_is_the_one_examples_surrogate_gradient(tiles: Image
     x, y, s, ordered = batch_and_projections(tiles, lenet)
     t1, t2 = between(ordered, 15), between(ordered, 16)
     low, high = upload(lenet, t1, x, y), upload(lenet, t2, x, y)
-    single = isolated(high, low)
+    difference = isolated(high, low)
+    assert difference.num_examples == len(y) and difference.declared[ISOLATED] == {
+        "row": TARGET,
+        "label": TARGET + 1,
+        "rounds": [1, 1],
+    }
+    single = one_example(difference)
     one = int(np.flatnonzero((s > t1) & (s <= t2))[0])
     assert single.num_examples == 1 and single.declared == {"batch-size": 1, "labels": [TARGET + 1]}
     model, _, _ = lenet
@@ -159,7 +178,9 @@ def test_the_isolated_upload_is_the_one_examples_surrogate_gradient(tiles: Image
     own = [g.numpy() for g in compute_gradients(model, x[one : one + 1], torch.tensor([TARGET + 1]))[0]]
     for name, a, g in zip(lenet[1].names, single.upload, own):
         np.testing.assert_allclose(a * len(y), g, rtol=2e-4, atol=2e-4 * np.abs(g).max(), err_msg=name)
-    assert all(np.array_equal(a, b) for a, b in zip(single.upload, isolated(low, high).upload))
+    assert all(np.array_equal(a, b) for a, b in zip(single.upload, one_example(isolated(low, high)).upload))
+    with pytest.raises(ValueError, match="not the difference of two feature-fishing uploads"):
+        one_example(low)
 
 
 def test_uploads_of_different_models_or_one_threshold_are_refused(tiles: ImageData, lenet: LeNet) -> None:
@@ -235,7 +256,7 @@ def test_feature_fishing_recovers_the_isolated_tile(tiles: ImageData, lenet: LeN
     found = server.found()
     assert found is not None
     spec = InvertingGradients(InvertingGradientsParams(iterations=200, device="cpu", compile="off")).spec
-    recon = search(spec, [isolated(uploads[found[0]], uploads[found[1]])], 0)[0]
+    recon = search(spec, [one_example(isolated(uploads[found[0]], uploads[found[1]]))], 0)[0]
     scores = ssim(recon.images.expand_as(x), x)
     set_arrays(model, honest)
     s = projections(model, x, TARGET).numpy()
@@ -243,3 +264,65 @@ def test_feature_fishing_recovers_the_isolated_tile(tiles: ImageData, lenet: LeN
     one = int(np.flatnonzero((s > low) & (s <= high))[0])
     print("rounds", len(uploads), "isolated tile", one, "ssim", round(float(scores[one]), 3))
     assert int(scores.argmax()) == one and scores[one] > 0.7
+
+
+def test_the_batch_size_may_come_with_the_first_upload() -> None:
+    server = ThresholdSearch(np.linspace(0, 1, 1001))
+    assert server.next_level() == 0.5
+    server.record(0.5, 3, batch=32)
+    assert server.batch == 32 and server.next_level() == pytest.approx(0.5 + 1 / 32)
+    with pytest.raises(ValueError, match="batch size is still unknown"):
+        unknown = ThresholdSearch(np.linspace(0, 1, 11))
+        unknown.record(0.5, 3)
+        unknown.next_level()
+
+
+RUN = (
+    "data.name=photos",
+    "data.image-size=16",
+    "model.name=lenet",
+    "partition.num-clients=3",
+    "partition.max-per-client=32",
+    "train.clients-per-round=3",
+    "train.batch-size=32",
+    "train.rounds=8",
+    "capture.rounds=all",
+    "threat.malicious=1-8:feature-fishing",
+    "attack.name=none",
+)
+
+
+def test_a_run_isolates_one_tile_of_each_client_and_the_attack_inverts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three clients of 32 tiles under the feature-fishing server: each client's search ends within 8 rounds with an
+    upload that is one of its tiles' surrogate gradient, and the attack brings that tile back."""
+    monkeypatch.setattr(client_app, "in_simulation", lambda: True)  # the clients write the vault, as simulated
+    cfg = load_config(None, [*RUN, f"out-dir={tmp_path / 'run'}"])
+    folder = run_server(LocalGrid(make_client_app(cfg), cfg.partition.num_clients), cfg)
+    fished = [o for o in load_observations(folder / OBSERVATIONS_DIR) if o.manipulation == "feature-fishing"]
+    assert sorted(o.client for o in fished) == [0, 1, 2]
+    rows = [json.loads(line) for line in (folder / ROUNDS_FILE).read_text().splitlines()]
+    assert rows[-1]["accuracy"] != rows[0]["accuracy"], "the honest model trains once the searches are over"
+    attack = build_attack("feature-fishing", FishedSearchParams(iterations=200, device="cpu", compile="off"))
+    for obs, recon in zip(fished, attack.reconstruct_many(fished, 0)):
+        truth = read_truth(folder / VAULT_DIR, obs.round, obs.client)
+        assert truth is not None
+        x, _ = truth
+        single = one_example(obs)
+        model = global_model(single)
+        label = torch.tensor(single.declared["labels"])
+        matches = [
+            i
+            for i in range(len(x))
+            if np.allclose(
+                compute_gradients(model, x[i : i + 1], label)[0][0].numpy(),
+                single.upload[0] * len(x),
+                rtol=1e-3,
+                atol=1e-3 * np.abs(single.upload[0]).max() * len(x),
+            )
+        ]
+        assert len(matches) == 1, (obs.client, matches)
+        scores = ssim(recon.images, x)
+        print("client", obs.client, "rounds", obs.declared[ISOLATED]["rounds"], "ssim", round(float(scores.max()), 3))
+        assert recon.images.shape == x.shape and int(scores.argmax()) == matches[0] and scores.max() > 0.6

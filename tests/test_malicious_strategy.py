@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import FedAvg
 
-from fedguard.observation import ModelCard
+from attackers.manipulation import ClientManipulation
+from fedguard.observation import ModelCard, Observation
 from fedguard.records import array_record
 from fedguard.selection import Selection
 from strategies import FedSGD, HonestButCurious, Malicious
@@ -104,3 +108,75 @@ def test_a_manipulation_that_changes_the_layout_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="'reshape' changed the model's layout"):
         play(strategy, 1, uploads_from_sent=True)
+
+
+class Offsets:
+    """A ``ClientManipulation`` for the tests: node ``n`` is sent the honest arrays plus ``n`` in its first two
+    rounds, then the honest ones; after its second upload it hands over an observation of that upload with the
+    first one's upload subtracted."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, list[Observation]] = {}
+
+    def check(self, arrays: list[np.ndarray], card: ModelCard) -> None:
+        pass
+
+    def send(
+        self, node: int, arrays: list[np.ndarray], card: ModelCard, rng: np.random.Generator
+    ) -> list[np.ndarray] | None:
+        if len(self.seen.get(node, [])) >= 2:
+            return None
+        return [arrays[0] + node, arrays[1] + node, arrays[2]]
+
+    def learn(self, node: int, obs: Observation) -> Observation | None:
+        seen = self.seen.setdefault(node, [])
+        seen.append(obs)
+        if len(seen) != 2:
+            return None
+        return dataclasses.replace(obs, upload=[a - b for a, b in zip(obs.upload, seen[0].upload)])
+
+
+def test_a_search_sends_each_node_its_own_model_and_hands_over_what_it_derives() -> None:
+    sink, search = ListSink(), Offsets()
+    schedule: dict[int, tuple[str, Any]] = dict.fromkeys((1, 2, 3), ("offsets", search))
+    strategy = Malicious(fedsgd(), sink, CARD, "gradient", Selection.parse("all"), Selection.parse("0,1,2"), schedule)
+    assert isinstance(search, ClientManipulation)
+    models = []
+    for round_ in (1, 2, 3):
+        instructions = list(
+            strategy.configure_train(round_, array_record(NAMES, global_arrays(1)), ConfigRecord(), Nodes(4))
+        )
+        received = {m.metadata.dst_node_id: m.content["arrays"].to_numpy_ndarrays() for m in instructions}
+        models.append(received)
+        replies = [  # node 100 + c is client c; it uploads what it received times the round
+            reply(m, [a * round_ for a in arrays[:2]] + arrays[2:], 8, {"client": node - 100, "batch-size": 8})
+            for m in instructions
+            for node, arrays in [(m.metadata.dst_node_id, received[m.metadata.dst_node_id])]
+        ]
+        aggregated, _ = strategy.aggregate_train(round_, replies)
+        if round_ < 3:
+            assert aggregated is None, "uploads on fished models never reach the model"
+    honest = global_arrays(1)
+    for node, arrays in models[0].items():
+        assert np.array_equal(arrays[0], honest[0] + node), "each node gets its own model, not the last one built"
+    assert all(np.array_equal(arrays[0], honest[0]) for arrays in models[2].values()), "searches over: honest"
+    derived = [o for o in sink.items if o.manipulation == "offsets"]
+    assert sorted(o.client for o in derived) == [0, 1, 2], "client 3 is not targeted"
+    for obs in derived:
+        node = 100 + obs.client
+        assert obs.round == 2 and np.allclose(obs.upload[0], 2 * (honest[0] + node) - (honest[0] + node))
+    assert [(o.round, o.manipulation) for o in sink.items if o not in derived] == [(3, "none")] * 3
+    assert aggregated is not None and np.allclose(aggregated.to_numpy_ndarrays()[0], honest[0] - 0.1 * 3 * honest[0])
+
+
+def test_a_search_needs_gradient_uploads() -> None:
+    with pytest.raises(ValueError, match=r"\['offsets'\] search across rounds on gradient uploads \(FedSGD\)"):
+        Malicious(
+            FedAvg(),
+            ListSink(),
+            CARD,
+            "weights",
+            Selection.parse("1"),
+            Selection.parse("all"),
+            {1: ("offsets", Offsets())},
+        )
