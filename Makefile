@@ -4,6 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The in-process tests run on this many workers (pytest-xdist); the Ray simulations then run one at a time.
+TEST_WORKERS ?= 2
+# A mark expression the suite is narrowed by, e.g. "not heavy" (CI).
+MARKS ?=
 # The GPU check runs from the tree with the machine's own Python, no venv (docs/how-to/gpu-check.md).
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
@@ -33,11 +37,11 @@ install: $(STAMP)  ## create .venv and install fedguard with its test, documenta
 demo: $(STAMP)  ## run the quickstart experiment
 	$(BIN)/fedguard run experiments/quickstart.toml
 
-test: $(STAMP)  ## the whole test suite
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+test: test-fast  ## the whole test suite: the in-process tests on TEST_WORKERS workers, then the Ray simulations
+	$(BIN)/python -m pytest -m "slow$(if $(MARKS), and ($(MARKS)))" $(PYTEST_ARGS)
 
-test-fast: $(STAMP)  ## the suite without the Ray simulations
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+test-fast: $(STAMP)  ## the suite without the Ray simulations, on TEST_WORKERS workers
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow$(if $(MARKS), and ($(MARKS)))" $(PYTEST_ARGS)
 
 lint: $(STAMP)  ## ruff's rules and format, then mypy on the packages (configuration in pyproject.toml)
 	$(BIN)/ruff check .

@@ -59,7 +59,7 @@ def wait_for_rounds(out: Path, rounds: int, process: subprocess.Popen, timeout: 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "signum, to_group",
-    [(signal.SIGINT, True), (signal.SIGTERM, False)],
+    [pytest.param(signal.SIGINT, True, marks=pytest.mark.heavy), (signal.SIGTERM, False)],
     ids=["sigint-to-the-terminal-group", "sigterm-to-the-process"],
 )
 def test_one_signal_stops_the_run_with_every_result_kept(tmp_path: Path, signum: int, to_group: bool) -> None:

@@ -23,7 +23,7 @@ from fedguard.data.federated import partitions
 from fedguard.data.partition import PartitionOptions, partition
 from fedguard.data.registry import SourceOptions, load_dataset
 from fedguard.data.sizes import CLASS_COUNTS, split_sizes, train_class_counts
-from fedguard.limits import INT64_MAX, INT64_MIN, MAX_LISTED, MAX_NESTING, MAX_ROUNDS
+from fedguard.limits import INT64_MAX, INT64_MIN, MAX_LISTED, MAX_NESTING, MAX_ROUNDS, shown
 from fedguard.selection import Selection
 from fedguard.spans import Spans
 
@@ -207,7 +207,7 @@ def test_deeply_nested_presets_are_refused(tmp_path: Path, text: str) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(preset)
     [problem] = caught.value.problems
-    assert problem.startswith(f"preset '{preset}': ")
+    assert problem.startswith(f"preset {shown(str(preset))}: ")  # a long path is elided in the middle
     assert f"more than {MAX_NESTING} deep" in problem or "nested too deeply to read" in problem
 
 

@@ -365,6 +365,7 @@ def test_two_authenticated_supernodes_over_tls_run_the_app(deployment: Deploymen
     assert all(a["psnr"] is None and "no ground truth" in a["error"] for a in attacks), attacks
 
 
+@pytest.mark.heavy
 def test_through_the_fleet_proxy_a_supernode_trains_and_a_ca_holder_cannot_touch_the_control_api(
     deployment: Deployment, keys: Path, tmp_path: Path
 ) -> None:
@@ -419,6 +420,7 @@ def test_a_supernode_with_an_unregistered_key_is_refused(deployment: Deployment,
     assert dep.nodes() == {registered: "online"}
 
 
+@pytest.mark.heavy
 def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployment, keys: Path, tmp_path: Path) -> None:
     dep = deployment
     dep.start_superlink()

@@ -132,6 +132,7 @@ def flower_home(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_flwr_run_on_flowers_default_federation_stops_and_says_how_to_fix_it(flower_home) -> None:
     home, env = flower_home
     start = time.monotonic()
@@ -154,6 +155,7 @@ def test_flwr_run_on_flowers_default_federation_stops_and_says_how_to_fix_it(flo
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_flwr_run_selects_a_user_strategy_from_outside_the_package(flower_home) -> None:
     home, env = flower_home
     overrides = (
@@ -187,6 +189,7 @@ def test_flwr_run_selects_a_user_strategy_from_outside_the_package(flower_home) 
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_fedguard_run_selects_a_user_strategy_through_flwr_run(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = subprocess.run(
@@ -284,6 +287,7 @@ def marked_copy(folder: Path, tag: str, log: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_flwr_run_runs_the_submitted_apps_code_in_every_process(tmp_path: Path) -> None:
     """A SuperLink started in one copy of the app runs a second copy: the ServerApp, the ClientApps and the
     attacker workers all import the submitted copy, none the SuperLink's working directory."""

@@ -317,6 +317,7 @@ def test_a_global_model_turning_non_finite_stops_the_run(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_fedguard_run_exits_non_zero_when_the_global_model_turns_non_finite(tmp_path: Path) -> None:
     out = tmp_path / "run"
     command = [str(Path(sys.executable).parent / "fedguard"), "run", "--out", str(out)]

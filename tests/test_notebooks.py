@@ -42,8 +42,8 @@ def images(notebook: nbformat.NotebookNode) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "path",
-    # The first notebook in CI; the others share its machinery and are heavy.
-    [pytest.param(path, marks=[pytest.mark.heavy] if index else []) for index, path in enumerate(NOTEBOOKS)],
+    # Every notebook is heavy (about 2 minutes each on 2 cores): `make test` runs them, CI does not.
+    [pytest.param(path, marks=pytest.mark.heavy) for path in NOTEBOOKS],
     ids=[path.stem for path in NOTEBOOKS],
 )
 def test_a_notebook_runs_end_to_end_at_small_size(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -70,6 +70,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.mark.heavy
 def test_the_defenses_sweep_runs_refiner_with_the_presets_relative_evaluation_networks(lab: Path) -> None:
     rows = sweep(
         lab,
@@ -149,6 +150,7 @@ def test_the_mjolnir_paper_preset_runs_with_its_relative_denoiser(lab: Path) -> 
     assert "mjolnir+dlg" in rows[0]["attacks"]
 
 
+@pytest.mark.heavy
 def test_the_attacks_preset_runs_every_attack_with_the_generator_the_readme_trains(lab: Path) -> None:
     # The preset's attacks cut to a few iterations: this checks the plumbing and the analytic attacks, whose
     # results do not depend on iterations; the optimization attacks' scores are tested in their own files.

@@ -181,6 +181,7 @@ def two_node_cluster() -> Iterator[tuple[str, dict[str, str]]]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_simulation_runs_its_clients_on_every_node_of_a_cluster(tmp_path: Path, two_node_cluster) -> None:
     address, env = two_node_cluster
     (tmp_path / "node_log_plugin.py").write_text(NODE_LOG_PLUGIN)

@@ -246,6 +246,7 @@ def test_cli_resume_refuses_changes_to_what_the_rounds_compute(tmp_path: Path) -
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_fedguard_run_stopped_by_sigterm_and_resumed_equals_an_uninterrupted_run(tmp_path: Path, as_simulated) -> None:
     """The real thing: a Flower simulation stopped after round 2 by SIGTERM, resumed by ``fedguard run --resume``,
     against the same rounds run without a stop (in process: the same server and clients, one grid)."""

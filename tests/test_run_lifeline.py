@@ -75,6 +75,9 @@ def test_a_killed_launcher_leaves_no_process_and_an_interrupted_run(tmp_path: Pa
     )
     try:
         assert fake.stdout is not None and fake.stdout.readline() == "running\n"
+        started = time.monotonic()
+        while len(tagged(tag)) < 4 and time.monotonic() - started < LIMIT:  # the watcher may start after
+            time.sleep(0.05)
         assert len(tagged(tag)) == 4, "the launcher, its watcher and the two sleepers"
         with pytest.raises(RunFolderBusy, match=f"is being written by fedguard run \\(process {fake.pid}\\)"):
             os.close(hold(folder))
@@ -165,6 +168,7 @@ def test_sigkill_of_fedguard_run_ends_its_run_and_a_live_run_refuses_a_second_wr
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_a_terminated_sweep_stops_its_run_cleanly(tmp_path: Path) -> None:
     preset = tmp_path / "sweep.toml"
     preset.write_text(

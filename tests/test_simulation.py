@@ -84,6 +84,7 @@ def test_simulation_trains_and_captures(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_simulation_survives_attacks_that_run_out_of_time(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_quickstart(
@@ -106,6 +107,7 @@ def test_simulation_survives_attacks_that_run_out_of_time(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_pruned_uploads_cross_the_wire_encoded_and_arrive_dense(tmp_path: Path) -> None:
     out = tmp_path / "run"
     overrides = [
@@ -130,6 +132,7 @@ def test_pruned_uploads_cross_the_wire_encoded_and_arrive_dense(tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_simulation_runs_on_an_existing_ray_cluster(tmp_path: Path) -> None:
     ray = str(Path(sys.executable).parent / "ray")
     with socket.socket() as probe:
