@@ -8,7 +8,7 @@ import torch
 
 from attackers.base import shape_key
 from attackers.dlg import DeepLeakage, DLGParams
-from attackers.engine import OptimizerSpec, SearchSpec, Term
+from attackers.engine import OptimizerSpec, SearchSpec, Term, register_distance, register_prior, search
 from attackers.engine.objective import Objective
 from attackers.engine.optimizers import lbfgs, scheduler_of
 from attackers.engine.problem import Problem
@@ -197,3 +197,28 @@ def test_learning_rate_schedules(schedule: str, expected: list[float]) -> None:
         optimizer.step()
         scheduler.step()
     assert np.allclose(used, expected), used
+
+
+def test_a_registered_distance_and_prior_are_searched_by_name() -> None:
+    calls: dict[str, int] = {"distance": 0, "prior": 0}
+
+    @register_distance("l1-of-a-test")
+    def l1_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
+        calls["distance"] += 1
+        return sum((x - y).flatten(1).abs().sum(1) for x, y in zip(g, target))  # type: ignore[return-value]
+
+    @register_prior("dark-of-a-test")
+    def dark_prior(inputs: TermInputs) -> torch.Tensor:
+        calls["prior"] += 1
+        return inputs.images.flatten(1).mean(1)
+
+    observations, _, _ = uploads()
+    spec = SearchSpec(20, 1, "cpu", distance="l1-of-a-test", terms=(Term("dark-of-a-test", 0.1),), compile="off")
+    [found] = search(spec, observations[:1], 0)
+    assert calls["distance"] >= 20 and calls["prior"] >= 20 and torch.isfinite(found.images).all()
+    with pytest.raises(ValueError, match="distance 'cosine' is registered already"):
+        register_distance("cosine")(l1_distance)
+    with pytest.raises(ValueError, match="prior 'tv' is registered already"):
+        register_prior("tv")(dark_prior)
+    with pytest.raises(ValueError, match="distance 'l1-of-a-tset': choose one of .*l1-of-a-test"):
+        SearchSpec(20, 1, "cpu", distance="l1-of-a-tset")

@@ -3,7 +3,9 @@
 A distance compares each job's dummy gradient with its target, per trainable
 parameter (J, ...) each, and returns (J,). A prior scores each job's dummy
 images and search variable (J,) from the ``TermInputs`` of one evaluation.
-Presets (``attackers.engine.presets``) combine them with weights.
+Presets (``attackers.engine.presets``) combine them with weights. A plugin adds
+its own with ``register_distance`` and ``register_prior``; a ``SearchSpec``
+then names them as it names the built-in ones.
 """
 
 from __future__ import annotations
@@ -15,6 +17,20 @@ from typing import cast
 import torch
 
 Distance = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
+DISTANCES: dict[str, Distance] = {}
+
+
+def register_distance(name: str) -> Callable[[Distance], Distance]:
+    """Register the decorated gradient distance under ``name`` (``SearchSpec.distance``); raises ``ValueError`` for
+    a name taken."""
+
+    def add(distance: Distance) -> Distance:
+        if name in DISTANCES:
+            raise ValueError(f"distance {name!r} is registered already ({DISTANCES[name].__module__})")
+        DISTANCES[name] = distance
+        return distance
+
+    return add
 
 
 def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
@@ -22,26 +38,23 @@ def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
     return cast(torch.Tensor, sum((x.flatten(1) * y.flatten(1)).sum(1) for x, y in zip(a, b)))
 
 
+@register_distance("cosine")
 def cosine_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
     """``1 - cos(g, target)`` per job, every parameter as one vector (Inverting Gradients)."""
     return 1 - dot(g, target) / (torch.sqrt(dot(g, g)) * torch.sqrt(dot(target, target)) + 1e-12)
 
 
+@register_distance("l2")
 def l2_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
     """Squared Euclidean distance per job (DLG)."""
     return cast(torch.Tensor, sum(((x - y).flatten(1) ** 2).sum(1) for x, y in zip(g, target)))
 
 
+@register_distance("relative-l2")
 def relative_l2_distance(g: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
     """Squared Euclidean distance over the target's squared norm (1 for a zero dummy gradient; GradInversion)."""
     return l2_distance(g, target) / dot(target, target).clamp_min(1e-12)
 
-
-DISTANCES: dict[str, Distance] = {
-    "cosine": cosine_distance,
-    "l2": l2_distance,
-    "relative-l2": relative_l2_distance,
-}
 
 Statistics = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -59,6 +72,22 @@ class TermInputs:
     restarts: int
 
 
+Prior = Callable[[TermInputs], torch.Tensor]
+PRIORS: dict[str, Prior] = {}
+
+
+def register_prior(name: str) -> Callable[[Prior], Prior]:
+    """Register the decorated prior under ``name`` (``Term.name``); raises ``ValueError`` for a name taken."""
+
+    def add(prior: Prior) -> Prior:
+        if name in PRIORS:
+            raise ValueError(f"prior {name!r} is registered already ({PRIORS[name].__module__})")
+        PRIORS[name] = prior
+        return prior
+
+    return add
+
+
 def total_variation(x: torch.Tensor) -> torch.Tensor:
     """Mean absolute difference of neighbouring pixels of images (..., C, H, W) -> (...)."""
     dx = (x[..., :, :, 1:] - x[..., :, :, :-1]).abs().mean((-3, -2, -1))
@@ -66,16 +95,19 @@ def total_variation(x: torch.Tensor) -> torch.Tensor:
     return dx + dy
 
 
+@register_prior("tv")
 def tv_prior(inputs: TermInputs) -> torch.Tensor:
     """Total variation, averaged over each job's batch."""
     return total_variation(inputs.images).mean(1)
 
 
+@register_prior("l2")
 def grey_prior(inputs: TermInputs) -> torch.Tensor:
     """Mean squared distance of the pixels to mid-grey (the l2 image prior on [0, 1] pixels)."""
     return ((inputs.images - 0.5) ** 2).flatten(1).mean(1)
 
 
+@register_prior("bn")
 def batch_norm_prior(inputs: TermInputs) -> torch.Tensor:
     """Sum over BatchNorm layers of ``||mu(x) - mu||_2 + ||var(x) - var||_2`` per job."""
     return sum(
@@ -84,6 +116,7 @@ def batch_norm_prior(inputs: TermInputs) -> torch.Tensor:
     )
 
 
+@register_prior("group")
 def group_prior(inputs: TermInputs) -> torch.Tensor:
     """Mean squared distance of each job's images to the (detached) mean of its upload's restarts."""
     x, restarts = inputs.images, inputs.restarts
@@ -98,18 +131,10 @@ def latent_kl(z: torch.Tensor) -> torch.Tensor:
     return (0.5 * (var + z.mean(-1) ** 2 - 1 - torch.log(var + 1e-10))).mean(-1)
 
 
+@register_prior("kl")
 def kl_prior(inputs: TermInputs) -> torch.Tensor:
     """``latent_kl`` of the search variable (latents (J, B, latent_dim))."""
     return latent_kl(inputs.z)
-
-
-PRIORS: dict[str, Callable[[TermInputs], torch.Tensor]] = {
-    "tv": tv_prior,
-    "l2": grey_prior,
-    "bn": batch_norm_prior,
-    "group": group_prior,
-    "kl": kl_prior,
-}
 
 
 @dataclass(frozen=True)
