@@ -38,8 +38,7 @@ from typing import Any
 import torch
 
 from attackers.base import ATTACKS, AttackTraits, Reconstruction, attack_traits, register_attack
-from fedguard.defenses.dp_sgd import DPSGD
-from fedguard.defenses.dp_update import UpdateDP
+from fedguard.defenses.revealed import ClippedNoise, revealed_by
 from fedguard.mjolnir.denoise import SAMPLERS, VARIANCES, denoise_many, start_step
 from fedguard.mjolnir.noise import estimate_noise_level
 from fedguard.mjolnir.packing import pack_many, unpack_many, valid_mask
@@ -88,11 +87,11 @@ def own_needs(params: MjolnirParams) -> frozenset[str]:
 
 def defense_noise_std(defense: Any, batch_size: int) -> float:
     """Per-entry noise standard deviation, in gradient units, that ``defense`` adds to a batch-``batch_size``
-    upload; ``ValueError`` for a defense without additive noise."""
-    if isinstance(defense, UpdateDP):
-        return defense.noise_scale * (math.sqrt(2) if defense.params.mechanism == "laplace" else 1.0)
-    if isinstance(defense, DPSGD):
-        return defense.params.noise_multiplier * defense.params.clip / batch_size
+    upload, as it declares it (``revealed()``: ``ClippedNoise``); ``ValueError`` for a defense that declares no
+    additive noise."""
+    revealed = revealed_by(defense)
+    if isinstance(revealed, ClippedNoise):
+        return revealed.std(batch_size)
     raise ValueError(
         f"Mjölnir denoises additive noise; the clients' defense {type(defense).__name__} adds none it "
         f"models (use defense dp or dp-sgd, or noise-source 'given' or 'estimate')"

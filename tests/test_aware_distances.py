@@ -18,6 +18,7 @@ from attackers.engine.terms import cosine_distance
 from fedguard.defenses import build_defense
 from fedguard.defenses.censor import CensorParams
 from fedguard.defenses.dgp import DGPParams
+from fedguard.defenses.dp_sgd import DPSGDParams
 from fedguard.defenses.dp_update import UpdateDPParams
 from fedguard.defenses.pruning import PruneParams
 from fedguard.defenses.quantization import QuantizeParams
@@ -121,8 +122,8 @@ def test_each_shipped_defense_declares_what_its_upload_reveals() -> None:
     assert revealed_by(build_defense("quantize", QuantizeParams(bits=3))) == QuantizedLevels(3)
     assert revealed_by(build_defense("censor")) == OrthogonalPerTensor(raw_fallback=True)
     assert revealed_by(build_defense("censor", CensorParams(fallback="best"))) == OrthogonalPerTensor(False)
-    assert revealed_by(build_defense("dp", UpdateDPParams(clip=2.0))) == ClippedNoise(2.0)
-    assert revealed_by(build_defense("dp-sgd")) == ClippedNoise(1.0)
+    assert revealed_by(build_defense("dp", UpdateDPParams(clip=2.0))) == ClippedNoise(2.0, 0.2)
+    assert revealed_by(build_defense("dp-sgd")) == ClippedNoise(1.0, DPSGDParams().noise_multiplier, per_example=True)
     assert revealed_by(build_defense("soteria")) == AlteredLayer("")
     assert revealed_by(object()) == Unchanged(), "a plugin defense that declares nothing"
 

@@ -166,8 +166,9 @@ class DPSGD:
     protocols = frozenset({"fedsgd"})  # one noisy step per upload: a FedAvg upload would hide several steps
 
     def revealed(self) -> ClippedNoise:
-        """The mean of per-example gradients clipped to ``clip``, plus zero-mean noise."""
-        return ClippedNoise(self.params.clip)
+        """The mean of per-example gradients clipped to ``clip``, plus zero-mean noise: std ``noise_multiplier *
+        clip`` on their sum, divided by the batch with it."""
+        return ClippedNoise(self.params.clip, self.params.noise_multiplier * self.params.clip, per_example=True)
 
     def report(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
         """``spent`` for rounds.jsonl; epsilon is left out when infinite (noise-multiplier 0: no guarantee)."""

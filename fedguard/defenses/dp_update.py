@@ -171,8 +171,10 @@ class UpdateDP:
         return noise.to(like.device)
 
     def revealed(self) -> ClippedNoise:
-        """The update clipped to ``clip``, plus zero-mean noise."""
-        return ClippedNoise(self.params.clip)
+        """The update clipped to ``clip``, plus zero-mean noise of std ``noise_scale`` (Gaussian) or
+        ``sqrt(2) noise_scale`` (Laplace of scale ``noise_scale``) on every entry."""
+        laplace = self.params.mechanism == "laplace"
+        return ClippedNoise(self.params.clip, self.noise_scale * (math.sqrt(2) if laplace else 1.0))
 
     def simulate(self, grads: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         """Per job of (J, ...) updates: clip all tensors together to ``clip``, then add fresh noise."""

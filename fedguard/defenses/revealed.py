@@ -63,9 +63,17 @@ class AlteredLayer:
 @dataclass(frozen=True)
 class ClippedNoise:
     """The update was clipped to L2 norm ``clip`` (every tensor together; per example for DP-SGD, the same for a
-    batch of one) and zero-mean noise added to every entry: the upload's expectation is the clipped update."""
+    batch of one) and zero-mean noise added to every entry: the upload's expectation is the clipped update.
+    ``noise_std``: that noise's per-entry standard deviation in gradient units, on the update, or (``per_example``,
+    DP-SGD) on the sum of the clipped per-example gradients, which the upload then divides by the batch."""
 
     clip: float
+    noise_std: float = 0.0
+    per_example: bool = False
+
+    def std(self, batch_size: int) -> float:
+        """The per-entry noise standard deviation of an upload of a batch of ``batch_size``, in gradient units."""
+        return self.noise_std / batch_size if self.per_example else self.noise_std
 
 
 Revealed = Unchanged | SentBand | QuantizedLevels | WithinRadius | OrthogonalPerTensor | AlteredLayer | ClippedNoise
