@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -311,3 +313,14 @@ def test_attacks_are_matched_to_the_rounds_they_can_attack() -> None:
     assert "does not manipulate" in problem
     config = Config.from_flat({"attack.name": "ig,imprint", "threat.malicious": "2:imprint", "capture.rounds": "1,2"})
     assert config.attack_names() == ["ig", "imprint"]
+
+
+def test_the_schema_imports_no_registry_of_defenses_attacks_strategies_or_models() -> None:
+    """``fedguard.schema`` is the configuration's pure part: importing it loads none of the component packages."""
+    probe = (
+        "import sys, fedguard.schema; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('attackers', 'strategies', 'clients') "
+        "or m.startswith(('fedguard.defenses', 'fedguard.models', 'fedguard.config'))))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert loaded.stdout.strip() == "[]", loaded.stdout
