@@ -35,7 +35,8 @@ NEEDS = {
 
 @dataclass
 class Reconstruction:
-    """``images`` (B, C, H, W) in [0, 1], ``labels`` (B,) int64, and attack statistics (loss, iterations, ...);
+    """``images`` (B, C, H, W) in [0, 1], ``labels`` (B,) int64 (-1 where the attack does not know them: no label
+    accuracy is scored then), and attack statistics (loss, iterations, ...);
     ``gradient``: the gradient the attack inverted when it changed the upload's (one array per trainable
     parameter; a denoising stage), scored by the evaluator against the clean one."""
 

@@ -180,7 +180,10 @@ class Evaluator:
         if truth is None:
             return {**added, "error": "no ground truth in the vault for this upload; not scored"}
         images, labels = truth
-        scores = score_batch(rec.images, images, rec.labels, labels, self.lpips_net)
+        known = bool((rec.labels >= 0).all())  # -1: a label the attack does not know, so none is scored
+        scores = score_batch(
+            rec.images, images, rec.labels if known else None, labels if known else None, self.lpips_net
+        )
         added.update({key: scores[key] for key in ("mse", "psnr", "ssim", "lpips", "label_accuracy")})
         added["lpips_error"] = scores["lpips_error"]
         added["per_image"] = [_json_image_scores(image) for image in scores["per_image"]]

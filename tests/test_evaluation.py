@@ -184,3 +184,15 @@ def test_attack_command_runs_on_a_plugin_run_where_its_plugins_cannot_be_importe
     (folder / "config.toml").write_text(tomli_w.dumps(recorded))
     assert main(["attack", str(folder), *ig]) == 2
     assert "model.name = 'lab-net' comes from server.plugins = 'lab_plugins.sign_flip'" in capsys.readouterr().err
+
+
+def test_labels_an_attack_does_not_know_are_not_scored(tmp_path: Path) -> None:
+    folder = make_run(tmp_path, batch=3, clients=1)
+    truth = read_truth(folder / VAULT_DIR, 1, 0)
+    assert truth is not None
+    from fedguard.observation import load_observations
+
+    [obs] = load_observations(folder / OBSERVATIONS_DIR)
+    unknown = Reconstruction(truth[0][[2, 0, 1]], torch.full((3,), -1), {})  # -1: labels the attack does not know
+    row = Evaluator(folder, {})(AttackOutcome(obs, "ok", unknown, attack="feature-fishing"))
+    assert row["label_accuracy"] is None and row["ssim"] == pytest.approx(1.0)
