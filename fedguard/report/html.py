@@ -465,16 +465,6 @@ def _summary_table(attacks: list[dict[str, Any]]) -> str:
     )
 
 
-def _best_ssim(row: dict[str, Any]) -> float | None:
-    """The highest SSIM of one true image against its reconstruction (``per_image``), or None: what an attack that
-    returns one image (fishing) recovered, where the mean over the batch is low by construction."""
-    images = row.get("per_image")
-    if not isinstance(images, list):
-        return None
-    scores = [n for image in images if isinstance(image, dict) and (n := _number(image.get("ssim"))) is not None]
-    return max(scores, default=None)
-
-
 def _uploads_table(attacks: list[dict[str, Any]], anchors: dict[int, str]) -> str:
     columns = 12
     body = []
@@ -489,7 +479,7 @@ def _uploads_table(attacks: list[dict[str, Any]], anchors: dict[int, str]) -> st
             f"<td>{escape(str(row.get('attack', DASH)))}</td><td>{escape(str(row.get('defense', DASH)))}</td>"
             f'<td class="num">{escape(str(row.get("batch_size", DASH)))}</td><td>{_status_badge(row)}</td>'
             f'<td class="num">{_fmt(row.get("psnr"), 2)}</td>{_ssim_cell(row.get("ssim"))}'
-            f"{_ssim_cell(_best_ssim(row))}"
+            f"{_ssim_cell(row.get('best_ssim'))}"
             f'<td class="num">{_fmt(row.get("lpips"), 3)}</td><td class="num">{_pct(row.get("label_accuracy"))}</td>'
             f'<td class="num">{_fmt(row.get("seconds"), 1)}</td></tr>'
         )
@@ -499,7 +489,8 @@ def _uploads_table(attacks: list[dict[str, Any]], anchors: dict[int, str]) -> st
     return (
         '<table class="data"><thead><tr><th class="num">round</th><th class="num">client</th><th>attack</th>'
         '<th>defense</th><th class="num">batch</th><th>status</th><th class="num">PSNR (dB)</th>'
-        '<th class="num">SSIM</th><th class="num" title="the best-matched true image\'s SSIM">best image SSIM</th>'
+        '<th class="num">SSIM</th><th class="num" title="the SSIM of the true image best reconstructed: a one-image '
+        "attack's figure (fishing), where the mean over the batch is low by construction\">best image SSIM</th>"
         '<th class="num">LPIPS</th><th class="num">label acc.</th><th class="num">seconds</th></tr></thead>'
         f"<tbody>{''.join(body)}</tbody></table>"
     )

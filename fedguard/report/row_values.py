@@ -24,6 +24,7 @@ FIELDS: dict[str, dict[str, str]] = {
         "label_accuracy": NUMBER,
         "seconds": NUMBER,
         "leaked_images": NUMBER,
+        "best_ssim": NUMBER,
         "attack": TEXT,
         "defense": TEXT,
         "status": TEXT,
