@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from attackers.base import images_per_upload
-from fedguard.models import MODELS, build_model
+from fedguard.models import architecture
 from fedguard.observation import Observation
 
 BatchStatistics = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -29,7 +29,7 @@ BatchStatistics = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 def observed_model(obs: Observation) -> nn.Module:
     """The architecture of ``obs`` with freshly initialized weights (only its structure is used)."""
-    return build_model(obs.model, obs.spec, MODELS.get(obs.model).params(**obs.model_params))
+    return architecture(obs)
 
 
 def batch_norm_layers(model: nn.Module) -> dict[str, _BatchNorm]:

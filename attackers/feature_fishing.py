@@ -46,7 +46,7 @@ from attackers.fishing import RANDOM_CLASS, FishedSearchParams, classifier
 from attackers.inverting_gradients import InvertingGradients
 from attackers.manipulation import register_manipulation
 from fedguard.data import load_dataset
-from fedguard.models import MODELS, build_model
+from fedguard.models import model_at
 from fedguard.observation import ModelCard, Observation
 
 SURE = 1e6  # logits added to row c's bias in the surrogate: p_c = 1 wherever m |s - t| stays below it
@@ -327,8 +327,7 @@ class FeatureFishingServer:
         self.check(arrays, card)
         if self.target == RANDOM_CLASS:
             self.target = int(rng.integers(card.spec.num_classes))
-        model = build_model(card.model, card.spec, MODELS.get(card.model).params(**card.model_params))
-        model.load_state_dict({name: torch.tensor(a) for name, a in zip(card.names, arrays)})
+        model = model_at(card, arrays)
         held_out = load_dataset(card.data, card.source).test
         self.public = projections(model, held_out.batch(np.arange(len(held_out)))[0], self.target).numpy()
         self.base = [a.copy() for a in arrays]

@@ -12,25 +12,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 
 Distance = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
 DISTANCES: dict[str, Distance] = {}
+Named = TypeVar("Named", bound=Callable[..., torch.Tensor])
+
+
+def adder(kind: str, table: dict[str, Named], name: str) -> Callable[[Named], Named]:
+    """A decorator that enters its function in ``table`` under ``name``; ``ValueError`` for a name taken."""
+
+    def add(term: Named) -> Named:
+        if name in table:
+            raise ValueError(f"{kind} {name!r} is registered already ({table[name].__module__})")
+        table[name] = term
+        return term
+
+    return add
 
 
 def register_distance(name: str) -> Callable[[Distance], Distance]:
     """Register the decorated gradient distance under ``name`` (``SearchSpec.distance``); raises ``ValueError`` for
     a name taken."""
-
-    def add(distance: Distance) -> Distance:
-        if name in DISTANCES:
-            raise ValueError(f"distance {name!r} is registered already ({DISTANCES[name].__module__})")
-        DISTANCES[name] = distance
-        return distance
-
-    return add
+    return adder("distance", DISTANCES, name)
 
 
 def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
@@ -78,14 +84,7 @@ PRIORS: dict[str, Prior] = {}
 
 def register_prior(name: str) -> Callable[[Prior], Prior]:
     """Register the decorated prior under ``name`` (``Term.name``); raises ``ValueError`` for a name taken."""
-
-    def add(prior: Prior) -> Prior:
-        if name in PRIORS:
-            raise ValueError(f"prior {name!r} is registered already ({PRIORS[name].__module__})")
-        PRIORS[name] = prior
-        return prior
-
-    return add
+    return adder("prior", PRIORS, name)
 
 
 def total_variation(x: torch.Tensor) -> torch.Tensor:
