@@ -153,7 +153,7 @@ def images_per_upload(obs: Observation) -> int:
     """How many images an upload came from: the declared batch (a gradient) or every example (weights)."""
     if obs.kind == "weights":
         return int(obs.num_examples)
-    return int(obs.declared.get("batch-size", obs.num_examples))
+    return obs.declaration.batch(obs.num_examples)
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -175,18 +175,16 @@ def check_search_params(iterations: int, restarts: int, lr: float, device: str, 
         raise ValueError(f"compile {compile_mode!r}: choose one of {', '.join(COMPILE_MODES)}")
 
 
-LOCAL_SCHEDULE = ("lr", "local-epochs", "batch-size", "local-steps", "proximal-mu")
-"""What a FedAvg client declares of its local training: uploads that agree on it can be replayed together."""
+LOCAL_SCHEDULE = ("lr", "local_epochs", "batch_size", "local_steps", "proximal_mu")
+"""What a FedAvg client declares of its local training (``fedguard.declared.Declared`` fields): uploads that agree
+on it can be replayed together."""
 
 
 def shape_key(obs: Observation) -> tuple[Any, ...]:
     """Observations with equal keys (model, data shape, image count, upload kind, local schedule) can be
     attacked as one batch."""
-    schedule = (
-        tuple(sorted((k, obs.declared[k]) for k in LOCAL_SCHEDULE if k in obs.declared))
-        if obs.kind == "weights"
-        else ()
-    )
+    declared = obs.declaration
+    schedule = tuple((name, getattr(declared, name)) for name in LOCAL_SCHEDULE) if obs.kind == "weights" else ()
     return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, images_per_upload(obs), obs.kind, schedule)
 
 

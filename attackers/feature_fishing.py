@@ -46,6 +46,7 @@ from attackers.fishing import RANDOM_CLASS, FishedSearchParams, classifier
 from attackers.inverting_gradients import InvertingGradients
 from attackers.manipulation import register_manipulation
 from fedguard.data import load_dataset
+from fedguard.declared import Declared
 from fedguard.models import model_at
 from fedguard.observation import ModelCard, Observation
 
@@ -176,7 +177,7 @@ def one_example(obs: Observation) -> Observation:
     gradient over ``B``; of the last layer, row ``c`` is kept, row ``k`` is its negative and the other rows zero
     (what the surrogate gives; the difference's, ``-(row c) / (K - 1)`` each, would need a soft label). Raises
     ``ValueError`` for an upload ``isolated`` did not make."""
-    about = obs.declared.get(ISOLATED)
+    about = obs.declaration.extra.get(ISOLATED)
     if not isinstance(about, dict):
         raise ValueError(
             f"the upload of round {obs.round}, client {obs.client} is not the difference of two feature-fishing "
@@ -191,7 +192,7 @@ def one_example(obs: Observation) -> Observation:
         upload[i][target], upload[i][label] = row, -row
     surrogate = [x.copy() for x in obs.global_arrays]
     surrogate[bias][target] += SURE
-    declared = {"batch-size": 1, "labels": [label]}
+    declared = Declared(batch_size=1, labels=(label,)).record()
     return dataclasses.replace(obs, global_arrays=surrogate, upload=upload, num_examples=1, declared=declared)
 
 

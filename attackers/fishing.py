@@ -49,6 +49,7 @@ from attackers.engine.spec import SearchSpec
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from attackers.labels import last_layer
 from attackers.manipulation import register_manipulation
+from fedguard.declared import Declared
 from fedguard.observation import ModelCard, Observation
 
 RANDOM_CLASS = -1  # ``target`` value: the server draws the target class uniformly at each sending
@@ -140,7 +141,7 @@ def as_target_examples(obs: Observation, examples: int) -> tuple[Observation, in
     share = 1.0 / (obs.spec.num_classes - 1)
     upload[weight][others] = -share * upload[weight][target]
     upload[bias][others] = -share * upload[bias][target]
-    declared = {"batch-size": examples, "labels": [target] * examples}
+    declared = Declared(batch_size=examples, labels=(target,) * examples).record()
     return dataclasses.replace(obs, upload=upload, num_examples=examples, declared=declared), target
 
 

@@ -41,6 +41,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from fedguard.declared import Declared
 from fedguard.observation import Observation
 
 Method = Literal["offset", "plain"]
@@ -223,9 +224,7 @@ def upload_labels_inferred(obs: Observation, grads: list[torch.Tensor], batch_si
 def declared_labels(declared: dict[str, Any]) -> torch.Tensor | None:
     """The labels a client declared with its upload (a list; only when the threat model grants them), or None.
     Observation files written before labels travelled as a list hold them as text, '3,1,4'."""
-    labels = declared.get("labels")
-    if labels is None or len(labels) == 0:
+    labels = Declared.read(declared).labels
+    if not labels:
         return None
-    if isinstance(labels, str):
-        labels = labels.split(",")
-    return torch.tensor([int(v) for v in labels], dtype=torch.long)
+    return torch.tensor(labels, dtype=torch.long)

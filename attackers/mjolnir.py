@@ -131,8 +131,7 @@ class Mjolnir:
         if self.params.noise_source == "given":
             return self.params.noise_std
         if self.params.noise_source == "defense":
-            batch = int(obs.declared.get("batch-size", obs.num_examples))
-            return defense_noise_std(self.defense, batch)
+            return defense_noise_std(self.defense, obs.declaration.batch(obs.num_examples))
         return None
 
     def denoised(self, observations: list[Observation]) -> tuple[list[Observation], list[float], list[int]]:

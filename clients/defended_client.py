@@ -24,7 +24,7 @@ from fedguard.protocols import Schedule
 from fedguard.protocols import protocol as run_protocol
 from fedguard.records import FINDING_PREFIX, PROXIMAL_MU_KEY, ROUND_KEY
 from fedguard.seeding import client_generators
-from fedguard.sparse import ENCODING_KEY, SPARSE, byte_counts, encode_arrays
+from fedguard.sparse import SPARSE, byte_counts, encode_arrays
 from fedguard.training import evaluate, get_arrays, loss_fn, merge_by_mask, set_arrays, split_by_mask, trainable_mask
 from fedguard.vault import write_truth
 
@@ -149,13 +149,13 @@ class DefendedClient(NumPyClient):
         _, buffers = split_by_mask(get_arrays(update.buffers_from), mask)
         if update.buffers_from is model:  # the step ran through the global model: its BatchNorm statistics go back
             set_arrays(model, parameters_in)
-        declared: dict[str, Any] = {"client": self.client_id, "protocol": protocol.name, "lr": cfg.train.lr}
-        declared.update(update.declared)
-        if mu > 0:
-            declared[PROXIMAL_MU_KEY] = mu
-
-        if cfg.threat.labels:
-            declared["labels"] = [int(v) for v in y.tolist()]
+        declared = update.declared.with_fields(
+            client=self.client_id,
+            protocol=protocol.name,
+            lr=cfg.train.lr,
+            proximal_mu=mu if mu > 0 else None,
+            labels=tuple(int(v) for v in y.tolist()) if cfg.threat.labels else None,
+        )
         if self.vault is not None and self._targeted(round_):
             write_truth(self.vault, round_, self.client_id, x, y)
 
@@ -163,18 +163,16 @@ class DefendedClient(NumPyClient):
         step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id, len(local))
         defense = _defense(cfg.defense.name, cfg.defense.params)
         sent = defense(step, defense_state)
-        declared.update(defense_report(defense, defense_state))
-        declared.update(findings)
+        reports = defense_report(defense, defense_state)
         self.state.store(round_, {**defense_state, **{k: v for k, v in state.items() if k.startswith(STATE_PREFIX)}})
 
         upload = merge_by_mask(protocol.upload(model, sent), buffers, mask)
         size = byte_counts(upload)
-        declared["dense-bytes"] = size.dense
         if 2 * size.encoded <= size.dense:  # a pruned upload travels coordinate-encoded (strategies.SparseUploads)
-            declared.update({ENCODING_KEY: SPARSE, "upload-bytes": size.encoded})
-            return encode_arrays(upload), len(y), declared
-        declared["upload-bytes"] = size.dense
-        return upload, len(y), declared
+            declared = declared.with_fields(encoding=SPARSE, upload_bytes=size.encoded, dense_bytes=size.dense)
+            return encode_arrays(upload), len(y), {**declared.record(), **reports, **findings}
+        declared = declared.with_fields(upload_bytes=size.dense, dense_bytes=size.dense)
+        return upload, len(y), {**declared.record(), **reports, **findings}
 
     def evaluate(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:
         """Loss and accuracy of the global model on this client's data."""

@@ -37,6 +37,7 @@ from clients.state import ClientState, FileState, RecordState
 from fedguard.app_code import AppCode
 from fedguard.config import Config, ConfigError
 from fedguard.data import DatasetNotFoundError
+from fedguard.declared import wire_key
 from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.records import (
     ARRAYS,
@@ -51,7 +52,7 @@ from fedguard.records import (
     reply_content,
 )
 from fedguard.run_folder import CLIENT_STATE_DIR, VAULT_DIR, flwr_run_dir
-from fedguard.sparse import ENCODING_KEY, SPARSE
+from fedguard.sparse import SPARSE
 from fedguard.trained_files import TrainedFileError
 
 VAULT_DIR_KEY = "vault-dir"  # node config: the folder under which a SuperNode keeps its ground truth
@@ -125,13 +126,12 @@ def upload_reply(msg: Message, upload: list[np.ndarray], num_examples: int, metr
     reports = {k: v for k, v in metrics.items() if k.startswith(REPORT_PREFIX)}
     findings = {k[len(FINDING_PREFIX) :]: v for k, v in metrics.items() if k.startswith(FINDING_PREFIX)}
     declared = {k: v for k, v in metrics.items() if not k.startswith((REPORT_PREFIX, FINDING_PREFIX))}
-    if declared.get(ENCODING_KEY) == SPARSE:
+    if declared.get(wire_key("encoding")) == SPARSE:
         names = [f"encoded-{i}" for i in range(len(upload))]
     else:
         names = list(msg.content[ARRAYS].keys())
-    content = reply_content(
-        array_record(names, upload), num_examples, float(declared.get("loss", 0.0)), declared, reports, findings
-    )
+    loss = float(declared.get(wire_key("loss"), 0.0))
+    content = reply_content(array_record(names, upload), num_examples, loss, declared, reports, findings)
     return Message(content=content, reply_to=msg)
 
 

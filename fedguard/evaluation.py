@@ -158,7 +158,7 @@ class Evaluator:
             "client": obs.client,
             **context,
             "manipulation": obs.manipulation,
-            "batch_size": int(obs.declared.get("batch-size", obs.num_examples)),
+            "batch_size": obs.declaration.batch(obs.num_examples),
             "status": outcome.status,
             "error": outcome.error,
             "seconds": round(outcome.seconds, 3),

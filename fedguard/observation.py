@@ -22,6 +22,7 @@ import numpy as np
 
 from fedguard.data.registry import SourceOptions
 from fedguard.data.spec import DataSpec
+from fedguard.declared import Declared
 from fedguard.run_folder import UPLOAD_GLOB, upload_file_name
 
 UPLOAD_KINDS = ("gradient", "weights")
@@ -60,6 +61,11 @@ class Observation:
         lengths = {len(self.names), len(self.trainable), len(self.global_arrays), len(self.upload)}
         if len(lengths) != 1:
             raise ValueError(f"names, trainable, global_arrays and upload differ in length: {sorted(lengths)}")
+
+    @property
+    def declaration(self) -> Declared:
+        """What the client declared (and the server derived), typed; ``ValueError`` for a value of the wrong type."""
+        return Declared.read(self.declared)
 
     @property
     def file_name(self) -> str:

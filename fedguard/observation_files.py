@@ -40,6 +40,7 @@ from numpy.lib import format as npy
 
 from attackers.manipulation import HONEST, MANIPULATIONS
 from fedguard.config import Config
+from fedguard.declared import wire_key
 from fedguard.limits import MAX_META_BYTES, shown
 from fedguard.observation import UPLOAD_KINDS, ModelCard, Observation
 from fedguard.protocols import protocol as run_protocol
@@ -323,8 +324,11 @@ def _check_declared(
     """What the client declared, checked as the server checks a live upload, and the types of what the server
     records besides."""
     check_declared(rules, client, num_examples, declared, expected.instruction)
-    if "loss" in declared and not is_real(declared["loss"]):
-        raise ObservationRefused(f"declared loss = {shown(declared['loss'])}: expected a number")
-    if "upload-bytes" in declared and not (is_integer(declared["upload-bytes"]) and declared["upload-bytes"] >= 0):
-        raise ObservationRefused(f"declared upload-bytes = {shown(declared['upload-bytes'])}: expected an integer >= 0")
-    expect_equal(declared, "dense-bytes", expected.layout.nbytes, "the model's bytes, dense")
+    loss, upload_bytes = declared.get(wire_key("loss")), declared.get(wire_key("upload_bytes"))
+    if loss is not None and not is_real(loss):
+        raise ObservationRefused(f"declared {wire_key('loss')} = {shown(loss)}: expected a number")
+    if upload_bytes is not None and not (is_integer(upload_bytes) and upload_bytes >= 0):
+        raise ObservationRefused(
+            f"declared {wire_key('upload_bytes')} = {shown(upload_bytes)}: expected an integer >= 0"
+        )
+    expect_equal(declared, wire_key("dense_bytes"), expected.layout.nbytes, "the model's bytes, dense")

@@ -112,6 +112,12 @@ class TrainSection:
 class CaptureSection:
     rounds: str = option("1", "rounds whose uploads the server captures: 'all', 'none', '1,3,5-7'")
     clients: str = option("all", "client (partition) ids whose uploads are captured: 'all', 'none', '0,2-4'")
+    per_round: int = option(
+        0,
+        "at most this many uploads captured a round, those of the lowest client ids among the targeted ones the "
+        "round sampled (0: all of them)",
+        ge=0,
+    )
     ground_truth: bool = option(
         True,
         "clients of targeted rounds write their true batch to the run's vault for "

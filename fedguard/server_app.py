@@ -36,6 +36,7 @@ from attackers.sinks import DiskSink, FanOut
 from fedguard.checkpoint import RoundCheckpoint, write_checkpoint
 from fedguard.config import Config, ConfigError, relative_path_problems
 from fedguard.data import load_dataset
+from fedguard.declared import Declared
 from fedguard.defenses import aggregate_reports
 from fedguard.defenses.base import check_defense_files
 from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
@@ -174,8 +175,10 @@ def capture_strategy(config: Config, inner: Strategy, sink: Any, card: ModelCard
     built = {name: build_manipulation(name, config.manipulation(name).params) for name in set(names.values())}
     schedule = {round_: (name, built[name]) for round_, name in names.items()}  # one instance across its rounds
     if schedule:
-        return Malicious(inner, sink, card, kind, rounds, clients, schedule, seed=config.run.seed)
-    return HonestButCurious(inner, sink, card, kind, rounds, clients)
+        return Malicious(
+            inner, sink, card, kind, rounds, clients, schedule, seed=config.run.seed, per_round=config.capture.per_round
+        )
+    return HonestButCurious(inner, sink, card, kind, rounds, clients, config.capture.per_round)
 
 
 def aggregating_strategy(config: Config, card: ModelCard) -> Strategy:
@@ -238,10 +241,11 @@ def round_accounting(recorder_extra: dict[str, Any]) -> Any:
             recorder_extra["defense"] = reports.totals
         if reports.uploads:
             recorder_extra["uploads"] = reports.uploads
-        for key in ("upload-bytes", "dense-bytes"):
-            sizes = [float(u.declared[key]) for u in uploads if key in u.declared]
+        declared = [Declared.read(u.declared) for u in uploads]
+        for name in ("upload_bytes", "dense_bytes"):
+            sizes = [size for d in declared if (size := getattr(d, name)) is not None]
             if sizes:
-                recorder_extra[key.replace("-", "_")] = round(sum(sizes) / len(sizes))
+                recorder_extra[name] = round(sum(sizes) / len(sizes))
         recorder_extra["clients"] = len(uploads)
         if errors:
             recorder_extra["failures"] = len(errors)

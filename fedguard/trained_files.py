@@ -191,6 +191,17 @@ def check_finite(arrays: Mapping[str, np.ndarray], path: Path, kind: FileKind) -
             raise kind.error(path, f"non-finite values in key {name!r} ({nan} NaN, {inf} infinite of {array.size})")
 
 
+def load_trained(
+    path: Path | str, kind: FileKind, build: Callable[[dict[str, Any], dict[str, np.ndarray], Path], T]
+) -> T:
+    """What ``build(meta, arrays, path)`` makes of the file of ``kind`` at ``path`` (``read_archive``'s meta and
+    arrays). Raises ``TrainedFileError`` (``MissingTrainedFile`` for a missing file) for a file that is not of
+    ``kind``, and for a meta ``build`` finds lacking or invalid (``described``)."""
+    path = Path(path)
+    meta, arrays = read_archive(path, kind)
+    return described(lambda: build(meta, arrays, path), path, kind)
+
+
 def described(build: Callable[[], T], path: Path, kind: FileKind) -> T:
     """``build()``, which makes an object from the meta of the file at ``path``; a field it lacks or an invalid
     value raises ``TrainedFileError``."""

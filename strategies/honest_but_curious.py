@@ -47,6 +47,9 @@ class HonestButCurious(StrategyWrapper):
     rounds, clients : Selection
         Targeted rounds, and targeted client ids (the ``client`` of each upload: under ``RoundGuard``, the one
         the server assigned to the node that sent it).
+    per_round : int
+        At most this many captures a round, the uploads of the lowest client ids first (0: no limit), so that
+        a run whose rounds sample few of the targeted clients still yields the same count each round.
     """
 
     def __init__(
@@ -57,8 +60,11 @@ class HonestButCurious(StrategyWrapper):
         upload_kind: str,
         rounds: Selection,
         clients: Selection,
+        per_round: int = 0,
     ) -> None:
         super().__init__(strategy)
+        if per_round < 0:
+            raise ValueError(f"per_round = {per_round}: expected 0 (no limit) or a positive count")
         if upload_kind not in UPLOAD_KINDS:
             raise ValueError(f"upload_kind {upload_kind!r}: choose one of {', '.join(UPLOAD_KINDS)}")
         self.sink = sink
@@ -66,12 +72,19 @@ class HonestButCurious(StrategyWrapper):
         self.upload_kind = upload_kind
         self.rounds = rounds
         self.clients = clients
+        self.per_round = per_round
         self.captured = 0
+        self.captured_in: dict[int, int] = {}
+        """Round -> uploads captured in it."""
         self.sent: dict[int, tuple[list[np.ndarray], str]] = {}
         """Round -> (the model sent to the clients, the manipulation that made it), for targeted rounds."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.strategy!r}, rounds={self.rounds.spec!r}, clients={self.clients.spec!r})"
+        limit = f", per_round={self.per_round}" if self.per_round else ""
+        return (
+            f"{type(self).__name__}({self.strategy!r}, rounds={self.rounds.spec!r}, "
+            f"clients={self.clients.spec!r}{limit})"
+        )
 
     def targets_round(self, server_round: int) -> bool:
         """Whether uploads of ``server_round`` may be captured (the model sent is then kept)."""
@@ -99,19 +112,29 @@ class HonestButCurious(StrategyWrapper):
         replies = list(replies)
         sent = self.sent.pop(server_round, None)
         if sent is not None:
-            for reply in replies:
-                if not reply.has_error():
-                    self.capture(server_round, *sent, read_upload(reply))
+            for upload in by_client([read_upload(reply) for reply in replies if not reply.has_error()]):
+                self.capture(server_round, *sent, upload)
         return self.strategy.aggregate_train(server_round, replies)
 
     def capture(self, server_round: int, sent: list[np.ndarray], manipulation: str, upload: Upload) -> None:
         """Submit an ``Observation`` of ``upload`` when ``should_capture`` says so."""
         if upload.client is not None and not self.should_capture(server_round, upload):
             return
+        if self.round_full(server_round):
+            return
         obs = self.observation(server_round, sent, manipulation, upload)
         if obs is not None:
-            self.sink.submit(obs)
-            self.captured += 1
+            self.submit(server_round, obs)
+
+    def round_full(self, server_round: int) -> bool:
+        """Whether ``server_round`` already holds ``per_round`` captures."""
+        return 0 < self.per_round <= self.captured_in.get(server_round, 0)
+
+    def submit(self, server_round: int, obs: Observation) -> None:
+        """Hand ``obs`` to the sink and count it."""
+        self.sink.submit(obs)
+        self.captured += 1
+        self.captured_in[server_round] = self.captured_in.get(server_round, 0) + 1
 
     def observation(
         self, server_round: int, sent: list[np.ndarray], manipulation: str, upload: Upload
@@ -133,3 +156,8 @@ class HonestButCurious(StrategyWrapper):
             declared,
             manipulation,
         )
+
+
+def by_client(uploads: list[Upload]) -> list[Upload]:
+    """``uploads`` in order of their client ids (those naming none last), the order captures are taken in."""
+    return sorted(uploads, key=lambda u: (u.client is None, u.client if u.client is not None else 0))

@@ -33,7 +33,7 @@ from attackers.sinks import ObservationSink
 from fedguard.observation import ModelCard
 from fedguard.records import array_record, read_upload
 from fedguard.selection import Selection
-from strategies.honest_but_curious import HonestButCurious
+from strategies.honest_but_curious import HonestButCurious, by_client
 
 
 class Malicious(HonestButCurious):
@@ -41,7 +41,7 @@ class Malicious(HonestButCurious):
 
     Parameters
     ----------
-    strategy, sink, card, upload_kind, rounds, clients
+    strategy, sink, card, upload_kind, rounds, clients, per_round
         As for ``HonestButCurious``.
     schedule : dict[int, tuple[str, Manipulation | ClientManipulation]]
         Round -> (manipulation name, manipulation) applied to the model sent in that round; a
@@ -60,8 +60,9 @@ class Malicious(HonestButCurious):
         clients: Selection,
         schedule: dict[int, tuple[str, Manipulation | ClientManipulation]],
         seed: int = 0,
+        per_round: int = 0,
     ) -> None:
-        super().__init__(strategy, sink, card, upload_kind, rounds, clients)
+        super().__init__(strategy, sink, card, upload_kind, rounds, clients, per_round)
         bad = [r for r in schedule if r < 1]
         if bad:
             raise ValueError(f"schedule rounds must be >= 1, got {bad}")
@@ -158,10 +159,8 @@ class Malicious(HonestButCurious):
         round and client); an upload on the honest model is captured as ``HonestButCurious`` does."""
         _, search = self.schedule[server_round]
         assert isinstance(search, ClientManipulation)
-        for reply in replies:
-            if reply.has_error() or reply.metadata.src_node_id not in sent_by_node:
-                continue
-            upload = read_upload(reply)
+        readable = [r for r in replies if not r.has_error() and r.metadata.src_node_id in sent_by_node]
+        for upload in by_client([read_upload(reply) for reply in readable]):
             sent, name = sent_by_node[upload.node]
             if name == HONEST:
                 if self.targets_round(server_round):
@@ -169,9 +168,13 @@ class Malicious(HonestButCurious):
                 continue
             obs = self.observation(server_round, sent, name, upload)
             derived = None if obs is None else search.learn(upload.node, obs)
-            if derived is not None and self.targets_round(server_round) and self.should_capture(server_round, upload):
-                self.sink.submit(derived)
-                self.captured += 1
+            if (
+                derived is not None
+                and self.targets_round(server_round)
+                and self.should_capture(server_round, upload)
+                and not self.round_full(server_round)
+            ):
+                self.submit(server_round, derived)
 
 
 def same_layout(name: str, sent: list[np.ndarray], honest: list[np.ndarray]) -> list[np.ndarray]:

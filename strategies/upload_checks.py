@@ -35,6 +35,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from numpy.lib import format as npy
 
+from fedguard.declared import wire_key
 from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.limits import shown
 from fedguard.protocols import protocol
@@ -197,17 +198,17 @@ def check_declared(
             f"{NUM_EXAMPLES} = {num_examples}: a {rules.protocol} upload is one batch of at most "
             f"train.batch-size = {rules.batch_size}"
         )
-    expect_equal(declared, "protocol", rules.protocol, "the run's train.protocol")
-    expect_equal(declared, "lr", rules.lr, "the run's train.lr")
-    expect_equal(declared, "local-epochs", rules.local_epochs, "the run's train.local-epochs")
-    expect_equal(declared, PROXIMAL_MU_KEY, instruction.get(PROXIMAL_MU_KEY), "the value the server sent")
+    expect_equal(declared, wire_key("protocol"), rules.protocol, "the run's train.protocol")
+    expect_equal(declared, wire_key("lr"), rules.lr, "the run's train.lr")
+    expect_equal(declared, wire_key("local_epochs"), rules.local_epochs, "the run's train.local-epochs")
+    expect_equal(declared, wire_key("proximal_mu"), instruction.get(PROXIMAL_MU_KEY), "the value the server sent")
     batch = check_batch_size(rules, num_examples, declared)
-    if "local-steps" in declared:
+    if wire_key("local_steps") in declared:
         steps, schedule = protocol(rules.protocol).local_steps(num_examples, batch, rules.local_epochs)
-        expect_equal(declared, "local-steps", steps, schedule)
-    if "labels" in declared:
-        check_labels(declared["labels"], num_examples, rules.num_classes)
-    if ENCODING_KEY in declared and declared[ENCODING_KEY] != SPARSE:
+        expect_equal(declared, wire_key("local_steps"), steps, schedule)
+    if wire_key("labels") in declared:
+        check_labels(declared[wire_key("labels")], num_examples, rules.num_classes)
+    if wire_key("encoding") in declared and declared[wire_key("encoding")] != SPARSE:
         raise UploadRefused(f"{ENCODING_KEY} = {shown(declared[ENCODING_KEY])}: expected {SPARSE!r} or none")
 
 
@@ -223,7 +224,7 @@ def expect_equal(declared: Mapping[str, Any], key: str, expected: Any, what: str
 def check_batch_size(rules: UploadRules, num_examples: int, declared: Mapping[str, Any]) -> int:
     """The declared ``batch-size`` (else the run's, capped by the examples) is at most the run's
     ``train.batch-size`` and the examples, and equals the examples of a FedSGD upload; returns it."""
-    batch = declared.get("batch-size", min(rules.batch_size, num_examples))
+    batch = declared.get(wire_key("batch_size"), min(rules.batch_size, num_examples))
     if not is_integer(batch) or not 1 <= batch <= min(rules.batch_size, num_examples):
         raise UploadRefused(
             f"declares batch-size = {shown(batch)}, expected an integer in [1, "
@@ -364,8 +365,8 @@ def nonfinite_problem(names: Sequence[str], arrays: Sequence[np.ndarray]) -> str
 
 def check_byte_counts(declared: Mapping[str, Any], sent: int, dense: int) -> None:
     """``upload-bytes`` and ``dense-bytes``, when declared, are the bytes sent and the model's dense bytes."""
-    expect_equal(declared, "upload-bytes", sent, "the bytes of the arrays sent")
-    expect_equal(declared, "dense-bytes", dense, "the model's bytes, dense")
+    expect_equal(declared, wire_key("upload_bytes"), sent, "the bytes of the arrays sent")
+    expect_equal(declared, wire_key("dense_bytes"), dense, "the model's bytes, dense")
 
 
 def is_integer(value: Any) -> TypeGuard[int]:

@@ -85,6 +85,17 @@ def test_the_capture_hook_chooses_what_is_captured() -> None:
     assert [(o.round, o.client) for o in sink.items] == [(1, 2), (1, 3), (2, 2), (2, 3)]
 
 
+def test_a_round_limit_takes_the_lowest_targeted_client_ids_whatever_the_reply_order() -> None:
+    sink = ListSink()
+    wrapped = HonestButCurious(fedsgd(), sink, CARD, "gradient", Selection.parse("all"), Selection.parse("1-3"), 2)
+    for r in (1, 2):
+        train_round(wrapped, r, NAMES, global_arrays(r), uploads(r)[::-1])
+    assert [(o.round, o.client) for o in sink.items] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert wrapped.captured_in == {1: 2, 2: 2}
+    with pytest.raises(ValueError, match="per_round = -1"):
+        HonestButCurious(fedsgd(), sink, CARD, "gradient", Selection.parse("all"), Selection.parse("all"), -1)
+
+
 def test_nothing_captured_outside_selection() -> None:
     sink = ListSink()
     run_rounds(

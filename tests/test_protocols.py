@@ -44,7 +44,7 @@ def test_fedsgd_uploads_one_batch_gradient_and_leaves_the_model(setting) -> None
     model, local = setting
     before = [a.copy() for a in get_arrays(model)]
     update = protocol("fedsgd").local_step(model, local, SCHEDULE, np.random.default_rng(0))
-    assert len(update.y) == SCHEDULE.batch_size and update.declared == {"batch-size": 4, "loss": update.loss}
+    assert len(update.y) == SCHEDULE.batch_size and update.declared.record() == {"batch-size": 4, "loss": update.loss}
     expected, _ = compute_gradients(model, update.x, update.y)
     assert all(torch.equal(d, e) for d, e in zip(update.direction, expected))
     uploaded = protocol("fedsgd").upload(model, update.direction)
@@ -57,7 +57,7 @@ def test_fedavg_uploads_the_local_model_its_epochs_reach(setting) -> None:
     update = protocol("fedavg").local_step(model, local, SCHEDULE, np.random.default_rng(0))
     trained = mlp()
     steps, _ = local_sgd(trained, update.x, update.y, 0.1, 2, 4, np.random.default_rng(0))
-    assert update.declared["local-steps"] == steps == protocol("fedavg").local_steps(len(local), 4, 2)[0]
+    assert update.declared.record()["local-steps"] == steps == protocol("fedavg").local_steps(len(local), 4, 2)[0]
     uploaded = protocol("fedavg").upload(model, update.direction)
     for sent, reached, replayed in zip(uploaded, parameters(update.buffers_from), parameters(trained)):
         np.testing.assert_allclose(sent, reached.detach().numpy(), rtol=0, atol=1e-6)

@@ -24,6 +24,7 @@ from attackers.engine.problem import Problem
 from attackers.engine.spaces import JointSpace
 from attackers.engine.spec import PRECISIONS, SearchSpec
 from attackers.engine.terms import DISTANCES, PRIORS, Statistics, Term, TermInputs
+from fedguard.declared import wire_key
 from fedguard.observation import Observation
 
 Gradients = dict[str, torch.Tensor]
@@ -40,10 +41,11 @@ class LocalSchedule:
 
     @classmethod
     def of(cls, obs: Observation) -> LocalSchedule:
-        try:
-            return cls(float(obs.declared["lr"]), int(obs.declared["local-epochs"]), int(obs.declared["batch-size"]))
-        except KeyError as missing:
-            raise ValueError(f"a weights upload without the declared local hyper-parameter {missing}") from None
+        declared = obs.declaration
+        missing = [wire_key(name) for name in ("lr", "local_epochs", "batch_size") if getattr(declared, name) is None]
+        if declared.lr is None or declared.local_epochs is None or declared.batch_size is None:
+            raise ValueError(f"a weights upload without the declared local hyper-parameter {missing[0]!r}")
+        return cls(declared.lr, declared.local_epochs, declared.batch_size)
 
 
 class BatchNormInputs:

@@ -6,7 +6,8 @@ as one ``.npz`` (no pickles); the ``refiner`` defense loads it.
 
 from fedguard.evalnet.model import EvalNet
 from fedguard.evalnet.store import TrainedEvalNet, default_evalnet_path, load_evalnet, save_evalnet
-from fedguard.evalnet.train import SPLITS, EpochStats, EvalNetOptions, blend, train_evalnet, train_regressor
+from fedguard.evalnet.train import EvalNetOptions, blend, train_evalnet, train_regressor
+from fedguard.trained.fitting import SPLITS, EpochStats
 
 __all__ = [
     "SPLITS",

@@ -17,7 +17,8 @@ import numpy as np
 from fedguard.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.data.spec import DataSpec
 from fedguard.evalnet.model import EvalNet
-from fedguard.trained_files import FileKind, TrainedFileError, described, read_archive
+from fedguard.trained.fitting import trained_meta
+from fedguard.trained_files import FileKind, TrainedFileError, load_trained
 
 FORMAT = "fedguard-evalnet/1"
 COMMAND = "fedguard train-evalnet --data <dataset>"
@@ -34,17 +35,7 @@ class TrainedEvalNet:
 
     def meta(self) -> dict[str, Any]:
         """Every field but the weights, JSON-ready."""
-        spec = self.net.spec
-        return {
-            "format": FORMAT,
-            "width": self.net.width,
-            "spec": [spec.channels, spec.height, spec.width, spec.num_classes],
-            "dataset": self.dataset,
-            "split": self.split,
-            "epochs": len(self.losses),
-            "loss": self.losses[-1] if self.losses else None,
-            "losses": list(self.losses),
-        }
+        return {**trained_meta(FORMAT, self.net.spec, self.dataset, self.split, self.losses), "width": self.net.width}
 
     def check_shape(self, shape: tuple[int, ...], path: Path | str) -> None:
         """Raises ``TrainedFileError`` unless the network (read from ``path``) takes images of ``shape`` (C, H, W)."""
@@ -79,9 +70,7 @@ def load_evalnet(path: Path | str) -> TrainedEvalNet:
 
     Raises ``TrainedFileError`` (``MissingTrainedFile`` for a missing file) for a file that is not an evaluation
     network, holds arrays its meta does not describe, or non-finite weights."""
-    path = Path(path)
-    meta, arrays = read_archive(path, EVALNET_FILE)
-    return described(lambda: evalnet_of(meta, arrays, path), path, EVALNET_FILE)
+    return load_trained(path, EVALNET_FILE, evalnet_of)
 
 
 def evalnet_of(meta: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> TrainedEvalNet:

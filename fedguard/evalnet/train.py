@@ -25,12 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedguard.data import SourceOptions, load_dataset
+from fedguard.data import SourceOptions
 from fedguard.data.spec import DataSpec
 from fedguard.evalnet.model import EvalNet
 from fedguard.evalnet.store import TrainedEvalNet
-
-SPLITS = ("test", "train")
+from fedguard.trained.fitting import EpochStats, check_options, public_images
 
 
 @dataclass(frozen=True)
@@ -45,24 +44,7 @@ class EvalNetOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "width", "mixes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-
-
-@dataclass(frozen=True)
-class EpochStats:
-    """One finished epoch: mean squared error of the predicted noise ratio, wall-clock seconds."""
-
-    epoch: int
-    epochs: int
-    loss: float
-    seconds: float
-
-    def __str__(self) -> str:
-        return f"epoch {self.epoch}/{self.epochs}: ratio mse {self.loss:.4f}, {self.seconds:.1f} s"
+        check_options(self, ("epochs", "batch_size", "width", "mixes"))
 
 
 def blend(images: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +80,7 @@ def train_regressor(
                 count += len(batch)
         losses.append(float(total) / count)
         if progress is not None:
-            progress(EpochStats(epoch, options.epochs, losses[-1], time.perf_counter() - start))
+            progress(EpochStats(epoch, options.epochs, losses[-1], time.perf_counter() - start, "ratio mse"))
     return net.eval().requires_grad_(False), losses
 
 
@@ -110,9 +92,6 @@ def train_evalnet(
     progress: Callable[[EpochStats], None] | None = None,
 ) -> TrainedEvalNet:
     """Train D on every image of ``split`` ('test': held out from the clients, or 'train') of ``dataset``."""
-    if split not in SPLITS:
-        raise ValueError(f"split {split!r}: choose one of {', '.join(SPLITS)}")
-    data = load_dataset(dataset, source)
-    images, _ = getattr(data, split).batch()
-    net, losses = train_regressor(images, data.spec, options, progress)
+    images, spec = public_images(dataset, split, source)
+    net, losses = train_regressor(images, spec, options, progress)
     return TrainedEvalNet(net, dataset, split, tuple(losses))

@@ -6,7 +6,8 @@ as one ``.npz`` (no pickles); the ``ggl`` attack loads it.
 
 from fedguard.generators.model import Decoder, Encoder
 from fedguard.generators.store import TrainedGenerator, default_generator_path, load_generator, save_generator
-from fedguard.generators.train import SPLITS, EpochStats, TrainOptions, train_generator, train_vae
+from fedguard.generators.train import TrainOptions, train_generator, train_vae
+from fedguard.trained.fitting import SPLITS, EpochStats
 
 __all__ = [
     "SPLITS",

@@ -17,7 +17,8 @@ import numpy as np
 from fedguard.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.data.spec import DataSpec
 from fedguard.generators.model import Decoder
-from fedguard.trained_files import FileKind, described, read_archive
+from fedguard.trained.fitting import trained_meta
+from fedguard.trained_files import FileKind, load_trained
 
 FORMAT = "fedguard-generator/1"
 
@@ -33,17 +34,10 @@ class TrainedGenerator:
 
     def meta(self) -> dict[str, Any]:
         """Every field but the weights, JSON-ready."""
-        spec = self.decoder.spec
         return {
-            "format": FORMAT,
+            **trained_meta(FORMAT, self.decoder.spec, self.dataset, self.split, self.losses),
             "latent_dim": self.decoder.latent_dim,
             "width": self.decoder.width,
-            "spec": [spec.channels, spec.height, spec.width, spec.num_classes],
-            "dataset": self.dataset,
-            "split": self.split,
-            "epochs": len(self.losses),
-            "loss": self.losses[-1] if self.losses else None,
-            "losses": list(self.losses),
         }
 
 
@@ -75,9 +69,7 @@ def load_generator(path: Path | str) -> TrainedGenerator:
 
     Raises ``TrainedFileError`` (``MissingTrainedFile`` for a missing file) for a file that is not a generator,
     holds arrays its meta does not describe, or non-finite weights."""
-    path = Path(path)
-    meta, arrays = read_archive(path, GENERATOR_FILE)
-    return described(lambda: generator_of(meta, arrays, path), path, GENERATOR_FILE)
+    return load_trained(path, GENERATOR_FILE, generator_of)
 
 
 def generator_of(meta: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> TrainedGenerator:

@@ -17,12 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedguard.data import SourceOptions, load_dataset
+from fedguard.data import SourceOptions
 from fedguard.data.spec import DataSpec
 from fedguard.generators.model import Decoder, Encoder
 from fedguard.generators.store import TrainedGenerator
-
-SPLITS = ("test", "train")
+from fedguard.trained.fitting import EpochStats, check_options, public_images
 
 
 @dataclass(frozen=True)
@@ -37,24 +36,7 @@ class TrainOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "latent_dim", "width"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-
-
-@dataclass(frozen=True)
-class EpochStats:
-    """One finished epoch: mean negative ELBO (nats per image) and wall-clock seconds."""
-
-    epoch: int
-    epochs: int
-    loss: float
-    seconds: float
-
-    def __str__(self) -> str:
-        return f"epoch {self.epoch}/{self.epochs}: loss {self.loss:.2f} nats/image, {self.seconds:.1f} s"
+        check_options(self, ("epochs", "batch_size", "latent_dim", "width"))
 
 
 def negative_elbo(encoder: Encoder, decoder: Decoder, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -90,7 +72,9 @@ def train_vae(
             total += loss.detach()
         losses.append(float(total) / len(images))
         if progress is not None:
-            progress(EpochStats(epoch, options.epochs, losses[-1], time.perf_counter() - start))
+            progress(
+                EpochStats(epoch, options.epochs, losses[-1], time.perf_counter() - start, digits=2, unit=" nats/image")
+            )
     return decoder.eval().requires_grad_(False), losses
 
 
@@ -102,9 +86,6 @@ def train_generator(
     progress: Callable[[EpochStats], None] | None = None,
 ) -> TrainedGenerator:
     """Train a generator on every image of ``split`` ('test': held out from the clients, or 'train') of ``dataset``."""
-    if split not in SPLITS:
-        raise ValueError(f"split {split!r}: choose one of {', '.join(SPLITS)}")
-    data = load_dataset(dataset, source)
-    images, _ = getattr(data, split).batch()
-    decoder, losses = train_vae(images, data.spec, options, progress)
+    images, spec = public_images(dataset, split, source)
+    decoder, losses = train_vae(images, spec, options, progress)
     return TrainedGenerator(decoder, dataset, split, tuple(losses))

@@ -24,7 +24,6 @@ from fedguard.mjolnir.condition import (
 )
 from fedguard.mjolnir.ddpm import (
     LOSSES,
-    DDPMEpoch,
     DDPMTrainOptions,
     Schedule,
     TrainState,
@@ -62,6 +61,7 @@ from fedguard.mjolnir.surrogate import (
     save_gradient_set,
 )
 from fedguard.mjolnir.unet import PRESETS, UNet, UNetConfig, check_side, preset
+from fedguard.trained.fitting import EpochStats
 
 __all__ = [
     "DEFAULT_NOISE_RANGE",
@@ -70,8 +70,8 @@ __all__ = [
     "SAMPLERS",
     "VARIANCES",
     "Checkpoint",
-    "DDPMEpoch",
     "DDPMTrainOptions",
+    "EpochStats",
     "GradientSet",
     "PackingSpec",
     "Schedule",

@@ -25,7 +25,7 @@ from fedguard.archive import module_layout, save_archive
 from fedguard.mjolnir.ddpm import DDPMTrainOptions, Schedule, TrainState
 from fedguard.mjolnir.store import beside_model_command
 from fedguard.mjolnir.unet import UNet, UNetConfig
-from fedguard.trained_files import FileKind, check_arrays, described, read_archive
+from fedguard.trained_files import FileKind, check_arrays, load_trained
 
 FORMAT = "fedguard-mjolnir-checkpoint/1"
 
@@ -104,9 +104,7 @@ def load_checkpoint(path: Path | str) -> Checkpoint:
 
     Raises ``TrainedFileError`` (``MissingTrainedFile`` for a missing file) for a file that is not a checkpoint,
     holds arrays its meta does not describe, or non-finite values."""
-    path = Path(path)
-    meta, arrays = read_archive(path, CHECKPOINT_FILE)
-    return described(lambda: checkpoint_of(meta, arrays, path), path, CHECKPOINT_FILE)
+    return load_trained(path, CHECKPOINT_FILE, checkpoint_of)
 
 
 def checkpoint_of(meta: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> Checkpoint:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from fedguard.mjolnir.condition import check_noise_range, noisy_condition
 from fedguard.mjolnir.unet import UNet, UNetConfig
+from fedguard.trained.fitting import EpochStats, check_options
 
 LOSSES = ("mse", "huber")
 
@@ -126,26 +127,9 @@ class DDPMTrainOptions:
     def __post_init__(self) -> None:
         if self.noise_range is not None:
             object.__setattr__(self, "noise_range", check_noise_range(self.noise_range))
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        check_options(self, ("epochs", "batch_size"))
         if self.loss not in LOSSES:
             raise ValueError(f"loss {self.loss!r}: choose one of {', '.join(LOSSES)}")
-
-
-@dataclass(frozen=True)
-class DDPMEpoch:
-    """One finished epoch: mean loss (squared noise error per entry for mse) and wall-clock seconds."""
-
-    epoch: int
-    epochs: int
-    loss: float
-    seconds: float
-
-    def __str__(self) -> str:
-        return f"epoch {self.epoch}/{self.epochs}: loss {self.loss:.4f}, {self.seconds:.1f} s"
 
 
 @dataclass(frozen=True, eq=False)
@@ -202,7 +186,7 @@ def train_ddpm(
     images: torch.Tensor,
     config: UNetConfig,
     options: DDPMTrainOptions = DDPMTrainOptions(),
-    progress: Callable[[DDPMEpoch], None] | None = None,
+    progress: Callable[[EpochStats], None] | None = None,
     resume: TrainState | None = None,
     checkpoint: Callable[[TrainState], None] | None = None,
     checkpoint_every: int = 1,
@@ -246,7 +230,7 @@ def train_ddpm(
         if best is None or losses[-1] < min(losses[:-1]):
             best = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         if progress is not None:
-            progress(DDPMEpoch(epoch, options.epochs, losses[-1], time.perf_counter() - start))
+            progress(EpochStats(epoch, options.epochs, losses[-1], time.perf_counter() - start))
         if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == options.epochs):
             checkpoint(_snapshot(epoch, model, best, optimizer, generator, losses))
     assert best is not None  # the first epoch sets it

@@ -21,11 +21,12 @@ import torch
 
 from fedguard.data import SourceOptions
 from fedguard.mjolnir.checkpoint import Checkpoint, check_resumable, grids_digest, save_checkpoint
-from fedguard.mjolnir.ddpm import DDPMEpoch, DDPMTrainOptions, TrainState, train_ddpm
+from fedguard.mjolnir.ddpm import DDPMTrainOptions, TrainState, train_ddpm
 from fedguard.mjolnir.packing import PackingSpec, spec_from_dict, spec_to_dict, valid_mask
 from fedguard.mjolnir.store import TrainedDDPM
 from fedguard.mjolnir.surrogate import GradientSet, RecordStats, SurrogateOptions, collect_gradients
 from fedguard.mjolnir.unet import preset
+from fedguard.trained.fitting import EpochStats
 
 
 def signal_power(gradients: GradientSet) -> float:
@@ -44,7 +45,7 @@ def train_mjolnir(
     split: str = "test",
     source: SourceOptions = SourceOptions(),
     on_gradient: Callable[[RecordStats], None] | None = None,
-    on_epoch: Callable[[DDPMEpoch], None] | None = None,
+    on_epoch: Callable[[EpochStats], None] | None = None,
     weights: Sequence[np.ndarray] | None = None,
     checkpoint: Path | None = None,
     checkpoint_every: int = 1,

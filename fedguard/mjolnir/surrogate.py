@@ -46,10 +46,10 @@ from fedguard.data import DataSpec, SourceOptions, Split, load_dataset
 from fedguard.mjolnir.packing import PackingSpec, fit_scale, pack, packing_spec, spec_from_dict, spec_to_dict, unpack
 from fedguard.mjolnir.store import beside_model_command
 from fedguard.models import MODELS, build_model
-from fedguard.trained_files import FileKind, Layout, check_arrays, described, read_archive
+from fedguard.trained.fitting import check_split
+from fedguard.trained_files import FileKind, Layout, check_arrays, load_trained
 from fedguard.training import compute_gradients, minibatches, parameters, set_arrays
 
-SPLITS = ("test", "train")
 STARTS = ("seed", "weights")
 FORMAT = "fedguard-mjolnir-gradients/1"
 
@@ -276,8 +276,7 @@ def collect_gradients(
     ``model_params``: the model's parameters (dataclass, dict or None for the defaults); ``weights``: the
     surrogate's starting ``state_dict`` arrays (e.g. the global model of the attacked round), None for the
     builder's initialization under ``options.seed``. The scale is ``fit_scale`` of the whole set."""
-    if split not in SPLITS:
-        raise ValueError(f"split {split!r}: choose one of {', '.join(SPLITS)}")
+    check_split(split)
     data = load_dataset(dataset, source)
     public = getattr(data, split)
     total = schedule(len(public), options)[0]
@@ -345,9 +344,7 @@ def load_gradient_set(path: Path | str) -> GradientSet:
 
     Raises ``TrainedFileError`` (``MissingTrainedFile`` for a missing file) for a file that is not a gradient
     set, holds arrays its meta does not describe, or non-finite values."""
-    path = Path(path)
-    meta, arrays = read_archive(path, GRADIENTS_FILE)
-    return described(lambda: gradient_set_of(meta, arrays, path), path, GRADIENTS_FILE)
+    return load_trained(path, GRADIENTS_FILE, gradient_set_of)
 
 
 def gradient_set_of(meta: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> GradientSet:

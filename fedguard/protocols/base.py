@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from fedguard.data import Split
+from fedguard.declared import Declared
 
 UploadKind = Literal["gradient", "weights"]  # fedguard.observation.UPLOAD_KINDS: what an observation holds
 
@@ -40,7 +41,7 @@ class LocalUpdate:
     direction: list[torch.Tensor]
     loss: float
     buffers_from: nn.Module
-    declared: dict[str, Any] = field(default_factory=dict)
+    declared: Declared = field(default_factory=Declared)
 
 
 class Protocol(ABC):

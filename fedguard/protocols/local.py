@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from fedguard.data import Split
+from fedguard.declared import Declared
 from fedguard.protocols.base import LocalUpdate, Protocol, Schedule
 from fedguard.protocols.registry import register_protocol
 from fedguard.training import compute_gradients, local_sgd, parameters
@@ -29,7 +30,7 @@ class FedSGD(Protocol):
         batch = rng.choice(len(local), size=min(schedule.batch_size, len(local)), replace=False)
         x, y = local.batch(batch)
         grads, loss = compute_gradients(model, x, y)
-        return LocalUpdate(x, y, grads, loss, model, {"batch-size": len(y), "loss": loss})
+        return LocalUpdate(x, y, grads, loss, model, Declared(batch_size=len(y), loss=loss))
 
     def upload(self, model: nn.Module, sent: list[torch.Tensor]) -> list[np.ndarray]:
         """The defended gradient itself."""
@@ -67,12 +68,12 @@ class FedAvg(Protocol):
         trained = copy.deepcopy(model)
         steps, loss = local_sgd(trained, x, y, schedule.lr, epochs, schedule.batch_size, rng, proximal_mu=proximal_mu)
         change = [(g - t).detach() for g, t in zip(parameters(model), parameters(trained))]
-        declared = {
-            "batch-size": min(schedule.batch_size, len(y)),
-            "local-epochs": schedule.local_epochs,
-            "local-steps": steps,
-            "loss": loss,
-        }
+        declared = Declared(
+            batch_size=min(schedule.batch_size, len(y)),
+            local_epochs=schedule.local_epochs,
+            local_steps=steps,
+            loss=loss,
+        )
         return LocalUpdate(x, y, change, loss, trained, declared)
 
     def upload(self, model: nn.Module, sent: list[torch.Tensor]) -> list[np.ndarray]:

@@ -1,0 +1,1 @@
+"""The trained networks' shared plumbing: their training (``fitting``)."""
