@@ -23,7 +23,7 @@ import torch
 from attackers.manipulation import HONEST
 from fedguard.observation import Observation
 from fedguard.registry import NoParams, Registry, RequiredFile
-from fedguard.trained_files import refuse
+from fedguard.trained.files import refuse
 
 NEEDS = {
     "labels": "the true labels of the batch",
@@ -176,7 +176,7 @@ def check_search_params(iterations: int, restarts: int, lr: float, device: str, 
 
 
 LOCAL_SCHEDULE = ("lr", "local_epochs", "batch_size", "local_steps", "proximal_mu")
-"""What a FedAvg client declares of its local training (``fedguard.declared.Declared`` fields): uploads that agree
+"""What a FedAvg client declares of its local training (``fedguard.wire.declared.Declared`` fields): uploads that agree
 on it can be replayed together."""
 
 

@@ -46,9 +46,9 @@ from attackers.fishing import RANDOM_CLASS, FishedSearchParams, classifier
 from attackers.inverting_gradients import InvertingGradients
 from attackers.manipulation import register_manipulation
 from fedguard.data import load_dataset
-from fedguard.declared import Declared
 from fedguard.models import model_at
 from fedguard.observation import ModelCard, Observation
+from fedguard.wire.declared import Declared
 
 SURE = 1e6  # logits added to row c's bias in the surrogate: p_c = 1 wherever m |s - t| stays below it
 

@@ -49,8 +49,8 @@ from attackers.engine.spec import SearchSpec
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from attackers.labels import last_layer
 from attackers.manipulation import register_manipulation
-from fedguard.declared import Declared
 from fedguard.observation import ModelCard, Observation
+from fedguard.wire.declared import Declared
 
 RANDOM_CLASS = -1  # ``target`` value: the server draws the target class uniformly at each sending
 

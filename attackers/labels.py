@@ -41,8 +41,8 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from fedguard.declared import Declared
 from fedguard.observation import Observation
+from fedguard.wire.declared import Declared
 
 Method = Literal["offset", "plain"]
 METHODS: tuple[str, ...] = get_args(Method)

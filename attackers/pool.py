@@ -35,8 +35,8 @@ import ray
 import torch
 
 from attackers.base import AttackOutcome, Reconstruction, shape_key
-from fedguard.app_code import Call
 from fedguard.observation import Observation
+from fedguard.runtime.app_code import Call
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class AttackWorker:
 def _worker_actor() -> type:
     """The actor class of a worker. It is local, so Ray ships it by value and the worker imports nothing of this
     app for it; the ``AttackWorker`` it builds comes as a ``Call``, unpickled from this app's code
-    (``fedguard.app_code``), not from a copy in the folder Ray's driver was started in."""
+    (``fedguard.runtime.app_code``), not from a copy in the folder Ray's driver was started in."""
 
     class AttackWorkerActor:
         def __init__(self, make: Callable[[], Any]) -> None:
@@ -149,7 +149,7 @@ class AttackPool:
     seed : int
         The run's seed, handed to every ``reconstruct_many`` (it fixes the attacks' starting points).
     stop : Callable[[], str | None]
-        Why the run is stopping early, or None while it goes on (see ``fedguard.stopping``).
+        Why the run is stopping early, or None while it goes on (see ``fedguard.runtime.stopping``).
     """
 
     def __init__(

@@ -96,7 +96,8 @@ def capture_upload(
         update = FedAvg().train_on(model, x, y, schedule, schedule.local_epochs, rng, 0.0)
     uploaded = client.upload(model, update.direction)
     arrays = merge_by_mask(uploaded, split_by_mask(get_arrays(update.buffers_from), mask)[1], mask)
-    obs = card.observe(1, 0, client.upload_kind, sent, arrays, len(update.y), update.declared, manipulation=name)
+    declared = update.declared.record()
+    obs = card.observe(1, 0, client.upload_kind, sent, arrays, len(update.y), declared, manipulation=name)
     return obs, update.x
 
 
@@ -124,7 +125,7 @@ def run_once(case: Case, data: ImageData, hidden: int, seed: int) -> tuple[dict[
         manipulation, case.attack, local, data.spec, data.name, case.protocol, schedule, hidden, seed
     )
     recon: Reconstruction = build_attack(case.attack).reconstruct_many([obs], seed)[0]
-    return recovered(recon.images, truth), int(obs.declared.get("local-steps", 1)), int(recon.stats["recovered"])
+    return recovered(recon.images, truth), obs.declaration.local_steps or 1, int(recon.stats["recovered"])
 
 
 def run_case(case: Case, data: ImageData, hidden: int, seeds: int) -> dict[str, Any]:

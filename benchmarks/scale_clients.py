@@ -16,9 +16,9 @@ For each N in --clients, two runs of the same federation, one after the other:
               user keeps per-client state. The client returns the model after one SGD step of train.lr with
               what it sent, which FedAvg turns into FedSGD; the update is bit for bit fedguard's
               (tests/test_scale_benchmark.py checks it). It is launched the way `fedguard run` launches its
-              app (fedguard/simulation.py `simulate`): a private `flower-superlink --simulation` on loopback with
-              the same flags and environment (`fedguard.simulation._environment`), then `flwr run <app>
-              --federation-config <fedguard.simulation.federation_config> --run-config <file> --stream`: one
+              app (fedguard/runtime/simulation.py `simulate`): a private `flower-superlink --simulation` on loopback
+              with the same flags and environment (`fedguard.runtime.simulation._environment`), then `flwr run <app>
+              --federation-config <fedguard.runtime.simulation.federation_config> --run-config <file> --stream`: one
               SuperNode per client, the same Ray resources (sim.num-cpus, sim.client-cpus, sim.client-gpus).
               So the ratio of the two isolates fedguard's own share: its CLI, its ServerApp's wrappers and
               checks, its client's bookkeeping (per-client state in files under the run folder rather than in
@@ -253,7 +253,7 @@ def role(comm: str, cmdline: str) -> str:
         return "SuperExec"
     if "flwr" in names and "run" in words:
         return "flwr run"
-    if "fedguard" in names or "fedguard.launcher" in words:
+    if "fedguard" in names or "fedguard.runtime.launcher" in words:
         return "fedguard CLI"
     if comm.startswith("ray::") or "ray" in cmdline or comm in ("raylet", "gcs_server"):
         return "Ray services"
@@ -387,8 +387,8 @@ class RunMemory:
             self._thread.join(10)
 
     def live(self) -> set[Any]:
-        """The processes of the run still running, as ``fedguard.processes.Process``."""
-        from fedguard.processes import Process, is_running
+        """The processes of the run still running, as ``fedguard.runtime.processes.Process``."""
+        from fedguard.runtime.processes import Process, is_running
 
         if self._thread is None or not self._thread.is_alive():
             self.sample()  # what started since the last reading
@@ -430,7 +430,7 @@ class RunMemory:
 def stop_leftovers(memory: RunMemory, patience: float = SETTLE) -> list[str]:
     """Stop the processes of a run still running ``patience`` seconds after it ended (with fedguard's
     ``ProcessTracker.stop``: SIGTERM, then SIGKILL); returns those it had to stop."""
-    from fedguard.processes import ProcessTracker, is_running
+    from fedguard.runtime.processes import ProcessTracker, is_running
 
     left, deadline = memory.live(), time.monotonic() + patience
     while left and time.monotonic() < deadline:
@@ -552,13 +552,13 @@ def run_bare(
     defense: str = "dgp",
     data: str = DATA,
 ) -> list[dict[str, Any]]:
-    """The bare Flower app on a private SuperLink, launched as ``fedguard.simulation.simulate`` launches
+    """The bare Flower app on a private SuperLink, launched as ``fedguard.runtime.simulation.simulate`` launches
     fedguard's; the rows of its timing file."""
     import tomli_w
 
     from fedguard.defenses.dgp import DGPParams
-    from fedguard.launcher import superlink_command, write_flower_home
-    from fedguard.simulation import CONNECTION, _environment, federation_config
+    from fedguard.runtime.launcher import superlink_command, write_flower_home
+    from fedguard.runtime.simulation import CONNECTION, _environment, federation_config
 
     # the configuration fedguard runs, for the run config, federation config and environment it would use
     config = fedguard_config(clients, rounds, defense, data)

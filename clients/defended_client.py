@@ -22,11 +22,11 @@ from fedguard.detect import STATE_PREFIX, Action, Detector, Received, Verdict, b
 from fedguard.models import build_model
 from fedguard.protocols import Schedule
 from fedguard.protocols import protocol as run_protocol
-from fedguard.records import FINDING_PREFIX, PROXIMAL_MU_KEY, ROUND_KEY
 from fedguard.seeding import client_generators
-from fedguard.sparse import SPARSE, byte_counts, encode_arrays
+from fedguard.store.vault import write_truth
 from fedguard.training import evaluate, get_arrays, loss_fn, merge_by_mask, set_arrays, split_by_mask, trainable_mask
-from fedguard.vault import write_truth
+from fedguard.wire.records import FINDING_PREFIX, PROXIMAL_MU_KEY, ROUND_KEY
+from fedguard.wire.sparse import SPARSE, byte_counts, encode_arrays
 
 
 @functools.lru_cache(maxsize=2)
@@ -77,7 +77,7 @@ class DefendedClient(NumPyClient):
         ``Context.state``.
     vault : Path | None
         Where the true batches of targeted uploads are written for scoring, as the client's own configuration
-        names it (``fedguard.client_app.truth_vault``); None: nowhere.
+        names it (``fedguard.runtime.client_app.truth_vault``); None: nowhere.
     """
 
     def __init__(

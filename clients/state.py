@@ -95,7 +95,7 @@ class FileState:
     Parameters
     ----------
     root : Path
-        The run's state folder (``fedguard.run_folder.CLIENT_STATE_DIR`` of the run folder).
+        The run's state folder (``fedguard.store.folder.CLIENT_STATE_DIR`` of the run folder).
     client : int
         The client whose state this is.
     """

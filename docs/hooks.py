@@ -3,7 +3,7 @@
 A page line ``<!-- fedguard:config-keys -->`` becomes a table of every configuration key with its type, default and
 meaning, read from ``fedguard.config.schema()``: the source ``fedguard config --keys`` prints.
 A page line ``<!-- fedguard:cli -->`` becomes the ``--help`` text of ``fedguard`` and of each of its commands,
-from ``fedguard.cli.build_parser()``.
+from ``fedguard.commands.cli.build_parser()``.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _parsers(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Argume
 
 def cli_reference() -> str:
     """``fedguard --help`` and ``fedguard COMMAND --help`` for every command."""
-    from fedguard.cli import build_parser
+    from fedguard.commands.cli import build_parser
 
     before = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = HELP_COLUMNS

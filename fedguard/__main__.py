@@ -2,6 +2,6 @@
 
 import sys
 
-from fedguard.cli import main
+from fedguard.commands.cli import main
 
 sys.exit(main())

@@ -28,7 +28,7 @@ import numpy as np
 from fedguard.config import Config, ConfigError, load_config
 from fedguard.report.run_dir import config_toml, resolve_run_dir
 from fedguard.report.run_status import read_status
-from fedguard.run_folder import (
+from fedguard.store.folder import (
     ATTACKS_FILE,
     CONFIG_FILE,
     REPORT_FILE,
@@ -39,7 +39,7 @@ from fedguard.run_folder import (
     image_prefix,
     read_jsonl,
 )
-from fedguard.vault import read_scored_images
+from fedguard.store.vault import read_scored_images
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -293,7 +293,7 @@ def run_sweep(
     ``fedguard sweep`` (``only``: ``[SETTING/]VARIANT`` names; ``seeds``: instead of the preset's). Raises
     ``ConfigError`` before anything runs when a run's configuration is invalid, ``RunFailed`` when the sweep
     itself fails (a failed run is a row with status ``failed``, not an exception)."""
-    from fedguard.sweep import load_sweep
+    from fedguard.commands.sweep import load_sweep
 
     overrides, only, chosen = list(overrides), list(only), None if seeds is None else list(seeds)
     sweep = load_sweep(preset, None if out is None else Path(out), overrides, only, chosen)

@@ -4,7 +4,7 @@ For every outcome the evaluator reads the true batch from the vault, matches
 reconstructed to true images by linear assignment, computes MSE, PSNR, SSIM,
 LPIPS, label accuracy, the count of images above ``LEAK_SSIM`` and the
 scores of flat mean-colour images (the floor), saves both batches as PNG grids and appends one row
-to ``attacks.jsonl`` (one write per row, strict JSON; see ``fedguard.run_folder``), so nothing is lost if
+to ``attacks.jsonl`` (one write per row, strict JSON; see ``fedguard.store.folder``), so nothing is lost if
 the run stops.
 
 Every attacked upload gets exactly one row, whose ``status`` is one of ``ROW_STATUSES``: the attack's own
@@ -32,9 +32,9 @@ from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.models import global_model
 from fedguard.observation import Observation
 from fedguard.report.images import save_grid
-from fedguard.run_folder import ATTACKS_FILE, VAULT_DIR, JsonlAppender, grid_name, image_prefix, recon_name
+from fedguard.store.folder import ATTACKS_FILE, VAULT_DIR, JsonlAppender, grid_name, image_prefix, recon_name
+from fedguard.store.vault import read_truth, write_batch
 from fedguard.training import compute_gradients
-from fedguard.vault import read_truth, write_batch
 
 ROW_STATUSES = ("ok", "error", "timeout", "score-error", "interrupted")
 

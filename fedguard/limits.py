@@ -17,7 +17,7 @@ The limits, and why:
   beyond ``partition.num-clients``.
 - ``MAX_NESTING`` levels of tables in a preset, well beyond any key's: keys have three parts
   (``defense.dp.epsilon``), a few more where a registered name holds dots.
-- ``MAX_META_BYTES``: the JSON description of a captured upload read back from disk (``fedguard.observation_files``;
+- ``MAX_META_BYTES``: the JSON description of a captured upload read back from disk (``fedguard.store.observations``;
   its arrays are sized by the model card): a few KiB for a ResNet's entry names, plus one label per example.
 - Paths: no NUL character, no name longer than the file system's ``PC_NAME_MAX``, no path longer than its
   ``PC_PATH_MAX`` (``os.pathconf``); a run folder keeps ``RUN_FILES_RESERVE`` bytes of that for the files the

@@ -22,8 +22,8 @@ import numpy as np
 
 from fedguard.data.registry import SourceOptions
 from fedguard.data.spec import DataSpec
-from fedguard.declared import Declared
-from fedguard.run_folder import UPLOAD_GLOB, upload_file_name
+from fedguard.store.folder import UPLOAD_GLOB, upload_file_name
+from fedguard.wire.declared import Declared
 
 UPLOAD_KINDS = ("gradient", "weights")
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from fedguard.trained_files import MissingTrainedFile, TrainedFileError
+from fedguard.trained.files import MissingTrainedFile, TrainedFileError
 
 F = TypeVar("F", bound=Callable[..., Any])
 Traits = Callable[[Any], Any]

@@ -234,7 +234,7 @@ class ServerSection:
     message_index: bool = option(
         True,
         "simulation: hand each client its messages through a per-node index of "
-        "Flower's in-memory message store (fedguard.message_index) instead of "
+        "Flower's in-memory message store (fedguard.runtime.message_index) instead of "
         "Flower's scan of every stored message for every node, 10 times a second",
     )
     plugins: str = option(

@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedguard.records import Upload, array_record, read_upload
+from fedguard.wire.records import Upload, array_record, read_upload
 
 
 class FedSGD(FedAvg):

@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedguard.records import ARRAYS, array_record
+from fedguard.wire.records import ARRAYS, array_record
 from strategies.wrapper import StrategyWrapper
 
 

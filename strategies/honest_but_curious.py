@@ -24,8 +24,8 @@ from flwr.serverapp.strategy import Strategy
 from attackers.manipulation import HONEST
 from attackers.sinks import ObservationSink
 from fedguard.observation import UPLOAD_KINDS, ModelCard, Observation
-from fedguard.records import CLIENT_KEY, Upload, read_upload
 from fedguard.selection import Selection
+from fedguard.wire.records import CLIENT_KEY, Upload, read_upload
 from strategies.wrapper import StrategyWrapper
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from flwr.serverapp.strategy import Strategy
 from attackers.manipulation import HONEST, ClientManipulation, Manipulation
 from attackers.sinks import ObservationSink
 from fedguard.observation import ModelCard
-from fedguard.records import array_record, read_upload
 from fedguard.selection import Selection
+from fedguard.wire.records import array_record, read_upload
 from strategies.honest_but_curious import HonestButCurious, by_client
 
 

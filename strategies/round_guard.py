@@ -11,13 +11,13 @@ every upload, reply accounting, dtypes.
   asked to evaluate.
 - A client whose detectors flagged the model it received (``fedguard.detect``) may decline the round: it skips
   it (a reply with its findings and no upload) or refuses it (an error whose reason holds its findings;
-  ``fedguard.records``). Neither is a failure nor an upload: its client is left out of the round.
+  ``fedguard.wire.records``). Neither is a failure nor an upload: its client is left out of the round.
 - Every round's replies are counted: ``on_replies(server_round, uploads, errors, rejected, findings)`` receives
   the accepted uploads, the error reasons (refusals not among them), the rejections and what each client's
   detectors found (``{"client", <finding>: value, ...}`` in client order); a round in which no node succeeded
   (declining is not failing) stops the
   run with ``AllClientsFailed`` naming the reasons, instead of carrying on with an unchanged model; so does a
-  client that says it cannot train in any round (``fedguard.records.cannot_train``: a missing trained file, a
+  client that says it cannot train in any round (``fedguard.wire.records.cannot_train``: a missing trained file, a
   refused configuration), whatever the others did; a round whose every upload was rejected or declined leaves
   the model as it was.
 - The aggregate keeps the global model's dtypes (Flower's averaging turns integer buffers into floats).
@@ -40,7 +40,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedguard.records import (
+from fedguard.wire.records import (
     CONFIG,
     DECLARED,
     PARTITION_KEY,

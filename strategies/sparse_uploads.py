@@ -1,7 +1,7 @@
 """A wrapper that restores coordinate-encoded uploads before anything else on the server sees them.
 
 A client whose defended upload is mostly zeros (gradient pruning) sends it coordinate-encoded
-(``fedguard.sparse``) and declares ``encoding = "sparse"``. This wrapper decodes those uploads to dense
+(``fedguard.wire.sparse``) and declares ``encoding = "sparse"``. This wrapper decodes those uploads to dense
 arrays, keyed as the global model, and hands every reply on to the wrapped strategy (capture and
 aggregation see the dense upload, exactly what the client's defense produced). Clients declare the bytes
 they sent (``upload-bytes``) and the dense size (``dense-bytes``) either way.
@@ -15,8 +15,8 @@ from typing import cast
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
-from fedguard.records import ARRAYS, DECLARED, array_record
-from fedguard.sparse import ENCODING_KEY, SPARSE, decode_arrays
+from fedguard.wire.records import ARRAYS, DECLARED, array_record
+from fedguard.wire.sparse import ENCODING_KEY, SPARSE, decode_arrays
 from strategies.wrapper import StrategyWrapper
 
 

@@ -2,13 +2,13 @@
 
 A reply is refused (``UploadRefused``, whose message is the reason) when
 
-- its records are not the layout of ``fedguard.records``: one ``ArrayRecord`` "arrays", one ``MetricRecord``
+- its records are not the layout of ``fedguard.wire.records``: one ``ArrayRecord`` "arrays", one ``MetricRecord``
   "metrics" holding exactly ``num-examples`` (an integer) and ``loss`` (a number), a ``ConfigRecord``
-  "declared", defense reports that are numbers, detector findings as ``fedguard.records.check_findings`` reads
+  "declared", defense reports that are numbers, detector findings as ``fedguard.wire.records.check_findings`` reads
   them;
 - the client it declares is not the one the server assigned to the node that sent it;
 - an array differs from the global model's in number, name, shape or dtype, or holds a NaN or an infinity; a
-  coordinate-encoded upload (``fedguard.sparse``) breaks that format's invariants (int32 positions, strictly
+  coordinate-encoded upload (``fedguard.wire.sparse``) breaks that format's invariants (int32 positions, strictly
   increasing, inside the array, or a uint8 bit mask of the array's length with zero padding; as many values as
   entries named; the model's shape, as int64);
 - a declared size contradicts the upload or the run (``UploadRules``): more examples than the client's
@@ -20,7 +20,7 @@ Headers are read before data: an array whose ``.npy`` header names another shape
 is refused without being loaded, so a claimed size cannot make the server allocate it.
 
 ``nonfinite_problem`` also looks at the global model after each round: one holding a NaN or an infinity
-stops the run with ``NonFiniteModel`` (``fedguard.server_app``).
+stops the run with ``NonFiniteModel`` (``fedguard.runtime.server_app``).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from numpy.lib import format as npy
 
-from fedguard.declared import wire_key
 from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.limits import shown
 from fedguard.protocols import protocol
-from fedguard.records import (
+from fedguard.wire.declared import wire_key
+from fedguard.wire.records import (
     ARRAYS,
     CLIENT_KEY,
     DECLARED,
@@ -51,8 +51,8 @@ from fedguard.records import (
     PROXIMAL_MU_KEY,
     check_findings,
 )
-from fedguard.sparse import ENCODING_KEY, INDEX, MASK, PARTS, SHAPE, SPARSE, mask_bytes, mask_flags, position_bytes
-from fedguard.sparse import check_positions as positions_in_range
+from fedguard.wire.sparse import ENCODING_KEY, INDEX, MASK, PARTS, SHAPE, SPARSE, mask_bytes, mask_flags, position_bytes
+from fedguard.wire.sparse import check_positions as positions_in_range
 
 NPY_HEADERS = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}
 
@@ -133,7 +133,7 @@ def upload_problem(
 
 
 def check_records(content: RecordDict) -> None:
-    """The reply holds the records of ``fedguard.records`` and no other array or metric record."""
+    """The reply holds the records of ``fedguard.wire.records`` and no other array or metric record."""
     if list(content.array_records) != [ARRAYS]:
         raise UploadRefused(f"holds the array records {shown(sorted(content.array_records))}, expected [{ARRAYS!r}]")
     if list(content.metric_records) != [METRICS]:
@@ -265,7 +265,7 @@ def check_dense(layout: Layout, record: ArrayRecord) -> int:
 
 
 def check_sparse(layout: Layout, record: ArrayRecord) -> int:
-    """A coordinate-encoded upload (``fedguard.sparse``): per model array, where its sent entries are (int32
+    """A coordinate-encoded upload (``fedguard.wire.sparse``): per model array, where its sent entries are (int32
     positions strictly increasing inside the array, or a uint8 bit mask of the array's length with zero
     padding), as many finite values of the model's dtype, and the model's shape (int64). Returns the bytes
     sent."""
@@ -308,7 +308,7 @@ def encoded_count(name: str, where: Array, size: int) -> int:
 
 
 def check_positions(name: str, indices: np.ndarray, size: int) -> None:
-    """Flat positions strictly increasing in [0, size) (``fedguard.sparse.check_positions``)."""
+    """Flat positions strictly increasing in [0, size) (``fedguard.wire.sparse.check_positions``)."""
     try:
         positions_in_range(indices, size, len(indices))
     except ValueError:

@@ -13,11 +13,11 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from clients import DefendedClient
-from fedguard.client_app import upload_reply
 from fedguard.config import Config, load_config
 from fedguard.data.local import DEBIAN_FASHION_MNIST
 from fedguard.observation import Observation
-from fedguard.records import ROUND_KEY, array_record
+from fedguard.runtime.client_app import upload_reply
+from fedguard.wire.records import ROUND_KEY, array_record
 
 FASHION_MNIST = (DEBIAN_FASHION_MNIST / "t10k-images-idx3-ubyte.gz").is_file()
 needs_fashion_mnist = pytest.mark.skipif(

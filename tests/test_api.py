@@ -14,7 +14,7 @@ import torch
 import fedguard
 from fedguard.config import ConfigError, load_config
 from fedguard.metrics.image import psnr
-from fedguard.vault import write_batch, write_truth
+from fedguard.store.vault import write_batch, write_truth
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "experiments" / "quickstart.toml"

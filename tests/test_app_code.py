@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ray import cloudpickle
 
-from fedguard.app_code import Call, app_root
-from fedguard.client_app import make_client_app
+from fedguard.runtime.app_code import Call, app_root
+from fedguard.runtime.client_app import make_client_app
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ import pickle, sys
 sys.path.insert(0, sys.argv[1])  # as a Ray worker puts its driver's folder first
 call, client_app = pickle.loads(sys.stdin.buffer.read())
 print(call())
-print(sys.modules["fedguard.client_app"].__file__)
+print(sys.modules["fedguard.runtime.client_app"].__file__)
 print(type(client_app).__name__, callable(client_app))
 """
 
@@ -44,5 +44,5 @@ def test_a_worker_rebuilds_shipped_objects_from_the_app_and_not_from_the_folder_
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     root, module, client_app = result.stdout.decode().splitlines()
     assert root == str(ROOT) == app_root()
-    assert module == str(ROOT / "fedguard" / "client_app.py")
+    assert module == str(ROOT / "fedguard" / "runtime" / "client_app.py")
     assert client_app == "ShippedClientApp True"

@@ -27,13 +27,13 @@ import pytest
 
 from attackers.base import build_attack
 from attackers.sinks import FanOut
-from fedguard import client_app
-from fedguard.client_app import make_client_app
 from fedguard.config import Config
 from fedguard.observation import Observation, load_observations
-from fedguard.run_folder import OBSERVATIONS_DIR, UPLOAD_GLOB, VAULT_DIR
-from fedguard.server_app import run_server
-from fedguard.vault import read_truth
+from fedguard.runtime import client_app
+from fedguard.runtime.client_app import make_client_app
+from fedguard.runtime.server_app import run_server
+from fedguard.store.folder import OBSERVATIONS_DIR, UPLOAD_GLOB, VAULT_DIR
+from fedguard.store.vault import read_truth
 from tests import open_log_hook
 from tests.helpers import config
 from tests.local_grid import LocalGrid
@@ -104,7 +104,7 @@ def legitimate(record: dict[str, Any]) -> bool:
     stack = record["stack"]
     user = "clients/defended_client.py" if "w" in record["mode"] else "fedguard/evaluation.py"
     attack_code = [f for f in stack if f.startswith("attackers/") and f != "attackers/pool.py"]
-    return stack[:1] == ["fedguard/vault.py"] and user in stack and not attack_code
+    return stack[:1] == ["fedguard/store/vault.py"] and user in stack and not attack_code
 
 
 def attack_factory_args(cfg: Config) -> tuple[Any, ...]:

@@ -12,8 +12,8 @@ from flwr.serverapp.strategy import FedAvg
 from attackers.sinks import DiskSink
 from fedguard.data import DataSpec
 from fedguard.observation import ModelCard, Observation, load_observations, save_observation
-from fedguard.records import Upload
 from fedguard.selection import Selection
+from fedguard.wire.records import Upload
 from strategies import FedSGD, HonestButCurious
 from tests.helpers import ListSink, train_round
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from fedguard.cli import main
-from fedguard.processes import ProcessTracker, is_running
-from fedguard.stopping import RunInterrupted, StoppableGrid, StopRequest
+from fedguard.commands.cli import main
+from fedguard.runtime.processes import ProcessTracker, is_running
+from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "experiments" / "quickstart.toml")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedguard.cli import build_parser, main
+from fedguard.commands.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,14 +10,14 @@ from flwr.serverapp.strategy import FedAvg
 
 from clients import DefendedClient
 from clients.state import load_defense_state, store_defense_state
-from fedguard.client_app import make_client_app, partition_of
 from fedguard.data import load_dataset
 from fedguard.data.federated import client_split
 from fedguard.defenses import LocalStep, RoundReports, aggregate_reports
 from fedguard.models import build_model
-from fedguard.records import array_record
+from fedguard.runtime.client_app import make_client_app, partition_of
 from fedguard.seeding import client_generators
 from fedguard.training import compute_gradients, get_arrays, local_sgd, parameters, trainable_mask
+from fedguard.wire.records import array_record
 from strategies import SparseUploads
 from tests.helpers import Nodes, client_fit, config, context, reply
 from tests.local_grid import LocalGrid

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedguard.commands.sweep import load_preset
 from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, schema, split_names
 from fedguard.data.spec import DataSpec
 from fedguard.evalnet import EvalNetOptions, default_evalnet_path, save_evalnet, train_evalnet
@@ -20,7 +21,6 @@ from fedguard.mjolnir.pipeline import train_mjolnir
 from fedguard.registry import field_help
 from fedguard.report.run_dir import CONFIG_FILE, prepare_run_dir, resolve_run_dir, unflatten
 from fedguard.selection import Selection
-from fedguard.sweep import load_preset
 from tests.helpers import FASHION_MNIST
 
 ROOT = Path(__file__).resolve().parents[1]

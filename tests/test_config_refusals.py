@@ -524,7 +524,7 @@ def test_training_class_counts_known_without_loading_match_the_loaded_data(name:
 
 
 def test_an_attack_on_cuda_is_refused_where_a_local_run_has_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedguard.simulation import resource_problems
+    from fedguard.runtime.simulation import resource_problems
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = load_config(None, ["attack.name=ig, dlg", "attack.ig.device=cuda", "attack.dlg.device=cuda"])

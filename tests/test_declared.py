@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from fedguard.declared import FIELD_TYPES, KEYS, WIRE_KEYS, Declared, wire_key
+from fedguard.wire.declared import FIELD_TYPES, KEYS, WIRE_KEYS, Declared, wire_key
 
 
 def test_every_field_has_a_type_and_a_wire_key_with_dashes() -> None:

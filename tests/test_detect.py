@@ -19,7 +19,6 @@ from attackers.imprint import ImprintParams, build_imprint
 from attackers.manipulation import Manipulation
 from attackers.trap_weights import TrapWeightsParams, build_trap_weights
 from clients.defended_client import ModelDeclined
-from fedguard.client_app import make_client_app
 from fedguard.config import ConfigError, load_config
 from fedguard.data import load_dataset
 from fedguard.detect import Finding, Received, Verdict, build_detector, detect
@@ -30,9 +29,10 @@ from fedguard.detect.structure import longest_monotone_run, trap_sign
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard
-from fedguard.records import DETECT, REFUSED, array_record, declined_content, read_findings, refusal_reason
-from fedguard.server_app import run_server
+from fedguard.runtime.client_app import make_client_app
+from fedguard.runtime.server_app import run_server
 from fedguard.training import get_arrays, loss_fn, set_arrays, trainable_mask
+from fedguard.wire.records import DETECT, REFUSED, array_record, declined_content, read_findings, refusal_reason
 from strategies import RoundGuard
 from strategies.upload_checks import UploadRules
 from tests.helpers import Nodes, client_fit, config, reply

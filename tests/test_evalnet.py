@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedguard.cli import build_parser, main
+from fedguard.commands.cli import build_parser, main
 from fedguard.data import DataSpec, load_dataset
 from fedguard.evalnet import (
     EvalNet,

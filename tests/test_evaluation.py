@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attackers.base import AttackOutcome, Reconstruction
-from fedguard.cli import main
+from fedguard.commands.cli import main
 from fedguard.config import load_config
 from fedguard.data import load_dataset
 from fedguard.evaluation import Evaluator, describe_row
@@ -19,9 +19,9 @@ from fedguard.metrics import psnr, ssim
 from fedguard.models import build_model
 from fedguard.observation import ModelCard, save_observation
 from fedguard.report.run_dir import OBSERVATIONS_DIR, prepare_run_dir
-from fedguard.run_folder import ATTACKS_FILE, VAULT_DIR
+from fedguard.store.folder import ATTACKS_FILE, VAULT_DIR
+from fedguard.store.vault import read_truth, write_truth
 from fedguard.training import compute_gradients, get_arrays, merge_by_mask, split_by_mask, trainable_mask
-from fedguard.vault import read_truth, write_truth
 
 
 def test_vault_round_trip(tmp_path: Path) -> None:

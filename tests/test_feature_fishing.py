@@ -31,8 +31,6 @@ from attackers.feature_fishing import (
 )
 from attackers.fishing import FishedSearchParams
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
-from fedguard import client_app
-from fedguard.client_app import make_client_app
 from fedguard.config import load_config
 from fedguard.data import load_dataset
 from fedguard.data.dataset import ImageData
@@ -40,8 +38,11 @@ from fedguard.data.registry import SourceOptions
 from fedguard.metrics.image import ssim
 from fedguard.models import build_model, global_model
 from fedguard.observation import ModelCard, Observation, load_observations
-from fedguard.run_folder import OBSERVATIONS_DIR, ROUNDS_FILE, VAULT_DIR
-from fedguard.server_app import run_server
+from fedguard.runtime import client_app
+from fedguard.runtime.client_app import make_client_app
+from fedguard.runtime.server_app import run_server
+from fedguard.store.folder import OBSERVATIONS_DIR, ROUNDS_FILE, VAULT_DIR
+from fedguard.store.vault import read_truth
 from fedguard.training import (
     compute_gradients,
     get_arrays,
@@ -49,7 +50,6 @@ from fedguard.training import (
     set_arrays,
     trainable_mask,
 )
-from fedguard.vault import read_truth
 from tests.local_grid import LocalGrid
 
 TARGET = 3  # the row fished

@@ -86,7 +86,7 @@ def test_the_mean_is_uniform_and_in_client_order() -> None:
 
 def test_coordinate_encoded_and_dense_uploads_aggregate_alike() -> None:
     """FedSGD decodes a pruned upload as it reads it: a round mixing encoded and dense uploads equals the dense one."""
-    from fedguard.sparse import ENCODING_KEY, SPARSE, encode_arrays
+    from fedguard.wire.sparse import ENCODING_KEY, SPARSE, encode_arrays
 
     rng = np.random.default_rng(1)
     uploads = [

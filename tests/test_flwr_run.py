@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fedguard.launcher import superlink_command, write_flower_home
+from fedguard.runtime.launcher import superlink_command, write_flower_home
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -18,7 +18,7 @@ import torch
 from attackers.base import build_attack
 from attackers.engine.terms import latent_kl
 from attackers.generative import GenerativeAttack, GenerativeParams
-from fedguard.cli import main
+from fedguard.commands.cli import main
 from fedguard.data import DataSpec, load_dataset
 from fedguard.generators import (
     Decoder,

@@ -14,15 +14,15 @@ import pytest
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp.strategy import FedAvg
 
-from fedguard import client_app
-from fedguard.client_app import VAULT_DIR_KEY, in_simulation, make_client_app, truth_vault
 from fedguard.config import Config
 from fedguard.data import load_dataset
 from fedguard.models import build_model
-from fedguard.records import array_record
-from fedguard.run_folder import VAULT_DIR
-from fedguard.server_app import under_runs_home
+from fedguard.runtime import client_app
+from fedguard.runtime.client_app import VAULT_DIR_KEY, in_simulation, make_client_app, truth_vault
+from fedguard.runtime.server_app import under_runs_home
+from fedguard.store.folder import VAULT_DIR
 from fedguard.training import get_arrays
+from fedguard.wire.records import array_record
 from tests.helpers import config, context
 from tests.local_grid import LocalGrid
 

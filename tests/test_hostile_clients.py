@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 
-from fedguard.client_app import make_client_app
 from fedguard.data import DataSpec
 from fedguard.observation import ModelCard
-from fedguard.records import ARRAYS, array_record
 from fedguard.report.run_status import read_status
+from fedguard.runtime.client_app import make_client_app
+from fedguard.runtime.server_app import round_accounting, run_server
 from fedguard.selection import Selection
-from fedguard.server_app import round_accounting, run_server
-from fedguard.sparse import ENCODING_KEY, SPARSE, encode_arrays
+from fedguard.wire.records import ARRAYS, array_record
+from fedguard.wire.sparse import ENCODING_KEY, SPARSE, encode_arrays
 from strategies import FedSGD, HonestButCurious, RoundGuard, SparseUploads
 from strategies.round_guard import assign_clients
 from strategies.upload_checks import (

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from numpy.lib import format as npy
 
-from fedguard.cli import main
+from fedguard.commands.cli import main
 from fedguard.config import load_config
 from fedguard.limits import MAX_META_BYTES
-from fedguard.observation_files import ObservationRefused, RunExpectations, read_observation
-from fedguard.run_folder import ATTACKS_FILE, OBSERVATIONS_DIR, REPORT_FILE, read_jsonl, upload_file_name
+from fedguard.store.folder import ATTACKS_FILE, OBSERVATIONS_DIR, REPORT_FILE, read_jsonl, upload_file_name
+from fedguard.store.observations import ObservationRefused, RunExpectations, read_observation
 from tests.test_evaluation import make_run
 
 IG = [

@@ -7,12 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fedguard.launcher import Launch, main
+from fedguard.runtime.launcher import Launch, main
 
 
 def test_the_launcher_imports_neither_torch_nor_flower_nor_numpy() -> None:
     probe = (
-        "import sys, fedguard.launcher; heavy = sorted({'torch', 'flwr', 'numpy', 'ray'} & set(sys.modules));"
+        "import sys, fedguard.runtime.launcher; heavy = sorted({'torch', 'flwr', 'numpy', 'ray'} & set(sys.modules));"
         " print(heavy); sys.exit(1 if heavy else 0)"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
@@ -26,4 +26,4 @@ def test_a_launch_round_trips_through_its_file(tmp_path: Path) -> None:
 
 def test_the_launcher_without_its_file_says_how_it_is_called(capsys) -> None:
     assert main([]) == 2
-    assert "usage: python -m fedguard.launcher LAUNCH_JSON" in capsys.readouterr().err
+    assert "usage: python -m fedguard.runtime.launcher LAUNCH_JSON" in capsys.readouterr().err

@@ -12,8 +12,8 @@ from flwr.serverapp.strategy import FedAvg
 
 from attackers.manipulation import ClientManipulation
 from fedguard.observation import ModelCard, Observation
-from fedguard.records import array_record
 from fedguard.selection import Selection
+from fedguard.wire.records import array_record
 from strategies import FedSGD, HonestButCurious, Malicious
 from tests.helpers import Nodes, reply
 from tests.test_capture import CARD, NAMES, ListSink, global_arrays

@@ -19,7 +19,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
-from fedguard.message_index import index_message_delivery, remove_message_index
+from fedguard.runtime.message_index import index_message_delivery, remove_message_index
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import torch
 
 from attackers.base import ATTACKS, build_attack, check_attack_files
 from attackers.mjolnir import INNER_ATTACKS, Mjolnir, MjolnirParams, defense_noise_std
-from fedguard.cli import main
+from fedguard.commands.cli import main
 from fedguard.config import ConfigError, load_config
 from fedguard.data import load_dataset
 from fedguard.defenses import LocalStep, build_defense
@@ -25,7 +25,7 @@ from fedguard.mjolnir.pipeline import packing_of
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard, save_observation
-from fedguard.server_app import initial_model
+from fedguard.runtime.server_app import initial_model
 from fedguard.training import compute_gradients, get_arrays, loss_fn, set_arrays, trainable_mask
 from tests.helpers import needs_fashion_mnist
 

@@ -18,7 +18,7 @@ import torch
 
 from attackers.base import ATTACKS, build_attack
 from attackers.mjolnir import Mjolnir, MjolnirParams
-from fedguard.cli import main
+from fedguard.commands.cli import main
 from fedguard.data import load_dataset
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_update import UpdateDPParams

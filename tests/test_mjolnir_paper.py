@@ -42,7 +42,7 @@ from fedguard.metrics.scoring import floor_scores
 from fedguard.mjolnir import DDPMTrainOptions, Schedule, TrainedDDPM, preset, save_ddpm, train_ddpm
 from fedguard.mjolnir.packing import fit_scale, pack, packing_spec, spec_to_dict, valid_mask
 from fedguard.observation import Observation
-from fedguard.server_app import initial_model, model_card
+from fedguard.runtime.server_app import initial_model, model_card
 from fedguard.training import compute_gradients, get_arrays, loss_fn, parameters
 from tests.helpers import needs_fashion_mnist
 

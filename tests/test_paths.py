@@ -10,13 +10,13 @@ import pytest
 from flwr.app import ConfigRecord, Error, Message
 from flwr.serverapp.strategy import FedAvg
 
-from fedguard.client_app import make_client_app
+from fedguard.commands.sweep import SweepRun, failed_row, load_sweep, summary_table
 from fedguard.config import Config, ConfigError, load_config, path_values, relative_path_problems
 from fedguard.data import load_dataset
 from fedguard.models import build_model
-from fedguard.records import array_record, cannot_train
-from fedguard.sweep import SweepRun, failed_row, load_sweep, summary_table
+from fedguard.runtime.client_app import make_client_app
 from fedguard.training import get_arrays
+from fedguard.wire.records import array_record, cannot_train
 from strategies import AllClientsFailed, RoundGuard
 from tests.helpers import Nodes, config, reply
 from tests.local_grid import LocalGrid

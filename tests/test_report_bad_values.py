@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from fedguard.cli import main
+from fedguard.commands.cli import main
 from fedguard.report.comparison import render_comparison
-from fedguard.run_folder import (
+from fedguard.store.folder import (
     ATTACKS_FILE,
     COMPARISON_FILE,
     REPORT_FILE,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fedguard.cli import main
+from fedguard.commands.cli import main
 from fedguard.config import load_config
 from fedguard.report.html import DASH, _uploads_table, build_report
 from fedguard.report.images import save_grid

@@ -21,16 +21,16 @@ import pytest
 import torch
 
 from clients.state import FileState, discard_after
-from fedguard.checkpoint import CheckpointError, RoundCheckpoint, read_checkpoint, write_checkpoint
-from fedguard.client_app import make_client_app
 from fedguard.config import Config
 from fedguard.defenses.base import LocalStep
 from fedguard.defenses.dgp import DGPParams, DualGradientPruning
 from fedguard.report.run_status import read_status
-from fedguard.resume import resume_point, rewind
-from fedguard.run_folder import read_jsonl
-from fedguard.server_app import run_server
-from fedguard.stopping import RunInterrupted
+from fedguard.runtime.client_app import make_client_app
+from fedguard.runtime.server_app import run_server
+from fedguard.runtime.stopping import RunInterrupted
+from fedguard.store.checkpoint import CheckpointError, RoundCheckpoint, read_checkpoint, write_checkpoint
+from fedguard.store.folder import read_jsonl
+from fedguard.store.resume import resume_point, rewind
 from strategies.state import restore_strategy_state, strategy_state
 from tests.helpers import config
 from tests.local_grid import LocalGrid
@@ -78,7 +78,7 @@ def rows_without_time(folder: Path) -> list[dict]:
 @pytest.fixture
 def as_simulated(monkeypatch: pytest.MonkeyPatch) -> None:
     """Clients keep state and ground truth under the run folder, as on Flower's simulation engine."""
-    monkeypatch.setattr("fedguard.client_app.in_simulation", lambda: True)
+    monkeypatch.setattr("fedguard.runtime.client_app.in_simulation", lambda: True)
 
 
 def run(cfg: Config, grid_type=LocalGrid, **kwargs) -> Path:

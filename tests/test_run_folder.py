@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedguard.cli import main
+from fedguard.commands.cli import main
+from fedguard.commands.sweep import load_sweep, run_sweep
 from fedguard.config import load_config
 from fedguard.report.comparison import render_comparison, write_comparison
 from fedguard.report.html import build_report
 from fedguard.report.images import save_grid
 from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_dir import prepare_run_dir
-from fedguard.run_folder import (
+from fedguard.store.folder import (
     ATTACKS_FILE,
     COMPARISON_FILE,
     GRID_KINDS,
@@ -40,7 +41,6 @@ from fedguard.run_folder import (
     write_json,
     write_jsonl,
 )
-from fedguard.sweep import load_sweep, run_sweep
 from tests.test_evaluation import make_run as make_captured_run
 from tests.test_sweep import SMALL
 

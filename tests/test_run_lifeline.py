@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fedguard.cli import main
+from fedguard.commands.cli import main
 from fedguard.report.run_status import read_status
-from fedguard.run_lock import RunFolderBusy, hold
+from fedguard.store.lock import RunFolderBusy, hold
 from tests.test_clean_stop import QUICKSTART, TAG, kill_all, tagged, wait_for_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ LIMIT = 10.0  # seconds within which a killed run must be gone and recorded
 # A launcher whose run is two sleepers (one in a session of its own, as the SuperLink is), killed while it waits.
 FAKE_LAUNCHER = """
 import os, subprocess, sys, tempfile, time
-import fedguard.launcher as launcher
+import fedguard.runtime.launcher as launcher
 
 def run(plan, env):
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -101,7 +101,7 @@ def test_a_second_writer_is_refused_until_the_holder_dies(tmp_path: Path) -> Non
         [
             sys.executable,
             "-c",
-            "import sys, time; from fedguard.run_lock import hold; "
+            "import sys, time; from fedguard.store.lock import hold; "
             "hold(sys.argv[1]); print('held', flush=True); time.sleep(120)",
             str(folder),
         ],

@@ -60,7 +60,7 @@ def test_bare_client_step_is_fedguards(monkeypatch: pytest.MonkeyPatch, defense:
     from flwr.app import RecordDict
 
     from clients.defended_client import DefendedClient
-    from fedguard.sparse import ENCODING_KEY, SPARSE, decode_arrays
+    from fedguard.wire.sparse import ENCODING_KEY, SPARSE, decode_arrays
 
     monkeypatch.syspath_prepend(str(BENCHMARKS / "bare_flower"))
     from bareflower import task

@@ -18,7 +18,7 @@ import pytest
 
 from fedguard.config import load_config
 from fedguard.observation import load_observations
-from fedguard.server_app import initial_model
+from fedguard.runtime.server_app import initial_model
 from fedguard.training import get_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,7 +216,7 @@ LOOPBACK_HEX = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1 as 
 
 @pytest.mark.slow
 def test_the_simulations_own_ray_cluster_listens_on_loopback_only(tmp_path: Path) -> None:
-    from fedguard.simulation import _environment
+    from fedguard.runtime.simulation import _environment
 
     config = load_config(ROOT / "experiments" / "quickstart.toml")
     env = _environment(tmp_path, config)
@@ -235,7 +235,7 @@ def test_the_simulations_own_ray_cluster_listens_on_loopback_only(tmp_path: Path
 
 
 def test_joining_a_cluster_leaves_rays_addresses_to_the_cluster(tmp_path: Path, monkeypatch) -> None:
-    from fedguard.simulation import LOOPBACK_RAY, _environment
+    from fedguard.runtime.simulation import LOOPBACK_RAY, _environment
 
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # as an activated venv sets it
     config = load_config(ROOT / "experiments" / "quickstart.toml", ["sim.address=10.0.0.5:6379"])
@@ -251,7 +251,7 @@ def test_joining_a_cluster_leaves_rays_addresses_to_the_cluster(tmp_path: Path, 
 def test_joining_a_cluster_on_this_machine_keeps_the_loopback_switch(tmp_path: Path, monkeypatch, address: str) -> None:
     """Without the switch Ray would take 127.0.0.1 for the machine's network address, where a head started
     with it does not listen; with it, a head started either way is reached (tests/test_ray_cluster.py)."""
-    from fedguard.simulation import LOOPBACK_RAY, _environment
+    from fedguard.runtime.simulation import LOOPBACK_RAY, _environment
 
     monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
     env = _environment(tmp_path, load_config(ROOT / "experiments" / "quickstart.toml", [f"sim.address={address}"]))

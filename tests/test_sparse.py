@@ -9,7 +9,7 @@ from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dgp import DGPParams
-from fedguard.sparse import ByteCounts, byte_counts, decode, decode_arrays, encode, encode_arrays
+from fedguard.wire.sparse import ByteCounts, byte_counts, decode, decode_arrays, encode, encode_arrays
 
 
 def mostly_zero(shape: tuple[int, ...], fraction: float, seed: int, dtype=np.float32) -> np.ndarray:

@@ -12,11 +12,11 @@ import pytest
 from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import FedAvg, FedMedian, Krum
 
-from fedguard.client_app import make_client_app
 from fedguard.config import ConfigError
-from fedguard.records import array_record
 from fedguard.report.run_status import read_status
-from fedguard.server_app import FederationMismatch, run_server, wait_for_nodes
+from fedguard.runtime.client_app import make_client_app
+from fedguard.runtime.server_app import FederationMismatch, run_server, wait_for_nodes
+from fedguard.wire.records import array_record
 from strategies import AllClientsFailed, GradientStep, RoundGuard, StrategyContext, build_strategy
 from strategies.registry import STRATEGIES, protocol_problem
 from strategies.upload_checks import UploadRules

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from fedguard.commands.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summarize_runs, summary_table
 from fedguard.config import ConfigError, load_config
 from fedguard.report.paper_table import render_paper_table
-from fedguard.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summarize_runs, summary_table
 
 SMALL = """
 name = "small"
@@ -455,7 +455,7 @@ def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(
         log.write_text("Traceback ...\nRuntimeError: out of memory\n")
         return 1
 
-    monkeypatch.setattr("fedguard.sweep.run_one", fail)
+    monkeypatch.setattr("fedguard.commands.sweep.run_one", fail)
     lines: list[str] = []
     rows = run_sweep(sweep, lines.append)
     assert (
@@ -503,7 +503,7 @@ def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(
 
 def test_a_cell_whose_every_seed_failed_is_a_failed_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sweep = load_sweep(write(tmp_path, SEEDED.replace("[0, 1, 2]", "[0, 1]")), tmp_path / "out", [], ["privacy/dp"])
-    monkeypatch.setattr("fedguard.sweep.run_one", lambda command, log, timeout: 1)
+    monkeypatch.setattr("fedguard.commands.sweep.run_one", lambda command, log, timeout: 1)
     [row] = run_sweep(sweep, lambda line: None)
     assert (row["status"], row["seeds"], row["failed_seeds"], row["accuracy"]) == ("failed", [], [0, 1], None)
     assert row["error"] == "seed 0: fedguard run exited with code 1; seed 1: fedguard run exited with code 1"

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedguard.cli import main
+from fedguard.commands.cli import main
+from fedguard.commands.sweep import summary_table
 from fedguard.report.detection import detection_table, pooled_findings, sweep_runs
 from fedguard.report.leakage import privacy
 from fedguard.report.leakage_table import leakage_tables
@@ -24,7 +25,6 @@ from fedguard.report.sweep_html import (
     privacy_utility_points,
     split_section,
 )
-from fedguard.sweep import summary_table
 from tests.test_detection_report import write_sweep_runs
 from tests.test_report_html import CHROMIUM, chromium, img_count
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedguard.config import load_config
-from fedguard.run_folder import read_jsonl
+from fedguard.store.folder import read_jsonl
 from fedguard.tracking import Trackers, open_trackers, tracker_problems
 from tests.test_api import fake_run
 

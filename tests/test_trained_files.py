@@ -15,7 +15,7 @@ import torch
 
 from attackers.base import check_attack_files
 from attackers.generative import GenerativeParams
-from fedguard.cli import main
+from fedguard.commands.cli import main
 from fedguard.config import Component, load_config
 from fedguard.data.spec import DataSpec
 from fedguard.defenses import build_defense
@@ -42,8 +42,8 @@ from fedguard.mjolnir import (
     train_ddpm,
 )
 from fedguard.report.run_dir import OBSERVATIONS_DIR
-from fedguard.server_app import run_server
-from fedguard.trained_files import MissingTrainedFile, TrainedFileError
+from fedguard.runtime.server_app import run_server
+from fedguard.trained.files import MissingTrainedFile, TrainedFileError
 
 SPEC = DataSpec(1, 8, 8, 10)
 TINY = UNetConfig(base_channels=4, channel_mults=(1, 2), groups=2)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fedguard.cli import build_parser
+from fedguard.commands.cli import build_parser
 from fedguard.config import load_config, schema
 
 ROOT = Path(__file__).resolve().parents[1]

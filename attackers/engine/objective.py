@@ -24,8 +24,8 @@ from attackers.engine.problem import Problem
 from attackers.engine.spaces import JointSpace
 from attackers.engine.spec import PRECISIONS, SearchSpec
 from attackers.engine.terms import DISTANCES, PRIORS, Statistics, Term, TermInputs
-from fedguard.declared import wire_key
 from fedguard.observation import Observation
+from fedguard.wire.declared import wire_key
 
 Gradients = dict[str, torch.Tensor]
 

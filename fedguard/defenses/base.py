@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from fedguard.registry import NoParams, Registry, RequiredFile
-from fedguard.trained_files import refuse
+from fedguard.trained.files import refuse
 
 REPORT_PREFIX = "defense."  # fit-metric prefix of what a ReportingDefense reports
 UPLOAD_PREFIX = "upload."  # report-name prefix of a number about this upload alone (not cumulative)

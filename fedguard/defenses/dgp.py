@@ -38,7 +38,7 @@ Decisions where the paper is silent (following the notes' suggestions, censor-dg
   client's own output at round 0 or without error feedback. The mask is constant, so gradients flow through
   the sent entries only.
 
-The upload keeps the dense shapes with zeros at the removed entries; ``fedguard.sparse`` encodes it as
+The upload keeps the dense shapes with zeros at the removed entries; ``fedguard.wire.sparse`` encodes it as
 (bit mask, values, shape) for transport.
 """
 

@@ -77,7 +77,7 @@ from fedguard.defenses.revealed import WithinRadius
 from fedguard.evalnet import TrainedEvalNet, load_evalnet
 from fedguard.evalnet.store import COMMAND
 from fedguard.registry import RequiredFile
-from fedguard.trained_files import MissingTrainedFile, TrainedFileError
+from fedguard.trained.files import MissingTrainedFile, TrainedFileError
 
 CACHE_KEY = "x_star"
 RADII = ("relative", "absolute")

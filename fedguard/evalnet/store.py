@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from fedguard.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.data.spec import DataSpec
 from fedguard.evalnet.model import EvalNet
+from fedguard.trained.archive import load_module_arrays, module_arrays, save_archive
+from fedguard.trained.files import FileKind, TrainedFileError, load_trained
 from fedguard.trained.fitting import trained_meta
-from fedguard.trained_files import FileKind, TrainedFileError, load_trained
 
 FORMAT = "fedguard-evalnet/1"
 COMMAND = "fedguard train-evalnet --data <dataset>"

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from fedguard.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.data.spec import DataSpec
 from fedguard.generators.model import Decoder
+from fedguard.trained.archive import load_module_arrays, module_arrays, save_archive
+from fedguard.trained.files import FileKind, load_trained
 from fedguard.trained.fitting import trained_meta
-from fedguard.trained_files import FileKind, load_trained
 
 FORMAT = "fedguard-generator/1"
 

@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedguard.archive import module_layout, save_archive
 from fedguard.mjolnir.ddpm import DDPMTrainOptions, Schedule, TrainState
 from fedguard.mjolnir.store import beside_model_command
 from fedguard.mjolnir.unet import UNet, UNetConfig
-from fedguard.trained_files import FileKind, check_arrays, load_trained
+from fedguard.trained.archive import module_layout, save_archive
+from fedguard.trained.files import FileKind, check_arrays, load_trained
 
 FORMAT = "fedguard-mjolnir-checkpoint/1"
 

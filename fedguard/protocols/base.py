@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from fedguard.data import Split
-from fedguard.declared import Declared
+from fedguard.wire.declared import Declared
 
 UploadKind = Literal["gradient", "weights"]  # fedguard.observation.UPLOAD_KINDS: what an observation holds
 

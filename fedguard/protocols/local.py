@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 
 from fedguard.data import Split
-from fedguard.declared import Declared
 from fedguard.protocols.base import LocalUpdate, Protocol, Schedule
 from fedguard.protocols.registry import register_protocol
 from fedguard.training import compute_gradients, local_sgd, parameters
+from fedguard.wire.declared import Declared
 
 
 @register_protocol("fedsgd")

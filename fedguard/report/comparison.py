@@ -20,7 +20,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from fedguard.report.images import load_png
 from fedguard.report.row_values import read_rows
-from fedguard.run_folder import (
+from fedguard.store.folder import (
     ATTACKS_FILE,
     COMPARISON_FILE,
     GRID_KINDS,

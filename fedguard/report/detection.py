@@ -22,7 +22,7 @@ from fedguard.config import ConfigError, parse_schedule
 from fedguard.report.leakage import RECOVERED_SSIM
 from fedguard.report.recorded import read_recorded_config
 from fedguard.report.statistics import wilson_interval
-from fedguard.run_folder import ATTACKS_FILE, ROUNDS_FILE, RUNS_FILE, read_jsonl
+from fedguard.store.folder import ATTACKS_FILE, ROUNDS_FILE, RUNS_FILE, read_jsonl
 
 HONEST = "honest"  # the manipulation of an honest client-round
 ANY = "any"  # the union of the detectors

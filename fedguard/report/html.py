@@ -28,7 +28,7 @@ from fedguard.report.images import load_png
 from fedguard.report.recorded import RecordedConfig, read_recorded_config
 from fedguard.report.row_values import read_rows
 from fedguard.report.run_status import read_status
-from fedguard.run_folder import (
+from fedguard.store.folder import (
     ATTACKS_FILE,
     GRID_KINDS,
     REPORT_FILE,

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from fedguard.run_folder import write_atomic
+from fedguard.store.folder import write_atomic
 
 MIN_CELL = 64  # pixels: the automatic scale makes every cell at least this large
 SEPARATOR = 255  # white lines between cells

@@ -10,7 +10,7 @@ A sweep preset may carry ``[sweep.paper]`` with a ``title`` and one ``[[sweep.pa
     format = "{:.1f}"                               # optional: how ours is printed (default "{:.3g}")
     differs = "32x32 photo tiles, 4 uploads"        # how our setting differs from the paper's
 
-``metric`` reads the run's row (``fedguard.sweep.summarize_runs``, over its seeds): ``psnr``, ``ssim``,
+``metric`` reads the run's row (``fedguard.commands.sweep.summarize_runs``, over its seeds): ``psnr``, ``ssim``,
 ``accuracy``, ``accuracy_share`` (of the sweep's baseline variant in the same setting), ``epsilon``,
 ``raw_fraction``, ``upload_share``, ``attacks.<attack>.<score>``, ``by_round.<round>.<score>`` (the strongest
 attack's scores on the uploads of one round), ``privacy.<figure>`` (e.g. ``privacy.ssim_mean``,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fedguard.config import ConfigError, flatten, read_toml
-from fedguard.run_folder import CONFIG_FILE
+from fedguard.store.folder import CONFIG_FILE
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from fedguard.run_folder import JsonlAppender
+from fedguard.store.folder import JsonlAppender
 
 
 class RoundRecorder:
@@ -17,7 +17,7 @@ class RoundRecorder:
     Round 0 is the initial model. ``seconds`` is the wall time since the
     previous row (training plus evaluation of that round). Each row reaches the
     file as it is written, so a run that stops keeps every finished round; a
-    non-finite loss or accuracy is written as strict JSON (``fedguard.run_folder``). A resumed run passes the
+    non-finite loss or accuracy is written as strict JSON (``fedguard.store.folder``). A resumed run passes the
     rows already in the file as ``previous``; new rows are appended after them. Each of ``listeners`` is given
     each new row once it is in the file (a tracker).
     """

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fedguard.limits import shown
-from fedguard.run_folder import ATTACKS_FILE, ROUNDS_FILE, Note, read_jsonl
+from fedguard.store.folder import ATTACKS_FILE, ROUNDS_FILE, Note, read_jsonl
 
 NUMBER, TEXT, TABLE = "a number", "a string", "an object"
 FIELDS: dict[str, dict[str, str]] = {

@@ -1,4 +1,4 @@
-"""Where a run's folder goes and its ``config.toml`` (file names and writers: ``fedguard.run_folder``)."""
+"""Where a run's folder goes and its ``config.toml`` (file names and writers: ``fedguard.store.folder``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import tomli_w
 
 from fedguard.config import Config
-from fedguard.run_folder import CONFIG_FILE, OBSERVATIONS_DIR, ROUNDS_FILE, write_atomic
+from fedguard.store.folder import CONFIG_FILE, OBSERVATIONS_DIR, ROUNDS_FILE, write_atomic
 
 __all__ = [
     "CONFIG_FILE",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fedguard.run_folder import STATUS_FILE, read_json, write_json
+from fedguard.store.folder import STATUS_FILE, read_json, write_json
 
 
 def write_status(folder: Path, status: str, rounds: int, error: str = "") -> Path:

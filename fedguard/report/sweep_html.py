@@ -29,7 +29,7 @@ from fedguard.report.detection import (
 )
 from fedguard.report.html import CSS, EmbeddedImages, figure_png, page_html, plot_axes
 from fedguard.report.leakage import SUCCESS_SSIM
-from fedguard.run_folder import RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, read_jsonl, write_atomic
+from fedguard.store.folder import RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, read_jsonl, write_atomic
 
 SWEEP_PAGE = "sweep.html"
 FIGURES = ("privacy-utility", "leakage-per-round", "cost")

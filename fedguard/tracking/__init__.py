@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fedguard.config import Config
-from fedguard.vault import read_scored_images
+from fedguard.store.vault import read_scored_images
 
 PROBE_SECONDS = 3.0  # how long the check before a run waits for an MLflow server to answer
 

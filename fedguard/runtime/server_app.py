@@ -7,7 +7,7 @@ that reads the records itself; FedSGD decodes one upload at a time as it adds th
 through a strategy that aggregates models) > the ``server.strategy``.
 
 After every round the global model and the strategy's state are checkpointed in the run folder
-(``fedguard.checkpoint``); with ``resume`` (``fedguard run --resume``) a run goes on from its last checkpoint.
+(``fedguard.store.checkpoint``); with ``resume`` (``fedguard run --resume``) a run goes on from its last checkpoint.
 
 ``app`` reads its configuration from Flower's run config (``flwr run``);
 ``make_server_app(config)`` binds a validated ``Config`` (``fedguard run``).
@@ -33,28 +33,28 @@ from attackers.base import AttackOutcome, attack_traits, build_attack, check_att
 from attackers.manipulation import build_manipulation
 from attackers.pool import AttackPool, AttackSpec
 from attackers.sinks import DiskSink, FanOut
-from fedguard.checkpoint import RoundCheckpoint, write_checkpoint
 from fedguard.config import Config, ConfigError, relative_path_problems
 from fedguard.data import load_dataset
-from fedguard.declared import Declared
 from fedguard.defenses import aggregate_reports
 from fedguard.defenses.base import check_defense_files
 from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
-from fedguard.message_index import index_message_delivery, remove_message_index
 from fedguard.models import build_model
 from fedguard.observation import ModelCard
 from fedguard.protocols import protocol as run_protocol
-from fedguard.records import Upload, array_record
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
 from fedguard.report.run_status import write_status
-from fedguard.resume import resume_point, rewind
-from fedguard.run_card import initial_model, model_card, upload_rules
-from fedguard.run_folder import ATTACKS_FILE, flwr_run_dir, read_jsonl
-from fedguard.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_on_flower_exit
+from fedguard.runtime.message_index import index_message_delivery, remove_message_index
+from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_on_flower_exit
+from fedguard.store.card import initial_model, model_card, upload_rules
+from fedguard.store.checkpoint import RoundCheckpoint, write_checkpoint
+from fedguard.store.folder import ATTACKS_FILE, flwr_run_dir, read_jsonl
+from fedguard.store.resume import resume_point, rewind
 from fedguard.tracking import Trackers, open_trackers
 from fedguard.training import evaluate, get_arrays, set_arrays
+from fedguard.wire.declared import Declared
+from fedguard.wire.records import Upload, array_record
 from strategies import FedSGD, GradientStep, HonestButCurious, Malicious, RoundGuard, SparseUploads, StrategyContext
 from strategies.registry import aggregates_gradients, build_strategy, resolve
 from strategies.state import restore_strategy_state, strategy_state
@@ -335,7 +335,7 @@ def finish_run(
 
 def run_server(grid: Grid, config: Config) -> Path:
     """Run every round on ``grid``; returns the run folder. Outputs are flushed even on failure; a stop
-    request (``fedguard.stopping``) ends the run as 'interrupted', every result kept."""
+    request (``fedguard.runtime.stopping``) ends the run as 'interrupted', every result kept."""
     check_attack_files(config.attacks)
     check_defense_files(config.defense.name, config.defense.params)
     folder, point = starting_point(config)
@@ -401,7 +401,7 @@ def run_server(grid: Grid, config: Config) -> Path:
 
 
 def under_runs_home(config: Config, run_id: int) -> Config:
-    """``config`` with the run folder of Flower run ``run_id`` (``fedguard.run_folder.flwr_run_dir``)."""
+    """``config`` with the run folder of Flower run ``run_id`` (``fedguard.store.folder.flwr_run_dir``)."""
     out = flwr_run_dir(config.run.out_dir, config.run.name, run_id)
     return dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(out)))
 

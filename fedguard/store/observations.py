@@ -40,15 +40,15 @@ from numpy.lib import format as npy
 
 from attackers.manipulation import HONEST, MANIPULATIONS
 from fedguard.config import Config
-from fedguard.declared import wire_key
 from fedguard.limits import MAX_META_BYTES, shown
 from fedguard.observation import UPLOAD_KINDS, ModelCard, Observation
 from fedguard.protocols import protocol as run_protocol
-from fedguard.records import PROXIMAL_MU_KEY
-from fedguard.run_card import initial_model, model_card, upload_rules
-from fedguard.run_folder import upload_file_name
-from fedguard.trained_files import READ_ERRORS, NonFiniteMeta, reject_constant
+from fedguard.store.card import initial_model, model_card, upload_rules
+from fedguard.store.folder import upload_file_name
+from fedguard.trained.files import READ_ERRORS, NonFiniteMeta, reject_constant
 from fedguard.training import get_arrays
+from fedguard.wire.declared import wire_key
+from fedguard.wire.records import PROXIMAL_MU_KEY
 from strategies.upload_checks import (
     NPY_HEADERS,
     Layout,

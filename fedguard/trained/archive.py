@@ -1,7 +1,7 @@
 """Trained artifacts as one ``.npz`` each: named arrays plus a JSON ``meta`` string, no pickles.
 
 Generators, evaluation networks, diffusion models, checkpoints and gradient sets share this file layout;
-each module keeps its own ``meta``; ``fedguard.trained_files`` checks what they read.
+each module keeps its own ``meta``; ``fedguard.trained.files`` checks what they read.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from fedguard.trained_files import FileKind, check_arrays
+from fedguard.trained.files import FileKind, check_arrays
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 

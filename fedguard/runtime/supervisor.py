@@ -1,9 +1,9 @@
 """The watcher that ends a run whose ``fedguard run`` died without stopping it (SIGKILL, a closed terminal, a CI
 job's timeout).
 
-``fedguard.launcher`` starts it before anything else of the run, in a session of its own (so a signal to the
+``fedguard.runtime.launcher`` starts it before anything else of the run, in a session of its own (so a signal to the
 launcher's process group does not reach it), with a lifeline: its standard input is a pipe whose write end only
-the launcher holds. The watcher also holds the run folder's lock (``fedguard.run_lock``), and every process of
+the launcher holds. The watcher also holds the run folder's lock (``fedguard.store.lock``), and every process of
 the run inherits ``RUN_TOKEN_ENV`` in its environment (SuperLink, SuperExec, the simulation and its Ray
 cluster alike). When the launcher ends its run it writes ``DONE`` and the watcher exits. When the pipe closes
 without it (the launcher died), the watcher stops every process whose environment holds the run's token
@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from fedguard.processes import Process, is_running, marked, signal_all
 from fedguard.report.run_status import write_status
-from fedguard.run_folder import ROUNDS_FILE, STATUS_FILE, RunFileError, read_jsonl
+from fedguard.runtime.processes import Process, is_running, marked, signal_all
+from fedguard.store.folder import ROUNDS_FILE, STATUS_FILE, RunFileError, read_jsonl
 
 RUN_TOKEN_ENV = "FEDGUARD_RUN_TOKEN"
 DONE = b"done"  # what the launcher writes on the lifeline when it ended its run itself
@@ -104,11 +104,13 @@ def watch(folder: Path, token: str, launcher: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fedguard.supervisor RUN_DIR TOKEN LAUNCHER_PID`` (started by ``fedguard.launcher``)."""
+    """``python -m fedguard.runtime.supervisor RUN_DIR TOKEN LAUNCHER_PID`` (started by
+    ``fedguard.runtime.launcher``)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or not args[2].isdigit():
         print(
-            "usage: python -m fedguard.supervisor RUN_DIR TOKEN LAUNCHER_PID (started by fedguard run)", file=sys.stderr
+            "usage: python -m fedguard.runtime.supervisor RUN_DIR TOKEN LAUNCHER_PID (started by fedguard run)",
+            file=sys.stderr,
         )
         return 2
     return watch(Path(args[0]), args[1], int(args[2]))

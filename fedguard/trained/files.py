@@ -1,7 +1,7 @@
 """Checks of the trained files fedguard loads, with one error type that says what is wrong and how to fix it.
 
 Generators, evaluation networks, Mjölnir's diffusion models, its training checkpoints and its gradient sets
-are each one ``.npz`` written by ``fedguard.archive.save_archive``: named arrays and a JSON ``meta`` string.
+are each one ``.npz`` written by ``fedguard.trained.archive.save_archive``: named arrays and a JSON ``meta`` string.
 Their loaders share these checks: ``read_archive`` opens a file without unpickling anything and checks its
 layout and the format its meta declares; ``check_arrays`` checks the arrays' names, shapes and dtypes
 against what the meta describes, and that every float is finite; ``described`` reports a meta that lacks a

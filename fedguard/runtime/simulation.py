@@ -1,10 +1,10 @@
 """``fedguard run``: the app on Flower's simulation runtime, launched the way Flower supports, ``flwr run``.
 
-``prepare`` checks a configuration's ``sim.*`` and turns it into a ``fedguard.launcher.Launch``: the run
+``prepare`` checks a configuration's ``sim.*`` and turns it into a ``fedguard.runtime.launcher.Launch``: the run
 config ``flwr run`` passes (this repository's ``pyproject.toml`` is the app), the environment, and Flower's
 federation settings (``num-supernodes``, ``client-resources-num-cpus/gpus``, ``init-args-num-cpus``) with which
 the simulation engine starts Ray; with ``sim.address`` or ``RAY_ADDRESS`` it joins that Ray cluster instead.
-``fedguard.launcher`` starts the processes, streams the logs and handles signals.
+``fedguard.runtime.launcher`` starts the processes, streams the logs and handles signals.
 
 ``sim.*`` that would leave the simulation waiting forever (clients reserving more CPUs or GPUs than there are,
 a cluster address where nothing answers) are refused before anything starts.
@@ -26,10 +26,10 @@ from typing import Any
 import tomli_w
 
 from fedguard.config import Config, ConfigError, flatten, ray_address_problem
-from fedguard.launcher import CONNECTION, STOP_FILE_ENV, Interrupted, Launch, LaunchError, launch
 from fedguard.report.run_dir import unflatten
+from fedguard.runtime.launcher import CONNECTION, STOP_FILE_ENV, Interrupted, Launch, LaunchError, launch
 
-APP_DIR = Path(__file__).resolve().parents[1]
+APP_DIR = Path(__file__).resolve().parents[2]
 PROBE_SECONDS = 5.0  # how long a Ray cluster's address may take to answer
 
 __all__ = ["CONNECTION", "Interrupted", "LaunchError", "prepare", "simulate"]
@@ -208,6 +208,6 @@ def prepare(config: Config, verbose: bool = False) -> Launch:
 
 
 def simulate(config: Config, verbose: bool = False) -> Path:
-    """Run all rounds of ``config`` in this process (``prepare`` then ``fedguard.launcher.launch``); returns
+    """Run all rounds of ``config`` in this process (``prepare`` then ``fedguard.runtime.launcher.launch``); returns
     the run folder. Raises ``ConfigError``, ``Interrupted`` or ``LaunchError`` as those do."""
     return launch(prepare(config, verbose))

@@ -4,17 +4,17 @@ A node trains on the partition the server assigned it (``partition-id`` of the t
 server knows its clients by node id, ``strategies.RoundGuard``); without one, on the partition of the
 SuperNode's node config (``partition-id``), as Flower's simulation and ``flower-supernode --node-config``
 set it. The node config's ``num-partitions`` must equal ``partition.num-clients``. The reply's layout is in
-``fedguard.records``.
+``fedguard.wire.records``.
 
 Ground truth (the true batch of a targeted upload, kept for scoring) goes only where the client's own
 configuration says, never where a message from the server says (``truth_vault``): on Flower's simulation
 engine, which runs the server and every client for one party, into the vault of the run's folder
-(``fedguard.run_folder.flwr_run_dir``: ``out-dir``, or one named after the Flower run id); on a SuperNode,
+(``fedguard.store.folder.flwr_run_dir``: ``out-dir``, or one named after the Flower run id); on a SuperNode,
 only when its operator opts in with the node config's ``vault-dir``.
 
 A client whose detectors flag the model it received declines the round as ``detect.action`` says
 (``clients.defended_client.ModelDeclined``): ``skip`` replies with its findings and no upload, ``refuse`` with an
-error whose reason holds them (``fedguard.records``).
+error whose reason holds them (``fedguard.wire.records``).
 
 A client's defense state (``clients.state``) lives in files under the simulated run's folder, on a SuperNode in
 its ``Context.state``.
@@ -34,12 +34,14 @@ from flwr.common.constant import ErrorCode
 from clients import DefendedClient
 from clients.defended_client import ModelDeclined
 from clients.state import ClientState, FileState, RecordState
-from fedguard.app_code import AppCode
 from fedguard.config import Config, ConfigError
 from fedguard.data import DatasetNotFoundError
-from fedguard.declared import wire_key
 from fedguard.defenses.base import REPORT_PREFIX
-from fedguard.records import (
+from fedguard.runtime.app_code import AppCode
+from fedguard.store.folder import CLIENT_STATE_DIR, VAULT_DIR, flwr_run_dir
+from fedguard.trained.files import TrainedFileError
+from fedguard.wire.declared import wire_key
+from fedguard.wire.records import (
     ARRAYS,
     CONFIG,
     FINDING_PREFIX,
@@ -51,9 +53,7 @@ from fedguard.records import (
     refusal_reason,
     reply_content,
 )
-from fedguard.run_folder import CLIENT_STATE_DIR, VAULT_DIR, flwr_run_dir
-from fedguard.sparse import SPARSE
-from fedguard.trained_files import TrainedFileError
+from fedguard.wire.sparse import SPARSE
 
 VAULT_DIR_KEY = "vault-dir"  # node config: the folder under which a SuperNode keeps its ground truth
 PERMANENT_ERRORS = (TrainedFileError, ConfigError, DatasetNotFoundError)
@@ -146,7 +146,7 @@ def declined_reply(msg: Message, declined: ModelDeclined) -> Message:
 
 class ShippedClientApp(AppCode, ClientApp):
     """Flower's ClientApp, rebuilt from this app's code in the Ray actors Flower's simulation ships it to
-    (``fedguard.app_code``)."""
+    (``fedguard.runtime.app_code``)."""
 
 
 def make_client_app(config: Config | None = None) -> ClientApp:

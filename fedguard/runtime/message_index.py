@@ -7,7 +7,7 @@ lock against the replies. ``index_message_delivery`` makes the ask walk only tha
 messages a node is given, their order, their validity checks and their ``delivered_at`` stamp are unchanged.
 
 It patches the one Flower version the project pins (``FLOWER_VERSION``) and nothing otherwise; ``server.
-message-index = false`` keeps Flower's own lookup (``fedguard.server_app``).
+message-index = false`` keeps Flower's own lookup (``fedguard.runtime.server_app``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.exit import add_exit_handler
 from flwr.supercore.run import Run
 
-from fedguard.launcher import STOP_FILE_ENV
+from fedguard.runtime.launcher import STOP_FILE_ENV
 
 PULL_SECONDS = 0.1  # how often a round's replies are pulled, and the stop request looked at
 

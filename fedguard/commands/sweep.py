@@ -24,7 +24,7 @@ holds one row per run, ``sweep.jsonl`` one row per cell over its seeds (``summar
 left out and counted in ``failed_seeds``) and ``summary.md`` the table per variant; a reproduction
 preset's ``[sweep.paper]`` (``fedguard.report.paper_table``) adds the paper's numbers beside ours; runs whose
 clients ran detectors add the detection table (``fedguard.report.detection``). Run logs
-are read and the sweep's files written as ``fedguard.run_folder`` says: a torn last line of a run's log is
+are read and the sweep's files written as ``fedguard.store.folder`` says: a torn last line of a run's log is
 skipped with a warning, and every file appears whole.
 """
 
@@ -50,7 +50,7 @@ from fedguard.report.run_dir import config_toml
 from fedguard.report.run_status import read_status
 from fedguard.report.statistics import over_seeds
 from fedguard.report.sweep_html import build_sweep_page
-from fedguard.run_folder import (
+from fedguard.store.folder import (
     ATTACKS_FILE,
     ROUNDS_FILE,
     RUNS_FILE,

@@ -1,6 +1,6 @@
 """Continuing a stopped run from its last completed round (``fedguard run --resume RUN_DIR``).
 
-The run folder is rewound to the checkpoint (``fedguard.checkpoint``): every row, upload, image and client
+The run folder is rewound to the checkpoint (``fedguard.store.checkpoint``): every row, upload, image and client
 state of a later round (a round that never completed) is removed, so that the rounds run again exactly as
 they first would have. Everything of the rounds up to the checkpoint is kept.
 """
@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 
 from clients.state import discard_after
-from fedguard.checkpoint import RoundCheckpoint, read_checkpoint
-from fedguard.run_folder import (
+from fedguard.store.checkpoint import RoundCheckpoint, read_checkpoint
+from fedguard.store.folder import (
     ATTACKS_FILE,
     CLIENT_STATE_DIR,
     IMAGES_DIR,

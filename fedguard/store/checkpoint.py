@@ -1,5 +1,5 @@
 """``checkpoint.npz``: the global model and the strategy's state after the last completed round, written
-atomically after each round's row, read when a run resumes (``fedguard.resume``).
+atomically after each round's row, read when a run resumes (``fedguard.store.resume``).
 
 Arrays only (``numpy.load(allow_pickle=False)``): ``round`` (0-d int64), ``model/<i>`` the global model's arrays
 in order with their names in ``names``, and ``strategy/<name>`` (``strategies.state``).
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedguard.run_folder import CHECKPOINT_FILE, write_atomic
+from fedguard.store.folder import CHECKPOINT_FILE, write_atomic
 
 _MODEL, _STRATEGY = "model/", "strategy/"
 

@@ -1,7 +1,7 @@
 """The process side of ``fedguard run``: a private SuperLink, ``flwr run`` on it, signals, and the cleanup.
 
-``fedguard.simulation.prepare`` turns a checked configuration into a ``Launch`` (strings only); ``launch``
-runs it. ``fedguard run`` hands the ``Launch`` to ``python -m fedguard.launcher`` in place of itself
+``fedguard.runtime.simulation.prepare`` turns a checked configuration into a ``Launch`` (strings only); ``launch``
+runs it. ``fedguard run`` hands the ``Launch`` to ``python -m fedguard.runtime.launcher`` in place of itself
 (``os.execv``, same process id), so the process that waits for the whole run holds neither torch nor the
 configuration's registries (about 0.5 GB less for a run's lifetime). This module imports only the standard
 library and fedguard's light process helpers.
@@ -12,14 +12,14 @@ run's logs are streamed here, and the SuperLink is stopped at the end. The Serve
 in the run folder (``fedguard.report.run_status``); the run's exit code comes from it, since
 ``flwr run --stream`` ends the same way whether a run completed or failed.
 
-The run folder is locked for the run's life (``fedguard.run_lock``: a second writer is refused), and a watcher
-(``fedguard.supervisor``) started before anything else stops the run and records it as interrupted when this
+The run folder is locked for the run's life (``fedguard.store.lock``: a second writer is refused), and a watcher
+(``fedguard.runtime.supervisor``) started before anything else stops the run and records it as interrupted when this
 process dies without ending it (SIGKILL): every process of the run carries the run's token in its environment.
 
 The first SIGINT or SIGTERM asks the run to stop (the stop file the ServerApp watches, ``STOP_FILE_ENV``):
 the attacks still running are recorded as interrupted, the report is written, and ``launch`` raises
 ``Interrupted``; a second signal, or a run that has not ended ``STOP_GRACE`` seconds later, is stopped at
-once. Either way every process the run started is stopped (``fedguard.processes``).
+once. Either way every process the run started is stopped (``fedguard.runtime.processes``).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from fedguard.processes import ProcessTracker
 from fedguard.report.run_status import read_status
-from fedguard.run_lock import RunFolderBusy, hold
-from fedguard.supervisor import DONE, RUN_TOKEN_ENV
+from fedguard.runtime.processes import ProcessTracker
+from fedguard.runtime.supervisor import DONE, RUN_TOKEN_ENV
+from fedguard.store.lock import RunFolderBusy, hold
 
 STOP_FILE_ENV = "FEDGUARD_STOP_FILE"
 CONNECTION = "fedguard-local"
@@ -184,11 +184,11 @@ def launch(plan: Launch) -> Path:
 
 
 def _supervised(plan: Launch, lock: int) -> int | None:
-    """Run ``plan`` under a watcher (``fedguard.supervisor``) that holds ``lock`` too and stops the run should
+    """Run ``plan`` under a watcher (``fedguard.runtime.supervisor``) that holds ``lock`` too and stops the run should
     this process die; returns the signal that stopped the run, or None."""
     token = secrets.token_hex(16)
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "fedguard.supervisor", plan.out_dir, token, str(os.getpid())],
+        [sys.executable, "-m", "fedguard.runtime.supervisor", plan.out_dir, token, str(os.getpid())],
         stdin=subprocess.PIPE,
         env=plan.env,
         pass_fds=(lock,),
@@ -348,11 +348,11 @@ def _stop(process: subprocess.Popen[Any], grace: float = 20.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fedguard.launcher LAUNCH_JSON``: run the launch, print how it ended; the exit code is 0,
+    """``python -m fedguard.runtime.launcher LAUNCH_JSON``: run the launch, print how it ended; the exit code is 0,
     1 (the run failed), 2 (another run writes the folder) or 128 + the signal that stopped it."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m fedguard.launcher LAUNCH_JSON (written by fedguard run)", file=sys.stderr)
+        print("usage: python -m fedguard.runtime.launcher LAUNCH_JSON (written by fedguard run)", file=sys.stderr)
         return 2
     plan = Launch.load(Path(args[0]))
     try:

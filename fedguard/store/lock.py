@@ -1,7 +1,7 @@
 """One writer per run folder: ``fedguard run`` holds ``run.lock`` in the folder for the run's life.
 
 The lock is ``fcntl.flock`` on that file, which also holds the writer's process id. The system releases it
-once every process holding it has ended (the launcher and its watcher, ``fedguard.supervisor``), however they
+once every process holding it has ended (the launcher and its watcher, ``fedguard.runtime.supervisor``), however they
 ended, so a writer that died leaves nothing that blocks. A second writer (``fedguard run --resume`` or a new
 run into the folder) is refused with ``RunFolderBusy``, naming the holder's process id.
 """
@@ -12,7 +12,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from fedguard.run_folder import LOCK_FILE
+from fedguard.store.folder import LOCK_FILE
 
 
 class RunFolderBusy(FileExistsError):

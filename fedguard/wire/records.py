@@ -40,7 +40,7 @@ from typing import Any, cast
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedguard.sparse import ENCODING_KEY, SPARSE, decode_arrays
+from fedguard.wire.sparse import ENCODING_KEY, SPARSE, decode_arrays
 
 ARRAYS = "arrays"
 CONFIG = "config"

@@ -179,8 +179,8 @@ what the rounds compute."""
 def _resumed(args: argparse.Namespace) -> Config:
     """The configuration of the run in ``args.resume`` (its ``config.toml`` with the allowed ``--set``), set to
     go on from its checkpoint; ``ValueError`` saying why it cannot."""
-    from fedguard.resume import resume_point
-    from fedguard.run_folder import CONFIG_FILE
+    from fedguard.store.folder import CONFIG_FILE
+    from fedguard.store.resume import resume_point
 
     folder: Path = args.resume.resolve()
     if args.preset is not None or args.out is not None:
@@ -203,12 +203,12 @@ def _resumed(args: argparse.Namespace) -> Config:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a Flower simulation of the configured federation: check the configuration, data and files first,
     then follow the run to its end (rounds, attacks, report)."""
-    # A light process (fedguard.launcher) takes this one's place and waits for the run.
+    # A light process (fedguard.runtime.launcher) takes this one's place and waits for the run.
     from attackers.base import check_attack_files
     from fedguard.data import load_dataset
     from fedguard.defenses.base import check_defense_files
     from fedguard.report.run_dir import resolve_run_dir
-    from fedguard.simulation import prepare, resource_problems
+    from fedguard.runtime.simulation import prepare, resource_problems
     from fedguard.tracking import tracker_problems
 
     config = _resumed(args) if args.resume is not None else _resolve(args)
@@ -227,7 +227,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         flush=True,
     )
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "fedguard.launcher", str(plan.save())])
+    os.execv(sys.executable, [sys.executable, "-m", "fedguard.runtime.launcher", str(plan.save())])
     return 1  # not reached: execv replaces this process
 
 
@@ -248,7 +248,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     a sweep's folder (privacy against utility, leakage per round, cost, the tables)."""
     from fedguard.report.html import build_report
     from fedguard.report.sweep_html import build_sweep_page
-    from fedguard.run_folder import SWEEP_FILE
+    from fedguard.store.folder import SWEEP_FILE
 
     if (Path(args.run_dir) / SWEEP_FILE).is_file():
         print(build_sweep_page(args.run_dir))
@@ -275,8 +275,8 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every setting x variant of a sweep preset (e.g. every defense), then print the summary table."""
-    from fedguard.run_folder import SUMMARY_FILE
-    from fedguard.sweep import load_sweep, run_sweep
+    from fedguard.commands.sweep import load_sweep, run_sweep
+    from fedguard.store.folder import SUMMARY_FILE
 
     sweep = load_sweep(args.preset, args.out, args.overrides, args.only, args.seeds)
     if problems := _machine_problems([(f"{run.setting}/{run.variant}", run.config) for run in sweep.runs]):
@@ -293,7 +293,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def _machine_problems(runs: list[tuple[str, Config]]) -> list[str]:
     """What this machine lacks for any of the named ``runs``, each problem once with the first run it concerns;
     runs alike in what is checked (``sim.*``, ``track.*``, the attacks' devices) are checked once."""
-    from fedguard.simulation import resource_problems
+    from fedguard.runtime.simulation import resource_problems
     from fedguard.tracking import tracker_problems
 
     problems: dict[str, str] = {}
@@ -310,7 +310,7 @@ def _machine_problems(runs: list[tuple[str, Config]]) -> list[str]:
 
 def cmd_attack(args: argparse.Namespace) -> int:
     """Run an attack on the observations a run captured, score it, and rebuild the report."""
-    from fedguard.offline_attack import attack_capture
+    from fedguard.commands.attack import attack_capture
 
     attack_capture(args.capture_dir, args.overrides)
     return 0
@@ -335,8 +335,8 @@ def cmd_train_generator(args: argparse.Namespace) -> int:
 
 def global_weights_of(path: Path, config: Config) -> list[np.ndarray]:
     """The global model's arrays a captured upload was computed at; ``ConfigError`` when the capture is not one
-    of the run ``config`` describes (``fedguard.observation_files``)."""
-    from fedguard.observation_files import ObservationRefused, RunExpectations, read_observation
+    of the run ``config`` describes (``fedguard.store.observations``)."""
+    from fedguard.store.observations import ObservationRefused, RunExpectations, read_observation
 
     if not path.is_file():
         raise ConfigError([f"--at {path}: no such captured upload (look in runs/<run>/observations/)"])

@@ -2,7 +2,7 @@
 
 In simulation, clients write the batch of each targeted round to the run folder's
 ``vault/``; a SuperNode writes only when its own node config opts in, under its
-own folder (``fedguard.client_app.truth_vault``). Attackers never read it (they
+own folder (``fedguard.runtime.client_app.truth_vault``). Attackers never read it (they
 receive only ``Observation`` objects); the evaluator does. One file per upload:
 ``round-RRRR_client-CCCC.npz`` with ``images`` (B, C, H, W) float32 in [0, 1]
 and ``labels`` (B,) int64.
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedguard.run_folder import VAULT_DIR, recon_name, upload_file_name
+from fedguard.store.folder import VAULT_DIR, recon_name, upload_file_name
 
 
 def truth_path(vault: Path, round_: int, client: int) -> Path:

@@ -1,6 +1,6 @@
 """Re-running attacks on saved observations, without the federation: ``fedguard attack``.
 
-Observations are untrusted files (``fedguard.observation_files``): one that cannot be read or does not fit the
+Observations are untrusted files (``fedguard.store.observations``): one that cannot be read or does not fit the
 run (a truncated or foreign file, a header or member size beyond the model's, a field of the wrong type, a
 symbolic link) is named with the reason and skipped; the others are attacked, and the count of skipped ones is
 said at the end.
@@ -20,9 +20,9 @@ from fedguard.absent_plugins import without_absent_plugins
 from fedguard.config import Config, ConfigError, load_config, read_preset
 from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
 from fedguard.observation import Observation
-from fedguard.observation_files import ObservationRefused, RunExpectations, read_observation
 from fedguard.report.html import build_report
-from fedguard.run_folder import ATTACKS_FILE, CONFIG_FILE, OBSERVATIONS_DIR, UPLOAD_GLOB
+from fedguard.store.folder import ATTACKS_FILE, CONFIG_FILE, OBSERVATIONS_DIR, UPLOAD_GLOB
+from fedguard.store.observations import ObservationRefused, RunExpectations, read_observation
 
 
 def locate(capture_dir: Path) -> tuple[Path, Path]:

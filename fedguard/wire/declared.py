@@ -1,7 +1,7 @@
 """What a client declares with its upload: one typed record, filled by the client, checked by the server and read
 by the attacks.
 
-On the wire it is the reply's "declared" ``ConfigRecord`` (``fedguard.records``), each field under its name with
+On the wire it is the reply's "declared" ``ConfigRecord`` (``fedguard.wire.records``), each field under its name with
 dashes (``batch_size`` is ``batch-size``); a field left None is not sent. A captured upload keeps the same mapping
 in ``Observation.declared`` (without ``client``, which the observation holds itself), where the server may add
 what it derived (``extra``: e.g. feature fishing's ``isolated``). ``strategies.upload_checks`` checks a received
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from fedguard.sparse import ENCODING_KEY
+from fedguard.wire.sparse import ENCODING_KEY
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The messages between clients and server: the reply's typed records, the declared record, the sparse encoding."""
