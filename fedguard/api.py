@@ -19,7 +19,7 @@ import dataclasses
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,16 +29,14 @@ from fedguard.config import Config, ConfigError, load_config
 from fedguard.report.run_dir import config_toml, resolve_run_dir
 from fedguard.report.run_status import read_status
 from fedguard.store.folder import (
-    ATTACKS_FILE,
     CONFIG_FILE,
     REPORT_FILE,
     ROUNDS_FILE,
     RUNS_FILE,
     SUMMARY_FILE,
-    SWEEP_FILE,
     image_prefix,
-    read_jsonl,
 )
+from fedguard.store.rows import read_attacks, read_cells, read_rounds
 from fedguard.store.vault import read_scored_images
 
 if TYPE_CHECKING:
@@ -57,7 +55,7 @@ class RunFailed(RuntimeError):
         self.folder = folder
 
 
-def _frame(rows: list[dict[str, Any]], drop: Iterable[str] = ()) -> pd.DataFrame:
+def _frame(rows: Sequence[Mapping[str, Any]], drop: Iterable[str] = ()) -> pd.DataFrame:
     """``rows`` as a DataFrame; nested objects become dotted columns (``defense.epsilon``), the keys in ``drop``
     (lists that belong in tables of their own) are left out."""
     import pandas as pd
@@ -90,7 +88,7 @@ class RunResults:
     def rounds(self) -> pd.DataFrame:
         """One row per round (0: the initial model): ``round``, ``accuracy``, ``loss``, ``seconds``, the
         defense's totals as ``defense.<name>``, upload sizes in bytes."""
-        return _frame(read_jsonl(self.folder / ROUNDS_FILE), drop=("uploads", "rejected", "detect"))
+        return _frame(read_rounds(self.folder), drop=("uploads", "rejected", "detect"))
 
     @property
     def uploads(self) -> pd.DataFrame:
@@ -99,11 +97,7 @@ class RunResults:
         import pandas as pd
 
         return pd.DataFrame(
-            [
-                {"round": row["round"], **upload}
-                for row in read_jsonl(self.folder / ROUNDS_FILE)
-                for upload in row.get("uploads", [])
-            ]
+            [{"round": row["round"], **upload} for row in read_rounds(self.folder) for upload in row.get("uploads", [])]
         )
 
     @property
@@ -111,7 +105,7 @@ class RunResults:
         """One row per attack on a captured upload: ``attack``, ``round``, ``client``, ``status``, ``psnr`` (dB),
         ``ssim``, ``lpips``, ``label_accuracy``, ``seconds``, ``attack_params.<key>``, ``stats.<key>``, ... (the
         scores are means over the upload's images; ``images`` has them one by one)."""
-        return _frame(read_jsonl(self.folder / ATTACKS_FILE), drop=("per_image",))
+        return _frame(read_attacks(self.folder), drop=("per_image",))
 
     @property
     def image_scores(self) -> pd.DataFrame:
@@ -122,7 +116,7 @@ class RunResults:
         return pd.DataFrame(
             [
                 {"attack": row["attack"], "round": row["round"], "client": row["client"], "image": index, **scores}
-                for row in read_jsonl(self.folder / ATTACKS_FILE)
+                for row in read_attacks(self.folder)
                 for index, scores in enumerate(row.get("per_image") or [])
             ]
         )
@@ -136,7 +130,7 @@ class RunResults:
             scored = sorted(
                 {
                     (r["attack"], r["round"], r["client"])
-                    for r in read_jsonl(self.folder / ATTACKS_FILE)
+                    for r in read_attacks(self.folder)
                     if r.get("status") == "ok" and r.get("images")
                 }
             )
@@ -159,13 +153,13 @@ class SweepResults:
         """One row per (setting, variant) cell: ``accuracy``, ``accuracy_ci95``, ``accuracy_share``, ``epsilon``,
         the headline leakage as ``privacy.<key>`` (``privacy.attack``, ``privacy.round``, ``privacy.ssim_mean``,
         ``privacy.ssim_ci95``, ...), ``seconds_per_round``, ..."""
-        return _frame(read_jsonl(self.folder / SWEEP_FILE), drop=("attacks", "by_round", "defense_report"))
+        return _frame(read_cells(self.folder), drop=("attacks", "by_round", "defense_report"))
 
     @property
     def runs(self) -> pd.DataFrame:
         """One row per run (a seed of a cell): ``setting``, ``variant``, ``seed``, ``status``, ``accuracy``,
         ``folder``, ..."""
-        return _frame(read_jsonl(self.folder / RUNS_FILE), drop=("attacks", "by_round", "defense_report", "privacy"))
+        return _frame(read_cells(self.folder, RUNS_FILE), drop=("attacks", "by_round", "defense_report", "privacy"))
 
     @property
     def leakage(self) -> pd.DataFrame:
@@ -176,7 +170,7 @@ class SweepResults:
         return pd.DataFrame(
             [
                 {"setting": cell["setting"], "variant": cell["variant"], **leak}
-                for cell in read_jsonl(self.folder / SWEEP_FILE)
+                for cell in read_cells(self.folder)
                 for leak in (cell.get("privacy") or {}).get("by_attack", [])
             ]
         )
@@ -189,7 +183,7 @@ class SweepResults:
     def run(self, setting: str, variant: str, seed: int | None = None) -> RunResults:
         """One run of the sweep (``seed``: required where the sweep declares seeds); ``KeyError`` naming the
         runs there are."""
-        rows = read_jsonl(self.folder / RUNS_FILE)
+        rows = read_cells(self.folder, RUNS_FILE)
         found = [
             r
             for r in rows

@@ -17,7 +17,7 @@ import dataclasses
 import threading
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from fedguard.training import compute_gradients
 ROW_STATUSES = ("ok", "error", "timeout", "score-error", "interrupted")
 
 
-def status_counts(rows: list[dict[str, Any]]) -> str:
+def status_counts(rows: Sequence[Mapping[str, Any]]) -> str:
     """How many rows have each status, e.g. '3 ok, 1 interrupted': 'ok' always, the others when present."""
     counts = Counter(str(row.get("status")) for row in rows)
     shown = [status for status in ROW_STATUSES if status == "ok" or counts[status]]

@@ -11,11 +11,22 @@ round (``current_arrays``) is set again by the round's ``configure_train`` and n
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 STATE_ATTRIBUTES = ("m_t", "v_t", "momentum_vector", "clipping_norm")
+
+
+@runtime_checkable
+class StatefulStrategy(Protocol):
+    """A strategy that declares its own state between rounds, as named arrays."""
+
+    def state_arrays(self) -> dict[str, np.ndarray]: ...
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None: ...
+
+
 _SEP = "/"
 
 
@@ -43,7 +54,7 @@ def strategy_state(strategy: Any) -> dict[str, np.ndarray]:
     """The state of every strategy in the chain of ``strategy``, as named arrays."""
     state: dict[str, np.ndarray] = {}
     for depth, member in enumerate(chain(strategy)):
-        if callable(getattr(member, "state_arrays", None)):
+        if isinstance(member, StatefulStrategy):
             for name, array in member.state_arrays().items():
                 state[f"{depth}{_SEP}own{_SEP}{name}"] = np.asarray(array)
             continue
@@ -94,12 +105,12 @@ def restore_strategy_state(strategy: Any, state: dict[str, np.ndarray]) -> None:
                 f"attribute {attribute!r}; was the run resumed with another server.strategy?"
             )
     for depth, arrays in own.items():
-        loader = getattr(members[depth], "load_state_arrays", None)
-        if not callable(loader):
+        member = members[depth]
+        if not isinstance(member, StatefulStrategy):
             raise ValueError(
-                f"checkpointed strategy state for {type(members[depth]).__name__}, which has no "
-                "load_state_arrays(arrays)"
+                f"checkpointed strategy state for {type(member).__name__}, which has no "
+                "state_arrays() and load_state_arrays(arrays)"
             )
-        loader(arrays)
+        member.load_state_arrays(arrays)
     for (depth, attribute), tree in nested.items():
         setattr(members[depth], attribute, _build(tree))

@@ -213,6 +213,35 @@ def test_strategy_state_round_trip_through_wrappers() -> None:
         restore_strategy_state(FedAvgM(), {"0/m_t/d/w": np.ones(2)})
 
 
+def test_a_strategy_that_declares_its_own_state_gets_it_back_and_one_that_does_not_is_named() -> None:
+    from flwr.serverapp.strategy import FedAvg
+
+    from strategies.wrapper import StrategyWrapper
+
+    class Counting(FedAvg):
+        """A strategy of one's own, with a state of its own."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = np.zeros(3)
+
+        def state_arrays(self) -> dict[str, np.ndarray]:
+            return {"seen": self.seen}
+
+        def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+            self.seen = arrays["seen"]
+
+    counting = Counting()
+    counting.seen = np.array([1.0, 2.0, 3.0])
+    state = strategy_state(StrategyWrapper(counting))
+    assert list(state) == ["1/own/seen"]
+    fresh = Counting()
+    restore_strategy_state(StrategyWrapper(fresh), state)
+    assert np.array_equal(fresh.seen, [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="FedAvg, which has no state_arrays"):
+        restore_strategy_state(StrategyWrapper(FedAvg()), state)
+
+
 def test_rewind_removes_what_an_unfinished_round_left(tmp_path: Path) -> None:
     (tmp_path / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in range(4)) + '{"rou')
     (tmp_path / "attacks.jsonl").write_text(json.dumps({"round": 2}) + "\n" + json.dumps({"round": 3}) + "\n")

@@ -51,15 +51,13 @@ from fedguard.report.run_status import read_status
 from fedguard.report.statistics import over_seeds
 from fedguard.report.sweep_html import build_sweep_page
 from fedguard.store.folder import (
-    ATTACKS_FILE,
-    ROUNDS_FILE,
     RUNS_FILE,
     SUMMARY_FILE,
     SWEEP_FILE,
-    read_jsonl,
     write_atomic,
     write_jsonl,
 )
+from fedguard.store.rows import AttackRow, RoundRow, read_attacks, read_rounds
 
 SETTING_KINDS = ("diagnostic", "realistic")
 """What a setting is (EVALUATION.md, point 7): diagnostic finds worst cases (batch 1, untrained model, known
@@ -270,14 +268,18 @@ def _mean(values: list[float | None]) -> float | None:
 
 def finished(run: SweepRun) -> bool:
     """Whether ``run.folder`` holds a rounds log with every round."""
-    rounds = read_jsonl(run.folder / ROUNDS_FILE)
+    rounds = read_rounds(run.folder)
     return bool(rounds) and rounds[-1]["round"] == run.config.train.rounds
 
 
-def attack_scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def attack_scores(rows: list[AttackRow]) -> dict[str, Any]:
     """Means over one attack's scored rows: ``psnr``, ``ssim``, ``lpips``, ``floor_psnr``; counts of
     ``uploads``, ``images`` and ``leaked_images``."""
-    scores: dict[str, Any] = {key: _mean([a.get(key) for a in rows]) for key in ("psnr", "ssim", "lpips")}
+    scores: dict[str, Any] = {
+        "psnr": _mean([a.get("psnr") for a in rows]),
+        "ssim": _mean([a.get("ssim") for a in rows]),
+        "lpips": _mean([a.get("lpips") for a in rows]),
+    }
     scores["floor_psnr"] = _mean([(a.get("floor") or {}).get("psnr") for a in rows])
     scores["uploads"] = len(rows)
     scores["images"] = sum(len(a.get("per_image") or []) for a in rows)
@@ -285,13 +287,13 @@ def attack_scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return scores
 
 
-def raw_uploads(runs: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]) -> dict[str, Any]:
+def raw_uploads(runs: list[tuple[list[RoundRow], list[AttackRow]]]) -> dict[str, Any]:
     """How many uploads went out as the raw gradient (a defense's ``upload.raw`` report, e.g. CENSOR's
     Algorithm 1 fallback), over ``runs`` (each its trained rounds and its scored attack rows): ``raw_fraction``
     over every upload, and ``raw_attacked`` of ``attacked_uploads`` among the (round, client) uploads that attack
     rows scored. Empty when no upload reported it."""
-    flags = {
-        (index, r["round"], u.get("client")): u["raw"]
+    flags: dict[tuple[int, int | None, int | None], float] = {
+        (index, r.get("round"), u.get("client")): u["raw"]
         for index, (rounds, _) in enumerate(runs)
         for r in rounds
         for u in r.get("uploads", [])
@@ -357,7 +359,7 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
     the top level the strongest attack's (highest mean SSIM over every attacked round; ``by_round``: its scores
     per round), as the means of per-upload means. ``privacy``: the image-level headline of
     ``fedguard.report.leakage.privacy`` (None where nothing was attacked); ``setting_kind``: the setting's."""
-    logs = [(run, read_jsonl(run.folder / ROUNDS_FILE), read_jsonl(run.folder / ATTACKS_FILE)) for run in runs]
+    logs = [(run, read_rounds(run.folder), read_attacks(run.folder)) for run in runs]
     trained = [[r for r in rounds if r["round"] > 0] for _, rounds, _ in logs]
     scored_by_run = [[a for a in attacks if a.get("status") == "ok"] for _, _, attacks in logs]
     scored = [a for rows in scored_by_run for a in rows]

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -56,6 +56,7 @@ class Defense(Protocol):
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]: ...
 
 
+@runtime_checkable
 class ReportingDefense(Protocol):
     """A defense that also reports numbers about itself after each upload (cumulative privacy loss, fallbacks).
 
@@ -74,8 +75,9 @@ class ReportingDefense(Protocol):
 
 def defense_report(defense: Defense, state: dict[str, torch.Tensor]) -> dict[str, float]:
     """The fit metrics ``defense.<name>`` of a ``ReportingDefense``, or nothing for other defenses."""
-    report = getattr(defense, "report", None)
-    return {} if report is None else {f"{REPORT_PREFIX}{k}": float(v) for k, v in report(state).items()}
+    if not isinstance(defense, ReportingDefense):
+        return {}
+    return {f"{REPORT_PREFIX}{k}": float(v) for k, v in defense.report(state).items()}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ evaluator saved), so the figure can be rebuilt from a run folder alone. A grid
 path that leads out of the run folder is refused, and a grid that is not a
 readable PNG skipped: that upload is left out (the attack's next scored one is
 drawn) and the note says why. A score of the wrong type is left out of the
-caption (``fedguard.report.row_values``).
+caption (``fedguard.store.rows``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 from fedguard.report.images import load_png
-from fedguard.report.row_values import read_rows
 from fedguard.store.folder import (
-    ATTACKS_FILE,
     COMPARISON_FILE,
     GRID_KINDS,
     Note,
@@ -31,15 +29,16 @@ from fedguard.store.folder import (
     warn,
     write_atomic,
 )
+from fedguard.store.rows import AttackRow, read_attacks
 
 LABEL_WIDTH = 230  # pixels of the text column on the left of each band
 GAP = 12  # pixels between and around the grids
 TEXT = (17, 24, 39)
 MUTED = (107, 114, 128)
-Scored = tuple[dict[str, Any], tuple[Image.Image, Image.Image]]  # a row and its (truth, recon) grids, RGB
+Scored = tuple[AttackRow, tuple[Image.Image, Image.Image]]  # a row and its (truth, recon) grids, RGB
 
 
-def _grids(run_dir: Path, row: dict[str, Any], note: Note) -> tuple[Image.Image, Image.Image] | None:
+def _grids(run_dir: Path, row: AttackRow, note: Note) -> tuple[Image.Image, Image.Image] | None:
     """The (truth, recon) grids of a scored row inside ``run_dir``, as RGB images; None when missing, refused
     or not readable PNGs (noted)."""
     try:
@@ -59,7 +58,7 @@ def _grids(run_dir: Path, row: dict[str, Any], note: Note) -> tuple[Image.Image,
     return grids[0], grids[1]
 
 
-def _first_scored(rows: list[dict[str, Any]], run_dir: Path, note: Note) -> dict[str, Scored]:
+def _first_scored(rows: list[AttackRow], run_dir: Path, note: Note) -> dict[str, Scored]:
     """Attack name -> its first row with readable saved grids and the grids, in order of first appearance."""
     chosen: dict[str, Scored] = {}
     for row in rows:
@@ -70,7 +69,7 @@ def _first_scored(rows: list[dict[str, Any]], run_dir: Path, note: Note) -> dict
     return chosen
 
 
-def _caption(row: dict[str, Any]) -> list[tuple[str, tuple[int, int, int]]]:
+def _caption(row: AttackRow) -> list[tuple[str, tuple[int, int, int]]]:
     """Text lines for a band: name, where the upload came from, the scores."""
     floor = row.get("floor") or {}
 
@@ -95,7 +94,7 @@ def _caption(row: dict[str, Any]) -> list[tuple[str, tuple[int, int, int]]]:
 def render_comparison(run_dir: Path, note: Note = warn) -> bytes | None:
     """The comparison figure of ``run_dir`` as PNG bytes; None when no attack saved grids. ``note`` hears of
     a torn last line of ``attacks.jsonl`` and of refused grid paths."""
-    chosen = _first_scored(read_rows(run_dir, ATTACKS_FILE, note), Path(run_dir), note)
+    chosen = _first_scored(read_attacks(Path(run_dir), note), Path(run_dir), note)
     if not chosen:
         return None
     pairs = [grids for _, grids in chosen.values()]

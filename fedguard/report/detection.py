@@ -14,6 +14,7 @@ a sweep (``[sweep.settings]``: protocol, server strategy), the detector rates of
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from fedguard.config import ConfigError, parse_schedule
 from fedguard.report.leakage import RECOVERED_SSIM
 from fedguard.report.recorded import read_recorded_config
 from fedguard.report.statistics import wilson_interval
-from fedguard.store.folder import ATTACKS_FILE, ROUNDS_FILE, RUNS_FILE, read_jsonl
+from fedguard.store.folder import RUNS_FILE
+from fedguard.store.rows import AttackRow, RoundRow, read_attacks, read_cells, read_rounds
 
 HONEST = "honest"  # the manipulation of an honest client-round
 ANY = "any"  # the union of the detectors
@@ -82,7 +84,7 @@ def rate(k: int, n: int) -> Rate:
     return Rate(k, n, wilson_interval(k, n) if n else None)
 
 
-def client_rounds(rounds: list[dict[str, Any]], schedule: dict[int, str], setting: str = "") -> list[ClientRound]:
+def client_rounds(rounds: list[RoundRow], schedule: dict[int, str], setting: str = "") -> list[ClientRound]:
     """The client-rounds of one run's ``rounds.jsonl`` rows, malicious where ``schedule`` (round -> manipulation,
     ``fedguard.config.parse_schedule``) names a manipulation; ``setting``: the run's sweep setting."""
     return [
@@ -130,7 +132,7 @@ def setting_rows(found: list[ClientRound]) -> dict[str, list[DetectorRow]]:
     return {s: detector_rows([c for c in found if c.setting == s]) for s in settings}
 
 
-def recovered_images(attacks: list[dict[str, Any]], manipulation: str, round_: int) -> Rate:
+def recovered_images(attacks: list[AttackRow], manipulation: str, round_: int) -> Rate:
     """The images above ``RECOVERED_SSIM`` among those scored by the ``attacks.jsonl`` rows (status 'ok') of
     ``manipulation`` in round ``round_``."""
     scores = [
@@ -143,7 +145,7 @@ def recovered_images(attacks: list[dict[str, Any]], manipulation: str, round_: i
     return rate(sum(s > RECOVERED_SSIM for s in kept), len(kept))
 
 
-def manipulation_rows(found: list[ClientRound], attacks: list[dict[str, Any]]) -> list[ManipulationRow]:
+def manipulation_rows(found: list[ClientRound], attacks: list[AttackRow]) -> list[ManipulationRow]:
     """Per (manipulation, round) of the malicious client-rounds, in order of appearance: the detectors' counts
     and the images its attack recovered."""
     names = detectors(found)
@@ -158,24 +160,24 @@ def manipulation_rows(found: list[ClientRound], attacks: list[dict[str, Any]]) -
     return rows
 
 
-def run_findings(folder: Path, setting: str = "") -> tuple[list[ClientRound], list[dict[str, Any]]]:
+def run_findings(folder: Path, setting: str = "") -> tuple[list[ClientRound], list[AttackRow]]:
     """(the client-rounds, the ``attacks.jsonl`` rows) of the run in ``folder`` (of sweep setting ``setting``),
     its schedule read from its ``config.toml``; none of either when its clients ran no detector, or when that file
     is missing or unreadable (which rounds were malicious is unknown)."""
-    rounds = read_jsonl(folder / ROUNDS_FILE)
+    rounds = read_rounds(folder)
     if not any(row.get("detect") for row in rounds):
         return [], []
     try:
         malicious = str(read_recorded_config(folder).value("threat.malicious", ""))
     except ConfigError:
         return [], []
-    return client_rounds(rounds, parse_schedule(malicious), setting), read_jsonl(folder / ATTACKS_FILE)
+    return client_rounds(rounds, parse_schedule(malicious), setting), read_attacks(folder)
 
 
-def pooled_findings(runs: list[tuple[str, Path]]) -> tuple[list[ClientRound], list[dict[str, Any]]]:
+def pooled_findings(runs: list[tuple[str, Path]]) -> tuple[list[ClientRound], list[AttackRow]]:
     """``run_findings`` of every (setting, run folder), pooled."""
     found: list[ClientRound] = []
-    attacks: list[dict[str, Any]] = []
+    attacks: list[AttackRow] = []
     for setting, folder in runs:
         more, rows = run_findings(folder, setting)
         found += more
@@ -183,7 +185,7 @@ def pooled_findings(runs: list[tuple[str, Path]]) -> tuple[list[ClientRound], li
     return found, attacks
 
 
-def completed_runs(rows: list[dict[str, Any]]) -> list[tuple[str, Path]]:
+def completed_runs(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, Path]]:
     """(setting, folder) of the ``runs.jsonl`` rows of status 'ok'."""
     return [(str(row.get("setting", "")), Path(row["folder"])) for row in rows if row.get("status") == "ok"]
 
@@ -194,7 +196,7 @@ def sweep_runs(folder: Path) -> list[tuple[str, Path]]:
     runs = folder / RUNS_FILE
     if not runs.is_file():
         raise FileNotFoundError(f"{runs} not found: is {folder} the folder of a finished fedguard sweep?")
-    return completed_runs(read_jsonl(runs))
+    return completed_runs(read_cells(folder, RUNS_FILE))
 
 
 def _count(r: Rate) -> str:
@@ -232,7 +234,7 @@ def setting_lines(found: list[ClientRound]) -> list[str]:
     return ["", *lines]
 
 
-def manipulation_lines(found: list[ClientRound], attacks: list[dict[str, Any]]) -> list[str]:
+def manipulation_lines(found: list[ClientRound], attacks: list[AttackRow]) -> list[str]:
     """Markdown: per manipulation and round, the client-rounds each detector flagged and the images recovered."""
     names = detectors(found)
     lines = [
@@ -245,7 +247,7 @@ def manipulation_lines(found: list[ClientRound], attacks: list[dict[str, Any]]) 
     return lines
 
 
-def detection_table(found: list[ClientRound], attacks: list[dict[str, Any]]) -> str:
+def detection_table(found: list[ClientRound], attacks: list[AttackRow]) -> str:
     """Markdown: the rates per detector, per setting (when there are several), then per manipulation and round
     with its attack's recovered images; empty when no client-round was scored."""
     if not found:

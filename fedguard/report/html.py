@@ -7,7 +7,7 @@ file can be mailed, archived or opened offline and looks the same. Only grids
 inside the run folder are embedded; the page lists what it left out (a torn
 last line of a log, a grid path that leads out of the folder, a grid that is
 not a readable PNG, a value of the wrong type in a row, named with its file and
-row: ``fedguard.report.row_values``).
+row: ``fedguard.store.rows``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.report.comparison import write_comparison
 from fedguard.report.images import load_png
 from fedguard.report.recorded import RecordedConfig, read_recorded_config
-from fedguard.report.row_values import read_rows
 from fedguard.report.run_status import read_status
 from fedguard.store.folder import (
-    ATTACKS_FILE,
     GRID_KINDS,
     REPORT_FILE,
     ROUNDS_FILE,
@@ -39,6 +37,7 @@ from fedguard.store.folder import (
     warn,
     write_atomic,
 )
+from fedguard.store.rows import AttackRow, RoundRow, read_attacks, read_rounds
 from strategies.registry import AUTO as AUTO_STRATEGY
 from strategies.registry import resolve as resolve_strategy
 
@@ -114,16 +113,16 @@ def _pct(value: Any, digits: int = 1) -> str:
     return DASH if number is None else _fmt(100 * number, digits, "%")
 
 
-def _is_ok(row: dict[str, Any]) -> bool:
+def _is_ok(row: AttackRow) -> bool:
     return row.get("status") == "ok"
 
 
-def _leaked(row: dict[str, Any]) -> bool:
+def _leaked(row: AttackRow) -> bool:
     ssim = _number(row.get("ssim"))
     return _is_ok(row) and ssim is not None and ssim > LEAK_SSIM
 
 
-def _sort_key(row: dict[str, Any]) -> tuple[Any, ...]:
+def _sort_key(row: AttackRow) -> tuple[Any, ...]:
     def num(value: Any) -> float:
         n = _number(value)
         return math.inf if n is None else n
@@ -163,7 +162,7 @@ def figure_png(figure: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _curve_png(rounds: list[dict[str, Any]]) -> bytes:
+def _curve_png(rounds: list[RoundRow]) -> bytes:
     """Accuracy (%) and loss against the round, as a PNG."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -222,7 +221,7 @@ def _curve_png(rounds: list[dict[str, Any]]) -> bytes:
     return figure_png(figure)
 
 
-def leakage_by_round(attacks: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+def leakage_by_round(attacks: list[AttackRow]) -> dict[str, list[tuple[int, float]]]:
     """Per attack, (round, mean SSIM of its scored uploads in that round), rounds ascending."""
     grouped: dict[str, dict[int, list[float]]] = {}
     for row in attacks:
@@ -249,7 +248,7 @@ def plot_axes(width: float, height: float, columns: int = 1) -> tuple[Any, list[
     return figure, axes
 
 
-def _leakage_png(curves: dict[str, list[tuple[int, float]]], rounds: list[dict[str, Any]]) -> bytes:
+def _leakage_png(curves: dict[str, list[tuple[int, float]]], rounds: list[RoundRow]) -> bytes:
     """Mean SSIM of each attack's reconstructions against the round its uploads came from, as a PNG on the
     training curve's round axis."""
     from matplotlib.ticker import MaxNLocator
@@ -308,7 +307,7 @@ def _chips(recorded: RecordedConfig, done: int) -> list[tuple[str, str]]:
     ]
 
 
-def _header(run_dir: Path, recorded: RecordedConfig | None, problems: list[str], rounds: list[dict[str, Any]]) -> str:
+def _header(run_dir: Path, recorded: RecordedConfig | None, problems: list[str], rounds: list[RoundRow]) -> str:
     name = str(recorded.value("name", run_dir.name)) if recorded else run_dir.name
     done = max((int(n) for row in rounds if (n := _number(row.get("round"))) is not None), default=0)
     chips: list[tuple[str, str]] = []
@@ -330,12 +329,12 @@ def _header(run_dir: Path, recorded: RecordedConfig | None, problems: list[str],
     return "\n".join(parts)
 
 
-def _stats(rounds: list[dict[str, Any]], attacks: list[dict[str, Any]]) -> str:
+def _stats(rounds: list[RoundRow], attacks: list[AttackRow]) -> str:
     cards: list[tuple[str, str, str, str]] = []  # label, value, detail, css class
     scored = [row for row in rounds if _number(row.get("accuracy")) is not None]
     if scored:
         first, last = scored[0], scored[-1]
-        best = max(scored, key=lambda row: row["accuracy"])
+        best = max(scored, key=lambda row: row.get("accuracy") or 0.0)
         since = f"from {_pct(first['accuracy'])} at round {first.get('round')}"
         cards.append(("final accuracy", _pct(last["accuracy"]), since, ""))
         cards.append(("best accuracy", _pct(best["accuracy"]), f"at round {best.get('round')}", ""))
@@ -376,7 +375,7 @@ def _duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
-def _training(rounds: list[dict[str, Any]], attacks: list[dict[str, Any]], images: EmbeddedImages) -> str:
+def _training(rounds: list[RoundRow], attacks: list[AttackRow], images: EmbeddedImages) -> str:
     parts = ['<section class="panel">', "<h2>Training</h2>"]
     if not rounds:
         parts.append(f'<p class="empty">No round finished: {ROUNDS_FILE} holds no rows yet.</p>')
@@ -409,12 +408,12 @@ def _training(rounds: list[dict[str, Any]], attacks: list[dict[str, Any]], image
 STATUS_CSS = {"ok": "ok", "timeout": "timeout", "interrupted": "timeout"}
 
 
-def _status_badge(row: dict[str, Any]) -> str:
+def _status_badge(row: AttackRow) -> str:
     status = str(row.get("status") or "unknown")
     return f'<span class="badge {STATUS_CSS.get(status, "error")}">{escape(status)}</span>'
 
 
-def _not_ok(rows: list[dict[str, Any]]) -> str:
+def _not_ok(rows: list[AttackRow]) -> str:
     """How many rows did not end 'ok', by status: '2 not ok (1 error, 1 interrupted)', or '' when all did."""
     counts = Counter(str(row.get("status") or "unknown") for row in rows if not _is_ok(row))
     if not counts:
@@ -435,8 +434,8 @@ def _ssim_cell(value: Any) -> str:
     )
 
 
-def _summary_table(attacks: list[dict[str, Any]]) -> str:
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+def _summary_table(attacks: list[AttackRow]) -> str:
+    groups: dict[tuple[str, str], list[AttackRow]] = defaultdict(list)
     for row in attacks:
         groups[(str(row.get("attack", "?")), str(row.get("defense", "?")))].append(row)
     body = []
@@ -465,7 +464,7 @@ def _summary_table(attacks: list[dict[str, Any]]) -> str:
     )
 
 
-def _uploads_table(attacks: list[dict[str, Any]], anchors: dict[int, str]) -> str:
+def _uploads_table(attacks: list[AttackRow], anchors: dict[int, str]) -> str:
     columns = 12
     body = []
     for index, row in enumerate(attacks):
@@ -513,7 +512,7 @@ def _grid_cell(run_dir: Path, prefix: str, kind: str, alt: str, images: Embedded
         return f'<div class="missing">{escape(name)} is not a readable PNG; not embedded</div>'
 
 
-def _gallery_item(run_dir: Path, row: dict[str, Any], anchor: str, images: EmbeddedImages, notes: _Notes) -> str:
+def _gallery_item(run_dir: Path, row: AttackRow, anchor: str, images: EmbeddedImages, notes: _Notes) -> str:
     prefix = str(row["images"])
     title = (
         f"Round {row.get('round', '?')} \u00b7 client {row.get('client', '?')} \u00b7 {row.get('attack', '?')}"
@@ -539,7 +538,7 @@ def _gallery_item(run_dir: Path, row: dict[str, Any], anchor: str, images: Embed
     )
 
 
-def _attacks(run_dir: Path, attacks: list[dict[str, Any]], images: EmbeddedImages, notes: _Notes) -> str:
+def _attacks(run_dir: Path, attacks: list[AttackRow], images: EmbeddedImages, notes: _Notes) -> str:
     if not attacks:
         return (
             '<section class="panel"><h2>Attacks</h2><p class="empty">No upload was attacked in this run.</p></section>'
@@ -661,12 +660,12 @@ def _page(run_dir: Path, notes: _Notes) -> str:
     rounds = sorted(
         (
             row
-            for row in read_rows(run_dir, ROUNDS_FILE, notes)
+            for row in read_rounds(run_dir, notes)
             if (n := _number(row.get("round"))) is not None and math.isfinite(n)
         ),
         key=lambda row: row["round"],
     )
-    attacks = sorted(read_rows(run_dir, ATTACKS_FILE, notes), key=_sort_key)
+    attacks = sorted(read_attacks(run_dir, notes), key=_sort_key)
     images = EmbeddedImages()
     title = str(config.value("name", run_dir.name)) if config else run_dir.name
     sections = [_stats(rounds, attacks), _training(rounds, attacks, images), _attacks(run_dir, attacks, images, notes)]

@@ -17,6 +17,7 @@ from typing import Any
 
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.report.statistics import over_images, success_rate
+from fedguard.store.rows import AttackRow
 
 SUCCESS_SSIM = 0.5
 """An image whose reconstruction has SSIM above this is recognisable (EVALUATION.md, point 3)."""
@@ -25,7 +26,7 @@ RECOVERED_SSIM = LEAK_SSIM
 SCORES = ("psnr", "ssim", "lpips")
 
 
-def image_leakage(attack: str, round_: int, rows: list[dict[str, Any]], adaptive: bool) -> dict[str, Any]:
+def image_leakage(attack: str, round_: int, rows: list[AttackRow], adaptive: bool) -> dict[str, Any]:
     """The statistics of every image that ``rows`` (scored ``attacks.jsonl`` rows of one attack in one round,
     from one or several seeds) scored: ``n_images``, the ``seeds`` they came from, ``<score>_mean``,
     ``_median`` and ``_ci95`` ([low, high]) per score, success rates, and ``missing``: images without a score,
@@ -59,11 +60,11 @@ def _ssim_key(leakage: dict[str, Any]) -> float:
     return leakage["ssim_mean"] if leakage["ssim_mean"] is not None else float("-inf")
 
 
-def privacy(rows: list[dict[str, Any]], adaptive: Mapping[str, bool]) -> dict[str, Any] | None:
+def privacy(rows: list[AttackRow], adaptive: Mapping[str, bool]) -> dict[str, Any] | None:
     """The headline leakage of a cell, its ``image_leakage`` with ``per_round`` and ``by_attack`` (every
     attack's ``image_leakage`` in every round it scored, by round then attack), from the scored rows (status
     'ok') of its runs; ``adaptive`` maps an attack's name to its trait. None when no image was scored."""
-    groups: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    groups: dict[int, dict[str, list[AttackRow]]] = {}
     for row in rows:
         if isinstance(row.get("round"), int) and row.get("per_image"):
             groups.setdefault(row["round"], {}).setdefault(str(row.get("attack")), []).append(row)

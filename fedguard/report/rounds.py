@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fedguard.store.folder import JsonlAppender
+from fedguard.store.rows import RoundRow
 
 
 class RoundRecorder:
@@ -28,7 +29,7 @@ class RoundRecorder:
         total_rounds: int,
         clients_per_round: int,
         out: TextIO | None = None,
-        previous: Iterable[dict[str, Any]] = (),
+        previous: Iterable[RoundRow] = (),
         listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
     ) -> None:
         self.listeners = tuple(listeners)
@@ -36,7 +37,7 @@ class RoundRecorder:
         self.total_rounds = total_rounds
         self.clients_per_round = clients_per_round
         self.out = out or sys.stdout
-        self.rows: list[dict[str, Any]] = list(previous)
+        self.rows: list[dict[str, Any]] = [dict(row) for row in previous]
         self._start = self._last = time.perf_counter()
         self._file = JsonlAppender(self.path)
 

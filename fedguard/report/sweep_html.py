@@ -29,7 +29,8 @@ from fedguard.report.detection import (
 )
 from fedguard.report.html import CSS, EmbeddedImages, figure_png, page_html, plot_axes
 from fedguard.report.leakage import SUCCESS_SSIM
-from fedguard.store.folder import RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, read_jsonl, write_atomic
+from fedguard.store.folder import RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, write_atomic
+from fedguard.store.rows import CellRow, read_cells
 
 SWEEP_PAGE = "sweep.html"
 FIGURES = ("privacy-utility", "leakage-per-round", "cost")
@@ -45,7 +46,7 @@ def _errors(mean: float, interval: list[float] | None, scale: float = 1.0) -> li
     return [max(0.0, (mean - interval[0]) * scale), max(0.0, (interval[1] - mean) * scale)]
 
 
-def privacy_utility_points(cells: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
+def privacy_utility_points(cells: list[CellRow], baseline: str) -> list[dict[str, Any]]:
     """Per variant that was attacked and trained: ``ssim`` (the headline attack's mean) with ``ssim_errors``
     ([below, above], from its interval over images) and ``share``, its accuracy in % of the baseline variant's,
     with ``share_errors`` (from the interval over seeds)."""
@@ -53,20 +54,24 @@ def privacy_utility_points(cells: list[dict[str, Any]], baseline: str) -> list[d
     base_accuracy = (base or {}).get("accuracy")
     if not base_accuracy:
         return []
-    return [
-        {
-            "variant": c["variant"],
-            "ssim": c["privacy"]["ssim_mean"],
-            "ssim_errors": _errors(c["privacy"]["ssim_mean"], c["privacy"].get("ssim_ci95")),
-            "share": 100 * c["accuracy"] / base_accuracy,
-            "share_errors": _errors(c["accuracy"], c.get("accuracy_ci95"), 100 / base_accuracy),
-        }
-        for c in cells
-        if c.get("privacy") and c["privacy"].get("ssim_mean") is not None and c.get("accuracy") is not None
-    ]
+    points = []
+    for c in cells:
+        leak, accuracy = c.get("privacy") or {}, c.get("accuracy")
+        if leak.get("ssim_mean") is None or accuracy is None:
+            continue
+        points.append(
+            {
+                "variant": c["variant"],
+                "ssim": leak["ssim_mean"],
+                "ssim_errors": _errors(leak["ssim_mean"], leak.get("ssim_ci95")),
+                "share": 100 * accuracy / base_accuracy,
+                "share_errors": _errors(accuracy, c.get("accuracy_ci95"), 100 / base_accuracy),
+            }
+        )
+    return points
 
 
-def privacy_utility_png(cells: list[dict[str, Any]], baseline: str) -> bytes | None:
+def privacy_utility_png(cells: list[CellRow], baseline: str) -> bytes | None:
     """``privacy_utility_points`` drawn: accuracy kept against the strongest attack's SSIM, with bars for the
     intervals; None without a point."""
     points = privacy_utility_points(cells, baseline)
@@ -100,11 +105,11 @@ def privacy_utility_png(cells: list[dict[str, Any]], baseline: str) -> bytes | N
     return figure_png(figure)
 
 
-def leakage_per_round_png(cells: list[dict[str, Any]]) -> bytes | None:
+def leakage_per_round_png(cells: list[CellRow]) -> bytes | None:
     """Each variant's best attack's mean SSIM (with its interval over images) against the attacked round; None
     when no cell has an SSIM (images without one: LPIPS-only or unscored)."""
     scored = {
-        c["variant"]: [leak for leak in c["privacy"]["per_round"] if leak["ssim_mean"] is not None]
+        c["variant"]: [leak for leak in (c.get("privacy") or {})["per_round"] if leak["ssim_mean"] is not None]
         for c in cells
         if (c.get("privacy") or {}).get("per_round")
     }
@@ -135,7 +140,7 @@ def leakage_per_round_png(cells: list[dict[str, Any]]) -> bytes | None:
     return figure_png(figure)
 
 
-def cost_png(cells: list[dict[str, Any]]) -> bytes | None:
+def cost_png(cells: list[CellRow]) -> bytes | None:
     """Seconds per round per variant, and beside it the upload's size as a share of the dense update (where a
     cell reports sizes); None when no cell has a time."""
     timed = [c for c in cells if c.get("seconds_per_round") is not None]
@@ -250,9 +255,7 @@ def markdown_html(markdown: str) -> str:
     return "\n".join(blocks)
 
 
-def _setting_panel(
-    folder: Path, setting: str, cells: list[dict[str, Any]], baseline: str, images: EmbeddedImages
-) -> str:
+def _setting_panel(folder: Path, setting: str, cells: list[CellRow], baseline: str, images: EmbeddedImages) -> str:
     kind = cells[0].get("setting_kind", "diagnostic")
     seeds = sorted({s for c in cells for s in c.get("seeds") or []})
     parts = [
@@ -324,7 +327,7 @@ def _detection_panel(folder: Path, found: list[ClientRound], tables: str, images
 
 def render_sweep(folder: Path, baseline: str | None = None) -> str:
     """The HTML of ``folder``'s sweep page (see ``build_sweep_page``)."""
-    cells = read_jsonl(folder / SWEEP_FILE)
+    cells = read_cells(folder)
     if not cells:
         raise FileNotFoundError(f"{folder} holds no {SWEEP_FILE} rows; is it a sweep folder (see `fedguard sweep`)?")
     baseline = baseline or cells[0].get("baseline") or cells[0]["variant"]

@@ -49,8 +49,9 @@ from fedguard.runtime.message_index import index_message_delivery, remove_messag
 from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_on_flower_exit
 from fedguard.store.card import initial_model, model_card, upload_rules
 from fedguard.store.checkpoint import RoundCheckpoint, write_checkpoint
-from fedguard.store.folder import ATTACKS_FILE, flwr_run_dir, read_jsonl
+from fedguard.store.folder import ATTACKS_FILE, flwr_run_dir
 from fedguard.store.resume import resume_point, rewind
+from fedguard.store.rows import read_attacks, read_rounds
 from fedguard.tracking import Trackers, open_trackers
 from fedguard.training import evaluate, get_arrays, set_arrays
 from fedguard.wire.declared import Declared
@@ -296,7 +297,7 @@ def close_capture(sink: FanOut, pool: AttackPool | None, wait: float, folder: Pa
 
 def announce_attacks(folder: Path) -> None:
     """Print how many of the run's attack rows have each status."""
-    rows = read_jsonl(folder / ATTACKS_FILE)
+    rows = read_attacks(folder)
     print(f"fedguard: attacks: {status_counts(rows)}; results in {folder / ATTACKS_FILE}", flush=True)
 
 
@@ -358,7 +359,7 @@ def run_server(grid: Grid, config: Config) -> Path:
         folder / ROUNDS_FILE,
         config.train.rounds,
         config.train.clients_per_round,
-        previous=read_jsonl(folder / ROUNDS_FILE) if point is not None else (),
+        previous=read_rounds(folder) if point is not None else (),
         listeners=[trackers.round],
     )
     latest: dict[str, Any] = {}

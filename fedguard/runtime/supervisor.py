@@ -21,7 +21,8 @@ from pathlib import Path
 
 from fedguard.report.run_status import write_status
 from fedguard.runtime.processes import Process, is_running, marked, signal_all
-from fedguard.store.folder import ROUNDS_FILE, STATUS_FILE, RunFileError, read_jsonl
+from fedguard.store.folder import STATUS_FILE, RunFileError
+from fedguard.store.rows import read_rounds
 
 RUN_TOKEN_ENV = "FEDGUARD_RUN_TOKEN"
 DONE = b"done"  # what the launcher writes on the lifeline when it ended its run itself
@@ -67,7 +68,7 @@ def stop_run(token: str, grace: float = GRACE) -> int:
 def rounds_done(folder: Path) -> int:
     """The last round in the run's ``rounds.jsonl`` (0 when none, or when it cannot be read)."""
     try:
-        rows = read_jsonl(folder / ROUNDS_FILE, note=lambda _: None)
+        rows = read_rounds(folder, note=lambda _: None)
     except RunFileError:
         return 0
     return max((row["round"] for row in rows if isinstance(row.get("round"), int)), default=0)
