@@ -18,12 +18,12 @@ from fedguard.config import (
     COMPONENT_KINDS,
     LISTED_KINDS,
     NO_ATTACK,
-    STRATEGY_PREFIX,
     ConfigError,
     import_plugins,
     split_names,
 )
 from fedguard.protocols import PROTOCOLS
+from fedguard.schema import STRATEGY_PREFIX
 from strategies.registry import AUTO as AUTO_STRATEGY
 from strategies.registry import STRATEGIES
 

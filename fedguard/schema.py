@@ -8,7 +8,7 @@ which also resolves the choices a field takes from a component registry (``choic
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -304,3 +304,16 @@ SECTIONS: dict[str, type] = {
     "server": ServerSection,
     "track": TrackSection,
 }
+
+
+STRATEGY_PREFIX = "server"  # server.<strategy>.<parameter>
+
+
+def param_key(kind: str, name: str, field_name: str) -> str:
+    """The key of a component's parameter: ``<kind>.<name>.<field-name>`` (``defense.dp.noise-multiplier``)."""
+    return f"{kind}.{name}.{field_name.replace('_', '-')}"
+
+
+def settings_text(kind: str, name: str, given: Mapping[str, Any]) -> str:
+    """'defense.dp.clip = 0.5, defense.dp.epsilon = 2.0': the keys ``given`` (field -> value) sets."""
+    return ", ".join(f"{param_key(kind, name, field)} = {shown(value)}" for field, value in given.items())

@@ -25,7 +25,8 @@ from typing import Any
 
 import tomli_w
 
-from fedguard.config import Config, ConfigError, flatten, ray_address_problem
+from fedguard.config import Config, ConfigError, flatten
+from fedguard.config_checks import ray_address_problem
 from fedguard.report.run_dir import unflatten
 from fedguard.runtime.launcher import CONNECTION, STOP_FILE_ENV, Interrupted, Launch, LaunchError, launch
 
