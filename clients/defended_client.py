@@ -168,11 +168,15 @@ class DefendedClient(NumPyClient):
 
         upload = merge_by_mask(protocol.upload(model, sent), buffers, mask)
         size = byte_counts(upload)
-        if 2 * size.encoded <= size.dense:  # a pruned upload travels coordinate-encoded (strategies.SparseUploads)
-            declared = declared.with_fields(encoding=SPARSE, upload_bytes=size.encoded, dense_bytes=size.dense)
-            return encode_arrays(upload), len(y), {**declared.record(), **reports, **findings}
-        declared = declared.with_fields(upload_bytes=size.dense, dense_bytes=size.dense)
-        return upload, len(y), {**declared.record(), **reports, **findings}
+        # a pruned upload travels coordinate-encoded (strategies.SparseUploads)
+        encoded = 2 * size.encoded <= size.dense
+        declared = declared.with_fields(
+            encoding=SPARSE if encoded else None,
+            upload_bytes=size.encoded if encoded else size.dense,
+            dense_bytes=size.dense,
+        )
+        sent_arrays = encode_arrays(upload) if encoded else upload
+        return sent_arrays, len(y), {**declared.record(), **reports, **findings}
 
     def evaluate(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:
         """Loss and accuracy of the global model on this client's data."""

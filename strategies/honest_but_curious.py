@@ -73,11 +73,15 @@ class HonestButCurious(StrategyWrapper):
         self.rounds = rounds
         self.clients = clients
         self.per_round = per_round
-        self.captured = 0
         self.captured_in: dict[int, int] = {}
         """Round -> uploads captured in it."""
         self.sent: dict[int, tuple[list[np.ndarray], str]] = {}
         """Round -> (the model sent to the clients, the manipulation that made it), for targeted rounds."""
+
+    @property
+    def captured(self) -> int:
+        """Uploads captured so far, in every round."""
+        return sum(self.captured_in.values())
 
     def __repr__(self) -> str:
         limit = f", per_round={self.per_round}" if self.per_round else ""
@@ -133,7 +137,6 @@ class HonestButCurious(StrategyWrapper):
     def submit(self, server_round: int, obs: Observation) -> None:
         """Hand ``obs`` to the sink and count it."""
         self.sink.submit(obs)
-        self.captured += 1
         self.captured_in[server_round] = self.captured_in.get(server_round, 0) + 1
 
     def observation(

@@ -42,9 +42,9 @@ class LocalSchedule:
     @classmethod
     def of(cls, obs: Observation) -> LocalSchedule:
         declared = obs.declaration
-        missing = [wire_key(name) for name in ("lr", "local_epochs", "batch_size") if getattr(declared, name) is None]
         if declared.lr is None or declared.local_epochs is None or declared.batch_size is None:
-            raise ValueError(f"a weights upload without the declared local hyper-parameter {missing[0]!r}")
+            missing = next(name for name in ("lr", "local_epochs", "batch_size") if getattr(declared, name) is None)
+            raise ValueError(f"a weights upload without the declared local hyper-parameter {wire_key(missing)!r}")
         return cls(declared.lr, declared.local_epochs, declared.batch_size)
 
 

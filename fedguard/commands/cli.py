@@ -34,43 +34,44 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default="mnist-5k", help="dataset name (default mnist-5k)")
+def _add_trained_network_arguments(
+    parser: argparse.ArgumentParser,
+    data: str,
+    defaults: TrainOptions | EvalNetOptions,
+    options: tuple[tuple[str, type, str], ...],
+    folder: str,
+    data_hint: str = "",
+) -> None:
+    """The arguments of a command that trains a network on a public split: ``--data`` (default ``data``),
+    ``--split``, one flag per field of ``defaults`` in ``options`` (flag, type, meaning), ``--out`` (default
+    ``<folder>/<data>.npz``) and ``--data-root``."""
+    hint = f"; {data_hint}" if data_hint else ""
+    parser.add_argument("--data", default=data, help=f"dataset name (default {data}{hint})")
     parser.add_argument(
         "--split", choices=SPLITS, default="test", help="'test' (default): the held-out split clients never train on"
     )
-    defaults = TrainOptions()
-    for flag, kind, meaning in (
-        ("epochs", int, "passes over the split"),
-        ("latent-dim", int, "latent dimension"),
-        ("batch-size", int, "minibatch size"),
-        ("lr", float, "Adam learning rate"),
-        ("seed", int, "seed of weights, shuffling and noise"),
-    ):
+    for flag, kind, meaning in options:
         default = getattr(defaults, flag.replace("-", "_"))
         parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
-    parser.add_argument("--out", type=Path, help="output .npz (default generators/<data>.npz)")
+    parser.add_argument("--out", type=Path, help=f"output .npz (default {folder}/<data>.npz)")
     parser.add_argument("--data-root", default="", help="folder of datasets that do not ship with the packages")
 
 
-def _add_evalnet_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default="photos", help="dataset name (default photos; mnist-5k for digits)")
-    parser.add_argument(
-        "--split", choices=SPLITS, default="test", help="'test' (default): the held-out split clients never train on"
-    )
-    defaults = EvalNetOptions()
-    for flag, kind, meaning in (
-        ("epochs", int, "passes over the split"),
-        ("width", int, "channels of the first layer"),
-        ("mixes", int, "noise mixes (Adam steps) per minibatch"),
-        ("batch-size", int, "minibatch size"),
-        ("lr", float, "Adam learning rate"),
-        ("seed", int, "seed of weights, shuffling, ratios and noise"),
-    ):
-        default = getattr(defaults, flag.replace("-", "_"))
-        parser.add_argument(f"--{flag}", type=kind, default=default, help=f"{meaning} (default {default})")
-    parser.add_argument("--out", type=Path, help="output .npz (default evalnets/<data>.npz)")
-    parser.add_argument("--data-root", default="", help="folder of datasets that do not ship with the packages")
+GENERATOR_OPTIONS = (
+    ("epochs", int, "passes over the split"),
+    ("latent-dim", int, "latent dimension"),
+    ("batch-size", int, "minibatch size"),
+    ("lr", float, "Adam learning rate"),
+    ("seed", int, "seed of weights, shuffling and noise"),
+)
+EVALNET_OPTIONS = (
+    ("epochs", int, "passes over the split"),
+    ("width", int, "channels of the first layer"),
+    ("mixes", int, "noise mixes (Adam steps) per minibatch"),
+    ("batch-size", int, "minibatch size"),
+    ("lr", float, "Adam learning rate"),
+    ("seed", int, "seed of weights, shuffling, ratios and noise"),
+)
 
 
 def _add_mjolnir_arguments(parser: argparse.ArgumentParser) -> None:
@@ -515,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     generator = commands.add_parser(
         "train-generator", help=cmd_train_generator.__doc__, description=cmd_train_generator.__doc__
     )
-    _add_generator_arguments(generator)
+    _add_trained_network_arguments(generator, "mnist-5k", TrainOptions(), GENERATOR_OPTIONS, "generators")
     generator.set_defaults(handler=cmd_train_generator)
 
     mjolnir = commands.add_parser(
@@ -528,7 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
     evalnet = commands.add_parser(
         "train-evalnet", help=cmd_train_evalnet.__doc__, description=cmd_train_evalnet.__doc__
     )
-    _add_evalnet_arguments(evalnet)
+    _add_trained_network_arguments(
+        evalnet, "photos", EvalNetOptions(), EVALNET_OPTIONS, "evalnets", "mnist-5k for digits"
+    )
     evalnet.set_defaults(handler=cmd_train_evalnet)
     return parser
 
