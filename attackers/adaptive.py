@@ -4,7 +4,8 @@ not its randomness nor the client's data.
 The clients' defense declares what its upload reveals (``fedguard.defenses.revealed``) and the search matches
 that instead of the plain cosine (``attackers.engine.aware``): only the sent entries and the magnitude band
 the others were dropped from (pruning, DGP), the quantization intervals, every gradient within Refiner's radius,
-CENSOR's per-tensor orthogonality and norms, the clipped update under DP noise; Soteria's protected layer is
+CENSOR's per-tensor orthogonality and norms (or, for an upload whose Linear weights have the rank of a raw
+gradient, Algorithm 1's raw fallback: plain IG), the clipped update under DP noise; Soteria's protected layer is
 left out of the distance. Everything else (iterations, restarts, step, TV prior, schedule, labels) is IG's, so
 that a sweep compares the two on equal budgets. Report the stronger of IG and this attack (EVALUATION.md,
 point 1).
@@ -21,9 +22,10 @@ from attackers.base import AttackTraits, Reconstruction, register_attack
 from attackers.engine import SearchSpec
 from attackers.engine.search import search
 from attackers.engine.spec import leaves_some
+from attackers.gradient_rank import is_raw_update
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from attackers.jobs import stateless_model
-from fedguard.defenses.revealed import AlteredLayer, Revealed, revealed_by
+from fedguard.defenses.revealed import AlteredLayer, OrthogonalPerTensor, Revealed, Unchanged, revealed_by
 from fedguard.defenses.soteria import resolve_layer
 from fedguard.observation import Observation
 
@@ -55,11 +57,31 @@ class AdaptiveInvertingGradients(InvertingGradients):
     def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
         if self.revealed is None:
             raise ValueError("attack 'ig-adaptive' needs the clients' defense (set threat.defense = true)")
-        spec = adapted_spec(self.spec, self.revealed, observations[0])
-        results = search(spec, observations, seed, decoder=self.decoder, defense=self.defense)
-        for result in results:
-            result.stats["matched"] = type(self.revealed).__name__
-        return results
+        results: list[Reconstruction | None] = [None] * len(observations)
+        for revealed, indices in told_apart(self.revealed, observations).items():
+            group = [observations[i] for i in indices]
+            spec = adapted_spec(self.spec, revealed, group[0])
+            for index, result in zip(indices, search(spec, group, seed, decoder=self.decoder, defense=self.defense)):
+                result.stats["matched"] = type(revealed).__name__
+                results[index] = result
+        return [result for result in results if result is not None]
+
+
+def told_apart(revealed: Revealed, observations: list[Observation]) -> dict[Revealed, list[int]]:
+    """The uploads' indices by what each reveals. Under CENSOR's raw fallback the rank of the Linear weights
+    (``attackers.gradient_rank``) says which uploads are the raw gradient (matched as undefended) and which are
+    orthogonal candidates; an upload it cannot tell keeps the declared either-or distance."""
+    if not (isinstance(revealed, OrthogonalPerTensor) and revealed.raw_fallback):
+        return {revealed: list(range(len(observations)))}
+    cases: dict[bool | None, Revealed] = {
+        True: Unchanged(),
+        False: OrthogonalPerTensor(raw_fallback=False),
+        None: revealed,
+    }
+    groups: dict[Revealed, list[int]] = {}
+    for index, obs in enumerate(observations):
+        groups.setdefault(cases[is_raw_update(obs)], []).append(index)
+    return groups
 
 
 def adaptive_traits(params: InvertingGradientsParams) -> AttackTraits:

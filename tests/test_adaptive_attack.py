@@ -11,8 +11,10 @@ import pytest
 
 from attackers.adaptive import AdaptiveInvertingGradients
 from attackers.base import attack_traits, build_attack
+from attackers.gradient_rank import is_raw_update
 from attackers.inverting_gradients import InvertingGradients
 from fedguard.defenses import build_defense
+from fedguard.defenses.censor import CensorParams
 from fedguard.defenses.pruning import PruneParams
 from tests.test_inverting_gradients import PARAMS, scores, uploads
 
@@ -46,3 +48,26 @@ def test_the_adaptive_attack_needs_the_defense_and_says_it_is_adaptive() -> None
     observations, _, _ = uploads()
     result = attack.reconstruct_many(observations[:1], 0)[0]
     assert result.stats["matched"] == "AlteredLayer"
+
+
+def test_the_rank_of_the_linear_weights_tells_censors_raw_fallback_from_its_candidates() -> None:
+    raw, _, _ = uploads()
+    candidates, _, _ = uploads("censor", CensorParams(fallback="best"))
+    assert [is_raw_update(obs) for obs in raw] == [True] * len(raw), "a batch-1 gradient's weights have rank 1"
+    assert [is_raw_update(obs) for obs in candidates] == [False] * len(candidates)
+    weights = dataclasses.replace(raw[0], kind="weights", declared={})
+    assert is_raw_update(weights) is None, "a FedAvg upload without its steps or epochs cannot be told"
+
+
+def test_the_attacker_who_knows_censor_attacks_a_raw_fallback_as_ig_does_and_a_candidate_as_orthogonal() -> None:
+    params = dataclasses.replace(PARAMS, iterations=20)
+    adaptive = AdaptiveInvertingGradients(params)
+    adaptive.know_defense(build_defense("censor", CensorParams()))
+    raw, _, _ = uploads()  # what Algorithm 1 sends when no candidate lowers the loss
+    candidates, _, _ = uploads("censor", CensorParams(fallback="best"))
+    mixed = [raw[0], candidates[1], raw[2]]
+    results = adaptive.reconstruct_many(mixed, 0)
+    assert [r.stats["matched"] for r in results] == ["Unchanged", "OrthogonalPerTensor", "Unchanged"]
+    plain = InvertingGradients(params).reconstruct_many([raw[0], raw[2]], 0)
+    for got, expected in zip([results[0], results[2]], plain):
+        assert np.array_equal(got.images.numpy(), expected.images.numpy()), "the raw uploads get IG's search"

@@ -36,6 +36,12 @@ def test_the_headline_is_the_best_attack_of_the_worst_round_with_every_round_lis
     assert leak["missing"] == {"psnr": 0, "ssim": 0, "lpips": 0}
 
 
+def test_on_a_tie_the_attack_that_knows_the_defense_is_the_rounds_best() -> None:
+    for order in (["ig", "ig-adaptive"], ["ig-adaptive", "ig"]):
+        leak = privacy([row(name, 1, 0, [0.9, 0.5]) for name in order], {"ig": False, "ig-adaptive": True})
+        assert (leak["attack"], leak["adaptive"]) == ("ig-adaptive", True), order
+
+
 def test_images_without_a_score_are_left_out_and_counted() -> None:
     leak = privacy([row("idlg", 1, 0, [0.95, 0.2], lpips=False), row("idlg", 1, 2, [0.6])], {})
     assert leak["n_images"] == 3 and leak["seeds"] == [0, 2] and leak["adaptive"] is False

@@ -102,13 +102,13 @@ def test_the_defenses_sweep_runs_refiner_with_the_presets_relative_evaluation_ne
     [
         ("censor", "trained/censor"),
         pytest.param("dgp", "imprint/dgp", marks=pytest.mark.heavy),
-        pytest.param("refiner", "privacy/refiner", marks=pytest.mark.heavy),
+        pytest.param("refiner", "photos/refiner", marks=pytest.mark.heavy),
         pytest.param("soteria", "trained/soteria-60", marks=pytest.mark.heavy),
     ],
 )
 def test_each_paper_preset_runs_from_the_users_folder(lab: Path, preset: str, variant: str) -> None:
     quick = ["train.rounds=1", "capture.rounds=1", *QUICK_ATTACKS]
-    if preset in ("censor", "soteria"):  # they attack with the adaptive IG too
+    if preset != "dgp":  # the adaptive IG attacks there too (DGP's variant here is the imprint server's)
         quick += ["attack.ig-adaptive.iterations=10", "attack.ig-adaptive.restarts=1"]
     rows = sweep(lab, f"experiments/papers/{preset}.toml", [variant], quick, seeds="0")
     assert [r["status"] for r in rows] == ["ok"], rows

@@ -356,8 +356,8 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
     Means over the seeds: final ``accuracy`` (``accuracy_ci95``: the t interval over seeds), seconds per round,
     the defense's reports of the last round (``epsilon``: spent by the end, where the defense reports one).
     Pooled over the seeds: raw uploads, the share of dense bytes uploaded, scores per attack (``attacks``), and at
-    the top level the strongest attack's (highest mean SSIM over every attacked round; ``by_round``: its scores
-    per round), as the means of per-upload means. ``privacy``: the image-level headline of
+    the top level the strongest attack's (highest mean SSIM over every attacked round, the adaptive one on a
+    tie; ``by_round``: its scores per round), as the means of per-upload means. ``privacy``: the image-level headline of
     ``fedguard.report.leakage.privacy`` (None where nothing was attacked); ``setting_kind``: the setting's."""
     logs = [(run, read_rounds(run.folder), read_attacks(run.folder)) for run in runs]
     trained = [[r for r in rounds if r["round"] > 0] for _, rounds, _ in logs]
@@ -367,7 +367,10 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
         name: attack_scores([a for a in scored if a.get("attack") == name])
         for name in dict.fromkeys(str(a.get("attack")) for a in scored)
     }
-    strongest = max(per_attack, key=lambda name: per_attack[name]["ssim"] or 0.0, default=None)
+    adaptive = {a.name: attack_traits(a.name, a.params).adaptive for a in runs[0].config.attacks}
+    strongest = max(
+        per_attack, key=lambda name: (per_attack[name]["ssim"] or 0.0, adaptive.get(name, False)), default=None
+    )
     reports = [rounds[-1].get("defense", {}) if rounds else {} for rounds in trained]
     report = _mean_report(reports)
     by_round = {}
@@ -381,7 +384,6 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
     sizes = [(r["upload_bytes"], r["dense_bytes"]) for rounds in trained for r in rounds if r.get("dense_bytes")]
     accuracy = over_seeds([rounds[-1]["accuracy"] if rounds else None for _, rounds, _ in logs])
     seconds = [_mean([r["seconds"] for r in rounds[1:]] or [r["seconds"] for r in rounds]) for rounds in trained]
-    adaptive = {a.name: attack_traits(a.name, a.params).adaptive for a in runs[0].config.attacks}
     folder = Path(os.path.commonpath([run.folder for run in runs]))
     return {
         "setting": runs[0].setting,

@@ -5,8 +5,8 @@ and summarized by ``fedguard.report.statistics``: mean, median and bootstrap 95 
 as in ``attacks.jsonl``), SSIM and LPIPS, and the success rate, the share of images with SSIM above
 ``SUCCESS_SSIM`` (recognisable; ``recovered_rate``: above ``RECOVERED_SSIM``, recovered). ``by_attack`` holds
 them for every attack in every attacked round, ``per_round`` for each attacked round its best attack (highest
-mean SSIM); the headline is the best of those (the
-client's worst case, with its round). That choice is the evaluator's, made after the fact over attacks
+mean SSIM; on a tie the adaptive one); the headline is the best of
+those (the client's worst case, with its round). That choice is the evaluator's, made after the fact over attacks
 that each chose their own restarts by their own objective; no ground truth enters an attack.
 """
 
@@ -56,8 +56,9 @@ def image_leakage(attack: str, round_: int, rows: list[AttackRow], adaptive: boo
     return result
 
 
-def _ssim_key(leakage: dict[str, Any]) -> float:
-    return leakage["ssim_mean"] if leakage["ssim_mean"] is not None else float("-inf")
+def _ssim_key(leakage: dict[str, Any]) -> tuple[float, bool]:
+    """Higher mean SSIM first; on a tie, the attack that knows the defense (it did as well, knowing it)."""
+    return (leakage["ssim_mean"] if leakage["ssim_mean"] is not None else float("-inf"), leakage["adaptive"])
 
 
 def privacy(rows: list[AttackRow], adaptive: Mapping[str, bool]) -> dict[str, Any] | None:
