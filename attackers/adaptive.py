@@ -57,14 +57,14 @@ class AdaptiveInvertingGradients(InvertingGradients):
     def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
         if self.revealed is None:
             raise ValueError("attack 'ig-adaptive' needs the clients' defense (set threat.defense = true)")
-        results: list[Reconstruction | None] = [None] * len(observations)
+        by_index: dict[int, Reconstruction] = {}
         for revealed, indices in told_apart(self.revealed, observations).items():
             group = [observations[i] for i in indices]
             spec = adapted_spec(self.spec, revealed, group[0])
             for index, result in zip(indices, search(spec, group, seed, decoder=self.decoder, defense=self.defense)):
                 result.stats["matched"] = type(revealed).__name__
-                results[index] = result
-        return [result for result in results if result is not None]
+                by_index[index] = result
+        return [by_index[index] for index in range(len(observations))]
 
 
 def told_apart(revealed: Revealed, observations: list[Observation]) -> dict[Revealed, list[int]]:

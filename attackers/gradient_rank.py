@@ -10,8 +10,9 @@ rounding (about 1e-6) for the raw update, of order 0.1 for a candidate.
 
 from __future__ import annotations
 
-import numpy as np
+import torch
 
+from attackers.engine.problem import target_update
 from fedguard.observation import Observation
 
 RANK_TOLERANCE = 1e-3
@@ -32,14 +33,6 @@ def samples_mixed(obs: Observation) -> int | None:
     return None
 
 
-def update_arrays(obs: Observation) -> list[np.ndarray]:
-    """The uploaded update, trainable entries only: the gradient, or ``global - local`` for uploaded weights."""
-    pairs = zip(obs.upload, obs.global_arrays, obs.trainable)
-    if obs.kind == "gradient":
-        return [u for u, _, trainable in pairs if trainable]
-    return [g - u for u, g, trainable in pairs if trainable]
-
-
 def is_raw_update(obs: Observation, tolerance: float = RANK_TOLERANCE) -> bool | None:
     """True when every 2-D weight longer than the samples mixed on both sides has at most that rank (the raw
     update), False when one has more (not an update of this batch), None when no weight can tell."""
@@ -47,9 +40,9 @@ def is_raw_update(obs: Observation, tolerance: float = RANK_TOLERANCE) -> bool |
     if bound is None:
         return None
     verdicts = []
-    for array in update_arrays(obs):
-        if array.ndim != 2 or min(array.shape) <= bound:
+    for tensor in target_update(obs, torch.device("cpu")):
+        if tensor.dim() != 2 or min(tensor.shape) <= bound:
             continue
-        singular = np.linalg.svd(array.astype(np.float64), compute_uv=False)
+        singular = torch.linalg.svdvals(tensor.double())
         verdicts.append(bool(singular[0] == 0 or singular[bound] <= tolerance * singular[0]))
     return all(verdicts) if verdicts else None

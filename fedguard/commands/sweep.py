@@ -357,8 +357,9 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
     the defense's reports of the last round (``epsilon``: spent by the end, where the defense reports one).
     Pooled over the seeds: raw uploads, the share of dense bytes uploaded, scores per attack (``attacks``), and at
     the top level the strongest attack's (highest mean SSIM over every attacked round, the adaptive one on a
-    tie; ``by_round``: its scores per round), as the means of per-upload means. ``privacy``: the image-level headline of
-    ``fedguard.report.leakage.privacy`` (None where nothing was attacked); ``setting_kind``: the setting's."""
+    tie; ``by_round``: its scores per round), as the means of per-upload means. ``privacy``: the image-level
+    headline of ``fedguard.report.leakage.privacy`` (None where nothing was attacked); ``setting_kind``: the
+    setting's."""
     logs = [(run, read_rounds(run.folder), read_attacks(run.folder)) for run in runs]
     trained = [[r for r in rounds if r["round"] > 0] for _, rounds, _ in logs]
     scored_by_run = [[a for a in attacks if a.get("status") == "ok"] for _, _, attacks in logs]

@@ -5,9 +5,9 @@ and summarized by ``fedguard.report.statistics``: mean, median and bootstrap 95 
 as in ``attacks.jsonl``), SSIM and LPIPS, and the success rate, the share of images with SSIM above
 ``SUCCESS_SSIM`` (recognisable; ``recovered_rate``: above ``RECOVERED_SSIM``, recovered). ``by_attack`` holds
 them for every attack in every attacked round, ``per_round`` for each attacked round its best attack (highest
-mean SSIM; on a tie the adaptive one); the headline is the best of
-those (the client's worst case, with its round). That choice is the evaluator's, made after the fact over attacks
-that each chose their own restarts by their own objective; no ground truth enters an attack.
+mean SSIM; on a tie the adaptive one); the headline is the best of those (the client's worst case, with its
+round). That choice is the evaluator's, made after the fact over attacks that each chose their own restarts by
+their own objective; no ground truth enters an attack.
 """
 
 from __future__ import annotations
