@@ -1,14 +1,14 @@
 """Adaptive Inverting Gradients: IG against a defense the server knows (threat.defense), with its parameters but
 not its randomness nor the client's data.
 
-The clients' defense declares what its upload reveals (``fedguard.defenses.revealed``) and the search matches
-that instead of the plain cosine (``attackers.engine.aware``): only the sent entries and the magnitude band
-the others were dropped from (pruning, DGP), the quantization intervals, every gradient within Refiner's radius,
-CENSOR's per-tensor orthogonality and norms (or, for an upload whose Linear weights have the rank of a raw
-gradient, Algorithm 1's raw fallback: plain IG), the clipped update under DP noise; Soteria's protected layer is
-left out of the distance. Everything else (iterations, restarts, step, TV prior, schedule, labels) is IG's, so
-that a sweep compares the two on equal budgets. Report the stronger of IG and this attack (EVALUATION.md,
-point 1).
+The clients' defense declares what its upload reveals (``fedguard.defenses.revealed``) and the search matches that
+instead of the plain cosine (``attackers.engine.aware``): only the sent entries and the magnitude band the others
+were dropped from (pruning, DGP), the likelihood of the stochastic rounding (quantization), the true and the robust
+images' gradients mixed as Refiner's projection mixes them (searching both batches and the robust share), CENSOR's
+per-tensor orthogonality and norms (or, for an upload whose Linear weights have the rank of a raw gradient,
+Algorithm 1's raw fallback: plain IG), the clipped update under DP noise; Soteria's protected layer is left out of
+the distance. Everything else (iterations, restarts, step, TV prior, schedule, labels) is IG's, so that a sweep
+compares the two on equal budgets. Report the stronger of IG and this attack (EVALUATION.md, point 1).
 """
 
 from __future__ import annotations

@@ -3,16 +3,19 @@ from it, and what each shipped defense declares it reveals."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from attackers.engine.aware import (
+    ROUNDING_MARGIN,
     aware_distance,
     band_distance,
     clipped_distance,
     levels_distance,
     orthogonal_distance,
-    radius_distance,
+    rounding_nll,
 )
 from attackers.engine.terms import cosine_distance
 from fedguard.defenses import build_defense
@@ -21,15 +24,15 @@ from fedguard.defenses.dgp import DGPParams
 from fedguard.defenses.dp_sgd import DPSGDParams
 from fedguard.defenses.dp_update import UpdateDPParams
 from fedguard.defenses.pruning import PruneParams
-from fedguard.defenses.quantization import QuantizeParams
+from fedguard.defenses.quantization import QuantizeParams, level_grid
 from fedguard.defenses.revealed import (
     AlteredLayer,
     ClippedNoise,
     OrthogonalPerTensor,
     QuantizedLevels,
     SentBand,
+    TowardsRobustData,
     Unchanged,
-    WithinRadius,
     revealed_by,
 )
 
@@ -69,29 +72,35 @@ def test_the_band_distance_counts_unsent_entries_that_the_defense_would_have_sen
     assert float(band_distance(True)(moved, t)) == pytest.approx(0, abs=1e-6), "DGP drops the largest too"
 
 
-def test_every_entry_of_a_quantized_upload_lies_within_one_level_step_of_the_true_one() -> None:
-    g = gradient(jobs=3)
-    t = simulated("quantize", QuantizeParams(bits=4), g)
-    exact = levels_distance(4)(g, t) - cosine_distance(g, t)
-    assert torch.allclose(exact, torch.zeros(3), atol=1e-3), exact
-    assert (levels_distance(4)([x + 3 for x in g], t) - cosine_distance([x + 3 for x in g], t) > 0.1).all()
+def test_the_rounding_likelihood_is_the_frequency_with_which_stochastic_rounding_sends_each_entry_there() -> None:
+    """exp(-rounding_nll(d)) against 4,000 draws of the defense on one gradient: each entry's share of draws that
+    land on the level the first draw chose, within 0.03 (the binomial standard error is at most 0.008)."""
+    g = gradient()
+    defense = build_defense("quantize", QuantizeParams(bits=3))
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([torch.cat([x.flatten() for x in defense.simulate(g, generator)]) for _ in range(4000)])
+    upload = [x.reshape(g[i].shape) for i, x in enumerate(torch.split(draws[0], [x.numel() for x in g]))]
+    frequency = (draws == draws[0]).double().mean(0)
+    steps = torch.cat([level_grid(x.flatten(1), 3)[2].expand(-1, x[0].numel()) for x in g], 1)[0]
+    d = (torch.cat([x.flatten() for x in g]) - draws[0]).abs() / steps
+    assert bool((d < 1).all()), "every entry within one level step of its upload"
+    likely = d < 1 - ROUNDING_MARGIN
+    assert torch.allclose(torch.exp(-rounding_nll(d[likely])).double(), frequency[likely], atol=0.03)
+    distance = levels_distance(3)
+    assert float(distance(g, upload)) < float(distance(gradient(seed=5), upload)), "the true gradient is likelier"
+    assert float(distance(g, upload)) < float(distance([x + 0.3 for x in g], upload))
 
 
-def test_the_radius_distance_accepts_exactly_the_ball_the_defense_allows() -> None:
-    g = gradient(jobs=2)
-    norm = torch.sqrt(sum((x.flatten(1) ** 2).sum(1) for x in g))
-    direction = gradient(seed=3, jobs=2)
-    dnorm = torch.sqrt(sum((x.flatten(1) ** 2).sum(1) for x in direction))
-    for scale, inside in ((0.99, True), (3.0, False)):  # the bound r <= eps ||t|| / (1 - eps) admits up to 2x
-        t = [
-            x + scale * 0.25 * (n / dn).reshape(-1, *[1] * (x.dim() - 1)) * d
-            for x, d, n, dn in zip(g, direction, [norm] * 3, [dnorm] * 3)
-        ]
-        value = radius_distance(0.25, relative=True)(g, t)
-        assert bool((value == 0).all()) is inside, (scale, value)
-    t = [x + 0.05 for x in g]
-    assert float(radius_distance(1.0, relative=False)(g, t)[0]) == 0
-    assert float(radius_distance(0.01, relative=False)(g, t)[0]) > 0
+def test_the_rounding_likelihood_goes_on_as_a_line_of_the_same_slope_beyond_its_knee() -> None:
+    knee = 1 - ROUNDING_MARGIN
+    d = torch.tensor([knee - 1e-4, knee, knee + 1e-4, 3.0], dtype=torch.float64, requires_grad=True)
+    values = rounding_nll(d)
+    (slopes,) = torch.autograd.grad(values.sum(), d)
+    values = values.detach()
+    assert float(values[1]) == pytest.approx(-math.log(ROUNDING_MARGIN))
+    assert float(slopes[0]) == pytest.approx(1 / ROUNDING_MARGIN, rel=1e-2)
+    assert float(slopes[2]) == pytest.approx(1 / ROUNDING_MARGIN) and float(slopes[3]) == float(slopes[2])
+    assert float(values[3]) == pytest.approx(-math.log(ROUNDING_MARGIN) + (3.0 - knee) / ROUNDING_MARGIN)
 
 
 def test_the_orthogonal_distance_is_zero_for_a_censor_candidate_and_two_for_the_gradient_itself() -> None:
@@ -128,9 +137,9 @@ def test_each_shipped_defense_declares_what_its_upload_reveals() -> None:
     assert revealed_by(object()) == Unchanged(), "a plugin defense that declares nothing"
 
 
-def test_refiner_declares_its_radius(tmp_path) -> None:
+def test_refiner_declares_its_radius_towards_the_robust_data(tmp_path) -> None:
     from fedguard.defenses.refiner import Refiner, RefinerParams
 
     params = RefinerParams(epsilon=0.1, radius="absolute")
-    assert Refiner(params, None, tmp_path).revealed() == WithinRadius(0.1, relative=False)
-    assert Refiner(RefinerParams(), None, tmp_path).revealed() == WithinRadius(0.25, relative=True)
+    assert Refiner(params, None, tmp_path).revealed() == TowardsRobustData(0.1, relative=False)
+    assert Refiner(RefinerParams(), None, tmp_path).revealed() == TowardsRobustData(0.25, relative=True)

@@ -10,11 +10,12 @@ magnitude bands) the dummy gradient is first brought to the upload's scale by th
 - ``SentBand``: ``1 - cos(m g, t)`` over the sent entries (``m = t != 0``) plus, per tensor, the squared
   distance of each unsent ``|s g|`` to the region the defense left it in (at most the smallest sent magnitude;
   for DGP also at least the largest), over ``||t||^2``.
-- ``QuantizedLevels``: ``1 - cos(g, t)`` plus ``sum relu(|s g - t| - step)^2 / ||t||^2``, ``step`` being each
-  tensor's level step ``(max t - min t) / (2**bits - 1)``: every true entry lies within one step.
-- ``WithinRadius``: ``relu(||g - t|| - r)^2 / ||t||^2``: zero for every gradient the defense could have moved
-  to ``t`` (``r = epsilon ||t|| / (1 - epsilon)`` bounds a relative radius ``epsilon ||g||`` from ``t``), so
-  that the image prior alone chooses among them.
+- ``QuantizedLevels``: the mean over entries of ``-log(1 - |s g - t| / step)``, ``step`` being each tensor's
+  level step ``(max t - min t) / (2**bits - 1)``: unbiased stochastic rounding sends an entry ``d < 1`` steps
+  from a level to it with probability ``1 - d``, so this is the upload's negative log-likelihood per entry
+  (``rounding_nll``; a constant tensor, sent exactly, is left out).
+- ``TowardsRobustData``: ``1 - cos(g, t)``, ``g`` being the gradient of the true and the robust images mixed
+  with the searched robust share (``attackers.engine.spaces.RobustMixtureSpace``): Refiner's upload exactly.
 - ``OrthogonalPerTensor``: the mean over tensors of ``cos(g_l, t_l)^2 + (||g_l|| / ||t_l|| - 1)^2``: the
   candidate is orthogonal to the true gradient tensor by tensor and of its norm. Under a raw fallback the upload
   may also be the gradient itself, which the upload does not mark: the distance is then the smaller of that
@@ -39,11 +40,13 @@ from fedguard.defenses.revealed import (
     QuantizedLevels,
     Revealed,
     SentBand,
+    TowardsRobustData,
     Unchanged,
-    WithinRadius,
 )
 
 EPS = 1e-12
+ROUNDING_MARGIN = 0.05
+"""How far below one level step (in steps) the rounding likelihood's negative log turns into a line."""
 
 
 def _scale(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
@@ -78,29 +81,28 @@ def band_distance(drops_top: bool) -> Distance:
     return distance
 
 
+def rounding_nll(d: torch.Tensor) -> torch.Tensor:
+    """``-log(1 - d)`` per entry ``d`` level steps from its upload: the negative log of the probability that
+    unbiased stochastic rounding sent it there (zero beyond one step), continued from ``1 - ROUNDING_MARGIN`` on
+    as a line of the same slope, so that an entry beyond the bound still has a finite gradient."""
+    knee = 1 - ROUNDING_MARGIN
+    return -torch.log1p(-d.clamp(max=knee)) + torch.relu(d - knee) / ROUNDING_MARGIN
+
+
 def levels_distance(bits: int) -> Distance:
-    """Cosine plus the share of the scaled dummy entries further than one level step from their upload."""
+    """The upload's negative log-likelihood per entry under stochastic rounding of the scaled dummy gradient."""
 
     def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
         s = _scale(g, t)
-        beyond: torch.Tensor | float = 0
+        total: torch.Tensor | float = 0
+        entries = 0
         for x, target in zip(g, t):
             flat, tflat = x.flatten(1), target.flatten(1)
             _, _, step = level_grid(tflat, bits)
-            beyond = beyond + torch.relu((_per_job(s, flat) * flat - tflat).abs() - step).pow(2).sum(1)
-        return cosine_distance(g, t) + beyond / dot(t, t).clamp_min(EPS)
-
-    return distance
-
-
-def radius_distance(epsilon: float, relative: bool) -> Distance:
-    """Zero inside the ball the defense's radius allows around the upload, squared excess outside."""
-
-    def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
-        norm_t = torch.sqrt(dot(t, t))
-        radius = epsilon * norm_t / max(1 - epsilon, EPS) if relative else torch.full_like(norm_t, epsilon)
-        gap = torch.sqrt(l2_distance(g, t) + EPS)
-        return torch.relu(gap - radius) ** 2 / (norm_t**2).clamp_min(EPS)
+            d = (_per_job(s, flat) * flat - tflat).abs() / step.clamp_min(EPS)
+            total = total + torch.where(step > 0, rounding_nll(d), 0).sum(1)
+            entries += flat.shape[1]
+        return cast(torch.Tensor, total) / entries  # a tensor: the update has layers
 
     return distance
 
@@ -139,8 +141,8 @@ def aware_distance(revealed: Revealed) -> Distance:
             return band_distance(drops_top)
         case QuantizedLevels(bits=bits):
             return levels_distance(bits)
-        case WithinRadius(epsilon=epsilon, relative=relative):
-            return radius_distance(epsilon, relative)
+        case TowardsRobustData():
+            return cosine_distance
         case OrthogonalPerTensor(raw_fallback=False):
             return orthogonal_distance
         case OrthogonalPerTensor():

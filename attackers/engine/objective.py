@@ -21,7 +21,7 @@ from torch.func import functional_call, grad, vmap
 
 from attackers.engine.aware import aware_distance
 from attackers.engine.problem import Problem
-from attackers.engine.spaces import JointSpace
+from attackers.engine.spaces import JointSpace, RobustMixtureSpace
 from attackers.engine.spec import PRECISIONS, SearchSpec
 from attackers.engine.terms import DISTANCES, PRIORS, Statistics, Term, TermInputs
 from fedguard.observation import Observation
@@ -79,11 +79,15 @@ class BatchNormInputs:
         return [seen[name] for name in self.names]
 
 
-def batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits`` (B, classes) against int64 labels (B,) or label distributions (B, classes)."""
+def batch_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``logits`` (B, classes) against int64 labels (B,) or label distributions (B, classes):
+    the mean, or the sum weighted by ``weights`` (B,)."""
     if labels.is_floating_point():
-        return -(labels * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-    return torch.nn.functional.cross_entropy(logits, labels)
+        losses = -(labels * torch.log_softmax(logits, dim=-1)).sum(-1)
+        return losses.mean() if weights is None else (weights * losses).sum()
+    if weights is None:
+        return torch.nn.functional.cross_entropy(logits, labels)
+    return (weights * torch.nn.functional.cross_entropy(logits, labels, reduction="none")).sum()
 
 
 class Objective:
@@ -95,11 +99,13 @@ class Objective:
         model, names = jobs.model, jobs.names
         recorder = BatchNormInputs(model, problem.bn_layers) if problem.bn_layers else None
 
-        def param_grad(p: Gradients, x: torch.Tensor, labels: torch.Tensor) -> tuple[Gradients, Statistics]:
+        def param_grad(
+            p: Gradients, x: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
+        ) -> tuple[Gradients, Statistics]:
             def loss_of(q: Gradients) -> tuple[torch.Tensor, Statistics]:
                 if recorder:
                     recorder.start()
-                loss = batch_loss(functional_call(model, q, (x,)), labels)
+                loss = batch_loss(functional_call(model, q, (x,)), labels, weights)
                 return loss, recorder.statistics() if recorder else []
 
             return grad(loss_of, has_aux=True)(p)
@@ -107,7 +113,8 @@ class Objective:
         update = param_grad
         if problem.observations[0].kind == "weights":
             update = local_update_fn(param_grad, LocalSchedule.of(problem.observations[0]), problem.space.batch)
-        self.update = vmap(update, in_dims=(None if jobs.shared else 0, 0, 0))
+        self.weighted = isinstance(problem.space, RobustMixtureSpace)
+        self.update = vmap(update, in_dims=(None if jobs.shared else 0, 0, 0, *([0] if self.weighted else [])))
         self.dtype = PRECISIONS[spec.precision]
         self.params = {name: p.to(self.dtype) for name, p in jobs.params.items()}
         self.compared = [n for n in names if not spec.skipped(n)]
@@ -142,7 +149,9 @@ class Objective:
         images = space.images(z)
         # without known labels the space is the joint one, whose points carry soft labels
         labels = problem.y if problem.y is not None else cast(JointSpace, space).soft_labels(z).to(self.dtype)
-        g, statistics = self.update(self.params, images.to(self.dtype), labels)
+        batch, labels, weights = space.dummy_batch(z, labels)
+        weighting = [] if weights is None else [weights.to(self.dtype)]
+        g, statistics = self.update(self.params, batch.to(self.dtype), labels, *weighting)
         if self.dtype != torch.float32:
             g = {name: v.float() for name, v in g.items()}
             statistics = [(mean.float(), var.float()) for mean, var in statistics]

@@ -9,14 +9,19 @@ import torch
 
 from attackers.base import Reconstruction, images_per_upload
 from attackers.bn_statistics import recover_batch_statistics
-from attackers.engine.spaces import JointSpace, LatentSpace, PixelSpace, Space
+from attackers.engine.spaces import JointSpace, LatentSpace, PixelSpace, RobustMixtureSpace, Space
 from attackers.engine.spec import SearchSpec
 from attackers.engine.terms import Statistics
 from attackers.jobs import JobBatch, job_seed
 from attackers.labels import declared_labels, upload_labels_inferred
+from fedguard.defenses.revealed import Revealed, TowardsRobustData
 from fedguard.observation import Observation
 
 UPLOAD_NAMES = {"gradient": "FedSGD gradients", "weights": "FedAvg weights"}
+MAX_ROBUST_SHARE = 0.5
+"""The largest share of the robust images' gradient in a Refiner upload the search allows: below it the true
+images weigh more than the robust ones, which tells the two halves apart (``c = r / ||g* - g||`` measured 0.18
+to 0.39 in the defenses sweep)."""
 
 
 def target_gradient(obs: Observation, device: torch.device) -> list[torch.Tensor]:
@@ -33,9 +38,19 @@ def target_update(obs: Observation, device: torch.device) -> list[torch.Tensor]:
     return [torch.tensor(g - u).to(device) for g, u, t in zip(obs.global_arrays, obs.upload, obs.trainable) if t]
 
 
-def space_for(obs: Observation, batch: int, joint: bool, decoder: Any, device: torch.device) -> Space:
-    """The search space: a generator's latents (``decoder``), images with soft labels (``joint``), or images."""
+def space_for(
+    obs: Observation, batch: int, joint: bool, decoder: Any, device: torch.device, matching: Revealed | None = None
+) -> Space:
+    """The search space: a generator's latents (``decoder``), images with soft labels (``joint``), images and
+    Refiner's robust images (``matching`` is ``TowardsRobustData``), or images."""
     shape = obs.spec.shape
+    if isinstance(matching, TowardsRobustData):
+        if decoder is not None or joint or obs.kind != "gradient":
+            raise ValueError(
+                "the attack on Refiner's uploads searches images and robust images of known or inferred labels "
+                "behind FedSGD gradients: it takes no generator, no joint labels and no FedAvg upload"
+            )
+        return RobustMixtureSpace(batch, shape, MAX_ROBUST_SHARE)
     if decoder is not None:
         if decoder.spec.shape != shape:
             raise ValueError(
@@ -100,7 +115,7 @@ class Problem:
                 f"skip = {spec.skip!r} leaves no parameter to compare; parameters: {', '.join(jobs.names)}"
             )
         target = [jobs.per_job([t[i] for t in targets]) for i in compared]
-        space = space_for(first, batch, joint, decoder, device)
+        space = space_for(first, batch, joint, decoder, device, spec.matching)
         layers = list(bn_stats[0]) if bn_stats else []
         bn_target = [
             (
@@ -137,6 +152,7 @@ class Problem:
 
     def reconstructions(
         self,
+        z: torch.Tensor,
         final: torch.Tensor,
         parts: dict[str, torch.Tensor],
         images: torch.Tensor,
@@ -144,7 +160,8 @@ class Problem:
         resets: torch.Tensor,
         seconds: float,
     ) -> list[Reconstruction]:
-        """Per upload, its best restart's images and labels, with the search's statistics."""
+        """Per upload, its best restart's images and labels, with the search's statistics (``z``: the end
+        points)."""
         spec = self.spec
         uploads, restarts = len(self.observations), spec.restarts
         final = final.reshape(uploads, restarts)
@@ -164,6 +181,8 @@ class Problem:
                 "labels_inferred": self.inferred[i],
                 **{f"{name}_term": float(value[job]) for name, value in parts.items()},
             }
+            if isinstance(self.space, RobustMixtureSpace):
+                stats["robust_share"] = float(self.space.robust_share(z)[job])
             if spec.optimizer.kind == "lbfgs":
                 stats["nan_restarts"] = int(resets[i * restarts : (i + 1) * restarts].sum())
             results.append(Reconstruction(images[job].cpu(), upload_labels.cpu(), stats))

@@ -65,4 +65,4 @@ def search(
         final, parts = objective.selection(z)
         images = problem.space.final_images(z)
         labels = problem.final_labels(z)
-    return problem.reconstructions(final, parts, images, labels, resets.cpu(), time.perf_counter() - start)
+    return problem.reconstructions(z, final, parts, images, labels, resets.cpu(), time.perf_counter() - start)

@@ -73,7 +73,7 @@ from torch.func import functional_call
 
 from fedguard.defenses.base import DefenseTraits, LocalStep, register_defense
 from fedguard.defenses.dp_update import global_norm
-from fedguard.defenses.revealed import WithinRadius
+from fedguard.defenses.revealed import TowardsRobustData
 from fedguard.evalnet import TrainedEvalNet, load_evalnet
 from fedguard.evalnet.store import COMMAND
 from fedguard.registry import RequiredFile
@@ -195,9 +195,9 @@ class Refiner:
         self.params, self.evalnet, self.path = params, evalnet, path
         self.last: RefinerStats | None = None
 
-    def revealed(self) -> WithinRadius:
-        """The upload within ``epsilon`` (times ||g|| when relative) of the true gradient g."""
-        return WithinRadius(self.params.epsilon, relative=self.params.radius == "relative")
+    def revealed(self) -> TowardsRobustData:
+        """The upload: g moved at most ``epsilon`` (times ||g|| when relative) towards the robust data's gradient."""
+        return TowardsRobustData(self.params.epsilon, relative=self.params.radius == "relative")
 
     def report(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
         """Numbers about this client's latest upload, in gradient units: ``upload.grad-norm`` ||g||,

@@ -30,15 +30,18 @@ class SentBand:
 @dataclass(frozen=True)
 class QuantizedLevels:
     """Per tensor, ``2**bits`` uniform levels between its minimum and maximum (both sent exactly); every entry
-    was rounded to one of its two neighbouring levels, so the true entry lies within one level step of it."""
+    was rounded to one of its two neighbouring levels, the one ``d`` steps away with probability ``1 - d``, so the
+    true entry lies within one level step of it."""
 
     bits: int
 
 
 @dataclass(frozen=True)
-class WithinRadius:
-    """The upload lies in the L2 ball of radius ``r`` around the true gradient g, every tensor together:
-    ``r = epsilon * ||g||`` (``relative``) or ``epsilon`` (absolute)."""
+class TowardsRobustData:
+    """The upload is the true gradient g moved at most ``r`` towards the gradient g* of a robust batch x* with
+    the same labels: ``u = (1 - c) g + c g*`` with ``c = min(1, r / ||g* - g||)`` (every tensor together), so
+    that ``||u - g|| <= r``; ``r = epsilon * ||g||`` (``relative``) or ``epsilon`` (absolute). The upload is
+    then the gradient of the 2B images x and x* with the loss weights (1 - c) / B and c / B."""
 
     epsilon: float
     relative: bool
@@ -76,7 +79,9 @@ class ClippedNoise:
         return self.noise_std / batch_size if self.per_example else self.noise_std
 
 
-Revealed = Unchanged | SentBand | QuantizedLevels | WithinRadius | OrthogonalPerTensor | AlteredLayer | ClippedNoise
+Revealed = (
+    Unchanged | SentBand | QuantizedLevels | TowardsRobustData | OrthogonalPerTensor | AlteredLayer | ClippedNoise
+)
 
 
 @runtime_checkable
