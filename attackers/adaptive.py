@@ -13,7 +13,7 @@ compares the two on equal budgets. Report the stronger of IG and this attack (EV
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,9 +25,32 @@ from attackers.engine.spec import leaves_some
 from attackers.gradient_rank import is_raw_update
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from attackers.jobs import stateless_model
-from fedguard.defenses.revealed import AlteredLayer, OrthogonalPerTensor, Revealed, Unchanged, revealed_by
+from fedguard.defenses.revealed import (
+    AlteredLayer,
+    OrthogonalPerTensor,
+    Revealed,
+    TowardsRobustData,
+    Unchanged,
+    revealed_by,
+)
 from fedguard.defenses.soteria import resolve_layer
 from fedguard.observation import Observation
+
+REFINER_READINGS = ("mixture", "radius")
+
+
+@dataclass(frozen=True)
+class AdaptiveInvertingGradientsParams(InvertingGradientsParams):
+    """IG's parameters, and how a Refiner upload is read: ``refiner`` 'mixture' (the true and the robust images'
+    gradients mixed by the projection, both batches and the robust share searched) or 'radius' (every gradient
+    within the radius accepted, the TV prior choosing among them)."""
+
+    refiner: str = "mixture"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.refiner not in REFINER_READINGS:
+            raise ValueError(f"refiner {self.refiner!r}: choose one of {', '.join(REFINER_READINGS)}")
 
 
 def adapted_spec(spec: SearchSpec, revealed: Revealed, obs: Observation) -> SearchSpec:
@@ -45,14 +68,19 @@ class AdaptiveInvertingGradients(InvertingGradients):
 
     revealed: Revealed | None = None
 
-    def __init__(self, params: InvertingGradientsParams) -> None:
+    def __init__(self, params: AdaptiveInvertingGradientsParams) -> None:
         super().__init__(params)
         self.needs = adaptive_traits(params).needs
+        self.refiner = params.refiner
 
     def know_defense(self, defense: Any) -> None:
-        """The clients' defense: what its uploads reveal, and the defense itself for EOT draws."""
+        """The clients' defense: what its uploads reveal (a Refiner upload read as ``refiner`` says), and the
+        defense itself for EOT draws."""
         self.defense = defense
-        self.revealed = revealed_by(defense)
+        revealed = revealed_by(defense)
+        self.revealed = (
+            revealed.ball() if isinstance(revealed, TowardsRobustData) and self.refiner == "radius" else revealed
+        )
 
     def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
         if self.revealed is None:
@@ -84,7 +112,7 @@ def told_apart(revealed: Revealed, observations: list[Observation]) -> dict[Reve
     return groups
 
 
-def adaptive_traits(params: InvertingGradientsParams) -> AttackTraits:
+def adaptive_traits(params: AdaptiveInvertingGradientsParams) -> AttackTraits:
     """IG's uploads; it always needs the defense, simulates it only with ``eot`` > 0, and is adaptive."""
     return AttackTraits.of(
         AdaptiveInvertingGradients,
@@ -95,7 +123,7 @@ def adaptive_traits(params: InvertingGradientsParams) -> AttackTraits:
     )
 
 
-@register_attack("ig-adaptive", params=InvertingGradientsParams, traits=adaptive_traits)
-def build_adaptive_inverting_gradients(params: InvertingGradientsParams) -> AdaptiveInvertingGradients:
+@register_attack("ig-adaptive", params=AdaptiveInvertingGradientsParams, traits=adaptive_traits)
+def build_adaptive_inverting_gradients(params: AdaptiveInvertingGradientsParams) -> AdaptiveInvertingGradients:
     """Inverting Gradients matching what the clients' known defense reveals (threat.defense)."""
     return AdaptiveInvertingGradients(params)

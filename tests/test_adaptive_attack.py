@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from attackers.adaptive import AdaptiveInvertingGradients
+from attackers.adaptive import AdaptiveInvertingGradients, AdaptiveInvertingGradientsParams
 from attackers.base import attack_traits, build_attack
 from attackers.gradient_rank import is_raw_update
 from attackers.inverting_gradients import InvertingGradients
@@ -24,7 +24,7 @@ DEFENDED = {"prune": PruneParams(keep=0.1, error_feedback=False)}
 def attacked(defense: str, params: object) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """PSNR and SSIM per image of plain and adaptive IG on two uploads defended by ``defense``."""
     observations, x, _ = uploads(defense, params)
-    adaptive = AdaptiveInvertingGradients(PARAMS)
+    adaptive = AdaptiveInvertingGradients(AdaptiveInvertingGradientsParams(**PARAMS.__dict__))
     adaptive.know_defense(build_defense(defense, params))
     return {
         "plain": scores(InvertingGradients(PARAMS).reconstruct_many(observations[:2], 0), x[:2]),
@@ -61,7 +61,7 @@ def test_the_rank_of_the_linear_weights_tells_censors_raw_fallback_from_its_cand
 
 def test_the_attacker_who_knows_censor_attacks_a_raw_fallback_as_ig_does_and_a_candidate_as_orthogonal() -> None:
     params = dataclasses.replace(PARAMS, iterations=20)
-    adaptive = AdaptiveInvertingGradients(params)
+    adaptive = AdaptiveInvertingGradients(AdaptiveInvertingGradientsParams(**params.__dict__))
     adaptive.know_defense(build_defense("censor", CensorParams()))
     raw, _, _ = uploads()  # what Algorithm 1 sends when no candidate lowers the loss
     candidates, _, _ = uploads("censor", CensorParams(fallback="best"))

@@ -15,6 +15,7 @@ from attackers.engine.aware import (
     clipped_distance,
     levels_distance,
     orthogonal_distance,
+    radius_distance,
     rounding_nll,
 )
 from attackers.engine.terms import cosine_distance
@@ -33,6 +34,7 @@ from fedguard.defenses.revealed import (
     SentBand,
     TowardsRobustData,
     Unchanged,
+    WithinRadius,
     revealed_by,
 )
 
@@ -101,6 +103,36 @@ def test_the_rounding_likelihood_goes_on_as_a_line_of_the_same_slope_beyond_its_
     assert float(slopes[0]) == pytest.approx(1 / ROUNDING_MARGIN, rel=1e-2)
     assert float(slopes[2]) == pytest.approx(1 / ROUNDING_MARGIN) and float(slopes[3]) == float(slopes[2])
     assert float(values[3]) == pytest.approx(-math.log(ROUNDING_MARGIN) + (3.0 - knee) / ROUNDING_MARGIN)
+
+
+def test_the_radius_distance_accepts_exactly_the_ball_the_defense_allows() -> None:
+    g = gradient(jobs=2)
+    norm = torch.sqrt(sum((x.flatten(1) ** 2).sum(1) for x in g))
+    direction = gradient(seed=3, jobs=2)
+    dnorm = torch.sqrt(sum((x.flatten(1) ** 2).sum(1) for x in direction))
+    for scale, inside in ((0.99, True), (3.0, False)):  # the bound r <= eps ||t|| / (1 - eps) admits up to 2x
+        t = [
+            x + scale * 0.25 * (n / dn).reshape(-1, *[1] * (x.dim() - 1)) * d
+            for x, d, n, dn in zip(g, direction, [norm] * 3, [dnorm] * 3)
+        ]
+        value = radius_distance(0.25, relative=True)(g, t)
+        assert bool((value == 0).all()) is inside, (scale, value)
+    t = [x + 0.05 for x in g]
+    assert float(radius_distance(1.0, relative=False)(g, t)[0]) == 0
+    assert float(radius_distance(0.01, relative=False)(g, t)[0]) > 0
+
+
+def test_a_refiner_upload_is_read_as_a_mixture_unless_the_attack_is_told_to_read_it_as_a_ball(tmp_path) -> None:
+    from attackers.adaptive import AdaptiveInvertingGradients, AdaptiveInvertingGradientsParams
+    from fedguard.defenses.refiner import Refiner, RefinerParams
+
+    defense = Refiner(RefinerParams(epsilon=0.3), None, tmp_path)
+    for reading, expected in (("mixture", TowardsRobustData(0.3, True)), ("radius", WithinRadius(0.3, True))):
+        attack = AdaptiveInvertingGradients(AdaptiveInvertingGradientsParams(refiner=reading))
+        attack.know_defense(defense)
+        assert attack.revealed == expected
+    with pytest.raises(ValueError, match="refiner 'ball': choose one of mixture, radius"):
+        AdaptiveInvertingGradientsParams(refiner="ball")
 
 
 def test_the_orthogonal_distance_is_zero_for_a_censor_candidate_and_two_for_the_gradient_itself() -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from attackers import build_attack
-from attackers.adaptive import AdaptiveInvertingGradients
+from attackers.adaptive import AdaptiveInvertingGradients, AdaptiveInvertingGradientsParams
 from attackers.dlg import DLGParams
 from attackers.engine.objective import batch_loss
 from attackers.engine.problem import MAX_ROBUST_SHARE, space_for
@@ -414,7 +414,7 @@ def test_the_attacker_who_knows_refiner_beats_inverting_gradients_on_batches_of_
     evalnet = save_evalnet(train_evalnet("mnist-5k", "test", EvalNetOptions(epochs=3, width=8)), tmp_path / "d.npz")
     observations, digits = digit_uploads(evalnet)
     params = InvertingGradientsParams(iterations=300, restarts=1, lr=0.025, tv=1e-4, device="cpu")
-    adaptive = AdaptiveInvertingGradients(params)
+    adaptive = AdaptiveInvertingGradients(AdaptiveInvertingGradientsParams(**params.__dict__))
     adaptive.know_defense(build_defense("refiner", RefinerParams(evalnet=str(evalnet))))
     scores = {}
     for name, attack in (("ig", InvertingGradients(params)), ("ig-adaptive", adaptive)):

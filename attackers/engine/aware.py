@@ -16,6 +16,9 @@ magnitude bands) the dummy gradient is first brought to the upload's scale by th
   (``rounding_nll``; a constant tensor, sent exactly, is left out).
 - ``TowardsRobustData``: ``1 - cos(g, t)``, ``g`` being the gradient of the true and the robust images mixed
   with the searched robust share (``attackers.engine.spaces.RobustMixtureSpace``): Refiner's upload exactly.
+- ``WithinRadius`` (Refiner read as a ball only): ``relu(||g - t|| - r)^2 / ||t||^2``: zero for every gradient
+  the defense could have moved to ``t`` (``r = epsilon ||t|| / (1 - epsilon)`` bounds a relative radius
+  ``epsilon ||g||`` from ``t``), so that the image prior alone chooses among them.
 - ``OrthogonalPerTensor``: the mean over tensors of ``cos(g_l, t_l)^2 + (||g_l|| / ||t_l|| - 1)^2``: the
   candidate is orthogonal to the true gradient tensor by tensor and of its norm. Under a raw fallback the upload
   may also be the gradient itself, which the upload does not mark: the distance is then the smaller of that
@@ -42,6 +45,7 @@ from fedguard.defenses.revealed import (
     SentBand,
     TowardsRobustData,
     Unchanged,
+    WithinRadius,
 )
 
 EPS = 1e-12
@@ -107,6 +111,18 @@ def levels_distance(bits: int) -> Distance:
     return distance
 
 
+def radius_distance(epsilon: float, relative: bool) -> Distance:
+    """Zero inside the ball the defense's radius allows around the upload, squared excess outside."""
+
+    def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
+        norm_t = torch.sqrt(dot(t, t))
+        radius = epsilon * norm_t / max(1 - epsilon, EPS) if relative else torch.full_like(norm_t, epsilon)
+        gap = torch.sqrt(l2_distance(g, t) + EPS)
+        return torch.relu(gap - radius) ** 2 / (norm_t**2).clamp_min(EPS)
+
+    return distance
+
+
 def orthogonal_distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
     """Per tensor: squared cosine to the upload plus the squared relative norm mismatch, averaged over tensors."""
     total: torch.Tensor | float = 0
@@ -143,6 +159,8 @@ def aware_distance(revealed: Revealed) -> Distance:
             return levels_distance(bits)
         case TowardsRobustData():
             return cosine_distance
+        case WithinRadius(epsilon=epsilon, relative=relative):
+            return radius_distance(epsilon, relative)
         case OrthogonalPerTensor(raw_fallback=False):
             return orthogonal_distance
         case OrthogonalPerTensor():

@@ -46,6 +46,19 @@ class TowardsRobustData:
     epsilon: float
     relative: bool
 
+    def ball(self) -> WithinRadius:
+        """The weaker reading: only that the upload lies within ``r`` of the true gradient."""
+        return WithinRadius(self.epsilon, self.relative)
+
+
+@dataclass(frozen=True)
+class WithinRadius:
+    """The upload lies in the L2 ball of radius ``r`` around the true gradient g, every tensor together:
+    ``r = epsilon * ||g||`` (``relative``) or ``epsilon`` (absolute)."""
+
+    epsilon: float
+    relative: bool
+
 
 @dataclass(frozen=True)
 class OrthogonalPerTensor:
@@ -80,7 +93,14 @@ class ClippedNoise:
 
 
 Revealed = (
-    Unchanged | SentBand | QuantizedLevels | TowardsRobustData | OrthogonalPerTensor | AlteredLayer | ClippedNoise
+    Unchanged
+    | SentBand
+    | QuantizedLevels
+    | TowardsRobustData
+    | WithinRadius
+    | OrthogonalPerTensor
+    | AlteredLayer
+    | ClippedNoise
 )
 
 
