@@ -40,11 +40,12 @@ def test_matching_only_the_sent_entries_beats_plain_ig_on_pruned_uploads() -> No
 
 
 def test_the_adaptive_attack_needs_the_defense_and_says_it_is_adaptive() -> None:
+    params = AdaptiveInvertingGradientsParams(**{**PARAMS.__dict__, "iterations": 1})
     traits = attack_traits("ig-adaptive")
     assert traits.adaptive and "defense" in traits.needs
     with pytest.raises(ValueError, match="needs the clients' defense"):
-        build_attack("ig-adaptive", dataclasses.replace(PARAMS, iterations=1))
-    attack = build_attack("ig-adaptive", dataclasses.replace(PARAMS, iterations=1), defense=("soteria", None))
+        build_attack("ig-adaptive", params)
+    attack = build_attack("ig-adaptive", params, defense=("soteria", None))
     observations, _, _ = uploads()
     result = attack.reconstruct_many(observations[:1], 0)[0]
     assert result.stats["matched"] == "AlteredLayer"
