@@ -16,8 +16,8 @@ from fedguard.defenses import DEFENSES, LocalStep, build_defense
 from fedguard.defenses.dgp import DGPParams, DualGradientPruning
 from fedguard.metrics import psnr, ssim
 from fedguard.models import build_model
-from fedguard.observation import ModelCard
-from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
+from fedguard.training import compute_gradients, loss_fn
+from tests.untrained import untrained_mlp
 
 SHAPES = [(256, 3072), (256,), (10, 256), (10,)]  # the MLP on 32x32 photos, reduced to one hidden layer
 
@@ -245,13 +245,7 @@ def test_registered_and_configurable() -> None:
 
 def ig_scores(defense: str) -> tuple[np.ndarray, np.ndarray]:
     """PSNR and SSIM of Inverting Gradients (150 iterations, 1 restart) on two batch-1 MLP photo uploads."""
-    data = load_dataset("photos")
-    torch.manual_seed(0)
-    model = build_model("mlp", data.spec)
-    arrays = get_arrays(model)
-    card = ModelCard(
-        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
-    )
+    data, model, arrays, card = untrained_mlp("photos")
     x, y = data.test.batch([3, 40])
     protect = build_defense(defense)
     observations = []

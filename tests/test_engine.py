@@ -14,12 +14,10 @@ from attackers.engine.optimizers import lbfgs, scheduler_of
 from attackers.engine.problem import Problem
 from attackers.engine.terms import TermInputs, cosine_distance, group_prior, l2_distance, relative_l2_distance
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
-from fedguard.data import load_dataset
-from fedguard.models import build_model
-from fedguard.observation import ModelCard
-from fedguard.training import get_arrays, local_sgd, set_arrays, trainable_mask
+from fedguard.training import get_arrays, local_sgd, set_arrays
 from tests.devices import ATTACK_DEVICE
 from tests.test_inverting_gradients import uploads
+from tests.untrained import untrained_mlp
 
 
 def test_the_same_seed_repeats_exactly_and_another_seed_starts_elsewhere() -> None:
@@ -43,13 +41,7 @@ def test_uploads_of_one_global_model_share_its_weights_and_match_running_alone()
 
 def fedavg_uploads() -> list:
     """Two clients' FedAvg uploads of one round: one global model, two photos each, own losses."""
-    data = load_dataset("photos")
-    torch.manual_seed(0)
-    model = build_model("mlp", data.spec)
-    arrays = get_arrays(model)
-    card = ModelCard(
-        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
-    )
+    data, model, arrays, card = untrained_mlp("photos")
     observations = []
     for client, pair in enumerate(([3, 150], [10, 200])):
         x, y = data.test.batch(pair)

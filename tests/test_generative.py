@@ -31,10 +31,10 @@ from fedguard.generators import (
 )
 from fedguard.metrics import psnr, ssim
 from fedguard.metrics.matching import match
-from fedguard.models import build_model
-from fedguard.observation import ModelCard, Observation
-from fedguard.training import compute_gradients, get_arrays, trainable_mask
+from fedguard.observation import Observation
+from fedguard.training import compute_gradients
 from tests.devices import ATTACK_DEVICE
+from tests.untrained import untrained_mlp
 
 DIGITS = [0, 7, 100, 2000, 3000, 3999]  # train-split digits: the clients' data
 SMALL = TrainOptions(epochs=3, batch_size=32, latent_dim=8, width=8)
@@ -47,13 +47,7 @@ def small_images(count: int = 256) -> tuple[torch.Tensor, DataSpec]:
 
 def uploads(batch: int) -> tuple[list[Observation], list[torch.Tensor], list[torch.Tensor]]:
     """One FedSGD upload per ``batch`` consecutive entries of DIGITS, from one MLP; the true images and labels."""
-    data = load_dataset("mnist-5k")
-    torch.manual_seed(0)
-    model = build_model("mlp", data.spec)
-    arrays = get_arrays(model)
-    card = ModelCard(
-        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
-    )
+    data, model, arrays, card = untrained_mlp("mnist-5k")
     observations, images, labels = [], [], []
     for start in range(0, len(DIGITS), batch):
         x, y = data.train.batch(DIGITS[start : start + batch])

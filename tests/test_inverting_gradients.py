@@ -16,27 +16,20 @@ import torch
 
 from attackers.engine.terms import total_variation
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
-from fedguard.data import load_dataset
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_update import UpdateDPParams
 from fedguard.metrics import psnr, ssim
-from fedguard.models import build_model
-from fedguard.observation import ModelCard, Observation
-from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
+from fedguard.observation import Observation
+from fedguard.training import compute_gradients, get_arrays, loss_fn
 from tests.devices import ATTACK_DEVICE
+from tests.untrained import untrained_mlp
 
 IMAGES = [3, 40, 101, 150]  # test-split tiles from different photos
 PARAMS = InvertingGradientsParams(iterations=250, restarts=2, lr=0.025, tv=1e-4, device=ATTACK_DEVICE)
 
 
 def uploads(defense: str = "none", params=None) -> tuple[list[Observation], torch.Tensor, torch.Tensor]:
-    data = load_dataset("photos")
-    torch.manual_seed(0)
-    model = build_model("mlp", data.spec)
-    arrays = get_arrays(model)
-    card = ModelCard(
-        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
-    )
+    data, model, arrays, card = untrained_mlp("photos")
     x, y = data.test.batch(IMAGES)
     protect = build_defense(defense, params)
     observations = []
@@ -146,13 +139,7 @@ def test_schedule_reaches_the_optimizer() -> None:
 
 def test_fedavg_weight_updates_leak_through_replayed_local_steps() -> None:
     """Two local SGD steps on two photos (batch 1, lr 0.1); the attacker replays them on dummy data."""
-    data = load_dataset("photos")
-    torch.manual_seed(0)
-    model = build_model("mlp", data.spec)
-    arrays = get_arrays(model)
-    card = ModelCard(
-        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
-    )
+    data, model, arrays, card = untrained_mlp("photos")
     x, y = data.test.batch([3, 150])
     from fedguard.training import local_sgd, set_arrays
 

@@ -33,6 +33,7 @@ from fedguard.models import build_model
 from fedguard.models.convnet import ConvNetParams
 from fedguard.observation import ModelCard, Observation
 from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
+from tests.untrained import untrained_mlp
 
 IMAGES = [3, 150]  # test-split tiles of two different photos
 TOLERANCE = 1 + 1e-6
@@ -388,13 +389,7 @@ def test_default_relative_radius_defeats_idlg_on_the_dlg_lenet(evalnet: Path) ->
 def digit_uploads(evalnet: Path, uploads: int = 2, batch: int = 8) -> tuple[list[Observation], torch.Tensor]:
     """Refiner's round-1 uploads of ``uploads`` batches of test digits through an untrained MLP (seed 0), the
     defenses preset's setting, and the digits (uploads * batch, 1, 28, 28)."""
-    data = load_dataset("mnist-5k")
-    torch.manual_seed(0)
-    model = build_model("mlp", data.spec)
-    arrays = get_arrays(model)
-    card = ModelCard(
-        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
-    )
+    data, model, arrays, card = untrained_mlp("mnist-5k")
     defense = build_defense("refiner", RefinerParams(evalnet=str(evalnet)))
     observations, digits = [], []
     for i in range(uploads):
@@ -429,14 +424,11 @@ def test_the_attacker_who_knows_refiner_beats_inverting_gradients_on_batches_of_
 
 
 def test_the_search_of_the_robust_images_refuses_joint_labels_and_fedavg_uploads() -> None:
-    data = load_dataset("photos")
-    torch.manual_seed(0)
-    model = build_model("mlp", data.spec)
-    card = ModelCard("mlp", {}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model)))
+    data, model, arrays, card = untrained_mlp("photos")
     x, y = data.test.batch(IMAGES[:1])
     grads = [g.numpy() for g in step_of(model, x, y).grads]
-    gradient = card.observe(1, 0, "gradient", get_arrays(model), grads, 1, {"batch-size": 1})
-    weights = card.observe(1, 0, "weights", get_arrays(model), get_arrays(model), 1, {"batch-size": 1})
+    gradient = card.observe(1, 0, "gradient", arrays, grads, 1, {"batch-size": 1})
+    weights = card.observe(1, 0, "weights", arrays, arrays, 1, {"batch-size": 1})
     matching = TowardsRobustData(0.25, relative=True)
     cpu = torch.device("cpu")
     assert isinstance(space_for(gradient, 1, False, None, cpu, matching), RobustMixtureSpace)
