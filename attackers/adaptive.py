@@ -13,6 +13,7 @@ compares the two on equal budgets. Report the stronger of IG and this attack (EV
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,16 +42,20 @@ REFINER_READINGS = ("mixture", "radius")
 
 @dataclass(frozen=True)
 class AdaptiveInvertingGradientsParams(InvertingGradientsParams):
-    """IG's parameters, and how a Refiner upload is read: ``refiner`` 'mixture' (the true and the robust images'
+    """IG's parameters, how a Refiner upload is read: ``refiner`` 'mixture' (the true and the robust images'
     gradients mixed by the projection, both batches and the robust share searched) or 'radius' (every gradient
-    within the radius accepted, the TV prior choosing among them)."""
+    within the radius accepted, the TV prior choosing among them), and ``band``: the weight of the penalty on the
+    unsent entries of a pruning or DGP upload beside the masked cosine (0: the masked cosine alone)."""
 
     refiner: str = "mixture"
+    band: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.refiner not in REFINER_READINGS:
             raise ValueError(f"refiner {self.refiner!r}: choose one of {', '.join(REFINER_READINGS)}")
+        if not (math.isfinite(self.band) and self.band >= 0):
+            raise ValueError(f"band must be a finite weight >= 0 (0: the masked cosine alone), got {self.band}")
 
 
 def adapted_spec(spec: SearchSpec, revealed: Revealed, obs: Observation) -> SearchSpec:
@@ -72,6 +77,7 @@ class AdaptiveInvertingGradients(InvertingGradients):
         super().__init__(params)
         self.needs = adaptive_traits(params).needs
         self.refiner = params.refiner
+        self.spec = replace(self.spec, band_weight=params.band)
 
     def know_defense(self, defense: Any) -> None:
         """The clients' defense: what its uploads reveal (a Refiner upload read as ``refiner`` says), and the

@@ -33,6 +33,15 @@ a clearly negative entry is present (``Q_c >= 0``) and keeps at least one sample
 
 ``method="plain"``: ``round(-B g_c)`` over the negative classes (the counting rule of LLG), which leaves
 the offset in: on untrained models from about batch 16 on, classes with few samples vanish.
+
+An upload that sent only some entries (``sparse``: pruning, DGP; the others arrive as zeros) may lack exactly the
+entries these rules read: DGP removes the largest of every tensor, the true classes' bias entries among them
+(batch 1: the label's own). ``fill_unsent_bias`` then estimates the missing bias entries from the weight rows:
+every sample adds ``(p_ic - y_ic) h_i`` to the weight's row c and ``p_ic - y_ic`` to the bias, so with one
+embedding the row is the bias entry times it, ``dW_c = g_c h``; ``h`` is fitted from the classes whose bias and
+weight entries were both sent and each unsent ``g_c`` is the least-squares factor of its sent row on ``h``
+(exact for a batch of one). A class whose row shares no entry with ``h`` stays unknown and counts as absent;
+without any bias entry sent the weight rows' sums over their sent entries are the signal.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ METHODS: tuple[str, ...] = get_args(Method)
 DAMPED_ROUNDS = 3  # rounds of damped iLRG embeddings, each damped with the previous round's masses Q
 REFINEMENTS = 5  # rounds re-solving the embeddings that the iLRG ratio leaves ill-conditioned
 PRESENT = 1e-3  # an entry below -PRESENT of one sample's impact names a present class
+COMPLETION_ROUNDS = 30  # alternating least-squares rounds of the rank-one fit of a sparse upload's last layer
 
 
 def last_layer(tensors: list[torch.Tensor], num_classes: int) -> tuple[int | None, int | None]:
@@ -80,14 +90,18 @@ def infer_labels(
     batch_size: int,
     method: Method = "offset",
     weights: list[torch.Tensor] | None = None,
+    sparse: bool = False,
 ) -> torch.Tensor:
     """Estimated labels (batch_size,) int64, sorted by class.
 
     ``weights``: the global model's trainable parameters, in the order of ``grads``; with them the
-    ``offset`` method takes the softmax offset from the model (iLRG) instead of assuming 1/C.
+    ``offset`` method takes the softmax offset from the model (iLRG) instead of assuming 1/C. ``sparse``: the
+    upload's zeros are entries a defense did not send (``fill_unsent_bias``).
     """
     if method not in METHODS:
         raise ValueError(f"unknown label inference method {method!r}; expected one of {METHODS}")
+    if sparse:  # the model's softmax (iLRG) would read class embeddings from the fit: the uniform offset does better
+        grads, weights = fill_unsent_bias(grads, num_classes), None
     signal = last_layer_signal(grads, num_classes)
     if batch_size == 1:
         return signal.argmin().reshape(1).long()
@@ -117,6 +131,40 @@ def row_sum_impact(sums: torch.Tensor, batch_size: int) -> float:
     """One sample's mean impact on the weight gradient's row sums (classes,): the smallest that gives no
     class a negative count under the uniform offset, ``C max_c sums_c / B``."""
     return max(len(sums) * float(sums.max()) / batch_size, torch.finfo(torch.float64).tiny)
+
+
+def fill_unsent_bias(grads: list[torch.Tensor], num_classes: int) -> list[torch.Tensor]:
+    """``grads`` with the last bias's unsent (zero) entries estimated. The weight and the bias side by side,
+    ``[dW | g]`` (C, d + 1), are fitted on their sent entries by the rank-one matrix ``u [h | 1]``
+    (``COMPLETION_ROUNDS`` of alternating least squares; exact for a batch of one), and an unsent ``g_c`` is read
+    as ``u_c``. A class whose sent weight entries share no column with another class's has no scale in that fit
+    (DGP removed the largest entries of its row, leaving only those where ``h`` is small, which the other rows
+    lost to the bottom band): such classes share what the bias lacks to sum to zero, as the softmax's gradient
+    always does. Unchanged without a bias, when every bias entry was sent, or when none was."""
+    weight, bias = last_layer(grads, num_classes)
+    if weight is None or bias is None:
+        return grads
+    b = grads[bias].detach().double().cpu()
+    unsent = b == 0
+    if bool(unsent.all()) or not bool(unsent.any()):
+        return grads
+    w = grads[weight].detach().double().cpu().flatten(1)
+    matrix = torch.cat([w, b[:, None]], dim=1)  # (C, d + 1)
+    known = (matrix != 0).double()
+    tiny = torch.finfo(torch.float64).tiny
+    v = torch.ones(matrix.shape[1], dtype=torch.float64)
+    for _ in range(COMPLETION_ROUNDS):
+        u = (known * matrix * v).sum(1) / (known * v**2).sum(1).clamp_min(tiny)
+        v = (known * matrix * u[:, None]).sum(0) / (known * u[:, None] ** 2).sum(0).clamp_min(tiny)
+        v = v / v[-1] if abs(float(v[-1])) > tiny else v  # the bias column's factor is 1
+    shared = (known * ((known.sum(0, keepdim=True) - known) > 0)).sum(1)  # (C,) columns known in another row too
+    alone = unsent & (shared == 0)
+    filled = torch.where(unsent, u, b)
+    if bool(alone.any()):
+        filled = torch.where(alone, -filled[~alone].sum() / int(alone.sum()), filled)
+    out = list(grads)
+    out[bias] = filled.to(grads[bias].dtype).to(grads[bias].device)
+    return out
 
 
 def ilrg_counts(
@@ -213,12 +261,17 @@ def plain_labels(signal: torch.Tensor, batch_size: int) -> torch.Tensor:
     return torch.tensor(labels, dtype=torch.long)
 
 
-def upload_labels_inferred(obs: Observation, grads: list[torch.Tensor], batch_size: int) -> torch.Tensor:
+def upload_labels_inferred(
+    obs: Observation, grads: list[torch.Tensor], batch_size: int, sparse: bool = False
+) -> torch.Tensor:
     """Labels (batch_size,) inferred from an upload's gradient ``grads`` (trainable parameters in order), with
-    the softmax offset taken from the global model the client started from where its last layer has a bias."""
+    the softmax offset taken from the global model the client started from where its last layer has a bias;
+    ``sparse``: the upload's zeros are entries its defense did not send."""
     weights = [torch.tensor(a) for a, trainable in zip(obs.global_arrays, obs.trainable) if trainable]
     _, bias = last_layer(weights, obs.spec.num_classes)
-    return infer_labels(grads, obs.spec.num_classes, batch_size, weights=weights if bias is not None else None)
+    return infer_labels(
+        grads, obs.spec.num_classes, batch_size, weights=weights if bias is not None else None, sparse=sparse
+    )
 
 
 def declared_labels(declared: dict[str, Any]) -> torch.Tensor | None:

@@ -9,11 +9,12 @@ magnitude bands) the dummy gradient is first brought to the upload's scale by th
 - ``Unchanged``, ``AlteredLayer``: ``1 - cos(g, t)`` (the altered layer is left out by the attack's ``skip``).
 - ``SentBand``: ``1 - cos(m g, t)`` over the sent entries (``m = t != 0``) plus, per tensor, the squared
   distance of each unsent ``|s g|`` to the region the defense left it in (at most the smallest sent magnitude;
-  for DGP also at least the largest), over ``||t||^2``.
+  for DGP also at least the largest), over ``||t||^2``, times the attack's ``band`` weight.
 - ``QuantizedLevels``: the mean over entries of ``-log(1 - |s g - t| / step)``, ``step`` being each tensor's
   level step ``(max t - min t) / (2**bits - 1)``: unbiased stochastic rounding sends an entry ``d < 1`` steps
   from a level to it with probability ``1 - d``, so this is the upload's negative log-likelihood per entry
-  (``rounding_nll``; a constant tensor, sent exactly, is left out).
+  (``rounding_nll``; a constant tensor, sent exactly, is left out). The search minimizes it only late, beside
+  the cosine, and only at fine levels (``aware_phases``).
 - ``TowardsRobustData``: ``1 - cos(g, t)``, ``g`` being the gradient of the true and the robust images mixed
   with the searched robust share (``attackers.engine.spaces.RobustMixtureSpace``): Refiner's upload exactly.
 - ``WithinRadius`` (Refiner read as a ball only): ``relu(||g - t|| - r)^2 / ||t||^2``: zero for every gradient
@@ -51,6 +52,14 @@ from fedguard.defenses.revealed import (
 EPS = 1e-12
 ROUNDING_MARGIN = 0.05
 """How far below one level step (in steps) the rounding likelihood's negative log turns into a line."""
+LIKELIHOOD_MIN_BITS = 8
+"""The fewest bits at which the rounding likelihood joins the cosine (``aware_phases``)."""
+LIKELIHOOD_START = 0.75
+"""The fraction of the iterations after which it does."""
+LIKELIHOOD_WEIGHT = 0.01
+"""Its weight beside the cosine: near the cosine's optimum the likelihood per entry is about 0.5 (the mean binary
+entropy of the rounding) against a cosine distance of about 0.02, so that at weight 1 it would drown the image
+prior, whose weight was chosen beside the cosine."""
 
 
 def _scale(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
@@ -63,8 +72,9 @@ def _per_job(s: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return s.reshape(-1, *[1] * (like.dim() - 1))
 
 
-def band_distance(drops_top: bool) -> Distance:
-    """Masked cosine over the sent entries plus the unsent entries' distance to where the defense left them."""
+def band_distance(drops_top: bool, weight: float = 1.0) -> Distance:
+    """Masked cosine over the sent entries plus ``weight`` times the unsent entries' distance to where the defense
+    left them."""
 
     def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
         masks = [(x != 0).to(x.dtype) for x in t]
@@ -80,7 +90,7 @@ def band_distance(drops_top: bool) -> Distance:
             above = torch.relu(magnitude - lo)
             gap = torch.minimum(above, torch.relu(hi - magnitude)) if drops_top else above
             outside = outside + ((1 - mflat) * gap**2).sum(1)
-        return cosine_distance(sent, t) + outside / dot(t, t).clamp_min(EPS)
+        return cosine_distance(sent, t) + weight * outside / dot(t, t).clamp_min(EPS)
 
     return distance
 
@@ -148,13 +158,39 @@ def clipped_distance(clip: float) -> Distance:
     return distance
 
 
-def aware_distance(revealed: Revealed) -> Distance:
+def cosine_then_likelihood(bits: int) -> Distance:
+    """``1 - cos(g, t)`` plus ``LIKELIHOOD_WEIGHT`` times the rounding likelihood (``levels_distance``)."""
+    likelihood = levels_distance(bits)
+
+    def distance(g: list[torch.Tensor], t: list[torch.Tensor]) -> torch.Tensor:
+        return cosine_distance(g, t) + LIKELIHOOD_WEIGHT * likelihood(g, t)
+
+    return distance
+
+
+def aware_phases(revealed: Revealed, band_weight: float = 1.0) -> tuple[tuple[float, Distance], ...]:
+    """The distances the attack minimizes in turn, each from a fraction of the iterations on (the first from 0).
+
+    For quantized levels of ``LIKELIHOOD_MIN_BITS`` bits or more: the cosine, then from ``LIKELIHOOD_START`` on
+    the cosine plus the rounding likelihood (``cosine_then_likelihood``), which refines where the cosine brought
+    the search; the likelihood alone from a random start gives the signed step no usable direction at fine levels.
+    At fewer bits the cosine throughout: there the likelihood lowered SSIM at every weight and start measured
+    (``docs/explanation/defenses.md``). Otherwise ``aware_distance`` throughout, a sent band's penalty weighted by
+    ``band_weight``."""
+    if isinstance(revealed, QuantizedLevels):
+        if revealed.bits < LIKELIHOOD_MIN_BITS:
+            return ((0.0, cosine_distance),)
+        return ((0.0, cosine_distance), (LIKELIHOOD_START, cosine_then_likelihood(revealed.bits)))
+    return ((0.0, aware_distance(revealed, band_weight)),)
+
+
+def aware_distance(revealed: Revealed, band_weight: float = 1.0) -> Distance:
     """The distance an attacker who knows what the upload ``revealed`` minimizes."""
     match revealed:
         case Unchanged() | AlteredLayer():
             return cosine_distance
         case SentBand(drops_top=drops_top):
-            return band_distance(drops_top)
+            return band_distance(drops_top, band_weight)
         case QuantizedLevels(bits=bits):
             return levels_distance(bits)
         case TowardsRobustData():

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
-from attackers.engine.aware import aware_distance
+from attackers.engine.aware import aware_phases
 from attackers.engine.problem import Problem
 from attackers.engine.spaces import JointSpace, RobustMixtureSpace
 from attackers.engine.spec import PRECISIONS, SearchSpec
@@ -118,9 +118,13 @@ class Objective:
         self.dtype = PRECISIONS[spec.precision]
         self.params = {name: p.to(self.dtype) for name, p in jobs.params.items()}
         self.compared = [n for n in names if not spec.skipped(n)]
-        distance = DISTANCES[spec.distance] if spec.matching is None else aware_distance(spec.matching)
-        self.distance = self._eot(distance, defense, seed)
-        self._losses: dict[tuple[Term, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
+        phases = (
+            ((0.0, DISTANCES[spec.distance]),)
+            if spec.matching is None
+            else aware_phases(spec.matching, spec.band_weight)
+        )
+        self.phases = [(start, self._eot(distance, defense, seed)) for start, distance in phases]
+        self._losses: dict[tuple[int, tuple[Term, ...]], Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def _eot(
         self, distance: Callable[..., torch.Tensor], defense: Any, seed: int
@@ -143,8 +147,15 @@ class Objective:
 
         return expected
 
-    def parts(self, z: torch.Tensor, priors: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Each job's gradient distance (J,) and the value (J,) of each of ``priors`` at ``z``."""
+    def phase_at(self, progress: float) -> int:
+        """The index of the distance in force at ``progress`` (fraction of iterations): the last to have started."""
+        return max(i for i, (start, _) in enumerate(self.phases) if progress >= start)
+
+    def parts(
+        self, z: torch.Tensor, priors: list[str], phase: int = -1
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Each job's gradient distance (J,) (the ``phase``-th; the last by default) and the value (J,) of each of
+        ``priors`` at ``z``."""
         space, problem = self.problem.space, self.problem
         images = space.images(z)
         # without known labels the space is the joint one, whose points carry soft labels
@@ -156,18 +167,19 @@ class Objective:
             g = {name: v.float() for name, v in g.items()}
             statistics = [(mean.float(), var.float()) for mean, var in statistics]
         inputs = TermInputs(images, z, statistics, problem.bn_target, self.spec.restarts)
-        return self.distance(g), {name: PRIORS[name](inputs) for name in priors}
+        return self.phases[phase][1](g), {name: PRIORS[name](inputs) for name in priors}
 
     def losses_at(self, progress: float) -> Callable[[torch.Tensor], torch.Tensor]:
         """``z -> (J,)`` weighted losses, a prior counted once ``progress`` (fraction of iterations) reaches its
-        start; one function object per set of counted priors."""
+        start, under the distance in force then; one function object per phase and set of counted priors."""
         active = tuple(t for t in self.spec.terms if t.weight > 0 and progress >= t.start)
-        if active not in self._losses:
-            self._losses[active] = lambda z: self._weighted(z, active)
-        return self._losses[active]
+        key = (self.phase_at(progress), active)
+        if key not in self._losses:
+            self._losses[key] = lambda z: self._weighted(z, *key)
+        return self._losses[key]
 
-    def _weighted(self, z: torch.Tensor, active: tuple[Term, ...]) -> torch.Tensor:
-        distance, priors = self.parts(z, [t.name for t in active])
+    def _weighted(self, z: torch.Tensor, phase: int, active: tuple[Term, ...]) -> torch.Tensor:
+        distance, priors = self.parts(z, [t.name for t in active], phase)
         return self.spec.distance_weight * distance + sum(t.weight * priors[t.name] for t in active)
 
     def selection(self, z: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -14,7 +14,7 @@ from attackers.engine.spec import SearchSpec
 from attackers.engine.terms import Statistics
 from attackers.jobs import JobBatch, job_seed
 from attackers.labels import declared_labels, upload_labels_inferred
-from fedguard.defenses.revealed import Revealed, TowardsRobustData
+from fedguard.defenses.revealed import Revealed, SentBand, TowardsRobustData
 from fedguard.observation import Observation
 
 UPLOAD_NAMES = {"gradient": "FedSGD gradients", "weights": "FedAvg weights"}
@@ -100,11 +100,12 @@ class Problem:
         batch = images_per_upload(first)
         declared = [declared_labels(o.declared) for o in observations]
         joint = spec.labels == "joint" and any(lab is None for lab in declared)
+        sparse = isinstance(spec.matching, SentBand)
         known = (
             None
             if joint
             else [
-                (upload_labels_inferred(o, t, batch) if lab is None else lab).to(device)
+                (upload_labels_inferred(o, t, batch, sparse) if lab is None else lab).to(device)
                 for o, lab, t in zip(observations, declared, targets)
             ]
         )
