@@ -58,7 +58,7 @@ METHODS: tuple[str, ...] = get_args(Method)
 DAMPED_ROUNDS = 3  # rounds of damped iLRG embeddings, each damped with the previous round's masses Q
 REFINEMENTS = 5  # rounds re-solving the embeddings that the iLRG ratio leaves ill-conditioned
 PRESENT = 1e-3  # an entry below -PRESENT of one sample's impact names a present class
-COMPLETION_ROUNDS = 30  # alternating least-squares rounds of the rank-one fit of a sparse upload's last layer
+COMPLETION_ROUNDS = 2000  # at most, of the alternating least squares fitting a sparse upload's last layer
 
 
 def last_layer(tensors: list[torch.Tensor], num_classes: int) -> tuple[int | None, int | None]:
@@ -136,7 +136,8 @@ def row_sum_impact(sums: torch.Tensor, batch_size: int) -> float:
 def fill_unsent_bias(grads: list[torch.Tensor], num_classes: int) -> list[torch.Tensor]:
     """``grads`` with the last bias's unsent (zero) entries estimated. The weight and the bias side by side,
     ``[dW | g]`` (C, d + 1), are fitted on their sent entries by the rank-one matrix ``u [h | 1]``
-    (``COMPLETION_ROUNDS`` of alternating least squares; exact for a batch of one), and an unsent ``g_c`` is read
+    (alternating least squares until it settles, at most ``COMPLETION_ROUNDS``; exact for a batch of one), and an
+    unsent ``g_c`` is read
     as ``u_c``. A class whose sent weight entries share no column with another class's has no scale in that fit
     (DGP removed the largest entries of its row, leaving only those where ``h`` is small, which the other rows
     lost to the bottom band): such classes share what the bias lacks to sum to zero, as the softmax's gradient
@@ -153,10 +154,14 @@ def fill_unsent_bias(grads: list[torch.Tensor], num_classes: int) -> list[torch.
     known = (matrix != 0).double()
     tiny = torch.finfo(torch.float64).tiny
     v = torch.ones(matrix.shape[1], dtype=torch.float64)
-    for _ in range(COMPLETION_ROUNDS):
+    u = torch.zeros(matrix.shape[0], dtype=torch.float64)
+    for round_ in range(COMPLETION_ROUNDS):
+        previous = u
         u = (known * matrix * v).sum(1) / (known * v**2).sum(1).clamp_min(tiny)
         v = (known * matrix * u[:, None]).sum(0) / (known * u[:, None] ** 2).sum(0).clamp_min(tiny)
         v = v / v[-1] if abs(float(v[-1])) > tiny else v  # the bias column's factor is 1
+        if round_ % 50 == 49 and bool(((u - previous).abs() <= 1e-12 * u.abs().max()).all()):
+            break
     shared = (known * ((known.sum(0, keepdim=True) - known) > 0)).sum(1)  # (C,) columns known in another row too
     alone = unsent & (shared == 0)
     filled = torch.where(unsent, u, b)
