@@ -408,6 +408,12 @@ def test_a_sweep_with_seeds_runs_each_cell_once_per_seed_in_a_folder_per_seed(tm
             r"sweep.settings.privacy.variants = \['none', 'nope'\]: give a list of variants of this sweep",
         ),
         ('kind = "diagnostic"\nvariants = []', [], r"sweep.settings.privacy.variants = \[\]: give a list"),
+        (
+            'kind = "diagnostic"\nvariants = ["none", "dp", "none"]',
+            [],
+            r"sweep.settings.privacy.variants = \['none', 'dp', 'none'\] names 'none' more than once; name each "
+            r"variant once",
+        ),
     ],
 )
 def test_bad_seeds_and_setting_kinds_are_named(tmp_path: Path, change: str, overrides: list[str], message: str) -> None:
@@ -415,6 +421,42 @@ def test_bad_seeds_and_setting_kinds_are_named(tmp_path: Path, change: str, over
     assert target in SEEDED
     with pytest.raises(ConfigError, match=message):
         load_sweep(write(tmp_path, SEEDED.replace(target, change, 1)), tmp_path / "out", overrides)
+
+
+def test_names_that_differ_only_in_case_are_refused_with_the_other_problems(tmp_path: Path) -> None:
+    preset = write(
+        tmp_path,
+        SMALL
+        + """
+[sweep]
+[sweep.settings.privacy]
+[sweep.settings.Privacy]
+[sweep.variants.dgp]
+"defense.name" = "dgp"
+[sweep.variants.DGP]
+"defense.name" = "nope"
+""",
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_sweep(preset, tmp_path / "out")
+    problems = caught.value.problems
+    clash = (
+        "differ only in case, so their run folders would be one folder on a case-insensitive file system "
+        "(macOS, Windows); rename them so that they differ in more than case"
+    )
+    assert problems[:2] == [
+        f"{preset}: [sweep.settings.privacy] and [sweep.settings.Privacy] {clash}",
+        f"{preset}: [sweep.variants.dgp] and [sweep.variants.DGP] {clash}",
+    ]
+    assert any(p.startswith("privacy/DGP: defense.name = 'nope'") for p in problems[2:]), problems
+
+
+def test_an_only_given_twice_runs_each_run_once(tmp_path: Path) -> None:
+    preset = write(tmp_path, SEEDED)
+    twice = load_sweep(preset, tmp_path / "out", only=["fedavg/dp", "dp", "fedavg/dp"])
+    assert [(r.setting, r.variant, r.seed) for r in twice.runs] == [
+        (s, "dp", seed) for s in ("privacy", "fedavg") for seed in (0, 1, 2)
+    ]
 
 
 def finished_run(folder: Path, accuracy: float, ssims: list[float], seed: int, attack: str = "ig") -> None:

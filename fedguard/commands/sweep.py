@@ -114,16 +114,40 @@ def _kinds(settings: dict[str, dict[str, Any]], path: Path) -> dict[str, str]:
     return kinds
 
 
+def _case_clashes(names: list[str], key: str, path: Path) -> list[str]:
+    """A problem per group of ``[sweep.<key>]`` names that differ only in case: their run folders would be one
+    folder on a case-insensitive file system."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(name.casefold(), []).append(name)
+    return [
+        f"{path}: {', '.join(f'[sweep.{key}.{n}]' for n in group[:-1])} and [sweep.{key}.{group[-1]}] differ only "
+        "in case, so their run folders would be one folder on a case-insensitive file system (macOS, Windows); "
+        "rename them so that they differ in more than case"
+        for group in groups.values()
+        if len(group) > 1
+    ]
+
+
 def _setting_variants(settings: dict[str, dict[str, Any]], variants: list[str], path: Path) -> dict[str, list[str]]:
     """Each setting's ``variants`` (every variant when it names none), popped from its overrides; ``ConfigError``
-    for a name that is not a variant of the sweep."""
+    for a name that is not a variant of the sweep or that the list repeats."""
     chosen = {name: keys.pop("variants", variants) for name, keys in settings.items()}
-    bad = [
-        f"{path}: sweep.settings.{name}.variants = {names!r}: give a list of variants of this sweep "
-        f"({', '.join(variants)})"
-        for name, names in chosen.items()
-        if not (isinstance(names, list) and names and set(names) <= set(variants))
-    ]
+    bad = []
+    for name, names in chosen.items():
+        if not (
+            isinstance(names, list) and names and all(isinstance(n, str) for n in names) and set(names) <= set(variants)
+        ):
+            bad.append(
+                f"{path}: sweep.settings.{name}.variants = {names!r}: give a list of variants of this sweep "
+                f"({', '.join(variants)})"
+            )
+        elif len(set(names)) < len(names):
+            repeated = ", ".join(repr(v) for v in dict.fromkeys(names) if names.count(v) > 1)
+            bad.append(
+                f"{path}: sweep.settings.{name}.variants = {names!r} names {repeated} more than once; "
+                "name each variant once"
+            )
     if bad:
         raise ConfigError(bad)
     return chosen
@@ -210,7 +234,8 @@ def load_sweep(
     )
     chosen = _chosen_runs(only, setting_variants, path)
     seed_choices: list[int] | list[None] = run_seeds or [None]
-    runs, problems = [], []
+    problems = _case_clashes(list(settings), "settings", path) + _case_clashes(list(variants), "variants", path)
+    runs = []
     for setting, setting_keys in settings.items():
         for variant, variant_keys in variants.items():
             if (setting, variant) not in chosen:
