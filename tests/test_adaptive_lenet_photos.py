@@ -20,9 +20,8 @@ from fedguard.defenses.dgp import DGPParams
 from fedguard.defenses.quantization import QuantizeParams
 from fedguard.metrics import ssim
 from fedguard.models import build_model
-from fedguard.observation import Observation
+from fedguard.observation import ModelCard, Observation
 from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
-from fedguard.observation import ModelCard
 from tests.devices import ATTACK_DEVICE
 
 TILES = [0, 27, 54, 81]  # test-split tiles of four photos

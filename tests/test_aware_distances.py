@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from attackers.engine.aware import (
+    LIKELIHOOD_MIN_BITS,
+    LIKELIHOOD_START,
+    LIKELIHOOD_WEIGHT,
     ROUNDING_MARGIN,
     aware_distance,
+    aware_phases,
     band_distance,
     clipped_distance,
     levels_distance,
@@ -175,3 +179,45 @@ def test_refiner_declares_its_radius_towards_the_robust_data(tmp_path) -> None:
     params = RefinerParams(epsilon=0.1, radius="absolute")
     assert Refiner(params, None, tmp_path).revealed() == TowardsRobustData(0.1, relative=False)
     assert Refiner(RefinerParams(), None, tmp_path).revealed() == TowardsRobustData(0.25, relative=True)
+
+
+def test_the_quantization_aware_search_adds_the_rounding_likelihood_late_and_only_at_fine_levels() -> None:
+    """At 8 bits: the cosine, then from LIKELIHOOD_START on the cosine plus the weighted likelihood; at 4 bits the
+    cosine throughout, so that the attack is IG's there."""
+    assert aware_phases(QuantizedLevels(4)) == ((0.0, cosine_distance),)
+    (first, cosine), (start, late) = aware_phases(QuantizedLevels(LIKELIHOOD_MIN_BITS))
+    assert (first, cosine, start) == (0.0, cosine_distance, LIKELIHOOD_START)
+    g = gradient()
+    t = simulated("quantize", QuantizeParams(bits=8), g)
+    other = gradient(seed=5)
+    expected = cosine_distance(other, t) + LIKELIHOOD_WEIGHT * levels_distance(8)(other, t)
+    torch.testing.assert_close(late(other, t), expected)
+
+
+def test_the_band_weight_scales_only_the_penalty_on_the_unsent_entries() -> None:
+    g = gradient()
+    t = simulated("dgp", DGPParams(k1=0.1, k2=0.5), g)
+    other = [x.clone() for x in g]
+    other[0][t[0] == 0] = t[0][t[0] != 0].abs().median()  # inside the band DGP sent: it would have been sent
+    masked = cosine_distance([x * (y != 0) for x, y in zip(other, t)], t)
+    full = band_distance(True)(other, t)
+    assert float(full) > float(masked) + 1e-3, "only the penalty sees the unsent entries"
+    torch.testing.assert_close(band_distance(True, 0.0)(other, t), masked)
+    torch.testing.assert_close(band_distance(True, 0.1)(other, t), masked + 0.1 * (full - masked))
+    torch.testing.assert_close(aware_phases(SentBand(True), 0.1)[0][1](other, t), masked + 0.1 * (full - masked))
+
+
+def test_the_search_switches_to_the_likelihood_at_its_start() -> None:
+    """The objective's loss function changes at LIKELIHOOD_START (and only there) for an 8-bit upload."""
+    from attackers.engine.objective import Objective
+    from attackers.engine.problem import Problem
+    from attackers.engine.spec import SearchSpec
+    from tests.test_inverting_gradients import uploads
+
+    observations, _, _ = uploads("quantize", QuantizeParams(bits=8))
+    spec = SearchSpec(10, 1, "cpu", matching=QuantizedLevels(8))
+    objective = Objective(spec, Problem.of(spec, observations[:1], torch.device("cpu"), None), None, 0)
+    before, after = objective.losses_at(LIKELIHOOD_START - 0.01), objective.losses_at(LIKELIHOOD_START)
+    assert objective.losses_at(0.0) is before and objective.losses_at(0.99) is after and before is not after
+    z = torch.rand(1, 1, 3, 32, 32)
+    assert float(after(z)) > float(before(z)), "the likelihood term adds to the cosine"
