@@ -20,6 +20,7 @@ import pytest
 from fedguard.commands.cli import main
 from fedguard.runtime.processes import ProcessTracker, is_running
 from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest
+from fedguard.store.folder import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "experiments" / "quickstart.toml")
@@ -173,7 +174,7 @@ class SilentGrid:
 def test_a_stop_request_ends_a_round_that_waits_for_replies(tmp_path: Path) -> None:
     stop_file = tmp_path / "stop-request"
     grid = StoppableGrid(SilentGrid(), StopRequest(stop_file))  # type: ignore[arg-type]
-    threading.Timer(0.3, lambda: stop_file.write_text("SIGINT")).start()
+    threading.Timer(0.3, lambda: write_atomic(stop_file, "SIGINT")).start()  # as the launcher writes it
     start = time.monotonic()
     with pytest.raises(RunInterrupted, match="stopped by SIGINT"):
         grid.send_and_receive(["message"] * 3, timeout=3600)

@@ -43,6 +43,7 @@ from typing import IO, Any
 from fedguard.report.run_status import read_status
 from fedguard.runtime.processes import ProcessTracker
 from fedguard.runtime.supervisor import DONE, RUN_TOKEN_ENV
+from fedguard.store.folder import write_atomic
 from fedguard.store.lock import RunFolderBusy, hold
 
 STOP_FILE_ENV = "FEDGUARD_STOP_FILE"
@@ -153,7 +154,7 @@ class SignalStop:
         if len(self.signals) == 1:
             self._first_at = time.monotonic()
             with contextlib.suppress(OSError):  # a failed write must not raise inside whatever was interrupted
-                self.stop_file.write_text(name)
+                write_atomic(self.stop_file, name)  # whole or not at all: the run reads the signal's name
             _say(
                 f"{name}: stopping the run: the attacks still running are recorded as interrupted and the "
                 "report is written (send the signal again to stop at once)"
