@@ -3,7 +3,8 @@ not its randomness nor the client's data.
 
 The clients' defense declares what its upload reveals (``fedguard.defenses.revealed``) and the search matches that
 instead of the plain cosine (``attackers.engine.aware``): only the sent entries and the magnitude band the others
-were dropped from (pruning, DGP), the likelihood of the stochastic rounding (quantization), the true and the robust
+were dropped from (pruning, DGP), the cosine (quantization; with ``rounding = "likelihood"`` the stochastic
+rounding's likelihood added late), the true and the robust
 images' gradients mixed as Refiner's projection mixes them (searching both batches and the robust share), CENSOR's
 per-tensor orthogonality and norms (or, for an upload whose Linear weights have the rank of a raw gradient,
 Algorithm 1's raw fallback: plain IG), the clipped update under DP noise; Soteria's protected layer is left out of
@@ -38,22 +39,28 @@ from fedguard.defenses.soteria import resolve_layer
 from fedguard.observation import Observation
 
 REFINER_READINGS = ("mixture", "radius")
+ROUNDING_READINGS = ("cosine", "likelihood")
 
 
 @dataclass(frozen=True)
 class AdaptiveInvertingGradientsParams(InvertingGradientsParams):
     """IG's parameters, how a Refiner upload is read: ``refiner`` 'mixture' (the true and the robust images'
     gradients mixed by the projection, both batches and the robust share searched) or 'radius' (every gradient
-    within the radius accepted, the TV prior choosing among them), and ``band``: the weight of the penalty on the
-    unsent entries of a pruning or DGP upload beside the masked cosine (0: the masked cosine alone)."""
+    within the radius accepted, the TV prior choosing among them), ``band``: the weight of the penalty on the
+    unsent entries of a pruning or DGP upload beside the masked cosine (0: the masked cosine alone), and
+    ``rounding``: how a quantized upload is matched, 'cosine' (as IG does) or 'likelihood' (the cosine, plus
+    the stochastic rounding's likelihood for the last quarter of the iterations)."""
 
     refiner: str = "mixture"
     band: float = 1.0
+    rounding: str = "cosine"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.refiner not in REFINER_READINGS:
             raise ValueError(f"refiner {self.refiner!r}: choose one of {', '.join(REFINER_READINGS)}")
+        if self.rounding not in ROUNDING_READINGS:
+            raise ValueError(f"rounding {self.rounding!r}: choose one of {', '.join(ROUNDING_READINGS)}")
         if not (math.isfinite(self.band) and self.band >= 0):
             raise ValueError(f"band must be a finite weight >= 0 (0: the masked cosine alone), got {self.band}")
 
@@ -77,7 +84,7 @@ class AdaptiveInvertingGradients(InvertingGradients):
         super().__init__(params)
         self.needs = adaptive_traits(params).needs
         self.refiner = params.refiner
-        self.spec = replace(self.spec, band_weight=params.band)
+        self.spec = replace(self.spec, band_weight=params.band, rounding_likelihood=params.rounding == "likelihood")
 
     def know_defense(self, defense: Any) -> None:
         """The clients' defense: what its uploads reveal (a Refiner upload read as ``refiner`` says), and the

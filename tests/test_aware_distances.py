@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from attackers.engine.aware import (
-    LIKELIHOOD_MIN_BITS,
     LIKELIHOOD_START,
     LIKELIHOOD_WEIGHT,
     ROUNDING_MARGIN,
@@ -181,11 +180,11 @@ def test_refiner_declares_its_radius_towards_the_robust_data(tmp_path) -> None:
     assert Refiner(RefinerParams(), None, tmp_path).revealed() == TowardsRobustData(0.25, relative=True)
 
 
-def test_the_quantization_aware_search_adds_the_rounding_likelihood_late_and_only_at_fine_levels() -> None:
-    """At 8 bits: the cosine, then from LIKELIHOOD_START on the cosine plus the weighted likelihood; at 4 bits the
-    cosine throughout, so that the attack is IG's there."""
-    assert aware_phases(QuantizedLevels(4)) == ((0.0, cosine_distance),)
-    (first, cosine), (start, late) = aware_phases(QuantizedLevels(LIKELIHOOD_MIN_BITS))
+def test_the_quantization_aware_search_matches_the_cosine_and_adds_the_likelihood_late_only_when_asked() -> None:
+    """By default the cosine throughout (IG's search); with the rounding likelihood: the cosine, then from
+    LIKELIHOOD_START on the cosine plus the weighted likelihood."""
+    assert aware_phases(QuantizedLevels(8)) == ((0.0, cosine_distance),)
+    (first, cosine), (start, late) = aware_phases(QuantizedLevels(8), rounding_likelihood=True)
     assert (first, cosine, start) == (0.0, cosine_distance, LIKELIHOOD_START)
     g = gradient()
     t = simulated("quantize", QuantizeParams(bits=8), g)
@@ -208,14 +207,15 @@ def test_the_band_weight_scales_only_the_penalty_on_the_unsent_entries() -> None
 
 
 def test_the_search_switches_to_the_likelihood_at_its_start() -> None:
-    """The objective's loss function changes at LIKELIHOOD_START (and only there) for an 8-bit upload."""
+    """The objective's loss function changes at LIKELIHOOD_START (and only there) for an 8-bit upload matched with
+    the rounding likelihood."""
     from attackers.engine.objective import Objective
     from attackers.engine.problem import Problem
     from attackers.engine.spec import SearchSpec
     from tests.test_inverting_gradients import uploads
 
     observations, _, _ = uploads("quantize", QuantizeParams(bits=8))
-    spec = SearchSpec(10, 1, "cpu", matching=QuantizedLevels(8))
+    spec = SearchSpec(10, 1, "cpu", matching=QuantizedLevels(8), rounding_likelihood=True)
     objective = Objective(spec, Problem.of(spec, observations[:1], torch.device("cpu"), None), None, 0)
     before, after = objective.losses_at(LIKELIHOOD_START - 0.01), objective.losses_at(LIKELIHOOD_START)
     assert objective.losses_at(0.0) is before and objective.losses_at(0.99) is after and before is not after

@@ -13,8 +13,8 @@ magnitude bands) the dummy gradient is first brought to the upload's scale by th
 - ``QuantizedLevels``: the mean over entries of ``-log(1 - |s g - t| / step)``, ``step`` being each tensor's
   level step ``(max t - min t) / (2**bits - 1)``: unbiased stochastic rounding sends an entry ``d < 1`` steps
   from a level to it with probability ``1 - d``, so this is the upload's negative log-likelihood per entry
-  (``rounding_nll``; a constant tensor, sent exactly, is left out). The search minimizes it only late, beside
-  the cosine, and only at fine levels (``aware_phases``).
+  (``rounding_nll``; a constant tensor, sent exactly, is left out). The search matches the cosine, and this
+  only when asked, late and beside the cosine (``aware_phases``).
 - ``TowardsRobustData``: ``1 - cos(g, t)``, ``g`` being the gradient of the true and the robust images mixed
   with the searched robust share (``attackers.engine.spaces.RobustMixtureSpace``): Refiner's upload exactly.
 - ``WithinRadius`` (Refiner read as a ball only): ``relu(||g - t|| - r)^2 / ||t||^2``: zero for every gradient
@@ -52,10 +52,9 @@ from fedguard.defenses.revealed import (
 EPS = 1e-12
 ROUNDING_MARGIN = 0.05
 """How far below one level step (in steps) the rounding likelihood's negative log turns into a line."""
-LIKELIHOOD_MIN_BITS = 8
-"""The fewest bits at which the rounding likelihood joins the cosine (``aware_phases``)."""
 LIKELIHOOD_START = 0.75
-"""The fraction of the iterations after which it does."""
+"""The fraction of the iterations after which the rounding likelihood joins the cosine, when asked
+(``aware_phases``)."""
 LIKELIHOOD_WEIGHT = 0.01
 """Its weight beside the cosine: near the cosine's optimum the likelihood per entry is about 0.5 (the mean binary
 entropy of the rounding) against a cosine distance of about 0.02, so that at weight 1 it would drown the image
@@ -168,17 +167,18 @@ def cosine_then_likelihood(bits: int) -> Distance:
     return distance
 
 
-def aware_phases(revealed: Revealed, band_weight: float = 1.0) -> tuple[tuple[float, Distance], ...]:
+def aware_phases(
+    revealed: Revealed, band_weight: float = 1.0, rounding_likelihood: bool = False
+) -> tuple[tuple[float, Distance], ...]:
     """The distances the attack minimizes in turn, each from a fraction of the iterations on (the first from 0).
 
-    For quantized levels of ``LIKELIHOOD_MIN_BITS`` bits or more: the cosine, then from ``LIKELIHOOD_START`` on
-    the cosine plus the rounding likelihood (``cosine_then_likelihood``), which refines where the cosine brought
-    the search; the likelihood alone from a random start gives the signed step no usable direction at fine levels.
-    At fewer bits the cosine throughout: there the likelihood lowered SSIM at every weight and start measured
-    (``docs/explanation/defenses.md``). Otherwise ``aware_distance`` throughout, a sent band's penalty weighted by
-    ``band_weight``."""
+    For quantized levels the cosine: it already matches the unbiased upload, and the rounding's likelihood did
+    not beat it (at 4 bits it lowered SSIM at every start and weight tried; at 8 bits it gained on some tiles and
+    lost on others: ``docs/explanation/defenses.md``). With ``rounding_likelihood`` the cosine plus the
+    likelihood from ``LIKELIHOOD_START`` on (``cosine_then_likelihood``), refining where the cosine brought the
+    search. Otherwise ``aware_distance`` throughout, a sent band's penalty weighted by ``band_weight``."""
     if isinstance(revealed, QuantizedLevels):
-        if revealed.bits < LIKELIHOOD_MIN_BITS:
+        if not rounding_likelihood:
             return ((0.0, cosine_distance),)
         return ((0.0, cosine_distance), (LIKELIHOOD_START, cosine_then_likelihood(revealed.bits)))
     return ((0.0, aware_distance(revealed, band_weight)),)

@@ -121,7 +121,7 @@ class Objective:
         phases = (
             ((0.0, DISTANCES[spec.distance]),)
             if spec.matching is None
-            else aware_phases(spec.matching, spec.band_weight)
+            else aware_phases(spec.matching, spec.band_weight, spec.rounding_likelihood)
         )
         self.phases = [(start, self._eot(distance, defense, seed)) for start, distance in phases]
         self._losses: dict[tuple[int, tuple[Term, ...]], Callable[[torch.Tensor], torch.Tensor]] = {}

@@ -29,7 +29,8 @@ class SearchSpec:
     kinds it attacks; ``eot``: draws of the clients' simulated defense averaged per evaluation (0: off);
     ``compile``: 'auto', 'on' or 'off' (``attackers.engine.compiled``); ``matching``: what the clients' defense
     reveals, when the attack knows it: the distance is then ``attackers.engine.aware``'s for it instead of
-    ``distance`` (``aware_phases``), a sent band's penalty weighted by ``band_weight``; ``precision``: the
+    ``distance`` (``aware_phases``), a sent band's penalty weighted by ``band_weight``, quantized levels matched
+    with the rounding's likelihood late when ``rounding_likelihood``; ``precision``: the
     arithmetic of the dummy update, a key of ``PRECISIONS`` (``bfloat16``
     halves the cost of the convolutions on hardware with bfloat16 units, at about 3 significant digits)."""
 
@@ -48,6 +49,7 @@ class SearchSpec:
     precision: str = "float32"
     matching: Revealed | None = None
     band_weight: float = 1.0
+    rounding_likelihood: bool = False
 
     def __post_init__(self) -> None:
         check_search_params(self.iterations, self.restarts, self.optimizer.lr, self.device, self.compile)
