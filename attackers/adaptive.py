@@ -6,10 +6,9 @@ instead of the plain cosine (``attackers.engine.aware``): only the sent entries 
 were dropped from (pruning, DGP; the labels read with the removed bias entries restored, ``attackers.labels``), the
 cosine (quantization; with ``rounding = "likelihood"`` the stochastic rounding's likelihood added late), the true
 and the robust images' gradients mixed as Refiner's projection mixes them (searching both batches and the robust
-share), CENSOR's
-per-tensor orthogonality and norms (or, for an upload whose Linear weights have the rank of a raw gradient,
-Algorithm 1's raw fallback: plain IG), the clipped update under DP noise; Soteria's protected layer is left out of
-the distance. Everything else (iterations, restarts, step, TV prior, schedule, labels) is IG's, so that a sweep
+share), CENSOR's per-tensor orthogonality and norms (or, for an upload whose Linear weights have the rank of a raw
+gradient, Algorithm 1's raw fallback: plain IG), the clipped update under DP noise; Soteria's protected layer is
+left out of the distance. Everything else (iterations, restarts, step, TV prior, schedule) is IG's, so that a sweep
 compares the two on equal budgets. Report the stronger of IG and this attack (EVALUATION.md, point 1).
 """
 
