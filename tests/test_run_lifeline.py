@@ -196,3 +196,28 @@ def test_a_terminated_sweep_stops_its_run_cleanly(tmp_path: Path) -> None:
     assert left == [], "the sweep's run stopped with it"
     status = read_status(out)
     assert status is not None and status["status"] == "interrupted", status
+
+
+def test_the_supervisor_finds_a_process_of_the_run_that_lost_the_token_from_its_environment() -> None:
+    """A child whose environment no longer holds the run's token (as Ray's agents, which rename themselves over
+    it) is found below its marked parent, and stopped with it."""
+    from fedguard.runtime.processes import Process, is_running
+    from fedguard.runtime.supervisor import RUN_TOKEN_ENV, run_processes, stop_run
+
+    token = uuid.uuid4().hex
+    child = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], env={}); time.sleep(60)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", child], env={**os.environ, RUN_TOKEN_ENV: token})
+    try:
+        deadline = time.monotonic() + 20
+        found: set[Process] = set()
+        while time.monotonic() < deadline and len(found) < 2:
+            found = run_processes(token)
+            time.sleep(0.1)
+        assert {p.pid for p in found} > {parent.pid} and len(found) == 2, found
+        assert stop_run(token, grace=1.0) == 2
+        assert not any(is_running(p) for p in found)
+    finally:
+        parent.kill()

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from fedguard.report.run_status import write_status
-from fedguard.runtime.processes import Process, is_running, marked, signal_all
+from fedguard.runtime.processes import Process, descendants, is_running, marked, signal_all
 from fedguard.store.folder import STATUS_FILE, RunFileError
 from fedguard.store.rows import read_rounds
 
@@ -41,17 +41,27 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
+def run_processes(token: str) -> set[Process]:
+    """The processes whose environment holds ``RUN_TOKEN_ENV=token`` and every process below them: Ray's agents
+    rename themselves (``setproctitle``) over the start of their environment, so that only their parent, the
+    raylet, still shows the token."""
+    found = marked(f"{RUN_TOKEN_ENV}={token}")
+    for process in list(found):
+        found |= descendants(process.pid)
+    return found
+
+
 def stop_run(token: str, grace: float = GRACE) -> int:
-    """Stop every process whose environment holds ``RUN_TOKEN_ENV=token``: SIGTERM when first found, SIGKILL
-    ``grace`` seconds later (``LATE_GRACE`` for those found after the first pass: Ray may start workers while it
-    stops), SIGKILL again each pass while one still runs. Returns how many there were, once none has run for
-    ``QUIET`` seconds (or after ``GIVE_UP`` seconds)."""
+    """Stop every process of the run (``run_processes``; one found once is followed until it ends): SIGTERM when
+    first found, SIGKILL ``grace`` seconds later (``LATE_GRACE`` for those found after the first pass: Ray may
+    start workers while it stops), SIGKILL again each pass while one still runs. Returns how many there were, once
+    none has run for ``QUIET`` seconds (or after ``GIVE_UP`` seconds)."""
     termed: dict[Process, float] = {}  # process -> monotonic time of its SIGKILL deadline
     start = time.monotonic()
     last_seen = start
     while time.monotonic() - start < GIVE_UP:
         now = time.monotonic()
-        running = {p for p in marked(f"{RUN_TOKEN_ENV}={token}") if is_running(p)}
+        running = {p for p in run_processes(token) | termed.keys() if is_running(p)}
         found = running - termed.keys()
         signal_all(found, signal.SIGTERM)
         signal_all({p for p in running - found if now >= termed[p]}, signal.SIGKILL)
