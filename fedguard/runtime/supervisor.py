@@ -14,6 +14,7 @@ only.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -48,7 +49,7 @@ def run_processes(token: str) -> set[Process]:
     found = marked(f"{RUN_TOKEN_ENV}={token}")
     for process in list(found):
         found |= descendants(process.pid)
-    return found
+    return {p for p in found if p.pid != os.getpid()}
 
 
 def stop_run(token: str, grace: float = GRACE) -> int:
