@@ -15,14 +15,15 @@ import torch
 from attackers.adaptive import AdaptiveInvertingGradients, AdaptiveInvertingGradientsParams
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from fedguard.data import load_dataset
-from fedguard.defenses import LocalStep, build_defense
+from fedguard.defenses import build_defense
 from fedguard.defenses.dgp import DGPParams
 from fedguard.defenses.quantization import QuantizeParams
 from fedguard.metrics import ssim
 from fedguard.models import build_model
 from fedguard.observation import ModelCard, Observation
-from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
+from fedguard.training import get_arrays, trainable_mask
 from tests.devices import ATTACK_DEVICE
+from tests.untrained import batch_one_uploads
 
 TILES = [0, 27, 54, 81]  # test-split tiles of four photos
 BUDGET = {"iterations": 1000, "restarts": 1, "tv": 0.01, "device": ATTACK_DEVICE}
@@ -36,14 +37,7 @@ def lenet_uploads(defense: str, params: object) -> tuple[list[Observation], torc
     card = ModelCard("lenet", {}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model)))
     arrays = get_arrays(model)
     x, y = data.test.batch(TILES)
-    protect = build_defense(defense, params)
-    observations = []
-    for i in range(len(TILES)):
-        grads, _ = compute_gradients(model, x[i : i + 1], y[i : i + 1])
-        step = LocalStep(model, x[i : i + 1], y[i : i + 1], grads, loss_fn, torch.Generator().manual_seed(i), 1, i)
-        sent = [g.numpy() for g in protect(step, {})]
-        observations.append(card.observe(1, i, "gradient", arrays, sent, 1, {"batch-size": 1}))
-    return observations, x, y
+    return batch_one_uploads(model, arrays, card, x, y, defense, params), x, y
 
 
 def mean_ssim(attack: InvertingGradients, observations: list[Observation], x: torch.Tensor) -> float:

@@ -16,13 +16,12 @@ import torch
 
 from attackers.engine.terms import total_variation
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
-from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_update import UpdateDPParams
 from fedguard.metrics import psnr, ssim
 from fedguard.observation import Observation
-from fedguard.training import compute_gradients, get_arrays, loss_fn
+from fedguard.training import get_arrays
 from tests.devices import ATTACK_DEVICE
-from tests.untrained import untrained_mlp
+from tests.untrained import batch_one_uploads, untrained_mlp
 
 IMAGES = [3, 40, 101, 150]  # test-split tiles from different photos
 PARAMS = InvertingGradientsParams(iterations=250, restarts=2, lr=0.025, tv=1e-4, device=ATTACK_DEVICE)
@@ -31,14 +30,7 @@ PARAMS = InvertingGradientsParams(iterations=250, restarts=2, lr=0.025, tv=1e-4,
 def uploads(defense: str = "none", params=None) -> tuple[list[Observation], torch.Tensor, torch.Tensor]:
     data, model, arrays, card = untrained_mlp("photos")
     x, y = data.test.batch(IMAGES)
-    protect = build_defense(defense, params)
-    observations = []
-    for i in range(len(IMAGES)):
-        grads, _ = compute_gradients(model, x[i : i + 1], y[i : i + 1])
-        step = LocalStep(model, x[i : i + 1], y[i : i + 1], grads, loss_fn, torch.Generator().manual_seed(i), 1, i)
-        sent = protect(step, {})
-        observations.append(card.observe(1, i, "gradient", arrays, [g.numpy() for g in sent], 1, {"batch-size": 1}))
-    return observations, x, y
+    return batch_one_uploads(model, arrays, card, x, y, defense, params), x, y
 
 
 def scores(recons, x) -> tuple[np.ndarray, np.ndarray]:

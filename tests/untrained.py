@@ -7,9 +7,10 @@ import torch
 import torch.nn as nn
 
 from fedguard.data import ImageData, load_dataset
+from fedguard.defenses import LocalStep, build_defense
 from fedguard.models import build_model
-from fedguard.observation import ModelCard
-from fedguard.training import get_arrays, trainable_mask
+from fedguard.observation import ModelCard, Observation
+from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
 
 
 def untrained_mlp(dataset: str) -> tuple[ImageData, nn.Module, list[np.ndarray], ModelCard]:
@@ -21,3 +22,17 @@ def untrained_mlp(dataset: str) -> tuple[ImageData, nn.Module, list[np.ndarray],
         "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
     )
     return data, model, get_arrays(model), card
+
+
+def batch_one_uploads(
+    model: nn.Module, arrays: list[np.ndarray], card: ModelCard, x: torch.Tensor, y: torch.Tensor, defense: str, params
+) -> list[Observation]:
+    """Round-1 FedSGD uploads of each image of ``x`` (N, C, H, W) alone, labels ``y``, through ``defense``."""
+    protect = build_defense(defense, params)
+    observations = []
+    for i in range(len(x)):
+        grads, _ = compute_gradients(model, x[i : i + 1], y[i : i + 1])
+        step = LocalStep(model, x[i : i + 1], y[i : i + 1], grads, loss_fn, torch.Generator().manual_seed(i), 1, i)
+        sent = [g.numpy() for g in protect(step, {})]
+        observations.append(card.observe(1, i, "gradient", arrays, sent, 1, {"batch-size": 1}))
+    return observations
