@@ -31,6 +31,7 @@ from fedguard.limits import (
     path_problem,
     shown,
 )
+from fedguard.memory import RunMemory, activation_bytes, machine_bytes, model_bytes, size_text
 from fedguard.models import build_model
 from fedguard.observation import ModelCard
 from fedguard.protocols import protocol as run_protocol
@@ -305,9 +306,62 @@ def _model_fit_problems(sections: dict[str, Any], invalid: set[str], sizes: list
     except ValueError as error:
         shape = "x".join(map(str, spec.shape))
         return [f"model.name = {model.name!r} cannot take data.name = {data.name!r} ({shape} images): {error}"]
+    except RuntimeError as error:  # sizes whose byte count overflows a 64-bit integer
+        return [f"{_model_settings(model)}: a model too large for any machine ({error})"]
     problems = _batch_problems(net, spec, sections, invalid, sizes)
-    problems += _manipulation_problems(net, spec, sections, sizes)
-    return problems + _attack_model_problems(net, sections)
+    memory = _memory_problems(net, spec, sections, invalid, sizes)
+    if not memory:  # the manipulation check builds zero arrays of the model's shapes
+        problems += _manipulation_problems(net, spec, sections, sizes)
+    return memory + problems + _attack_model_problems(net, sections)
+
+
+def _model_settings(model: Component) -> str:
+    """'model.name = 'mlp', model.mlp.hidden = 50000': the model and the parameters that differ from their
+    defaults."""
+    defaults = dataclasses.asdict(type(model.params)())
+    changed = {k: v for k, v in dataclasses.asdict(model.params).items() if v != defaults[k]}
+    named = f"model.name = {model.name!r}"
+    return f"{named}, {settings_text('model', model.name, changed)}" if changed else named
+
+
+def _memory_problems(
+    net: nn.Module, spec: DataSpec, sections: dict[str, Any], invalid: set[str], sizes: list[int] | None
+) -> list[str]:
+    """The run's least memory (``fedguard.memory``) against what this machine has: a refusal naming the keys
+    that set it, or nothing."""
+    train, sim, partition = sections["train"], sections["sim"], sections["partition"]
+    keys = ("train.clients-per-round", "train.batch-size", "sim.num-cpus", "sim.client-cpus", "sim.address")
+    if not _usable(invalid, *keys, "partition.max-per-client"):
+        return []
+    held = max(sizes) if sizes else partition.max_per_client or train.batch_size
+    local = 0 if sim.address else min(train.clients_per_round, max(1, sim.num_cpus // sim.client_cpus))
+    workers = sections["pool"].workers if sections["attacks"] else 0
+    need = RunMemory(
+        weights=model_bytes(net),
+        activations=activation_bytes(net, spec.shape),
+        batch=min(train.batch_size, held),
+        clients=local,
+        uploads=train.clients_per_round,
+        workers=workers,
+    )
+    have = machine_bytes()
+    if need.total <= have:
+        return []
+    parts = [f"{size_text(need.weights)} of weights"]
+    if local:
+        parts.append(
+            f"{local} client{'s' * (local > 1)} training at once at {size_text(need.client_bytes)} each "
+            f"(train.clients-per-round = {train.clients_per_round}, sim.num-cpus = {sim.num_cpus}, "
+            f"sim.client-cpus = {sim.client_cpus}, train.batch-size = {train.batch_size})"
+        )
+    parts.append(f"the server with {train.clients_per_round} uploads a round")
+    if workers:
+        parts.append(f"{workers} attack worker{'s' * (workers > 1)} (pool.workers)")
+    return [
+        f"{_model_settings(sections['model'])}: the run needs at least {size_text(need.total)} "
+        f"({'; '.join(parts)}), and this machine has {size_text(have)}; choose a smaller model, or fewer clients "
+        f"at once"
+    ]
 
 
 def _attack_model_problems(net: nn.Module, sections: dict[str, Any]) -> list[str]:
@@ -374,6 +428,8 @@ def _manipulation_problems(
     of the model's shapes: why it cannot rewrite this model (e.g. no Linear layer on the flattened image, more
     bins than units), or why a search's clients do not upload one unchanging batch (``_same_batch_problems``)."""
     model, threat, data = sections["model"], sections["threat"], sections["data"]
+    if not any(m.params is not None for m in sections["manipulations"]):
+        return []
     state = net.state_dict()
     names, trainable = tuple(state), tuple(trainable_mask(net))
     card = ModelCard(
@@ -525,12 +581,17 @@ def _defense_problems(defense: Component, protocol: str, sections: dict[str, Any
 
 
 def _model_problems(defense: str, check_model: Callable[[Any], None], model: Component, data: DataSection) -> list[str]:
-    """``check_model`` on the run's model, built for the data set's static spec (the data are not loaded)."""
+    """``check_model`` on the run's model, built on the meta device for the data set's static spec (the data are
+    not loaded)."""
     spec = dataset_spec(data.name, data.source_options()) if data.name in DATASETS else None
     if spec is None or model.params is None:
         return []  # reported already, or known once the data are loaded (the defense checks the model then)
     try:
-        check_model(build_model(model.name, spec, model.params))
+        with torch.device("meta"):
+            net = build_model(model.name, spec, model.params)
+        check_model(net)
+    except RuntimeError:
+        return []  # a model too large to build: the memory check reports it
     except ValueError as error:
         return [f"defense.{defense} with model.name = {model.name!r}: {error}"]
     return []

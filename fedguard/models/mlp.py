@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from fedguard.data.spec import DataSpec
+from fedguard.limits import MAX_LAYERS
 from fedguard.models.registry import register_model
 
 
@@ -22,8 +23,8 @@ class MLPParams:
     def __post_init__(self) -> None:
         if self.hidden < 1:
             raise ValueError(f"hidden must be >= 1, got {self.hidden}")
-        if self.depth < 0:
-            raise ValueError(f"depth must be >= 0, got {self.depth}")
+        if not 0 <= self.depth <= MAX_LAYERS:
+            raise ValueError(f"depth must be in 0..{MAX_LAYERS}, got {self.depth}")
 
 
 @register_model("mlp", params=MLPParams)
