@@ -7,6 +7,7 @@ Ray is imported only by ``attackers.pool``.
 from attackers import (  # noqa: F401  (registration)
     adaptive,
     dlg,
+    fc_span,
     feature_fishing,
     fishing,
     generative,
