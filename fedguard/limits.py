@@ -32,7 +32,9 @@ import math
 import os
 import re
 import reprlib
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -121,6 +123,23 @@ def name_problem(key: str, name: str) -> str | None:
         f"{key} = {shown(name)}: a run name is one folder name of letters, digits, '.', '_' and '-' (not "
         f"'.' or '..'), e.g. 'photos-lenet'; to write the run elsewhere, use --out DIR or out-dir"
     )
+
+
+def writable_problem(key: str, folder: Path) -> str | None:
+    """Why this process cannot create files in ``folder`` (created later if missing), or None: the nearest
+    existing folder on its way is probed by creating and removing a temporary file there (a read-only mount, a
+    full disk, missing permissions); a path that runs through a file is named as such."""
+    existing = Path(folder).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{key} = {shown(str(folder))}: {existing} is a file, not a folder; choose a folder to write the run in"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        return f"{key} = {shown(str(folder))}: cannot write in {existing} ({error.strerror}); choose a writable folder"
+    return None
 
 
 def _nearest_folder(absolute: bytes) -> bytes:

@@ -588,3 +588,30 @@ def test_fedguard_sweep_refuses_what_this_machine_lacks_before_any_run(tmp_path:
     assert lines[0].startswith("run/none: sim.client-cpus = 4096: ")
     assert lines[1].startswith("run/cuda: attack.ig.device = 'cuda': CUDA is not available")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["two.toml"], "nothing is written"
+
+
+def test_an_out_folder_under_a_file_or_not_writable_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    from fedguard.commands.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    assert main(["run", "--out", "a-file/run"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out = 'a-file/run': {tmp_path / 'a-file'} is a file, not a folder" in err and "Traceback" not in err
+    preset = str(Path(__file__).resolve().parents[1] / "experiments" / "defenses.toml")
+    assert main(["sweep", preset, "--only", "realistic/none", "--out", "a-file/sweep"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out = 'a-file/sweep': {tmp_path / 'a-file'} is a file, not a folder" in err and "Traceback" not in err
+
+    def read_only(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr("fedguard.limits.tempfile.TemporaryFile", read_only)
+    assert main(["run", "--out", "mounted/run"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out = 'mounted/run': cannot write in {tmp_path} (Read-only file system)" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"], "nothing is written"

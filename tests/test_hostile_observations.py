@@ -224,3 +224,15 @@ def test_train_mjolnir_refuses_a_bad_capture_at(tmp_path: Path, capsys: pytest.C
     preset = ["--set", "data.name=photos", "--set", "model.mlp.hidden=32"]
     assert main(["train-mjolnir", *preset, "--at", str(target), "--out", str(tmp_path / "d.npz")]) == 2
     assert f"--at {target}: meta round = '1': expected an integer in [1, 20]" in capsys.readouterr().err
+
+
+def test_attack_exits_2_when_every_observation_is_refused(
+    hostile_run: tuple[Path, dict[str, str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder, reasons = hostile_run
+    for client in range(3):
+        (folder / OBSERVATIONS_DIR / upload_file_name(1, client)).unlink()
+    assert main(["attack", str(folder), *IG]) == 2
+    captured = capsys.readouterr()
+    assert "ig on 0 of 0 observations" in captured.out and "5 observations of 5 skipped" in captured.out
+    assert f"fedguard: no observation of {folder} was attacked" in captured.err

@@ -16,6 +16,7 @@ from fedguard.config import Config, ConfigError, load_config, schema
 from fedguard.data import DatasetNotFoundError
 from fedguard.evalnet import EvalNetOptions
 from fedguard.generators import SPLITS, TrainOptions
+from fedguard.limits import writable_problem
 from fedguard.mjolnir import DEFAULT_NOISE_RANGE, PRESETS, DDPMTrainOptions, SurrogateOptions
 
 if TYPE_CHECKING:
@@ -219,6 +220,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     data = load_dataset(config.data.name, config.data.source_options())
     check_defense_files(config.defense.name, config.defense.params, clients_here=True, spec=data.spec)
     folder = Path(config.run.out_dir) if config.run.resume else resolve_run_dir(config)
+    if problem := writable_problem("--out", args.out) if args.out else writable_problem("out-dir", folder):
+        raise ConfigError([problem])
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder)))
     plan = prepare(config, verbose=args.verbose)
     print(
@@ -280,7 +283,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fedguard.store.folder import SUMMARY_FILE
 
     sweep = load_sweep(args.preset, args.out, args.overrides, args.only, args.seeds)
-    if problems := _machine_problems([(f"{run.setting}/{run.variant}", run.config) for run in sweep.runs]):
+    problems = _machine_problems([(f"{run.setting}/{run.variant}", run.config) for run in sweep.runs])
+    if problem := writable_problem("--out", args.out) if args.out else writable_problem("sweep folder", sweep.folder):
+        problems.append(problem)
+    if problems:
         raise ConfigError(problems)
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated sweep stops its run as Ctrl-C does, results kept
     print(f"fedguard: sweep {sweep.name}: {len(sweep.runs)} runs in {sweep.folder}", flush=True)
@@ -313,7 +319,14 @@ def cmd_attack(args: argparse.Namespace) -> int:
     """Run an attack on the observations a run captured, score it, and rebuild the report."""
     from fedguard.commands.attack import attack_capture
 
-    attack_capture(args.capture_dir, args.overrides)
+    run_dir, rows = attack_capture(args.capture_dir, args.overrides)
+    if not rows:
+        print(
+            f"fedguard: no observation of {run_dir} was attacked (none readable, or none captured under the "
+            f"manipulation the chosen attacks exploit); see the lines above",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 
