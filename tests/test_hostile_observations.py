@@ -229,7 +229,7 @@ def test_train_mjolnir_refuses_a_bad_capture_at(tmp_path: Path, capsys: pytest.C
 def test_attack_exits_2_when_every_observation_is_refused(
     hostile_run: tuple[Path, dict[str, str]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    folder, reasons = hostile_run
+    folder, _ = hostile_run
     for client in range(3):
         (folder / OBSERVATIONS_DIR / upload_file_name(1, client)).unlink()
     assert main(["attack", str(folder), *IG]) == 2
