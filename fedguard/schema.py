@@ -150,6 +150,11 @@ class ThreatSection:
         raises ``ValueError`` naming a bad pair."""
         return parse_schedule(self.malicious)
 
+    def model(self) -> str:
+        """The server's threat model: 'malicious' when it manipulates the model it sends in some round, else
+        'honest' (honest but curious)."""
+        return "malicious" if self.malicious.strip() else "honest"
+
     def granted(self) -> set[str]:
         """The grants, named as attacks name their needs."""
         flags = {

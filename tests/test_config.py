@@ -285,6 +285,7 @@ def test_malicious_schedule_is_parsed_and_checked() -> None:
         }
     )
     assert config.threat.schedule() == {2: "trap-weights", 3: "imprint"}
+    assert config.threat.model() == "malicious" and Config.from_flat({}).threat.model() == "honest"
     assert [m.name for m in config.manipulations] == ["imprint", "trap-weights"]
     assert config.manipulation("imprint").params.bins == 32
     assert Config.from_flat(config.to_flat()) == config

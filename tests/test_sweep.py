@@ -518,6 +518,7 @@ def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(
     none, dp = rows
     assert (none["seeds"], none["failed_seeds"], dp["seeds"], dp["failed_seeds"]) == ([0, 1, 2], [], [0, 1], [2])
     assert none["setting_kind"] == "diagnostic" and none["folder"] == str(tmp_path / "out" / "privacy" / "none")
+    assert none["threat"] == "honest" and runs[-1]["threat"] == "honest"
     assert none["accuracy"] == pytest.approx(0.85) and none["accuracy_share"] == 1.0
     assert none["accuracy_ci95"] == pytest.approx(
         [0.85 - 4.303 * 0.05 / 3**0.5, 0.85 + 4.303 * 0.05 / 3**0.5], abs=1e-4

@@ -350,6 +350,7 @@ def failed_row(run: SweepRun, error: str, log: Path) -> dict[str, Any]:
         "folder": str(run.folder),
         "accuracy": None,
         "setting_kind": run.kind,
+        "threat": run.config.threat.model(),
     }
 
 
@@ -384,7 +385,7 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
     the top level the strongest attack's (highest mean SSIM over every attacked round, the adaptive one on a
     tie; ``by_round``: its scores per round), as the means of per-upload means. ``privacy``: the image-level
     headline of ``fedguard.report.leakage.privacy`` (None where nothing was attacked); ``setting_kind``: the
-    setting's."""
+    setting's; ``threat``: the server's threat model (``ThreatSection.model``)."""
     logs = [(run, read_rounds(run.folder), read_attacks(run.folder)) for run in runs]
     trained = [[r for r in rounds if r["round"] > 0] for _, rounds, _ in logs]
     scored_by_run = [[a for a in attacks if a.get("status") == "ok"] for _, _, attacks in logs]
@@ -417,6 +418,7 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
         "defense": runs[0].config.defense.name,
         "status": "ok",
         "setting_kind": runs[0].kind,
+        "threat": runs[0].config.threat.model(),
         "folder": str(folder),
         "seeds": [run.seed for run in runs],
         "rounds": len(trained[0]),

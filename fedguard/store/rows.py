@@ -94,6 +94,7 @@ class CellRow(TypedDict, total=False):
     log: str
     folder: str
     setting_kind: str
+    threat: str
     baseline: str
     rounds: int
     accuracy: float | None
