@@ -79,6 +79,7 @@ class AdaptiveInvertingGradients(InvertingGradients):
     """Inverting Gradients with the known defense's distance (``attackers.engine.aware``)."""
 
     revealed: Revealed | None = None
+    sums: frozenset[str] = frozenset()  # what a defense reveals holds for one client's upload, not for an aggregate
 
     def __init__(self, params: AdaptiveInvertingGradientsParams) -> None:
         super().__init__(params)

@@ -84,8 +84,10 @@ class AttackTraits:
     kinds only, the ``manipulation`` it exploits, whether it ``simulates_defense`` (EOT: the clients' defense
     must be able to simulate itself), whether it is ``adaptive`` (it uses what it knows of the clients' defense:
     leaves out the layers it alters, simulates it, or reads its noise level; a sweep row says so), the
-    ``files`` it loads on the server, and a ``check_model(model)`` raising ``ValueError`` for a model it cannot
-    attack (the configuration calls it on the run's model built on the meta device: structure, no values)."""
+    ``files`` it loads on the server, a ``check_model(model)`` raising ``ValueError`` for a model it cannot
+    attack (the configuration calls it on the run's model built on the meta device: structure, no values), and
+    the upload kinds whose secure aggregate it attacks (``sums``: ``fedguard.aggregate``; a FedSGD aggregate is the
+    gradient of the union of the batches, a FedAvg one mixes local trainings no replay follows)."""
 
     uploads: frozenset[str]
     needs: frozenset[str] = frozenset()
@@ -95,11 +97,12 @@ class AttackTraits:
     adaptive: bool = False
     files: tuple[RequiredFile, ...] = ()
     check_model: Callable[[torch.nn.Module], None] | None = None
+    sums: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, attack: type, **changes: Any) -> AttackTraits:
         """The traits ``attack``'s class attributes declare, with ``changes`` for those its parameters set."""
-        names = ("uploads", "needs", "needs_by_upload", "manipulation", "check_model")
+        names = ("uploads", "needs", "needs_by_upload", "manipulation", "check_model", "sums")
         declared = {name: getattr(attack, name) for name in names if hasattr(attack, name)}
         return cls(**{**declared, **changes})
 

@@ -49,6 +49,8 @@ class DLGParams:
 class DeepLeakage(OptimizationAttack):
     """DLG (joint soft labels) or iDLG (analytic labels): L2 gradient matching with L-BFGS."""
 
+    sums = frozenset({"gradient"})  # a FedSGD aggregate: the gradient of one batch, the union
+
     def __init__(self, params: DLGParams, infer: bool) -> None:
         self.infer = infer
         super().__init__(params)

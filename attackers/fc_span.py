@@ -195,6 +195,7 @@ class SpanAttack:
     needs: frozenset[str] = frozenset()
     needs_by_upload: Mapping[str, frozenset[str]] = {}
     uploads: frozenset[str] = frozenset({"gradient", "weights"})
+    sums: frozenset[str] = frozenset({"gradient", "weights"})  # an aggregate's first layer spans every image
     manipulation = HONEST
     check_model = staticmethod(first_layer_is_linear)
 

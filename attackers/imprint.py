@@ -223,6 +223,7 @@ class ImprintAttack:
     needs: frozenset[str] = frozenset()
     needs_by_upload: Mapping[str, frozenset[str]] = {}
     uploads: frozenset[str] = frozenset({"gradient", "weights"})
+    sums: frozenset[str] = frozenset({"gradient", "weights"})  # the bins count the inputs of every client
     manipulation = "imprint"
 
     def reconstruct_one(self, obs: Observation) -> Reconstruction:

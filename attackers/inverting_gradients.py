@@ -69,6 +69,7 @@ class InvertingGradients(OptimizationAttack):
 
     needs_by_upload: Mapping[str, frozenset[str]] = {"weights": frozenset({"hyperparameters"})}
     uploads = frozenset({"gradient", "weights"})
+    sums = frozenset({"gradient"})  # a FedSGD aggregate: the gradient of one batch, the union
 
     def __init__(self, params: InvertingGradientsParams) -> None:
         super().__init__(params)

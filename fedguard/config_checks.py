@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from attackers.base import AttackTraits, attack_traits, missing_grants, required_manipulation
+from attackers.base import ATTACKS, AttackTraits, attack_traits, missing_grants, required_manipulation
 from attackers.manipulation import HONEST, MANIPULATIONS, ClientManipulation, build_manipulation
 from fedguard.data import DATASETS, DatasetNotFoundError, DataSpec
 from fedguard.data.partition import PARTITIONERS
@@ -96,6 +96,12 @@ def cross_checks(sections: dict[str, Any], invalid: set[str]) -> list[str]:
     problems += _path_problems(sections["run"], sections["data"])
     captured, capture_problems = _capture_problems(sections["capture"], train, partition, invalid)
     problems += capture_problems
+    capture = sections["capture"]
+    if sections["threat"].aggregation == "secure" and capture.clients.strip().lower() != "all":
+        problems.append(
+            f"threat.aggregation = 'secure': each round's aggregate holds the images of every client of the round, "
+            f"and is scored against all their batches; set capture.clients = 'all' (got {shown(capture.clients)})"
+        )
     try:
         schedule: dict[int, str] | None = parse_schedule(sections["threat"].malicious, MANIPULATIONS.names)
     except ValueError:
@@ -640,6 +646,12 @@ def _attack_problems(
             f"(set the matching threat.* key to true, or choose another attack)"
         )
     problems += _simulation_problems(attack.name, traits, sections["defense"])
+    if sections["threat"].aggregation == "secure" and kind in traits.uploads and kind not in traits.sums:
+        able = [name for name in ATTACKS.names() if kind in attack_traits(name).sums]
+        problems.append(
+            f"attack {attack.name!r} cannot attack a secure aggregate of {kind} uploads (threat.aggregation = "
+            f"'secure'); those that can: {', '.join(able)}"
+        )
     needed = required_manipulation(traits)
     if schedule is not None and captured is not None and not _captures(captured, schedule, needed):
         where = (

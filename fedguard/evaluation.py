@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from attackers.base import AttackOutcome, Reconstruction
+from fedguard.aggregate import aggregated_clients
 from fedguard.config import Component, Config
 from fedguard.metrics import cosine_similarity, floor_scores, gradient_psnr, score_batch
 from fedguard.metrics.image import PSNR_CAP_DB
@@ -33,7 +34,7 @@ from fedguard.models import global_model
 from fedguard.observation import Observation
 from fedguard.report.images import save_grid
 from fedguard.store.folder import ATTACKS_FILE, VAULT_DIR, JsonlAppender, grid_name, image_prefix, recon_name
-from fedguard.store.vault import read_truth, write_batch
+from fedguard.store.vault import read_round_truth, read_truth, write_batch, write_truth
 from fedguard.training import compute_gradients
 
 ROW_STATUSES = ("ok", "error", "timeout", "score-error", "interrupted")
@@ -158,7 +159,9 @@ class Evaluator:
             "client": obs.client,
             **context,
             "manipulation": obs.manipulation,
-            "batch_size": obs.declaration.batch(obs.num_examples),
+            "batch_size": obs.num_examples
+            if aggregated_clients(obs.declared)
+            else obs.declaration.batch(obs.num_examples),
             "status": outcome.status,
             "error": outcome.error,
             "seconds": round(outcome.seconds, 3),
@@ -170,13 +173,26 @@ class Evaluator:
             "images": None,
         }
 
+    def _truth(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The true batch behind ``obs``: its client's, or for a secure aggregate the batches of the clients it
+        sums, in its declared order (also written to the vault under the aggregate's id, where the report and the
+        API read it)."""
+        vault = self.run_dir / VAULT_DIR
+        clients = aggregated_clients(obs.declared)
+        if clients is None:
+            return read_truth(vault, obs.round, obs.client)
+        truth = read_round_truth(vault, obs.round, clients)
+        if truth is not None:
+            write_truth(vault, obs.round, obs.client, *truth)
+        return truth
+
     def _scores(self, obs: Observation, rec: Reconstruction, context: dict[str, Any]) -> dict[str, Any]:
         """What scoring adds to the row of a successful attack: its stats, the scores against the vault's
         true batch and the grids' prefix (a note instead when the vault has no batch for the upload)."""
         added: dict[str, Any] = {
             "stats": {k: v for k, v in rec.stats.items() if isinstance(v, (int, float, str, bool, list))}
         }
-        truth = read_truth(self.run_dir / VAULT_DIR, obs.round, obs.client)
+        truth = self._truth(obs)
         if truth is None:
             return {**added, "error": "no ground truth in the vault for this upload; not scored"}
         images, labels = truth

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedguard.aggregate import AGGREGATIONS
 from fedguard.data import DATASETS, SourceOptions
 from fedguard.data.partition import PARTITIONERS, PartitionOptions
 from fedguard.detect import ACTIONS
@@ -144,6 +145,12 @@ class ThreatSection:
         "rounds in which a malicious server manipulates the model it sends, as "
         "round:manipulation pairs, e.g. '2:trap-weights, 3:imprint, 4-9:feature-fishing' ('': an honest server)",
     )
+    aggregation: str = option(
+        "plain",
+        "what the server sees of a round: 'plain' (every client's upload) or 'secure' (secure aggregation: only "
+        "the example-weighted mean of the round's defended uploads, captured as one upload of every client's images)",
+        choices=lambda: AGGREGATIONS,
+    )
 
     def schedule(self) -> dict[int, str]:
         """Round -> manipulation name (checked against the registered ones when the configuration was built);
@@ -152,8 +159,9 @@ class ThreatSection:
 
     def model(self) -> str:
         """The server's threat model: 'malicious' when it manipulates the model it sends in some round, else
-        'honest' (honest but curious)."""
-        return "malicious" if self.malicious.strip() else "honest"
+        'honest' (honest but curious); ', secure aggregation' added when it sees only each round's aggregate."""
+        server = "malicious" if self.malicious.strip() else "honest"
+        return f"{server}, secure aggregation" if self.aggregation == "secure" else server
 
     def granted(self) -> set[str]:
         """The grants, named as attacks name their needs."""

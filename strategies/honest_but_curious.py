@@ -23,6 +23,7 @@ from flwr.serverapp.strategy import Strategy
 
 from attackers.manipulation import HONEST
 from attackers.sinks import ObservationSink
+from fedguard.aggregate import AGGREGATE_CLIENT, aggregate_declaration, weighted_mean
 from fedguard.observation import UPLOAD_KINDS, ModelCard, Observation
 from fedguard.selection import Selection
 from fedguard.wire.records import CLIENT_KEY, Upload, read_upload
@@ -50,6 +51,10 @@ class HonestButCurious(StrategyWrapper):
     per_round : int
         At most this many captures a round, the uploads of the lowest client ids first (0: no limit), so that
         a run whose rounds sample few of the targeted clients still yields the same count each round.
+    secure : bool
+        Secure aggregation: the server sees only the round's example-weighted mean of the uploads it aggregates
+        (``fedguard.aggregate``), captured as one observation of ``AGGREGATE_CLIENT`` in each targeted round;
+        ``clients``, ``per_round`` and ``should_capture`` then choose nothing.
     """
 
     def __init__(
@@ -61,6 +66,7 @@ class HonestButCurious(StrategyWrapper):
         rounds: Selection,
         clients: Selection,
         per_round: int = 0,
+        secure: bool = False,
     ) -> None:
         super().__init__(strategy)
         if per_round < 0:
@@ -73,6 +79,7 @@ class HonestButCurious(StrategyWrapper):
         self.rounds = rounds
         self.clients = clients
         self.per_round = per_round
+        self.secure = secure
         self.captured_in: dict[int, int] = {}
         """Round -> uploads captured in it."""
         self.sent: dict[int, tuple[list[np.ndarray], str]] = {}
@@ -116,9 +123,39 @@ class HonestButCurious(StrategyWrapper):
         replies = list(replies)
         sent = self.sent.pop(server_round, None)
         if sent is not None:
-            for upload in by_client([read_upload(reply) for reply in replies if not reply.has_error()]):
-                self.capture(server_round, *sent, upload)
+            uploads = by_client([read_upload(reply) for reply in replies if not reply.has_error()])
+            if self.secure:
+                self.capture_aggregate(server_round, *sent, uploads)
+            else:
+                for upload in uploads:
+                    self.capture(server_round, *sent, upload)
         return self.strategy.aggregate_train(server_round, replies)
+
+    def capture_aggregate(
+        self, server_round: int, sent: list[np.ndarray], manipulation: str, uploads: list[Upload]
+    ) -> None:
+        """Submit one ``Observation`` of the round's aggregate of ``uploads`` (those naming their client)."""
+        named = [u for u in uploads if u.client is not None]
+        if not named:
+            return
+        counts = [u.num_examples for u in named]
+        declared = aggregate_declaration(
+            [u.client for u in named if u.client is not None],
+            [u.declared for u in named],
+            counts,
+            self.upload_kind == "gradient",
+        )
+        obs = self.card.observe(
+            server_round,
+            AGGREGATE_CLIENT,
+            self.upload_kind,
+            [a.copy() for a in sent],
+            weighted_mean([u.arrays for u in named], counts),
+            sum(counts),
+            declared,
+            manipulation,
+        )
+        self.submit(server_round, obs)
 
     def capture(self, server_round: int, sent: list[np.ndarray], manipulation: str, upload: Upload) -> None:
         """Submit an ``Observation`` of ``upload`` when ``should_capture`` says so."""

@@ -41,7 +41,7 @@ class Malicious(HonestButCurious):
 
     Parameters
     ----------
-    strategy, sink, card, upload_kind, rounds, clients, per_round
+    strategy, sink, card, upload_kind, rounds, clients, per_round, secure
         As for ``HonestButCurious``.
     schedule : dict[int, tuple[str, Manipulation | ClientManipulation]]
         Round -> (manipulation name, manipulation) applied to the model sent in that round; a
@@ -61,8 +61,9 @@ class Malicious(HonestButCurious):
         schedule: dict[int, tuple[str, Manipulation | ClientManipulation]],
         seed: int = 0,
         per_round: int = 0,
+        secure: bool = False,
     ) -> None:
-        super().__init__(strategy, sink, card, upload_kind, rounds, clients, per_round)
+        super().__init__(strategy, sink, card, upload_kind, rounds, clients, per_round, secure)
         bad = [r for r in schedule if r < 1]
         if bad:
             raise ValueError(f"schedule rounds must be >= 1, got {bad}")

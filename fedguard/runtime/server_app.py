@@ -169,17 +169,20 @@ def build_attack_pool(config: Config, folder: Path, stop: StopRequest, trackers:
 
 def capture_strategy(config: Config, inner: Strategy, sink: Any, card: ModelCard) -> Strategy:
     """``inner`` wrapped to capture targeted uploads: honest-but-curious, or malicious when
-    ``threat.malicious`` schedules manipulations."""
+    ``threat.malicious`` schedules manipulations; each round's aggregate only under ``threat.aggregation =
+    'secure'``."""
     kind = run_protocol(config.train.protocol).upload_kind
     rounds, clients = config.capture.round_selection(), config.capture.client_selection()
     names = config.threat.schedule()
     built = {name: build_manipulation(name, config.manipulation(name).params) for name in set(names.values())}
     schedule = {round_: (name, built[name]) for round_, name in names.items()}  # one instance across its rounds
+    secure = config.threat.aggregation == "secure"
+    per_round = config.capture.per_round
     if schedule:
         return Malicious(
-            inner, sink, card, kind, rounds, clients, schedule, seed=config.run.seed, per_round=config.capture.per_round
+            inner, sink, card, kind, rounds, clients, schedule, seed=config.run.seed, per_round=per_round, secure=secure
         )
-    return HonestButCurious(inner, sink, card, kind, rounds, clients, config.capture.per_round)
+    return HonestButCurious(inner, sink, card, kind, rounds, clients, per_round, secure)
 
 
 def aggregating_strategy(config: Config, card: ModelCard) -> Strategy:

@@ -39,6 +39,7 @@ import numpy as np
 from numpy.lib import format as npy
 
 from attackers.manipulation import HONEST, MANIPULATIONS
+from fedguard.aggregate import AGGREGATE_CLIENT, AGGREGATE_KEY
 from fedguard.config import Config
 from fedguard.limits import MAX_META_BYTES, shown
 from fedguard.observation import UPLOAD_KINDS, ModelCard, Observation
@@ -263,7 +264,12 @@ def _described(name: str, meta: dict[str, Any], expected: RunExpectations) -> di
     """The fields of the observation ``meta`` describes but its arrays, each checked against ``expected``."""
     card, rules = expected.card, expected.rules
     round_ = _integer_in(meta, "round", 1, expected.rounds, "train.rounds")
-    client = _integer_in(meta, "client", 0, len(rules.partition_sizes) - 1, "partition.num-clients")
+    aggregate = meta.get("client") == AGGREGATE_CLIENT
+    client = (
+        AGGREGATE_CLIENT
+        if aggregate
+        else _integer_in(meta, "client", 0, len(rules.partition_sizes) - 1, "partition.num-clients")
+    )
     if name != upload_file_name(round_, client):
         raise ObservationRefused(
             f"its meta declares round {round_}, client {client}, whose file is {upload_file_name(round_, client)}"
@@ -289,15 +295,18 @@ def _described(name: str, meta: dict[str, Any], expected: RunExpectations) -> di
         raise ObservationRefused(
             f"meta manipulation = {shown(manipulation)}: expected one of {', '.join(manipulations)}"
         )
-    num_examples = _integer_in(
-        meta,
-        "num_examples",
-        1,
-        rules.partition_sizes[client],
-        f"client {client} holds {rules.partition_sizes[client]} samples",
-    )
     declared = _field(meta, "declared", isinstance(meta.get("declared"), dict), "a JSON object")
-    _check_declared(rules, client, num_examples, declared, expected)
+    if aggregate:
+        num_examples = _check_aggregate(meta, rules, declared)
+    else:
+        num_examples = _integer_in(
+            meta,
+            "num_examples",
+            1,
+            rules.partition_sizes[client],
+            f"client {client} holds {rules.partition_sizes[client]} samples",
+        )
+        _check_declared(rules, client, num_examples, declared, expected)
     return {
         "round": round_,
         "client": client,
@@ -311,6 +320,27 @@ def _described(name: str, meta: dict[str, Any], expected: RunExpectations) -> di
         "declared": declared,
         "manipulation": manipulation,
     }
+
+
+def _check_aggregate(meta: dict[str, Any], rules: UploadRules, declared: dict[str, Any]) -> int:
+    """The example count of a secure aggregate (``fedguard.aggregate``), checked with what it declares: distinct
+    client ids of the run, at most their samples, and the run's protocol, learning rate and local epochs."""
+    clients = declared.get(AGGREGATE_KEY)
+    if not (
+        isinstance(clients, list)
+        and 0 < len(clients) == len(set(map(str, clients)))
+        and all(is_integer(c) and 0 <= c < len(rules.partition_sizes) for c in clients)
+    ):
+        raise ObservationRefused(
+            f"declared {AGGREGATE_KEY} = {shown(clients)}: expected distinct client ids below "
+            f"{len(rules.partition_sizes)} (an aggregate's clients)"
+        )
+    holds = sum(rules.partition_sizes[c] for c in clients)
+    count = _integer_in(meta, "num_examples", 1, holds, f"clients {shown(clients)} hold {holds} samples")
+    expect_equal(declared, wire_key("protocol"), rules.protocol, "the run's train.protocol")
+    expect_equal(declared, wire_key("lr"), rules.lr, "the run's train.lr")
+    expect_equal(declared, wire_key("local_epochs"), rules.local_epochs, "the run's train.local-epochs")
+    return count
 
 
 def _same_json(found: Any, expected: Any) -> bool:

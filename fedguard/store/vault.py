@@ -53,6 +53,16 @@ def read_truth(vault: Path, round_: int, client: int) -> tuple[torch.Tensor, tor
     return None if batch is None else (torch.from_numpy(batch[0]), torch.from_numpy(batch[1]))
 
 
+def read_round_truth(vault: Path, round_: int, clients: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The batches of ``clients`` in ``round_`` one after the other (the truth behind their aggregate), or None
+    when one is missing."""
+    batches = [read_truth(vault, round_, client) for client in clients]
+    if any(batch is None for batch in batches):
+        return None
+    present = [batch for batch in batches if batch is not None]
+    return torch.cat([images for images, _ in present]), torch.cat([labels for _, labels in present])
+
+
 def read_scored_images(
     run_dir: Path, round_: int, client: int, prefix: str
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
