@@ -11,6 +11,8 @@ The limits, and why:
   ``MAX_IMAGE_SIZE`` pixels a side (a 1024 x 1024 RGB image is 12 MiB as float32, per sample of a batch);
   ``MAX_PROCESSES`` attack worker processes, torch threads per worker, or uploads attacked in one batch (beyond
   the cores and memory of one machine).
+- ``train.lr`` below ``MAX_LR``: one SGD step moves a weight by the learning rate times its gradient, and a rate of
+  10^6 or more turns the global model non-finite within a round (1e308: at the first step), which stops the run.
 - ``MAX_LAYERS`` layers of a model whose depth is a parameter: building a model of 10^5 layers, even on the
   meta device, takes tens of seconds before its memory can be estimated (``fedguard.memory``).
 - ``MAX_LISTED`` integers listed by a selection such as ``capture.rounds = '1-3,2-9'`` (repeats counted): the
@@ -44,6 +46,7 @@ MAX_LOCAL_EPOCHS = 10_000
 MAX_IMAGE_SIZE = 1024
 MAX_PROCESSES = 1024
 MAX_LAYERS = 1000
+MAX_LR = 1e6
 MAX_LISTED = 1_000_000
 MAX_NESTING = 8
 RUN_FILES_RESERVE = 64

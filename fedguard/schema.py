@@ -21,6 +21,7 @@ from fedguard.limits import (
     MAX_CLIENTS,
     MAX_IMAGE_SIZE,
     MAX_LOCAL_EPOCHS,
+    MAX_LR,
     MAX_PROCESSES,
     MAX_ROUNDS,
     shown,
@@ -105,7 +106,9 @@ class TrainSection:
     rounds: int = option(20, "number of federated rounds", ge=1, le=MAX_ROUNDS)
     clients_per_round: int = option(10, "clients sampled in each round", ge=1, le=MAX_CLIENTS)
     batch_size: int = option(32, "samples per client batch", ge=1)
-    lr: float = option(0.5, "learning rate: the server's SGD step (fedsgd) or the clients' local SGD (fedavg)", gt=0.0)
+    lr: float = option(
+        0.5, "learning rate: the server's SGD step (fedsgd) or the clients' local SGD (fedavg)", gt=0.0, lt=MAX_LR
+    )
     local_epochs: int = option(1, "local epochs per round (fedavg)", ge=1, le=MAX_LOCAL_EPOCHS)
 
 

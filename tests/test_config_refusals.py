@@ -615,3 +615,9 @@ def test_an_out_folder_under_a_file_or_not_writable_is_refused_before_anything_s
     err = capsys.readouterr().err
     assert f"--out = 'mounted/run': cannot write in {tmp_path} (Read-only file system)" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"], "nothing is written"
+
+
+def test_a_learning_rate_that_overflows_the_first_step_is_refused_by_key() -> None:
+    [problem] = problems_of(["train.lr=1e308"])
+    assert problem == "train.lr = 1e+308: must be > 0.0 and < 1000000.0"
+    load_config(None, ["train.lr=1e5"])

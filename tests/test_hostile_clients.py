@@ -342,6 +342,7 @@ def test_fedguard_run_exits_non_zero_when_the_global_model_turns_non_finite(tmp_
         env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"},
     )
     assert result.returncode != 0, (result.stdout + result.stderr)[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr, "an explained stop prints no traceback"
     status = read_status(out)
     assert status["status"] == "failed" and "NonFiniteModel: round 1" in status["error"], status
     assert [r["round"] for r in rows(out)] == [0, 1] and "stopped" in rows(out)[-1]

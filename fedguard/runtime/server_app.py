@@ -427,7 +427,10 @@ def make_server_app(config: Config | None = None) -> ServerApp:
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        run_server(grid, config if config is not None else flwr_run_config(context))
+        try:
+            run_server(grid, config if config is not None else flwr_run_config(context))
+        except NonFiniteModel:
+            return  # an explained stop: run_server printed it and the run folder says 'failed', without a traceback
 
     return server_app
 
