@@ -13,11 +13,13 @@ Which points of the span are the images. With ``V`` (N, d + 1) an orthonormal ba
 singular vectors of ``G``), every point is ``x~ = V^T a``. The images are the points with last coordinate 1 whose
 pixels lie in the box [0, 1]: points of the polytope ``P = {x : [x; 1] = V^T a, 0 <= x <= 1}``. A vertex of ``P``
 lies on N - 1 faces of the box in general; an image lies on one face per pixel at 0 or 1, which for a digit is most
-of its background: the images are vertices of ``P`` on far more faces than the others. Each of ``tries_per_image``
-x N linear programs over ``P`` maximizes one pixel (weight ``pull``), drawn among those the span can light, with a
-unit cost on every pixel, which favours sparse vertices; HiGHS returns a vertex. The distinct vertices are ranked
-by the faces they lie on (counting only faces that not every point of the span lies on), and the N best that are
-linearly independent are the images. Nothing here knows the images' values: the box [0, 1] is every data set's.
+of its background: the images are vertices of ``P`` on far more faces than the others. Each linear program over
+``P`` maximizes one pixel (weight ``pull``), drawn among those the span can light, with a unit cost on every pixel,
+which favours sparse vertices; HiGHS returns a vertex. Up to ``ROUNDS`` rounds of ``tries_per_image`` programs per
+image still missing run (``span_images``), each after the first aimed at the pixels the images found so far leave
+dark. The distinct vertices are ranked by the faces they lie on (counting only faces that not every point of the
+span lies on), and the N best that are linearly independent are the images. Nothing here knows the images' values:
+the box [0, 1] is every data set's.
 
 Images with few pixels at 0 or 1 (photos) give vertices on few more faces than the generic ones, and the ranking
 cannot tell images from mixtures; a defense that perturbs every entry (DP noise, quantization) makes ``G`` of full
@@ -156,17 +158,17 @@ def span_images(
         )
         coefficients, points = np.vstack([coefficients, found]), np.vstack([points, images])
         faces = faces_met(points, basis)
-        chosen = independent_best(coefficients, points, faces, count)
+        chosen = independent_best(coefficients, faces, count)
         sure = [i for i in chosen if faces[i] >= SURE * faces[chosen[0]]] if chosen else []
         if len(sure) == count:
             break
     return points, faces, chosen, len(sure)
 
 
-def independent_best(coefficients: np.ndarray, points: np.ndarray, faces: np.ndarray, count: int) -> list[int]:
-    """Indices of at most ``count`` points, in decreasing order of ``faces``, each linearly independent (its unit
-    span coefficients, up to ``INDEPENDENT``) of those before it: a repeat of a vertex (which programs solved to
-    about 1e-5 return a little apart), or a mixture of chosen ones, is passed over."""
+def independent_best(coefficients: np.ndarray, faces: np.ndarray, count: int) -> list[int]:
+    """Indices of at most ``count`` vertices (span coefficients (n, N)), in decreasing order of ``faces``, each
+    linearly independent (its unit span coefficients, up to ``INDEPENDENT``) of those before it: a repeat of a vertex
+    (which programs solved to about 1e-5 return a little apart), or a mixture of chosen ones, is passed over."""
     directions = coefficients / np.linalg.norm(coefficients, axis=1, keepdims=True)
     chosen: list[int] = []
     for index in np.argsort(-faces, kind="stable"):
