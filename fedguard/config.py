@@ -306,6 +306,11 @@ def _import_plugin(module: str, value: str) -> str | None:
         importlib.import_module(module)
     except Exception as error:  # a plugin's import error of any kind is a configuration problem
         return f"server.plugins = {shown(value)}: cannot import {shown(module)} ({type(error).__name__}: {error})"
+    except SystemExit as exiting:  # sys.exit() on import would end fedguard with the plugin's code, 0 included
+        return (
+            f"server.plugins = {shown(value)}: importing {shown(module)} called sys.exit({exiting.code!r}); a "
+            f"plugin registers components and must not exit"
+        )
     return None
 
 

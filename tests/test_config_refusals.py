@@ -621,3 +621,23 @@ def test_a_learning_rate_that_overflows_the_first_step_is_refused_by_key() -> No
     [problem] = problems_of(["train.lr=1e308"])
     assert problem == "train.lr = 1e+308: must be > 0.0 and < 1000000.0"
     load_config(None, ["train.lr=1e5"])
+
+
+def test_a_plugin_that_raises_or_exits_on_import_is_named_and_the_run_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedguard.commands.cli import main
+
+    (tmp_path / "raising_plugin.py").write_text("raise RuntimeError('no licence file')\n")
+    (tmp_path / "exiting_plugin.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    [raised] = problems_of(["server.plugins=raising_plugin"])
+    assert raised == (
+        "server.plugins = 'raising_plugin': cannot import 'raising_plugin' (RuntimeError: no licence file)"
+    )
+    [exited] = problems_of(["server.plugins=exiting_plugin"])
+    assert exited.startswith("server.plugins = 'exiting_plugin': importing 'exiting_plugin' called sys.exit(0)")
+    assert main(["run", "--set", "server.plugins=exiting_plugin"]) == 2
+    assert "called sys.exit(0)" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists(), "nothing is written"
