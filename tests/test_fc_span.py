@@ -15,25 +15,15 @@ from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_update import UpdateDPParams
 from fedguard.metrics import score_batch
 from fedguard.metrics.scoring import LEAK_SSIM
-from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard, Observation
-from fedguard.training import compute_gradients, get_arrays, local_sgd, loss_fn, trainable_mask
+from fedguard.training import compute_gradients, get_arrays, local_sgd, loss_fn
+from tests.untrained import untrained_mlp
 
 
 def _model(batch_norm: bool) -> tuple[torch.nn.Module, list[np.ndarray], ModelCard]:
-    data = load_dataset("mnist-5k")
-    torch.manual_seed(0)
-    params = MLPParams(batch_norm=batch_norm)
-    model = build_model("mlp", data.spec, params)
-    card = ModelCard(
-        "mlp",
-        {"hidden": 256, "depth": 2, "batch_norm": batch_norm},
-        data.spec,
-        tuple(model.state_dict()),
-        tuple(trainable_mask(model)),
-    )
-    return model, get_arrays(model), card
+    _, model, arrays, card = untrained_mlp("mnist-5k", MLPParams(batch_norm=batch_norm))
+    return model, arrays, card
 
 
 def _digits(count: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,12 +106,11 @@ def test_attacks_that_cannot_read_an_aggregate_and_partial_captures_are_refused(
 
 def aggregate_run(tmp_path: Path) -> Path:
     """A FedSGD run folder under secure aggregation: two clients' batches of 4 digits, one aggregate captured."""
-    import dataclasses
 
     from fedguard.data import load_dataset
-    from fedguard.models import build_model
-    from fedguard.observation import ModelCard, save_observation
+    from fedguard.observation import save_observation
     from fedguard.report.run_dir import prepare_run_dir
+    from fedguard.store.card import initial_model, model_card
     from fedguard.store.folder import OBSERVATIONS_DIR
     from fedguard.training import compute_gradients, get_arrays, merge_by_mask, split_by_mask, trainable_mask
 
@@ -119,10 +118,9 @@ def aggregate_run(tmp_path: Path) -> Path:
     config = load_config(None, [*overrides, "train.batch-size=4", "attack.name=fc-span"])
     folder = prepare_run_dir(config)
     data = load_dataset("mnist-5k")
-    torch.manual_seed(0)
-    model = build_model("mlp", data.spec, config.model.params)
+    model = initial_model(config)  # the run's round-0 model, seed 0
     arrays, mask = get_arrays(model), trainable_mask(model)
-    card = ModelCard("mlp", dataclasses.asdict(config.model.params), data.spec, tuple(model.state_dict()), tuple(mask))
+    card = model_card(config, model)
     uploads, declared = [], []
     for client in (0, 1):
         x, y = data.test.batch(list(range(4 * client, 4 * client + 4)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -9,17 +11,22 @@ import torch.nn as nn
 from fedguard.data import ImageData, load_dataset
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.models import build_model
+from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard, Observation
 from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
 
 
-def untrained_mlp(dataset: str) -> tuple[ImageData, nn.Module, list[np.ndarray], ModelCard]:
-    """``dataset``, the default MLP (hidden 256, depth 2) initialized under torch seed 0, its arrays and its card."""
+def untrained_mlp(
+    dataset: str, params: MLPParams | None = None
+) -> tuple[ImageData, nn.Module, list[np.ndarray], ModelCard]:
+    """``dataset``, the MLP of ``params`` (the default: hidden 256, depth 2) initialized under torch seed 0, its
+    arrays and its card."""
+    params = params or MLPParams()
     data = load_dataset(dataset)
     torch.manual_seed(0)
-    model = build_model("mlp", data.spec)
+    model = build_model("mlp", data.spec, params)
     card = ModelCard(
-        "mlp", {"hidden": 256, "depth": 2}, data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
+        "mlp", dataclasses.asdict(params), data.spec, tuple(model.state_dict()), tuple(trainable_mask(model))
     )
     return data, model, get_arrays(model), card
 
