@@ -321,11 +321,16 @@ def _model_fit_problems(sections: dict[str, Any], invalid: set[str], sizes: list
     return memory + problems + _attack_model_problems(net, sections)
 
 
+def _changed(component: Component) -> dict[str, Any]:
+    """``component``'s parameters that differ from their defaults (field -> value)."""
+    defaults = dataclasses.asdict(type(component.params)())
+    return {k: v for k, v in dataclasses.asdict(component.params).items() if v != defaults[k]}
+
+
 def _model_settings(model: Component) -> str:
     """'model.name = 'mlp', model.mlp.hidden = 50000': the model and the parameters that differ from their
     defaults."""
-    defaults = dataclasses.asdict(type(model.params)())
-    changed = {k: v for k, v in dataclasses.asdict(model.params).items() if v != defaults[k]}
+    changed = _changed(model)
     named = f"model.name = {model.name!r}"
     return f"{named}, {settings_text('model', model.name, changed)}" if changed else named
 
@@ -380,8 +385,7 @@ def _attack_model_problems(net: nn.Module, sections: dict[str, Any]) -> list[str
             if check is not None:
                 check(net)
         except ValueError as error:
-            defaults = dataclasses.asdict(type(attack.params)())
-            changed = {k: v for k, v in dataclasses.asdict(attack.params).items() if v != defaults[k]}
+            changed = _changed(attack)
             settings = f" ({settings_text('attack', attack.name, changed)})" if changed else ""
             problem = f"attack.{attack.name} with model.name = {sections['model'].name!r}: {error}{settings}"
             problems += _chosen_by("attack", names, [problem])
