@@ -10,6 +10,7 @@ import pytest
 from fedguard.commands.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summarize_runs, summary_table
 from fedguard.config import ConfigError, load_config
 from fedguard.report.paper_table import render_paper_table
+from fedguard.report.run_dir import config_toml
 
 SMALL = """
 name = "small"
@@ -493,13 +494,13 @@ def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(
     for seed in (0, 1):
         finished_run(folders["dp", seed], 0.4, [0.1, 0.2], seed)
 
-    def fail(command: list[str], log: Path, timeout: float | None) -> int:
+    def fail(command: list[str], log: Path, timeout: float | None, env: dict[str, str] | None = None) -> int:
         log.write_text("Traceback ...\nRuntimeError: out of memory\n")
         return 1
 
     monkeypatch.setattr("fedguard.commands.sweep.run_one", fail)
     lines: list[str] = []
-    rows = run_sweep(sweep, lines.append)
+    rows = run_sweep(sweep, lines.append, share_ray=False)
     assert (
         lines[-1] == f"fedguard: [6/6] privacy/dp seed 2: failed: RuntimeError: out of memory "
         f"(log {folders['dp', 2]}.log)"
@@ -546,9 +547,35 @@ def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(
 
 def test_a_cell_whose_every_seed_failed_is_a_failed_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sweep = load_sweep(write(tmp_path, SEEDED.replace("[0, 1, 2]", "[0, 1]")), tmp_path / "out", [], ["privacy/dp"])
-    monkeypatch.setattr("fedguard.commands.sweep.run_one", lambda command, log, timeout: 1)
-    [row] = run_sweep(sweep, lambda line: None)
+    monkeypatch.setattr("fedguard.commands.sweep.run_one", lambda command, log, timeout, env=None: 1)
+    [row] = run_sweep(sweep, lambda line: None, share_ray=False)
     assert (row["status"], row["seeds"], row["failed_seeds"], row["accuracy"]) == ("failed", [], [0, 1], None)
     assert row["error"] == "seed 0: fedguard run exited with code 1; seed 1: fedguard run exited with code 1"
     assert "privacy" not in row and "seed" not in row
     assert "| `dp` | **failed** |\n" in (tmp_path / "out" / SUMMARY_FILE).read_text()
+
+
+def test_a_malicious_cell_shows_the_manipulated_client_rounds_its_detectors_flagged(tmp_path: Path) -> None:
+    variant = '[sweep]\n[sweep.variants.imprint]\n"threat.malicious" = "1:imprint"\n"attack.name" = "imprint"\n'
+    variant += '"manipulation.imprint.bins" = 16\n"detect.name" = "structure, dsnr"\n"detect.action" = "report"\n'
+    [run] = load_sweep(write(tmp_path, SMALL + variant), tmp_path / "out").runs
+    finished_run(run.folder, 0.5, [0.95, 0.3], 0, "imprint")
+    (run.folder / "config.toml").write_text(config_toml(run.config))
+    rounds = [json.loads(line) for line in (run.folder / "rounds.jsonl").read_text().splitlines()]
+    checks = {1: [True, False, False], 2: [True, True, False]}  # round 1 manipulated; round 2's flags are false alarms
+    for row in rounds[1:]:
+        row["detect"] = [
+            {"client": c, "structure.flagged": flag, "dsnr.flagged": c == 1 and row["round"] == 1}
+            for c, flag in enumerate(checks[row["round"]])
+        ]
+    (run.folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+
+    summary = summarize_runs([run])
+
+    assert (summary["detected"]["k"], summary["detected"]["n"]) == (2, 3)  # clients 0 and 1 of round 1
+    table = summary_table([summary], "imprint")
+    assert "| detected |" in table.splitlines()[0] and "| 2 of 3 (67%) |" in table
+    honest = summarize_runs(
+        [load_sweep(write(tmp_path, SMALL + "[sweep]\n[sweep.variants.a]\n"), tmp_path / "b").runs[0]]
+    )
+    assert honest["detected"] is None and "detected" not in summary_table([honest], "a")

@@ -17,8 +17,10 @@ A sweep preset is a run preset with a ``[sweep]`` table::
 Every (setting, variant) pair is a cell, run once per seed: the preset's keys, then the setting's, then the
 variant's, then the seed. All runs are validated before the first one starts. Each runs as its own
 ``fedguard run`` process in ``<sweep folder>/<setting>/<variant>`` (``.../<variant>/seed-<n>`` when the
-preset declares ``seeds``), so a run that fails is reported and the others go on; a run folder that already
-holds ``rounds.jsonl`` with every round is kept, not run again (a stopped sweep resumes). ``runs.jsonl``
+preset declares ``seeds``), so a run that fails is reported and the others go on; the runs join one Ray
+cluster started for the sweep where they would each have started the same (``fedguard.runtime.ray_head``); a
+run folder that already holds ``rounds.jsonl`` with every round is kept, not run again (a stopped sweep
+resumes). ``runs.jsonl``
 holds one row per run, ``sweep.jsonl`` one row per cell over its seeds (``summarize_runs``: means, the
 ``privacy`` object of ``fedguard.report.leakage``, accuracy with its interval over seeds; a failed run is
 left out and counted in ``failed_seeds``) and ``summary.md`` the table per variant; a reproduction
@@ -42,7 +44,7 @@ from typing import Any
 
 from attackers.base import attack_traits
 from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, read_toml, resolve_paths
-from fedguard.report.detection import completed_runs, detection_table, pooled_findings
+from fedguard.report.detection import completed_runs, detected, detection_table, pooled_findings, run_findings
 from fedguard.report.leakage import SUCCESS_SSIM, privacy
 from fedguard.report.leakage_table import leakage_tables
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
@@ -50,6 +52,7 @@ from fedguard.report.run_dir import config_toml
 from fedguard.report.run_status import read_status
 from fedguard.report.statistics import over_seeds
 from fedguard.report.sweep_html import build_sweep_page
+from fedguard.runtime.ray_head import shared_ray
 from fedguard.store.folder import (
     RUNS_FILE,
     SUMMARY_FILE,
@@ -384,8 +387,10 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
     Pooled over the seeds: raw uploads, the share of dense bytes uploaded, scores per attack (``attacks``), and at
     the top level the strongest attack's (highest mean SSIM over every attacked round, the adaptive one on a
     tie; ``by_round``: its scores per round), as the means of per-upload means. ``privacy``: the image-level
-    headline of ``fedguard.report.leakage.privacy`` (None where nothing was attacked); ``setting_kind``: the
-    setting's; ``threat``: the server's threat model (``ThreatSection.model``)."""
+    headline of ``fedguard.report.leakage.privacy`` (None where nothing was attacked); ``detected``: the
+    manipulated client-rounds any of the clients' detectors flagged (``k``, ``n``, ``ci95``: the Wilson interval;
+    None where no client checked a manipulated model); ``setting_kind``: the setting's; ``threat``: the server's
+    threat model (``ThreatSection.model``)."""
     logs = [(run, read_rounds(run.folder), read_attacks(run.folder)) for run in runs]
     trained = [[r for r in rounds if r["round"] > 0] for _, rounds, _ in logs]
     scored_by_run = [[a for a in attacks if a.get("status") == "ok"] for _, _, attacks in logs]
@@ -412,6 +417,7 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
     accuracy = over_seeds([rounds[-1]["accuracy"] if rounds else None for _, rounds, _ in logs])
     seconds = [_mean([r["seconds"] for r in rounds[1:]] or [r["seconds"] for r in rounds]) for rounds in trained]
     folder = Path(os.path.commonpath([run.folder for run in runs]))
+    caught = detected([c for run in runs for c in run_findings(run.folder, run.setting)[0]])
     return {
         "setting": runs[0].setting,
         "variant": runs[0].variant,
@@ -434,6 +440,7 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
         "strongest_attack": strongest,
         **(per_attack[strongest] if strongest else {}),
         "privacy": privacy(scored, adaptive),
+        "detected": None if caught is None else {"k": caught.k, "n": caught.n, "ci95": caught.ci95},
     }
 
 
@@ -508,6 +515,13 @@ def _attack_cells(leak: dict[str, Any]) -> list[str]:
     ]
 
 
+def _detected_cell(caught: dict[str, Any] | None) -> str:
+    """The manipulated client-rounds flagged: k of n (share)."""
+    if not caught:
+        return "-"
+    return f"{caught['k']} of {caught['n']} ({100 * caught['k'] / caught['n']:.0f}%)"
+
+
 def _accuracy_cell(row: dict[str, Any]) -> str:
     """Final accuracy in %, with its interval over seeds where there are several."""
     accuracy, interval = row.get("accuracy"), row.get("accuracy_ci95")
@@ -521,7 +535,8 @@ def _accuracy_cell(row: dict[str, Any]) -> str:
 def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
     """Markdown: one line per variant; per setting, where it attacked, the headline of ``privacy`` (the attack,
     marked adaptive where it is, and its round; images scored over how many seeds; mean PSNR; mean SSIM with its
-    95 % interval; mean LPIPS; the share of images above SSIM ``SUCCESS_SSIM``), the final accuracy (with its
+    95 % interval; mean LPIPS; the share of images above SSIM ``SUCCESS_SSIM``), the manipulated client-rounds
+    the clients' detectors flagged where a manipulation was checked, the final accuracy (with its
     interval over seeds where there are several, and as a percentage of the baseline variant's) where it trained
     for more than one round, the epsilon spent where a variant reports one, the raw uploads (of the attacked ones
     where the setting attacked, else the share of all) where a variant reports them, and the mean seconds per
@@ -533,6 +548,7 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
     trained = {s for s in settings if any((r.get("rounds") or 0) > 1 for r in rows if r["setting"] == s)}
     private = {s for s in settings if any(r.get("epsilon") is not None for r in rows if r["setting"] == s)}
     raw = {s for s in settings if any("raw_fraction" in r for r in rows if r["setting"] == s)}
+    checked = {s for s in settings if any(r.get("detected") for r in rows if r["setting"] == s)}
     header, rule = ["variant"], ["---"]
 
     def columns_of(setting: str) -> list[str]:
@@ -542,6 +558,7 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
                 if setting in attacked
                 else []
             )
+            + (["detected"] if setting in checked else [])
             + (["accuracy", "% of baseline"] if setting in trained else [])
             + (["epsilon"] if setting in private else [])
             + (["raw uploads"] if setting in raw else [])
@@ -563,6 +580,8 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
                 continue
             if setting in attacked:
                 cells += _attack_cells(row["privacy"]) if row.get("privacy") else ["-"] * 6
+            if setting in checked:
+                cells.append(_detected_cell(row.get("detected")))
             if setting in trained:
                 share = metric_value(row, "accuracy_share", base)
                 cells += [_accuracy_cell(row), _cell(None if share is None else 100 * share, 1, "%")]
@@ -587,12 +606,16 @@ def failures_note(rows: list[dict[str, Any]]) -> str:
 STOP_WAIT = 90.0  # seconds a stopped run gets to record its attacks and stop its processes (it takes 60 at most)
 
 
-def run_one(command: list[str], log: Path, timeout: float | None) -> int:
-    """Run one ``fedguard run`` in a session of its own, its output in ``log``; its exit code, -1 when it ran past
-    ``timeout``. A timeout or Ctrl-C reaches it as one SIGTERM or SIGINT and it gets ``STOP_WAIT`` seconds to stop
-    cleanly (results and report kept, its processes ended); the Ctrl-C then goes on up."""
+def run_one(command: list[str], log: Path, timeout: float | None, env: dict[str, str] | None = None) -> int:
+    """Run one ``fedguard run`` in a session of its own, its output in ``log``, with ``env`` added to this
+    process's environment; its exit code, -1 when it ran past ``timeout``. A timeout or Ctrl-C reaches it as one
+    SIGTERM or SIGINT and it gets ``STOP_WAIT`` seconds to stop cleanly (results and report kept, its processes
+    ended); the Ctrl-C then goes on up."""
+    environment = {**os.environ, **env} if env else None
     with open(log, "w", encoding="utf-8") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, env=environment
+        )
         try:
             return process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -614,35 +637,26 @@ def _stop_run(process: subprocess.Popen[Any], signum: int) -> None:
 
 
 def run_sweep(
-    sweep: Sweep, progress: Callable[[str], None] = print, timeout: float | None = None
+    sweep: Sweep,
+    progress: Callable[[str], None] = print,
+    timeout: float | None = None,
+    share_ray: bool = True,
 ) -> list[dict[str, Any]]:
-    """Run every run of ``sweep`` that is not finished yet, one process each; write ``runs.jsonl`` (a row per
-    run), ``sweep.jsonl`` (a row per cell) and ``summary.md``; returns the cells' rows."""
+    """Run every run of ``sweep`` that is not finished yet, one process each, on one Ray cluster where they can
+    share it and ``share_ray`` (``fedguard.runtime.ray_head``); write ``runs.jsonl`` (a row per run),
+    ``sweep.jsonl`` (a row per cell) and ``summary.md``; returns the cells' rows."""
     sweep.folder.mkdir(parents=True, exist_ok=True)
     seeded = sweep.seeds is not None
+    pending = [run.config for run in sweep.runs if not finished(run)] if share_ray else []
     rows = []
-    for index, run in enumerate(sweep.runs, 1):
-        label = f"[{index}/{len(sweep.runs)}] {run.setting}/{run.variant}" + (f" seed {run.seed}" if seeded else "")
-        if finished(run):
-            progress(f"fedguard: {label}: finished earlier, kept ({run.folder})")
-            rows.append({**summarize_runs([run]), "seed": run.seed})
-            continue
-        run.folder.mkdir(parents=True, exist_ok=True)
-        preset, log = run.folder.with_suffix(".toml"), run.folder.with_suffix(".log")
-        write_atomic(preset, config_toml(run.config))
-        progress(
-            f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}"
-        )
-        code = run_one([sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)], log, timeout)
-        if code != 0:
-            rows.append(failed_row(run, failure_reason(run, code, log), log))
-            progress(f"fedguard: {label}: failed: {rows[-1]['error']} (log {log})")
-            continue
-        row = {**summarize_runs([run]), "seed": run.seed}
-        rows.append(row)
-        scores = f"PSNR {row['psnr']:.1f} dB, " if row.get("psnr") is not None else ""
-        accuracy = f"accuracy {100 * row['accuracy']:.1f}%" if row["accuracy"] is not None else "no round finished"
-        progress(f"fedguard: {label}: ok; {scores}{accuracy}")
+    with shared_ray(pending, progress) as ray_env:
+        for index, run in enumerate(sweep.runs, 1):
+            label = f"[{index}/{len(sweep.runs)}] {run.setting}/{run.variant}" + (f" seed {run.seed}" if seeded else "")
+            if finished(run):
+                progress(f"fedguard: {label}: finished earlier, kept ({run.folder})")
+                rows.append({**summarize_runs([run]), "seed": run.seed})
+                continue
+            rows.append(_run_once(run, label, timeout, ray_env, progress))
     write_jsonl(sweep.folder / RUNS_FILE, rows)
     cells = cell_rows(sweep.runs, rows, sweep.baseline)
     write_jsonl(sweep.folder / SWEEP_FILE, cells)
@@ -658,6 +672,26 @@ def run_sweep(
     write_atomic(sweep.folder / SUMMARY_FILE, summary)
     build_sweep_page(sweep.folder, sweep.baseline)
     return cells
+
+
+def _run_once(
+    run: SweepRun, label: str, timeout: float | None, env: dict[str, str], progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """Run ``run`` as its own ``fedguard run`` (``env`` added to its environment); its ``runs.jsonl`` row."""
+    run.folder.mkdir(parents=True, exist_ok=True)
+    preset, log = run.folder.with_suffix(".toml"), run.folder.with_suffix(".log")
+    write_atomic(preset, config_toml(run.config))
+    progress(f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}")
+    code = run_one([sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)], log, timeout, env)
+    if code != 0:
+        failed = failed_row(run, failure_reason(run, code, log), log)
+        progress(f"fedguard: {label}: failed: {failed['error']} (log {log})")
+        return failed
+    row = {**summarize_runs([run]), "seed": run.seed}
+    scores = f"PSNR {row['psnr']:.1f} dB, " if row.get("psnr") is not None else ""
+    accuracy = f"accuracy {100 * row['accuracy']:.1f}%" if row["accuracy"] is not None else "no round finished"
+    progress(f"fedguard: {label}: ok; {scores}{accuracy}")
+    return row
 
 
 def load_preset(preset: Path | str) -> Config | Sweep:

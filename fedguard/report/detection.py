@@ -126,6 +126,12 @@ def detector_rows(found: list[ClientRound]) -> list[DetectorRow]:
     ]
 
 
+def detected(found: list[ClientRound]) -> Rate | None:
+    """The malicious client-rounds of ``found`` that any detector flagged; None where no malicious one was checked."""
+    malicious = [c for c in found if c.manipulation != HONEST]
+    return rate(sum(flagged(c, ANY) for c in malicious), len(malicious)) if malicious else None
+
+
 def setting_rows(found: list[ClientRound]) -> dict[str, list[DetectorRow]]:
     """Per sweep setting, in order of appearance: ``detector_rows`` of its client-rounds alone."""
     settings = dict.fromkeys(c.setting for c in found)

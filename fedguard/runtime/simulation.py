@@ -28,6 +28,7 @@ import tomli_w
 from fedguard.config import Config, ConfigError, flatten
 from fedguard.config_checks import ray_address_problem
 from fedguard.report.run_dir import unflatten
+from fedguard.runtime.app_bundle import stage_app
 from fedguard.runtime.launcher import CONNECTION, STOP_FILE_ENV, Interrupted, Launch, LaunchError, launch
 
 APP_DIR = Path(__file__).resolve().parents[2]
@@ -157,39 +158,48 @@ def _device_problems(config: Config) -> list[str]:
     ]
 
 
-def _environment(home: Path, config: Config) -> dict[str, str]:
+def ray_environment() -> dict[str, str]:
+    """This process's environment as a local Ray cluster's processes get it from fedguard: this venv's programs
+    first on ``PATH``, the working directory on ``PYTHONPATH`` (a plugin module there imports in the
+    simulation's processes too), Ray on loopback only, no idle workers started ahead for the first driver (the
+    clients' actors never use them: 0.1 GB), and accelerators left visible to workers that reserve none."""
     env = {
         **os.environ,
-        "FLWR_HOME": str(home),
         "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+        "RAY_prestart_worker_first_driver": "0",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+    }
+    env.update(LOOPBACK_RAY)
+    return env
+
+
+def _environment(home: Path, config: Config) -> dict[str, str]:
+    env = {
+        **ray_environment(),
+        "FLWR_HOME": str(home),
         STOP_FILE_ENV: str(home / "stop-request"),
         "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
-        # Ray starts one idle worker per CPU for the first driver; the clients' actors never use them (0.1 GB).
-        "RAY_prestart_worker_first_driver": "0",
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }
-    # A plugin module in the working directory (server.plugins) imports in the simulation's processes too.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     address = joins_cluster(config)
     if address:
         env["RAY_ADDRESS"] = address
     if address and not on_this_machine(address):
         for name in LOOPBACK_RAY:  # a cluster's nodes reach each other on its own addresses
             env.pop(name, None)
-    else:
-        # A new cluster listens on loopback only. A cluster joined at a loopback address (or `auto`) has its
-        # head here: without the switch Ray takes 127.0.0.1 for this machine's network address, where a head
-        # started with the switch (as the venv's `activate` sets it) does not listen, and the run would wait
-        # forever; with it, Ray uses the address as given, which reaches a head started either way.
-        env.update(LOOPBACK_RAY)
+    # Otherwise a new cluster listens on loopback only. A cluster joined at a loopback address (or `auto`) has its
+    # head here: without the switch Ray takes 127.0.0.1 for this machine's network address, where a head started
+    # with the switch (as the venv's `activate` sets it) does not listen, and the run would wait forever; with it,
+    # Ray uses the address as given, which reaches a head started either way.
     return env
 
 
 def prepare(config: Config, verbose: bool = False) -> Launch:
     """The launch of ``config`` (whose ``out-dir`` is set) with ``partition.num-clients`` simulated SuperNodes:
-    a temporary Flower home holding the run config, the environment and the federation settings. Raises
+    a temporary Flower home holding the run config, the app's files (``fedguard.runtime.app_bundle``: what
+    ``flwr run`` builds its FAB from), the environment and the federation settings. Raises
     ``ConfigError`` for ``sim.*`` no simulation could run with."""
     problems = resource_problems(config)
     if problems:
@@ -198,7 +208,7 @@ def prepare(config: Config, verbose: bool = False) -> Launch:
     home = Path(tempfile.mkdtemp(prefix="fedguard-flwr-"))
     (home / "run-config.toml").write_text(tomli_w.dumps(unflatten(overrides)))
     return Launch(
-        str(APP_DIR),
+        str(stage_app(APP_DIR, home / "app")),
         str(config.run.out_dir),
         str(home),
         _environment(home, config),
