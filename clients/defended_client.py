@@ -13,6 +13,8 @@ import torch.nn as nn
 from flwr.app import RecordDict
 from flwr.client import NumPyClient
 
+from clients.local_batch_norm import KEY_PREFIX as FEDBN_PREFIX
+from clients.local_batch_norm import after_step, as_sent_back, load_local, without_batch_norm
 from clients.state import ClientState, RecordState
 from fedguard.config import Component, Config, DataSection, PartitionSection
 from fedguard.data import Split, load_dataset
@@ -122,7 +124,10 @@ class DefendedClient(NumPyClient):
         ``skip`` or ``refuse``, nothing is trained or uploaded: ``ModelDeclined`` is raised with their verdict.
         ``config['server-round']`` is the server round; in a targeted round the true batch is written to
         ``vault`` for scoring (never uploaded, and never to a folder the server names);
-        ``config['proximal-mu']`` (Flower's FedProx) adds the proximal term to FedAvg's local training.
+        ``config['proximal-mu']`` (Flower's FedProx) adds the proximal term to FedAvg's local training. Under
+        ``train.fedbn`` the BatchNorm layers are the client's own (``clients.local_batch_norm``): loaded from its
+        state before the detectors and the step, kept after it, hidden from the defense, and sent back as the
+        server sent them.
         Returns the upload (coordinate-encoded when that halves it at least, marked by ``encoding``), the number of
         examples, and what the client declares: hyper-parameters, ``labels`` (a list, where the threat model
         grants them), sizes, the defense's ``defense.*`` reports and the detectors' findings (``detect.*``).
@@ -133,6 +138,9 @@ class DefendedClient(NumPyClient):
         local = _local_data(cfg.data, cfg.partition, cfg.run.seed, self.client_id)
         model = self._load_model(parameters_in)
         state = self.state.load(round_)
+        if cfg.train.fedbn:
+            load_local(model, state)
+        start = get_arrays(model) if cfg.train.fedbn else parameters_in
         findings: dict[str, Any] = {}
         if cfg.detectors:
             verdict = self._inspect(model, local, state, round_)
@@ -147,8 +155,11 @@ class DefendedClient(NumPyClient):
         update = protocol.local_step(model, local, schedule, rng, proximal_mu=mu)
         x, y, grads = update.x, update.y, update.direction
         _, buffers = split_by_mask(get_arrays(update.buffers_from), mask)
-        if update.buffers_from is model:  # the step ran through the global model: its BatchNorm statistics go back
-            set_arrays(model, parameters_in)
+        if update.buffers_from is model:  # the step ran through the model it started from: its statistics go back
+            set_arrays(model, start)
+        if cfg.train.fedbn:
+            state.update(after_step(model, grads, buffers, protocol.upload_kind, cfg.train.lr))
+            grads = without_batch_norm(model, grads)
         declared = update.declared.with_fields(
             client=self.client_id,
             protocol=protocol.name,
@@ -159,14 +170,19 @@ class DefendedClient(NumPyClient):
         if self.vault is not None and self._targeted(round_):
             write_truth(self.vault, round_, self.client_id, x, y)
 
-        defense_state = {k: v for k, v in state.items() if not k.startswith(STATE_PREFIX)}
+        kept = {k: v for k, v in state.items() if k.startswith((STATE_PREFIX, FEDBN_PREFIX))}
+        defense_state = {k: v for k, v in state.items() if k not in kept}
         step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id, len(local))
         defense = _defense(cfg.defense.name, cfg.defense.params)
         sent = defense(step, defense_state)
         reports = defense_report(defense, defense_state)
-        self.state.store(round_, {**defense_state, **{k: v for k, v in state.items() if k.startswith(STATE_PREFIX)}})
+        self.state.store(round_, {**defense_state, **kept})
 
+        if cfg.train.fedbn:
+            set_arrays(model, parameters_in)  # the upload is made from the model the server sent
         upload = merge_by_mask(protocol.upload(model, sent), buffers, mask)
+        if cfg.train.fedbn:
+            upload = as_sent_back(model, upload, parameters_in, protocol.upload_kind)
         size = byte_counts(upload)
         # a pruned upload travels coordinate-encoded (strategies.SparseUploads)
         encoded = 2 * size.encoded <= size.dense

@@ -314,7 +314,7 @@ def _model_fit_problems(sections: dict[str, Any], invalid: set[str], sizes: list
         return [f"model.name = {model.name!r} cannot take data.name = {data.name!r} ({shape} images): {error}"]
     except RuntimeError as error:  # sizes whose byte count overflows a 64-bit integer
         return [f"{_model_settings(model)}: a model too large for any machine ({error})"]
-    problems = _batch_problems(net, spec, sections, invalid, sizes)
+    problems = _batch_problems(net, spec, sections, invalid, sizes) + _fedbn_problems(net, sections)
     memory = _memory_problems(net, spec, sections, invalid, sizes)
     if not memory:  # the manipulation check builds zero arrays of the model's shapes
         problems += _manipulation_problems(net, spec, sections, sizes)
@@ -421,6 +421,16 @@ def _batch_problems(
                 f"no batch of {batch}, or a model without BatchNorm"
             ]
     return []
+
+
+def _fedbn_problems(net: nn.Module, sections: dict[str, Any]) -> list[str]:
+    """``train.fedbn`` on a model without a BatchNorm layer: nothing would stay on the clients."""
+    if not sections["train"].fedbn or any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+        return []
+    return [
+        f"train.fedbn = true: {_model_settings(sections['model'])} has no BatchNorm layer to keep on the clients; "
+        "choose a model with BatchNorm (model.mlp.batch-norm = true, convnet, resnet18) or train.fedbn = false"
+    ]
 
 
 def _held(sizes: list[int] | None) -> str:

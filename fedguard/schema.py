@@ -110,6 +110,11 @@ class TrainSection:
         0.5, "learning rate: the server's SGD step (fedsgd) or the clients' local SGD (fedavg)", gt=0.0, lt=MAX_LR
     )
     local_epochs: int = option(1, "local epochs per round (fedavg)", ge=1, le=MAX_LOCAL_EPOCHS)
+    fedbn: bool = option(
+        False,
+        "FedBN: every BatchNorm layer stays on its client (its weights, biases and running statistics are "
+        "kept, trained and never sent; the server gets back what it sent there)",
+    )
 
 
 @dataclass(frozen=True)

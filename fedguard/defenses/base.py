@@ -31,7 +31,8 @@ UPLOAD_PREFIX = "upload."  # report-name prefix of a number about this upload al
 class LocalStep:
     """One client's upload before defense.
 
-    ``model``: at the global parameters the step started from; ``x`` (B, C, H, W)
+    ``model``: at the parameters the step started from (the global ones; the client's own BatchNorm layers under
+    ``train.fedbn``); ``x`` (B, C, H, W)
     in [0, 1] and ``y`` (B,) are the samples used; ``grads`` holds one tensor per
     trainable parameter: the batch gradient (FedSGD) or the pseudo-gradient
     ``global - local`` of several local steps (FedAvg); ``loss_fn(logits, y)``
