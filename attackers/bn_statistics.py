@@ -71,7 +71,8 @@ def values_per_channel(model: nn.Module, layers: dict[str, _BatchNorm], shape: t
 def recover_batch_statistics(obs: Observation) -> BatchStatistics:
     """Each BatchNorm layer's batch mean and biased batch variance, both (channels,) float32, by module name.
 
-    Raises ``ValueError`` for a weights upload or a model without BatchNorm running statistics."""
+    Raises ``ValueError`` for a weights upload, a model without BatchNorm running statistics, or an upload whose
+    buffers are the server's own (``num_batches_tracked`` unchanged: no step counted, as under FedBN)."""
     if obs.kind != "gradient":
         raise ValueError(
             f"batch statistics are recoverable from FedSGD gradient uploads only, got a {obs.kind!r} upload"
@@ -92,6 +93,12 @@ def recover_batch_statistics(obs: Observation) -> BatchStatistics:
 
     statistics: BatchStatistics = {}
     for name, layer in layers.items():
+        tracked_before, tracked_after = before_after(f"{name}.num_batches_tracked")
+        if np.array_equal(tracked_before, tracked_after):
+            raise ValueError(
+                f"BatchNorm {name!r} came back as the server sent it (num_batches_tracked = "
+                f"{int(tracked_after)}, unchanged): the client keeps its statistics (FedBN), none to recover"
+            )
         momentum = layer.momentum
         if momentum is None:
             tracked = int(obs.upload[index[f"{name}.num_batches_tracked"]])

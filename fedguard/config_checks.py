@@ -660,6 +660,12 @@ def _attack_problems(
             f"(set the matching threat.* key to true, or choose another attack)"
         )
     problems += _simulation_problems(attack.name, traits, sections["defense"])
+    if sections["train"].fedbn and "bn-statistics" in traits.needs | traits.needs_by_upload.get(kind, frozenset()):
+        problems.append(
+            f"attack {attack.name!r} reads each batch's BatchNorm statistics off the uploaded buffers, which "
+            "train.fedbn = true keeps on the clients (the server gets its own back); choose an attack that does "
+            "not need them, or train.fedbn = false"
+        )
     if sections["threat"].aggregation == "secure" and kind in traits.uploads and kind not in traits.sums:
         able = [name for name in ATTACKS.names() if kind in attack_traits(name).sums]
         problems.append(

@@ -149,3 +149,10 @@ def test_the_defense_is_given_the_other_layers_direction_only(monkeypatch: pytes
 def test_fedbn_on_a_model_without_batch_norm_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"train.fedbn = true: model.name = 'mlp'.* has no BatchNorm layer"):
         config("train.fedbn=true")
+
+
+def test_an_attack_that_reads_the_uploaded_statistics_is_refused_under_fedbn() -> None:
+    grant = ("threat.bn-statistics=true", "attack.name=gradinversion")
+    config(*BN, *grant)
+    with pytest.raises(ConfigError, match=r"attack 'gradinversion' reads each batch's BatchNorm statistics"):
+        config(*BN, *grant, "train.fedbn=true")

@@ -116,6 +116,15 @@ def test_bn_statistics_need_batch_norm_and_a_gradient_upload() -> None:
         recover_batch_statistics(Observation(**{**obs.__dict__, "kind": "weights"}))
 
 
+def test_an_upload_that_returns_the_servers_own_buffers_has_no_statistics_to_recover() -> None:
+    """FedBN (train.fedbn) sends every BatchNorm entry back as the server sent it."""
+    obs, _, _, _ = digits_upload()
+    buffers = ("running_mean", "running_var", "num_batches_tracked")
+    kept = [g if name.endswith(buffers) else u for name, u, g in zip(obs.names, obs.upload, obs.global_arrays)]
+    with pytest.raises(ValueError, match=r"BatchNorm '4' came back as the server sent it .*FedBN"):
+        recover_batch_statistics(Observation(**{**obs.__dict__, "upload": kept}))
+
+
 def floor(x: torch.Tensor) -> np.ndarray:
     """PSNR of each image's flat mean-intensity image."""
     return psnr(x.mean((2, 3), keepdim=True).expand_as(x), x).numpy()
