@@ -33,6 +33,7 @@ from fedguard.defenses.revealed import (
     Revealed,
     TowardsRobustData,
     Unchanged,
+    Undeclared,
     revealed_by,
 )
 from fedguard.defenses.soteria import resolve_layer
@@ -40,6 +41,7 @@ from fedguard.observation import Observation
 
 REFINER_READINGS = ("mixture", "radius")
 ROUNDING_READINGS = ("cosine", "likelihood")
+UNDECLARED_CHOICES = ("plain", "refuse")  # a defense without revealed(): attack it as undefended, or refuse it
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,14 @@ class AdaptiveInvertingGradientsParams(InvertingGradientsParams):
     within the radius accepted, the TV prior choosing among them), ``band``: the weight of the penalty on the
     unsent entries of a pruning or DGP upload beside the masked cosine (0: the masked cosine alone), and
     ``rounding``: how a quantized upload is matched, 'cosine' (as IG does) or 'likelihood' (the cosine, plus
-    the stochastic rounding's likelihood for the last quarter of the iterations)."""
+    the stochastic rounding's likelihood for the last quarter of the iterations), and ``undeclared``: against a
+    defense that declares nothing it reveals (no ``revealed()``), 'plain' (match the upload as IG does, every row
+    marked not adaptive with the reason) or 'refuse' (fail the attack, naming the defense)."""
 
     refiner: str = "mixture"
     band: float = 1.0
     rounding: str = "cosine"
+    undeclared: str = "plain"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,6 +66,8 @@ class AdaptiveInvertingGradientsParams(InvertingGradientsParams):
             raise ValueError(f"refiner {self.refiner!r}: choose one of {', '.join(REFINER_READINGS)}")
         if self.rounding not in ROUNDING_READINGS:
             raise ValueError(f"rounding {self.rounding!r}: choose one of {', '.join(ROUNDING_READINGS)}")
+        if self.undeclared not in UNDECLARED_CHOICES:
+            raise ValueError(f"undeclared {self.undeclared!r}: choose one of {', '.join(UNDECLARED_CHOICES)}")
         if not (math.isfinite(self.band) and self.band >= 0):
             raise ValueError(f"band must be a finite weight >= 0 (0: the masked cosine alone), got {self.band}")
 
@@ -79,12 +86,14 @@ class AdaptiveInvertingGradients(InvertingGradients):
     """Inverting Gradients with the known defense's distance (``attackers.engine.aware``)."""
 
     revealed: Revealed | None = None
+    not_adaptive = ""  # why the search matches the plain cosine against this defense ('' where it adapts)
     sums: frozenset[str] = frozenset()  # what a defense reveals holds for one client's upload, not for an aggregate
 
     def __init__(self, params: AdaptiveInvertingGradientsParams) -> None:
         super().__init__(params)
         self.needs = adaptive_traits(params).needs
         self.refiner = params.refiner
+        self.undeclared = params.undeclared
         self.spec = replace(self.spec, band_weight=params.band, rounding_likelihood=params.rounding == "likelihood")
 
     def know_defense(self, defense: Any) -> None:
@@ -92,6 +101,16 @@ class AdaptiveInvertingGradients(InvertingGradients):
         defense itself for EOT draws."""
         self.defense = defense
         revealed = revealed_by(defense)
+        name = type(defense).__name__
+        if isinstance(revealed, Undeclared) and self.undeclared == "refuse":
+            raise ValueError(
+                f"defense {name} declares nothing it reveals (no revealed()): ig-adaptive cannot adapt to it "
+                "(attack.ig-adaptive.undeclared = 'refuse'; 'plain' attacks it as undefended, marked not adaptive)"
+            )
+        self.not_adaptive = {
+            Unchanged: f"defense {name} sends the update unchanged: matched as IG does",
+            Undeclared: f"defense {name} declares nothing it reveals (no revealed()): matched as undefended",
+        }.get(type(revealed), "")
         self.revealed = (
             revealed.ball() if isinstance(revealed, TowardsRobustData) and self.refiner == "radius" else revealed
         )
@@ -105,6 +124,9 @@ class AdaptiveInvertingGradients(InvertingGradients):
             spec = adapted_spec(self.spec, revealed, group[0])
             for index, result in zip(indices, search(spec, group, seed, decoder=self.decoder, defense=self.defense)):
                 result.stats["matched"] = type(revealed).__name__
+                result.stats["adaptive"] = not self.not_adaptive
+                if self.not_adaptive:
+                    result.stats["not_adaptive"] = self.not_adaptive
                 by_index[index] = result
         return [by_index[index] for index in range(len(observations))]
 

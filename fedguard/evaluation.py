@@ -104,10 +104,12 @@ def describe_row(row: dict[str, Any]) -> str:
     floor = (row.get("floor") or {}).get("psnr")
     against = f" (flat-image floor {floor:.1f} dB)" if floor is not None else ""
     best = f" (best image {row['best_ssim']:.3f})" if row.get("best_ssim") is not None else ""
+    reason = (row.get("stats") or {}).get("not_adaptive")
+    plain = f"; not adaptive: {reason}" if reason else ""
     return (
         f"{where}: {row['status']} ({row['seconds']:.1f} s) PSNR {row['psnr']:.2f} dB{against}, "
         f"SSIM {row['ssim']:.3f}{best}, {row.get('leaked_images', 0)} of {len(row.get('per_image') or [])} images "
-        f"above SSIM {LEAK_SSIM:g}"
+        f"above SSIM {LEAK_SSIM:g}{plain}"
     )
 
 

@@ -16,6 +16,8 @@ from attackers.inverting_gradients import InvertingGradients
 from fedguard.defenses import build_defense
 from fedguard.defenses.censor import CensorParams
 from fedguard.defenses.pruning import PruneParams
+from fedguard.evaluation import describe_row
+from fedguard.report.leakage import image_leakage
 from tests.test_inverting_gradients import PARAMS, scores, uploads
 
 DEFENDED = {"prune": PruneParams(keep=0.1, error_feedback=False)}
@@ -72,3 +74,49 @@ def test_the_attacker_who_knows_censor_attacks_a_raw_fallback_as_ig_does_and_a_c
     plain = InvertingGradients(params).reconstruct_many([raw[0], raw[2]], 0)
     for got, expected in zip([results[0], results[2]], plain):
         assert np.array_equal(got.images.numpy(), expected.images.numpy()), "the raw uploads get IG's search"
+
+
+class DeclaresNothing:
+    """A plugin defense without ``revealed()``: it sends the gradient as it is."""
+
+    def __call__(self, step, state):
+        return step.grads
+
+
+def test_against_a_defense_that_declares_nothing_the_rows_say_it_did_not_adapt_or_it_refuses() -> None:
+    params = AdaptiveInvertingGradientsParams(**{**PARAMS.__dict__, "iterations": 1})
+    observations, _, _ = uploads()
+    adaptive = AdaptiveInvertingGradients(params)
+    adaptive.know_defense(DeclaresNothing())
+    [result] = adaptive.reconstruct_many(observations[:1], 0)
+    assert result.stats["matched"] == "Undeclared" and result.stats["adaptive"] is False
+    assert "DeclaresNothing declares nothing it reveals" in result.stats["not_adaptive"]
+    row = {
+        "attack": "ig-adaptive",
+        "round": 1,
+        "client": 0,
+        "status": "ok",
+        "seconds": 1.0,
+        "psnr": 9.0,
+        "ssim": 0.3,
+        "per_image": [{}],
+        "stats": result.stats,
+    }
+    assert "; not adaptive: defense DeclaresNothing declares nothing" in describe_row(row)
+    assert image_leakage("ig-adaptive", 1, [row], adaptive=True)["adaptive"] is False
+    refusing = AdaptiveInvertingGradients(dataclasses.replace(params, undeclared="refuse"))
+    with pytest.raises(ValueError, match=r"defense DeclaresNothing declares nothing .*undeclared = 'refuse'"):
+        refusing.know_defense(DeclaresNothing())
+    with pytest.raises(ValueError, match="undeclared 'never': choose one of plain, refuse"):
+        dataclasses.replace(params, undeclared="never")
+
+
+def test_the_undefended_upload_is_matched_as_ig_and_says_so_and_a_known_defense_is_adaptive() -> None:
+    params = AdaptiveInvertingGradientsParams(**{**PARAMS.__dict__, "iterations": 1})
+    observations, _, _ = uploads()
+    results = {}
+    for defense in ("none", "soteria"):
+        attack = build_attack("ig-adaptive", params, defense=(defense, None))
+        results[defense] = attack.reconstruct_many(observations[:1], 0)[0].stats
+    assert results["none"]["adaptive"] is False and "unchanged" in results["none"]["not_adaptive"]
+    assert results["soteria"]["adaptive"] is True and "not_adaptive" not in results["soteria"]

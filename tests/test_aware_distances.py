@@ -37,6 +37,7 @@ from fedguard.defenses.revealed import (
     SentBand,
     TowardsRobustData,
     Unchanged,
+    Undeclared,
     WithinRadius,
     revealed_by,
 )
@@ -169,7 +170,7 @@ def test_each_shipped_defense_declares_what_its_upload_reveals() -> None:
     assert revealed_by(build_defense("dp", UpdateDPParams(clip=2.0))) == ClippedNoise(2.0, 0.2)
     assert revealed_by(build_defense("dp-sgd")) == ClippedNoise(1.0, DPSGDParams().noise_multiplier, per_example=True)
     assert revealed_by(build_defense("soteria")) == AlteredLayer("")
-    assert revealed_by(object()) == Unchanged(), "a plugin defense that declares nothing"
+    assert revealed_by(object()) == Undeclared(), "a plugin defense that declares nothing"
 
 
 def test_refiner_declares_its_radius_towards_the_robust_data(tmp_path) -> None:

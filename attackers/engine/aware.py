@@ -6,7 +6,8 @@ per compared parameter) and returns (J,). Where the defense bounds entries in ab
 magnitude bands) the dummy gradient is first brought to the upload's scale by the least-squares factor
 ``s = <g, t> / <g, g>`` over what was sent, so that no distance can be lowered by shrinking ``g``:
 
-- ``Unchanged``, ``AlteredLayer``: ``1 - cos(g, t)`` (the altered layer is left out by the attack's ``skip``).
+- ``Unchanged``, ``Undeclared``, ``AlteredLayer``: ``1 - cos(g, t)`` (the altered layer is left out by the
+  attack's ``skip``).
 - ``SentBand``: ``1 - cos(m g, t)`` over the sent entries (``m = t != 0``) plus, per tensor, the squared
   distance of each unsent ``|s g|`` to the region the defense left it in (at most the smallest sent magnitude;
   for DGP also at least the largest), over ``||t||^2``, times the attack's ``band`` weight.
@@ -46,6 +47,7 @@ from fedguard.defenses.revealed import (
     SentBand,
     TowardsRobustData,
     Unchanged,
+    Undeclared,
     WithinRadius,
 )
 
@@ -187,7 +189,7 @@ def aware_phases(
 def aware_distance(revealed: Revealed, band_weight: float = 1.0) -> Distance:
     """The distance an attacker who knows what the upload ``revealed`` minimizes."""
     match revealed:
-        case Unchanged() | AlteredLayer():
+        case Unchanged() | Undeclared() | AlteredLayer():
             return cosine_distance
         case SentBand(drops_top=drops_top):
             return band_distance(drops_top, band_weight)

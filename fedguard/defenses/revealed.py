@@ -2,8 +2,9 @@
 randomness nor the client's data: the declared interface between a defense's mathematics and the attacks that
 adapt to it (``attackers.engine.aware``).
 
-Each shipped defense answers ``revealed()`` with one of these records; a plugin defense that does not is attacked
-as if its upload were the gradient itself (``Unchanged``), and the adaptive attack says so in its result.
+Each shipped defense answers ``revealed()`` with one of these records; a plugin defense that does not reveals
+``Undeclared``: it is attacked as if its upload were the gradient itself, and the adaptive attack says so (its
+rows are marked not adaptive, with the reason), or refuses it (``attack.ig-adaptive.undeclared = "refuse"``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from typing import Protocol, runtime_checkable
 @dataclass(frozen=True)
 class Unchanged:
     """The upload is the client's gradient (or update) itself."""
+
+
+@dataclass(frozen=True)
+class Undeclared:
+    """The defense declares nothing (it has no ``revealed()``): a server that knows it can only match its upload
+    as the gradient itself."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,7 @@ class ClippedNoise:
 
 Revealed = (
     Unchanged
+    | Undeclared
     | SentBand
     | QuantizedLevels
     | TowardsRobustData
@@ -112,5 +120,5 @@ class RevealingDefense(Protocol):
 
 
 def revealed_by(defense: object) -> Revealed:
-    """What ``defense``'s uploads reveal; ``Unchanged`` for one that declares nothing."""
-    return defense.revealed() if isinstance(defense, RevealingDefense) else Unchanged()
+    """What ``defense``'s uploads reveal; ``Undeclared`` for one that declares nothing."""
+    return defense.revealed() if isinstance(defense, RevealingDefense) else Undeclared()

@@ -475,7 +475,7 @@ def _uploads_table(attacks: list[AttackRow], anchors: dict[int, str]) -> str:
         body.append(
             f'<tr class="{"failed" if not _is_ok(row) else ""}"><td class="num">{where}</td>'
             f'<td class="num">{client}</td>'
-            f"<td>{escape(str(row.get('attack', DASH)))}</td><td>{escape(str(row.get('defense', DASH)))}</td>"
+            f"<td>{_attack_cell(row)}</td><td>{escape(str(row.get('defense', DASH)))}</td>"
             f'<td class="num">{escape(str(row.get("batch_size", DASH)))}</td><td>{_status_badge(row)}</td>'
             f'<td class="num">{_fmt(row.get("psnr"), 2)}</td>{_ssim_cell(row.get("ssim"))}'
             f"{_ssim_cell(row.get('best_ssim'))}"
@@ -493,6 +493,13 @@ def _uploads_table(attacks: list[AttackRow], anchors: dict[int, str]) -> str:
         '<th class="num">LPIPS</th><th class="num">label acc.</th><th class="num">seconds</th></tr></thead>'
         f"<tbody>{''.join(body)}</tbody></table>"
     )
+
+
+def _attack_cell(row: AttackRow) -> str:
+    """The attack's name, marked "not adaptive" with the reason where an adaptive attack could not adapt."""
+    name = escape(str(row.get("attack", DASH)))
+    reason = (row.get("stats") or {}).get("not_adaptive")
+    return f'{name} <span class="badge timeout" title="{escape(str(reason))}">not adaptive</span>' if reason else name
 
 
 def _grid_cell(run_dir: Path, prefix: str, kind: str, alt: str, images: EmbeddedImages, notes: _Notes) -> str:

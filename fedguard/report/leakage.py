@@ -28,13 +28,14 @@ SCORES = ("psnr", "ssim", "lpips")
 
 def image_leakage(attack: str, round_: int, rows: list[AttackRow], adaptive: bool) -> dict[str, Any]:
     """The statistics of every image that ``rows`` (scored ``attacks.jsonl`` rows of one attack in one round,
-    from one or several seeds) scored: ``n_images``, the ``seeds`` they came from, ``<score>_mean``,
+    from one or several seeds) scored: ``adaptive`` (the attack's trait, unless a row says it did not adapt:
+    ``stats.adaptive`` false), ``n_images``, the ``seeds`` they came from, ``<score>_mean``,
     ``_median`` and ``_ci95`` ([low, high]) per score, success rates, and ``missing``: images without a score,
     per score (e.g. LPIPS without its weights)."""
     images = [image for row in rows for image in row.get("per_image") or []]
     result: dict[str, Any] = {
         "attack": attack,
-        "adaptive": adaptive,
+        "adaptive": adaptive and all((row.get("stats") or {}).get("adaptive", True) for row in rows),
         "round": round_,
         "n_images": len(images),
         "seeds": sorted({row["seed"] for row in rows if isinstance(row.get("seed"), int)}),
