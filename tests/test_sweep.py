@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -145,10 +146,11 @@ def test_summary_table_gives_accuracy_as_a_share_of_the_baseline() -> None:
     )
     assert table[0].endswith("| % of baseline | s/round | u: s/round |")  # u attacked nothing, trained 1 round
     assert table[2] == (
-        "| `none` | `idlg`, round 1 | 2 | 40.0 | 0.90 [0.80, 0.95] | 0.010 | 100% | 80.0% | 100.0% | 0.50 | 0.10 |"
+        "| `none` | `idlg`, round 1 | 2, not a verdict | 40.0 | 0.90 [0.80, 0.95] | 0.010 | 100% | 80.0% | 100.0% "
+        "| 0.50 | 0.10 |"
     )
     assert table[3] == (
-        "| `dp` | `ig` adaptive, round 5 | 6 (3 seeds) | 12.0 | 0.20 [0.10, 0.25] | 0.500 | 0% "
+        "| `dp` | `ig` adaptive, round 5 | 6 (3 seeds), not a verdict | 12.0 | 0.20 [0.10, 0.25] | 0.500 | 0% "
         "| 60.0% [50.0, 70.0] | 75.0% | 0.60 | - |"
     )
 
@@ -264,12 +266,26 @@ baseline = "none"
 defense = { name = "dp", dp = { noise-multiplier = 0.05 } }
 """,
     )
-    sweep = load_sweep(preset, tmp_path / "out")
+    sweep = load_sweep(preset, tmp_path / "out", ["train.rounds=2"], seeds=[0])
     lines: list[str] = []
     rows = run_sweep(sweep, lines.append, timeout=300)
     assert [r["status"] for r in rows] == ["ok", "ok"], lines
     assert all(r["rounds"] == 2 and 0 <= r["accuracy"] <= 1 for r in rows)
-    assert (tmp_path / "out" / SUMMARY_FILE).read_text().count("\n") == 4
+    summary = (tmp_path / "out" / SUMMARY_FILE).read_text()
+    digest = hashlib.sha256(preset.read_bytes()).hexdigest()
+    assert summary.startswith(
+        f"Run as `fedguard sweep {preset} --seeds 0 --set train.rounds=2` (preset SHA-256 `{digest[:12]}`)"
+    )
+    assert summary.count("\n") == 6
+    recorded = json.loads((tmp_path / "out" / "invocation.json").read_text())
+    assert recorded == {
+        "preset": str(preset),
+        "sha256": digest,
+        "only": [],
+        "seeds": [0],
+        "overrides": ["train.rounds=2"],
+    }
+    assert "--set train.rounds=2</code>" in (tmp_path / "out" / "sweep.html").read_text()
     assert [json.loads(line)["variant"] for line in (tmp_path / "out" / SWEEP_FILE).read_text().splitlines()] == [
         "none",
         "dp",
@@ -541,7 +557,7 @@ def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(
     assert leak["recovered_rate"] == pytest.approx(1 / 6) and leak["success_threshold"] == 0.5
     assert [r["round"] for r in leak["per_round"]] == [1]
     summary = (tmp_path / "out" / SUMMARY_FILE).read_text()
-    assert "| `none` | `idlg`, round 1 | 6 (3 seeds) | 23.8 | 0.69 [" in summary
+    assert "| `none` | `idlg`, round 1 | 6 (3 seeds), not a verdict | 23.8 | 0.69 [" in summary
     assert f"- `privacy/dp` seed 2 **failed**: RuntimeError: out of memory (log {folders['dp', 2]}.log)" in summary
 
 
@@ -575,6 +591,7 @@ def test_a_malicious_cell_shows_the_manipulated_client_rounds_its_detectors_flag
     assert (summary["detected"]["k"], summary["detected"]["n"]) == (2, 3)  # clients 0 and 1 of round 1
     table = summary_table([summary], "imprint")
     assert "| detected |" in table.splitlines()[0] and "| 2 of 3 (67%) |" in table
+    assert "| 2, not a verdict |" in table, "2 images of 1 seed"
     honest = summarize_runs(
         [load_sweep(write(tmp_path, SMALL + "[sweep]\n[sweep.variants.a]\n"), tmp_path / "b").runs[0]]
     )

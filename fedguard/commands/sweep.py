@@ -32,19 +32,21 @@ skipped with a warning, and every file appears whole.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from attackers.base import attack_traits
 from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, read_toml, resolve_paths
 from fedguard.report.detection import completed_runs, detected, detection_table, pooled_findings, run_findings
+from fedguard.report.invocation import INVOCATION_FILE, invocation, invocation_line
 from fedguard.report.leakage import SUCCESS_SSIM, privacy
 from fedguard.report.leakage_table import leakage_tables
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
@@ -95,6 +97,10 @@ class Sweep:
     runs: tuple[SweepRun, ...]
     paper: PaperTable | None = None
     seeds: tuple[int, ...] | None = None  # the declared [sweep] seeds; None: each run has its configuration's
+    invocation: dict[str, Any] = field(default_factory=dict)  # what ran: ``invocation``
+
+
+VERDICT_IMAGES, VERDICT_SEEDS = 16, 3  # a cell scored on fewer images or seeds is not a verdict
 
 
 def _table(sweep: dict[str, Any], key: str, path: Path) -> dict[str, dict[str, Any]]:
@@ -262,7 +268,15 @@ def load_sweep(
         problems += paper_problems
     if problems:
         raise ConfigError(problems)
-    return Sweep(name, folder, baseline, tuple(runs), paper, None if run_seeds is None else tuple(run_seeds))
+    return Sweep(
+        name,
+        folder,
+        baseline,
+        tuple(runs),
+        paper,
+        None if run_seeds is None else tuple(run_seeds),
+        invocation(path, only, seeds, overrides),
+    )
 
 
 def _chosen_runs(
@@ -497,11 +511,14 @@ def _raw_cell(row: dict[str, Any], attacked: bool) -> str:
 
 
 def _attack_cells(leak: dict[str, Any]) -> list[str]:
-    """The headline attack (adaptive or not) with its round, images (x seeds), PSNR, SSIM with its interval,
-    LPIPS and success rate."""
+    """The headline attack (adaptive or not) with its round, images (x seeds; "not a verdict" below
+    ``VERDICT_IMAGES`` images or ``VERDICT_SEEDS`` seeds), PSNR, SSIM with its interval, LPIPS and success
+    rate."""
     attack = f"`{leak['attack']}`" + (" adaptive" if leak["adaptive"] else "") + f", round {leak['round']}"
     seeds = len(leak["seeds"])
     images = f"{leak['n_images']}" + (f" ({seeds} seeds)" if seeds > 1 else "")
+    if leak["n_images"] < VERDICT_IMAGES or seeds < VERDICT_SEEDS:
+        images += ", not a verdict"
     interval = leak["ssim_ci95"]
     ssim = "-" if interval is None else f"{leak['ssim_mean']:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
     rate = leak["success_rate"]
@@ -646,6 +663,8 @@ def run_sweep(
     share it and ``share_ray`` (``fedguard.runtime.ray_head``); write ``runs.jsonl`` (a row per run),
     ``sweep.jsonl`` (a row per cell) and ``summary.md``; returns the cells' rows."""
     sweep.folder.mkdir(parents=True, exist_ok=True)
+    if sweep.invocation:
+        write_atomic(sweep.folder / INVOCATION_FILE, json.dumps(sweep.invocation, indent=1) + "\n")
     seeded = sweep.seeds is not None
     pending = [run.config for run in sweep.runs if not finished(run)] if share_ray else []
     rows = []
@@ -660,7 +679,10 @@ def run_sweep(
     write_jsonl(sweep.folder / RUNS_FILE, rows)
     cells = cell_rows(sweep.runs, rows, sweep.baseline)
     write_jsonl(sweep.folder / SWEEP_FILE, cells)
-    summary = summary_table(cells, sweep.baseline) + failures_note(rows)
+    summary = (invocation_line(sweep.invocation) + "\n" if sweep.invocation else "") + summary_table(
+        cells, sweep.baseline
+    )
+    summary += failures_note(rows)
     leakage = leakage_tables(cells)
     if leakage:
         summary += "\n" + leakage

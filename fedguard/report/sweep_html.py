@@ -13,6 +13,7 @@ loads nothing from elsewhere.
 
 from __future__ import annotations
 
+import json
 import re
 from html import escape
 from pathlib import Path
@@ -28,6 +29,7 @@ from fedguard.report.detection import (
     sweep_runs,
 )
 from fedguard.report.html import CSS, EmbeddedImages, figure_png, page_html, plot_axes
+from fedguard.report.invocation import INVOCATION_FILE, invocation_line
 from fedguard.report.leakage import SUCCESS_SSIM
 from fedguard.store.folder import RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, write_atomic
 from fedguard.store.rows import CellRow, read_cells
@@ -325,6 +327,17 @@ def _detection_panel(folder: Path, found: list[ClientRound], tables: str, images
     )
 
 
+def _invocation_html(folder: Path) -> str:
+    """The command the sweep ran as (``invocation.json``: preset, its digest, --only, --seeds, --set); a note
+    where the folder holds no readable record."""
+    try:
+        record = json.loads((folder / INVOCATION_FILE).read_text())
+        line = invocation_line(record)
+    except (OSError, ValueError, KeyError, TypeError):
+        return '<p class="lead">No readable invocation.json: the preset and options it ran with are unknown.</p>'
+    return f'<p class="lead">{markdown_html(line).removeprefix("<p>").removesuffix("</p>")}</p>'
+
+
 def render_sweep(folder: Path, baseline: str | None = None) -> str:
     """The HTML of ``folder``'s sweep page (see ``build_sweep_page``)."""
     cells = read_cells(folder)
@@ -341,7 +354,7 @@ def render_sweep(folder: Path, baseline: str | None = None) -> str:
     body = "\n".join(
         [
             f'<header class="top"><div class="eyebrow">fedguard sweep</div><h1>{escape(name)}</h1>'
-            f'<div class="folder">{escape(str(folder))}</div></header>',
+            f'<div class="folder">{escape(str(folder))}</div>{_invocation_html(folder)}</header>',
             *panels,
             _detection_panel(folder, sweep_findings(folder), detection, images),
             f'<section class="panel"><h2>Tables</h2><p class="lead">As in summary.md; baseline '
