@@ -101,7 +101,7 @@ def recover_batch_statistics(obs: Observation) -> BatchStatistics:
             )
         momentum = layer.momentum
         if momentum is None:
-            tracked = int(obs.upload[index[f"{name}.num_batches_tracked"]])
+            tracked = int(tracked_after)
             if tracked < 1:
                 raise ValueError(
                     f"BatchNorm {name!r} averages cumulatively but uploaded num_batches_tracked = "

@@ -392,6 +392,11 @@ def _attack_model_problems(net: nn.Module, sections: dict[str, Any]) -> list[str
     return problems
 
 
+def _has_batch_norm(net: nn.Module) -> bool:
+    """Whether ``net`` holds a BatchNorm layer."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
+
+
 def _batch_problems(
     net: nn.Module, spec: DataSpec, sections: dict[str, Any], invalid: set[str], sizes: list[int] | None
 ) -> list[str]:
@@ -400,7 +405,7 @@ def _batch_problems(
     epoch; a BatchNorm layer needs more than one value per channel."""
     train, partition = sections["train"], sections["partition"]
     keys = ("train.batch-size", "train.protocol", "partition.max-per-client")
-    if not _usable(invalid, *keys) or not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+    if not _usable(invalid, *keys) or not _has_batch_norm(net):
         return []
     size = train.batch_size
     held = sizes if sizes is not None else [min(size, partition.max_per_client or size)]
@@ -425,7 +430,7 @@ def _batch_problems(
 
 def _fedbn_problems(net: nn.Module, sections: dict[str, Any]) -> list[str]:
     """``train.fedbn`` on a model without a BatchNorm layer: nothing would stay on the clients."""
-    if not sections["train"].fedbn or any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+    if not sections["train"].fedbn or _has_batch_norm(net):
         return []
     return [
         f"train.fedbn = true: {_model_settings(sections['model'])} has no BatchNorm layer to keep on the clients; "

@@ -44,8 +44,17 @@ from pathlib import Path
 from typing import Any
 
 from attackers.base import attack_traits
-from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, read_toml, resolve_paths
-from fedguard.report.detection import completed_runs, detected, detection_table, pooled_findings, run_findings
+from fedguard.config import (
+    Config,
+    ConfigError,
+    flatten,
+    load_config,
+    parse_override,
+    parse_schedule,
+    read_toml,
+    resolve_paths,
+)
+from fedguard.report.detection import client_rounds, completed_runs, detected, detection_table, pooled_findings
 from fedguard.report.invocation import INVOCATION_FILE, invocation, invocation_line
 from fedguard.report.leakage import SUCCESS_SSIM, privacy
 from fedguard.report.leakage_table import leakage_tables
@@ -97,7 +106,7 @@ class Sweep:
     runs: tuple[SweepRun, ...]
     paper: PaperTable | None = None
     seeds: tuple[int, ...] | None = None  # the declared [sweep] seeds; None: each run has its configuration's
-    invocation: dict[str, Any] = field(default_factory=dict)  # what ran: ``invocation``
+    invocation: dict[str, Any] = field(default_factory=dict)  # the preset and options (``invocation``); {}: unknown
 
 
 VERDICT_IMAGES, VERDICT_SEEDS = 16, 3  # a cell scored on fewer images or seeds is not a verdict
@@ -431,7 +440,13 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
     accuracy = over_seeds([rounds[-1]["accuracy"] if rounds else None for _, rounds, _ in logs])
     seconds = [_mean([r["seconds"] for r in rounds[1:]] or [r["seconds"] for r in rounds]) for rounds in trained]
     folder = Path(os.path.commonpath([run.folder for run in runs]))
-    caught = detected([c for run in runs for c in run_findings(run.folder, run.setting)[0]])
+    caught = detected(
+        [
+            c
+            for run, rounds, _ in logs
+            for c in client_rounds(rounds, parse_schedule(run.config.threat.malicious), run.setting)
+        ]
+    )
     return {
         "setting": runs[0].setting,
         "variant": runs[0].variant,
@@ -679,10 +694,8 @@ def run_sweep(
     write_jsonl(sweep.folder / RUNS_FILE, rows)
     cells = cell_rows(sweep.runs, rows, sweep.baseline)
     write_jsonl(sweep.folder / SWEEP_FILE, cells)
-    summary = (invocation_line(sweep.invocation) + "\n" if sweep.invocation else "") + summary_table(
-        cells, sweep.baseline
-    )
-    summary += failures_note(rows)
+    head = invocation_line(sweep.invocation) + "\n" if sweep.invocation else ""
+    summary = head + summary_table(cells, sweep.baseline) + failures_note(rows)
     leakage = leakage_tables(cells)
     if leakage:
         summary += "\n" + leakage

@@ -13,14 +13,16 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from flwr.cli.utils import build_pathspec, filter_paths_for_publish, load_gitignore_patterns
 from flwr.supercore.constant import APP_PUBLISH_EXCLUDE_PATTERNS
+from pathspec import PathSpec
 
 GITIGNORE = ".gitignore"
 
 
-def _skipped_folders(app_dir: Path) -> tuple[object, list[str]]:
+def _skipped_folders(app_dir: Path) -> tuple[PathSpec[Any], list[str]]:
     """The pathspec of folders no FAB file lies under (the ``.gitignore``'s and Flower's exclude patterns) and the
     ``.gitignore``'s re-included paths (``!`` patterns), under which a folder is entered anyway."""
     patterns = load_gitignore_patterns(app_dir / GITIGNORE)
@@ -40,7 +42,7 @@ def app_files(app_dir: Path) -> dict[str, Path]:
         subfolders[:] = [
             name
             for name in subfolders
-            if not skipped.match_file(f"{prefix}{name}/")  # type: ignore[attr-defined]
+            if not skipped.match_file(f"{prefix}{name}/")
             or any(path.startswith(f"{prefix}{name}/") for path in reincluded)
         ]
         for name in names:

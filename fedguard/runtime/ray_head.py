@@ -32,7 +32,8 @@ def shared_cpus(configs: Sequence[Config]) -> int | None:
     """The ``sim.num-cpus`` of a cluster all of ``configs`` would start alike, or None: one of them joins a cluster
     (``sim.address``, ``RAY_ADDRESS``), asks for what this machine lacks (``resource_problems``: checked here, where
     the run would check it against a cluster of its own), or they ask for different CPU counts."""
-    if not configs or any(joins_cluster(config) or resource_problems(config) for config in configs):
+    distinct = {repr((config.sim, config.attack_devices())): config for config in configs}  # what is checked
+    if not configs or any(joins_cluster(config) or resource_problems(config) for config in distinct.values()):
         return None
     counts = {config.sim.num_cpus for config in configs}
     return counts.pop() if len(counts) == 1 else None
