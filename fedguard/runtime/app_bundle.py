@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.cli.utils import build_pathspec, filter_paths_for_publish, load_gitignore_patterns
 from flwr.supercore.constant import APP_PUBLISH_EXCLUDE_PATTERNS
-from pathspec import PathSpec
+
+if TYPE_CHECKING:
+    from pathspec import PathSpec  # Flower's own pattern matcher: what build_pathspec returns
 
 GITIGNORE = ".gitignore"
 
