@@ -40,36 +40,38 @@ class ClientState(Protocol):
         ...
 
 
-def load_defense_state(state: RecordDict) -> dict[str, torch.Tensor]:
-    """The defense's tensors saved in ``state`` (empty on a client's first round)."""
-    if DEFENSE_STATE_KEY not in state:
+def load_defense_state(state: RecordDict, key: str = DEFENSE_STATE_KEY) -> dict[str, torch.Tensor]:
+    """The tensors saved in ``state[key]`` (empty on a client's first round)."""
+    if key not in state:
         return {}
-    record = state[DEFENSE_STATE_KEY]
+    record = state[key]
     if not isinstance(record, ArrayRecord):
-        raise TypeError(f"Context.state[{DEFENSE_STATE_KEY!r}] is a {type(record).__name__}, expected ArrayRecord")
+        raise TypeError(f"Context.state[{key!r}] is a {type(record).__name__}, expected ArrayRecord")
     return dict(record.to_torch_state_dict())
 
 
-def store_defense_state(state: RecordDict, tensors: dict[str, torch.Tensor]) -> None:
-    """Save the defense's tensors into ``state`` (removes the record when empty)."""
+def store_defense_state(state: RecordDict, tensors: dict[str, torch.Tensor], key: str = DEFENSE_STATE_KEY) -> None:
+    """Save ``tensors`` into ``state[key]`` (removes the record when empty)."""
     if not tensors:
-        if DEFENSE_STATE_KEY in state:
-            del state[DEFENSE_STATE_KEY]
+        if key in state:
+            del state[key]
         return
-    state[DEFENSE_STATE_KEY] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+    state[key] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
 
 
 class RecordState:
-    """The state in a node's ``Context.state``: one version, the latest (rounds are not kept)."""
+    """The state in a node's ``Context.state`` under ``key`` (one ``ArrayRecord``): one version, the latest (rounds
+    are not kept)."""
 
-    def __init__(self, record: RecordDict) -> None:
+    def __init__(self, record: RecordDict, key: str = DEFENSE_STATE_KEY) -> None:
         self.record = record
+        self.key = key
 
     def load(self, round_: int) -> dict[str, torch.Tensor]:
-        return load_defense_state(self.record)
+        return load_defense_state(self.record, self.key)
 
     def store(self, round_: int, tensors: dict[str, torch.Tensor]) -> None:
-        store_defense_state(self.record, tensors)
+        store_defense_state(self.record, tensors, self.key)
 
 
 def client_folder(root: Path, client: int) -> Path:

@@ -53,6 +53,7 @@ from fedguard.limits import (
 )
 from fedguard.models import MODELS
 from fedguard.registry import NoParams, Registry, RequiredFile, field_help
+from fedguard.runtime.app_code import ship_plugin
 from fedguard.schema import AUTO_STRATEGY as AUTO_STRATEGY  # the schema's names, read from here too
 from fedguard.schema import NO_ATTACK as NO_ATTACK
 from fedguard.schema import SECTIONS as SECTIONS
@@ -303,7 +304,7 @@ def _import_plugin(module: str, value: str) -> str | None:
             f"identifiers, e.g. extensions.norm_clipped)"
         )
     try:
-        importlib.import_module(module)
+        ship_plugin(module, getattr(importlib.import_module(module), "__file__", None))
     except Exception as error:  # a plugin's import error of any kind is a configuration problem
         return f"server.plugins = {shown(value)}: cannot import {shown(module)} ({type(error).__name__}: {error})"
     except SystemExit as exiting:  # sys.exit() on import would end fedguard with the plugin's code, 0 included

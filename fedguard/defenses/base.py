@@ -51,6 +51,17 @@ class LocalStep:
     examples: int = 0
 
 
+def update_step(
+    grads: list[torch.Tensor], generator: torch.Generator, round_: int, client: int, examples: int
+) -> LocalStep:
+    """The ``LocalStep`` of an update whose training the defense did not see: ``grads`` only, with a model of no
+    parameters and an empty batch, for the defenses whose traits say ``update_only``."""
+    empty = torch.empty(0)
+    return LocalStep(
+        nn.Module(), empty, empty.long(), grads, nn.functional.cross_entropy, generator, round_, client, examples
+    )
+
+
 class Defense(Protocol):
     """Client-side middleware between the local step and the upload."""
 
@@ -129,12 +140,16 @@ class SimulatedDefense(Protocol):
 class DefenseTraits:
     """What a defense with given parameters declares, known without building it: the ``protocols`` it works on
     (None: every one), a ``check_model(model)`` raising ``ValueError`` for a model it cannot defend, whether it is
-    ``simulated`` (has ``simulate``, for EOT attacks), and the ``files`` its clients load."""
+    ``simulated`` (has ``simulate``, for EOT attacks), the ``files`` its clients load, and whether it is
+    ``update_only``: it reads nothing of its ``LocalStep`` but ``grads``, ``generator``, ``round``, ``client`` and
+    ``examples``, so that it can defend the update of training it did not see (``update_step``; a Flower mod,
+    ``fedguard.flower``)."""
 
     protocols: frozenset[str] | None = None
     check_model: Callable[[nn.Module], None] | None = None
     simulated: bool = False
     files: tuple[RequiredFile, ...] = ()
+    update_only: bool = False
 
     @classmethod
     def of(cls, defense: type, **changes: Any) -> DefenseTraits:
@@ -144,6 +159,7 @@ class DefenseTraits:
             getattr(defense, "protocols", None),
             getattr(defense, "check_model", None),
             callable(getattr(defense, "simulate", None)),
+            update_only=bool(getattr(defense, "update_only", False)),
         )
         return dataclasses.replace(declared, **changes)
 

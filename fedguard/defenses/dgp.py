@@ -85,6 +85,8 @@ class DGPParams:
 class DualGradientPruning(RankBandPruning):
     """Send the middle magnitude band of every layer of update + residual; keep the rest as the residual."""
 
+    update_only = True  # reads only the update: a Flower mod applies it (fedguard.flower)
+
     prefix = PREFIX
 
     def __init__(self, params: DGPParams) -> None:

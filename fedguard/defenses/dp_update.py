@@ -137,6 +137,8 @@ def clip_per_job(grads: list[torch.Tensor], clip: float) -> list[torch.Tensor]:
 class UpdateDP:
     """Clip the update to ``clip`` in L2, add Gaussian or Laplace noise of scale ``noise_multiplier * clip``."""
 
+    update_only = True  # reads only the update: a Flower mod applies it (fedguard.flower)
+
     def __init__(self, params: UpdateDPParams) -> None:
         self.params = params
         self.noise_multiplier = params.effective_noise_multiplier

@@ -11,6 +11,8 @@ from fedguard.defenses.revealed import Unchanged
 class NoDefense:
     """Uploads ``step.grads`` unchanged."""
 
+    update_only = True  # reads only the update: a Flower mod applies it (fedguard.flower)
+
     def __call__(self, step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return list(step.grads)
 

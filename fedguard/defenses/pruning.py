@@ -45,6 +45,8 @@ class PruneParams:
 class MagnitudePruning(RankBandPruning):
     """Send the top ``keep`` fraction of every layer by magnitude; optionally carry the rest over."""
 
+    update_only = True  # reads only the update: a Flower mod applies it (fedguard.flower)
+
     prefix = PREFIX
 
     def __init__(self, params: PruneParams) -> None:

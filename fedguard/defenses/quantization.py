@@ -64,6 +64,8 @@ def stochastic_levels(flat: torch.Tensor, bits: int, generator: torch.Generator)
 class StochasticQuantization:
     """Quantize every tensor of the update to ``bits`` bits, unbiased."""
 
+    update_only = True  # reads only the update: a Flower mod applies it (fedguard.flower)
+
     def __init__(self, params: QuantizeParams) -> None:
         self.params = params
 

@@ -13,6 +13,7 @@ row: ``fedguard.store.rows``).
 from __future__ import annotations
 
 import base64
+import json
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -28,6 +29,7 @@ from fedguard.report.images import load_png
 from fedguard.report.recorded import RecordedConfig, read_recorded_config
 from fedguard.report.run_status import read_status
 from fedguard.store.folder import (
+    APP_FILE,
     GRID_KINDS,
     REPORT_FILE,
     ROUNDS_FILE,
@@ -284,8 +286,19 @@ def _strategy(recorded: RecordedConfig) -> str:
         return name
 
 
-def _chips(recorded: RecordedConfig, done: int) -> list[tuple[str, str]]:
-    """(label, text) of the run's settings for the header, from the recorded keys; ``done``: rounds logged."""
+def _audited_app(run_dir: Path) -> dict[str, Any]:
+    """What ``app.json`` says of the audited Flower app (``fedguard.flower.Audit``); empty for fedguard's own runs
+    and for a file that cannot be read."""
+    try:
+        found = json.loads((run_dir / APP_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _chips(recorded: RecordedConfig, done: int, app: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, text) of the run's settings for the header, from the recorded keys (and of an audited Flower app,
+    ``app``, its own strategy and nodes); ``done``: rounds logged."""
     get = recorded.value
     model = (recorded.names("model") or ["?"])[0]
     defense = (recorded.names("defense") or ["?"])[0]
@@ -293,13 +306,18 @@ def _chips(recorded: RecordedConfig, done: int) -> list[tuple[str, str]]:
     attacks = [a for a in recorded.names("attack") if a != NO_ATTACK]
     planned, lr = _number(get("train.rounds")), _number(get("train.lr"))
     clients = f"{get('train.clients-per-round', '?')} of {get('partition.num-clients', '?')} per round"
+    clients += f" ({get('partition.name', '?')})"
+    strategy_text = recorded.described(f"server.{strategy}", strategy)
+    if app:
+        clients = f"{app.get('nodes', '?')} nodes, the app's own data"
+        strategy_text = f"{app.get('strategy', '?')} (the app's own)"
     return [
         ("dataset", str(get("data.name", "?"))),
         ("model", recorded.described(f"model.{model}", model)),
         ("protocol", str(get("train.protocol", "?"))),
         ("rounds", f"{done} of {int(planned)}" if planned is not None and done < planned else str(done)),
-        ("clients", f"{clients} ({get('partition.name', '?')})"),
-        ("strategy", recorded.described(f"server.{strategy}", strategy)),
+        ("clients", clients),
+        ("strategy", strategy_text),
         ("defense", recorded.described(f"defense.{defense}", defense)),
         ("attacks", "; ".join(recorded.described(f"attack.{a}", a) for a in attacks) or "none"),
         ("batch", f"{get('train.batch-size', '?')}" + (f", lr {lr:g}" if lr is not None else "")),
@@ -312,7 +330,7 @@ def _header(run_dir: Path, recorded: RecordedConfig | None, problems: list[str],
     done = max((int(n) for row in rounds if (n := _number(row.get("round"))) is not None), default=0)
     chips: list[tuple[str, str]] = []
     if recorded:
-        chips = _chips(recorded, done)
+        chips = _chips(recorded, done, _audited_app(run_dir))
     parts = [
         '<header class="top">',
         '<div class="eyebrow">fedguard run report</div>',

@@ -56,7 +56,7 @@ class RoundRecorder:
 
     def _progress(self, row: dict[str, Any]) -> str:
         done = row["round"]
-        who = "initial model" if done == 0 else f"{self.clients_per_round} clients"
+        who = "initial model" if done == 0 else f"{row.get('clients', self.clients_per_round)} clients"
         line = (
             f"round {done:>{len(str(self.total_rounds))}}/{self.total_rounds} | {who} | "
             f"accuracy {100 * row['accuracy']:5.1f}% | loss {row['loss']:.4f}"

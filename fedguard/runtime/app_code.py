@@ -7,6 +7,10 @@ its SuperLink: under ``flwr run`` the app that runs may be another copy, install
 Its ServerApp imports that copy; an object Ray unpickles in a worker would import the SuperLink's copy
 instead, with whatever code that holds. ``reduce_in_app`` pickles an object so that the worker first puts
 this app's folder (``app_root``) first on its ``sys.path``, then imports what the object needs.
+
+The plugins a process imported (``server.plugins``; ``ship_plugin``) travel too: the worker adds each one's folder
+to its ``sys.path`` and imports it before it unpickles, so that a model, a defense or an attack registered outside
+this app (a Flower app's own model, ``fedguard.flower``) is known there.
 """
 
 from __future__ import annotations
@@ -21,17 +25,36 @@ def app_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-def _loader(root: str) -> Callable[[bytes], Any]:
+SHIPPED_PLUGINS: dict[str, str] = {}
+"""Plugin module -> the folder it was imported from, for every plugin this process imported."""
+
+
+def ship_plugin(module: str, file: str | None) -> None:
+    """Note the imported plugin ``module`` (its ``__file__``) for the processes objects are shipped to."""
+    if file is None:
+        return
+    path = Path(file).resolve()
+    depth = module.count(".") + (2 if path.name == "__init__.py" else 1)
+    SHIPPED_PLUGINS[module] = str(path.parents[depth - 1])
+
+
+def _loader(root: str, plugins: tuple[tuple[str, str], ...]) -> Callable[[bytes], Any]:
     """A function, pickled by value (it is local, and imports only the standard library), that puts ``root``
-    first on ``sys.path`` of the process that calls it, then unpickles ``(function, args)`` and calls it."""
+    first on ``sys.path`` of the process that calls it, imports each ``(module, folder)`` of ``plugins`` from its
+    folder (added last), then unpickles ``(function, args)`` and calls it."""
 
     def load(payload: bytes) -> Any:
+        import importlib
         import pickle
         import sys
 
         if root in sys.path:
             sys.path.remove(root)
         sys.path.insert(0, root)
+        for module, folder in plugins:
+            if folder not in sys.path:
+                sys.path.append(folder)
+            importlib.import_module(module)
         function, args = pickle.loads(payload)
         return function(*args)
 
@@ -43,7 +66,7 @@ def reduce_in_app(function: Callable[..., Any], *args: Any) -> tuple[Callable[[b
     builds ``function(*args)`` from this app's modules (``function`` and ``args`` pickled with cloudpickle)."""
     from ray import cloudpickle
 
-    return _loader(app_root()), (cloudpickle.dumps((function, args)),)
+    return _loader(app_root(), tuple(SHIPPED_PLUGINS.items())), (cloudpickle.dumps((function, args)),)
 
 
 def rebuilt(cls: type[object], state: dict[str, Any]) -> Any:

@@ -63,6 +63,7 @@ COMPARISON_FILE = "comparison.png"
 SWEEP_FILE = "sweep.jsonl"
 RUNS_FILE = "runs.jsonl"
 SUMMARY_FILE = "summary.md"
+APP_FILE = "app.json"  # a Flower app fedguard audits (fedguard.flower.Audit): its strategy and nodes
 UPLOAD_GLOB = "round-*_client-*.npz"  # observations and vault entries
 GRID_KINDS = ("truth", "recon")
 NON_FINITE_KEY = "non_finite"

@@ -1,0 +1,1 @@
+"""digitsapp: a Flower app of its own (model, data, training), audited by fedguard."""
