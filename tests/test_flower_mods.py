@@ -12,17 +12,17 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 
 from attackers.manipulation import build_manipulation
 from clients import DefendedClient
-from fedguard.config import Config
+from fedguard.config import Config, ConfigError
 from fedguard.data import load_dataset
 from fedguard.data.federated import client_split
 from fedguard.defenses.gaussian_mechanism import epsilon_after
-from fedguard.flower import defense_mod, detect_mod, fedbn_mod, truth_mod
+from fedguard.flower import DefendedTraining, defense_mod, detect_mod, fedbn_mod, truth_mod
 from fedguard.flower.mods import batch_norm_entries, is_trainable
 from fedguard.models import build_model
 from fedguard.seeding import client_generators
 from fedguard.store.card import model_card
 from fedguard.store.vault import truth_path
-from fedguard.training import local_sgd
+from fedguard.training import local_sgd, minibatches
 from fedguard.wire.records import DECLARED, DETECT, REFUSED
 from fedguard.wire.sparse import SPARSE, decode_arrays
 from tests.helpers import config
@@ -219,3 +219,65 @@ def test_fedbn_keeps_each_clients_batch_norm_layers_and_sends_back_the_servers()
     kept_arrays = dict(zip(kept.keys(), kept.to_numpy_ndarrays()))
     for name in local:  # round 2 trains from the layers round 1 left on the client
         np.testing.assert_array_equal(seen[name], kept_arrays[name])
+
+
+def hooked_train(cfg: Config, client: int, sgd: bool = True):
+    """A Flower app's train function calling ``DefendedTraining`` for each step, its batches drawn as fedguard's
+    FedAvg client draws them."""
+
+    def train(msg: Message, context: Context) -> Message:
+        round_ = int(msg.content["config"]["server-round"])
+        model = model_of(cfg)
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        x, y = local_examples(cfg, client)
+        guard = DefendedTraining(msg, context, model, x, y)
+        rng, _ = client_generators(cfg.run.seed, client, round_)
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
+        for _ in range(cfg.train.local_epochs):
+            for batch in minibatches(len(y), cfg.train.batch_size, rng):
+                guard.step(x[batch], y[batch], optimizer)
+        return guard.reply({"train_loss": 0.0})
+
+    return train
+
+
+def test_an_in_training_defense_through_the_hook_uploads_what_fedguards_client_uploads() -> None:
+    cfg = config(*FEDAVG, "defense.name=soteria")
+    model = model_of(cfg)
+    arrays = [t.numpy().copy() for t in model.state_dict().values()]
+    theirs, _, declared = DefendedClient(cfg, 2, RecordDict()).fit(arrays, {"server-round": 1})
+    reply = hooked_train(cfg, 2)(instruction(ArrayRecord(model.state_dict()), 1, 2), node(cfg, 2))
+    ours = reply.content["arrays"].to_numpy_ndarrays()
+    for name, a, b in zip(model.state_dict(), ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-6, err_msg=name)
+    examples = len(local_examples(cfg, 2)[1])
+    assert reply.content[DECLARED]["local-steps"] == declared["local-steps"] == 2 * -(-examples // 8)
+    assert reply.content["metrics"]["num-examples"] == examples
+
+
+def test_a_defense_of_one_batch_gradient_is_refused_for_a_flower_apps_model_uploads() -> None:
+    with pytest.raises(ConfigError, match="dp-sgd.*fedsgd uploads only"):
+        config(*FEDAVG, "defense.name=dp-sgd")
+
+
+def test_the_hook_steps_the_apps_own_optimizer() -> None:
+    cfg = config(*FEDAVG, "defense.name=none")
+    model, plain = model_of(cfg), model_of(cfg)
+    x, y = local_examples(cfg, 0)
+    guard = DefendedTraining(instruction(ArrayRecord(model.state_dict()), 1, 0), node(cfg, 0), model, x, y)
+    loss = guard.step(x[:8], y[:8], torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    want = torch.nn.functional.cross_entropy(plain(x[:8]), y[:8])
+    want.backward()
+    optimizer.step()
+    assert loss == pytest.approx(float(want.detach()))
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_hook_refuses_a_model_its_defense_cannot_defend() -> None:
+    cfg = config(*FEDAVG, "defense.name=soteria", "defense.soteria.layer=3")  # a Linear layer of the registered MLP
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))  # the app's own has no layer 3
+    x, y = local_examples(cfg, 0)
+    with pytest.raises(ValueError, match="'3' is not a Linear layer"):
+        DefendedTraining(instruction(ArrayRecord(model.state_dict()), 1, 0), node(cfg, 0), model, x, y)

@@ -117,38 +117,40 @@ def _check_update_only(config: Config) -> None:
         )
 
 
-def defend_reply(msg: Message, reply: Message, config: Config, client: int, state: RecordDict) -> Message:
-    """``reply`` with the configured defense applied to the change its training made to ``msg``'s model, the
-    defense's reports, the upload's sizes and what the client declares (``declared``: its ``client``, the
-    protocol and the ``train.*`` schedule it declares); ``state`` holds the defense's state across rounds."""
-    round_ = train_round(msg)
-    _, sent_record = only_arrays(msg.content, "the train instruction")
-    arrays_key, reply_record = only_arrays(reply.content, "the reply")
+def defended_model(
+    sent: list[np.ndarray], trained: list[np.ndarray], trainable: list[bool], defended: list[torch.Tensor]
+) -> list[np.ndarray]:
+    """The upload: ``sent - defended`` at the trainable entries (``defended``: one per trainable entry, in order),
+    the ``trained`` buffers at the others."""
+    moved = iter(defended)
+    return [
+        (torch.from_numpy(g) - next(moved).detach().cpu()).numpy() if keep else t
+        for g, t, keep in zip(sent, trained, trainable)
+    ]
+
+
+def write_upload(
+    reply: Message,
+    names: list[str],
+    upload: list[np.ndarray],
+    reports: dict[str, float],
+    config: Config,
+    client: int,
+    steps: int | None = None,
+) -> Message:
+    """``reply`` carrying ``upload`` (keyed by ``names``) in place of its arrays, the defense's ``reports`` and the
+    upload's sizes added to its metrics, and what the client declares (``declared``: its ``client``, the protocol,
+    the ``train.*`` schedule, ``steps`` local steps or as many as the schedule takes); ``defense``: the
+    reports."""
+    arrays_key, _ = only_arrays(reply.content, "the reply")
     metrics_key, metrics = only_metrics(reply.content, "the reply")
-    names = list(sent_record.keys())
-    if list(reply_record.keys()) != names:
-        raise ValueError("the reply's arrays are not the model's entries in the model's order")
-    sent = sent_record.to_numpy_ndarrays()
-    trained = reply_record.to_numpy_ndarrays()
-    trainable = [is_trainable(n, a) for n, a in zip(names, sent)]
-    change = [torch.from_numpy(g) - torch.from_numpy(t) for g, t, keep in zip(sent, trained, trainable) if keep]
     counted = metrics.get(NUM_EXAMPLES, 0)
     examples = int(counted) if isinstance(counted, (int, float)) else 0
-    _, generator = client_generators(config.run.seed, client, round_)
-    home = RecordState(state, DEFENSE_STATE)
-    kept = home.load(round_)
-    defense = build_defense(config.defense.name, config.defense.params)
-    defended = defense(update_step(change, generator, round_, client, examples), kept)
-    home.store(round_, kept)
-    reports = defense_report(defense, kept)
-    moved = iter(defended)
-    upload = [
-        (torch.from_numpy(g) - next(moved)).numpy() if keep else t for g, t, keep in zip(sent, trained, trainable)
-    ]
     size = byte_counts(upload)
     travels = size.encoded if 2 * size.encoded <= size.dense else size.dense  # as fedguard's client would send it
     schedule = config.train
-    steps, _ = run_protocol(schedule.protocol).local_steps(examples, schedule.batch_size, schedule.local_epochs)
+    if steps is None:
+        steps, _ = run_protocol(schedule.protocol).local_steps(examples, schedule.batch_size, schedule.local_epochs)
     declared = Declared(
         client=client,
         protocol=schedule.protocol,
@@ -165,6 +167,32 @@ def defend_reply(msg: Message, reply: Message, config: Config, client: int, stat
     declare(reply, declared.record())
     content[DEFENSE] = ConfigRecord({k: v for k, v in reports.items() if k.startswith(REPORT_PREFIX)})
     return reply
+
+
+def defend_reply(msg: Message, reply: Message, config: Config, client: int, state: RecordDict) -> Message:
+    """``reply`` with the configured defense applied to the change its training made to ``msg``'s model
+    (``write_upload``); ``state`` holds the defense's state across rounds."""
+    round_ = train_round(msg)
+    _, sent_record = only_arrays(msg.content, "the train instruction")
+    _, reply_record = only_arrays(reply.content, "the reply")
+    _, metrics = only_metrics(reply.content, "the reply")
+    names = list(sent_record.keys())
+    if list(reply_record.keys()) != names:
+        raise ValueError("the reply's arrays are not the model's entries in the model's order")
+    sent = sent_record.to_numpy_ndarrays()
+    trained = reply_record.to_numpy_ndarrays()
+    trainable = [is_trainable(n, a) for n, a in zip(names, sent)]
+    change = [torch.from_numpy(g) - torch.from_numpy(t) for g, t, keep in zip(sent, trained, trainable) if keep]
+    counted = metrics.get(NUM_EXAMPLES, 0)
+    examples = int(counted) if isinstance(counted, (int, float)) else 0
+    _, generator = client_generators(config.run.seed, client, round_)
+    home = RecordState(state, DEFENSE_STATE)
+    kept = home.load(round_)
+    defense = build_defense(config.defense.name, config.defense.params)
+    defended = defense(update_step(change, generator, round_, client, examples), kept)
+    home.store(round_, kept)
+    upload = defended_model(sent, trained, trainable, defended)
+    return write_upload(reply, names, upload, defense_report(defense, kept), config, client)
 
 
 def defense_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:

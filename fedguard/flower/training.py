@@ -1,0 +1,98 @@
+"""``DefendedTraining``: the configured defense inside a Flower app's own train function, for the defenses a mod
+cannot apply because they need the model and the batch (Soteria, CENSOR), and for any other that defends a
+FedAvg upload.
+
+::
+
+    guard = DefendedTraining(msg, context, net, x, y)  # net holds the model received; (x, y) the client's examples
+    for batch in batches:
+        guard.step(x[batch], y[batch], optimizer)  # backward and the optimizer's step
+    return guard.reply({"train_loss": loss})  # the defended upload, as a reply to msg
+
+``reply`` gives the defense the model received, the client's examples and the round's change
+``received - trained`` (as fedguard's own FedAvg client does) and uploads ``received - defended``. State lives in
+``Context.state`` and randomness comes from (``run.seed``, client, round), as for the mods; the reply carries the
+defense's reports, the upload's sizes and what the client declares, as ``defense_mod``'s does.
+
+The defenses of one batch gradient (``dp-sgd``, ``refiner``: their traits' ``protocols`` are FedSGD's) are refused
+by the configuration for a Flower app's model uploads: fedguard's attacks that know them model one defended
+gradient per upload, not a model reached by several defended steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from flwr.app import Context, Message, MetricRecord, RecordDict
+
+from clients.state import RecordState
+from fedguard.defenses import LocalStep, build_defense, defense_report
+from fedguard.defenses.base import defense_traits
+from fedguard.flower.mods import DEFENSE_STATE, defended_model, train_round, write_upload
+from fedguard.flower.settings import audit_config, client_id
+from fedguard.seeding import client_generators
+from fedguard.training import get_arrays, loss_fn, parameters, trainable_mask
+from fedguard.wire.records import NUM_EXAMPLES, array_record
+
+
+class DefendedTraining:
+    """One client's round of training under the configured defense (module docstring).
+
+    Parameters
+    ----------
+    msg, context : Message, Context
+        The train instruction and the node's context, as the app's train function gets them.
+    model : nn.Module
+        The app's model, holding the arrays ``msg`` carries; ``step`` trains it in place.
+    x, y : Tensor
+        The client's examples this round, (N, C, H, W) in [0, 1] and (N,).
+    """
+
+    def __init__(self, msg: Message, context: Context, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.config = audit_config(context)
+        self.msg, self.model, self.x, self.y = msg, model, x, y
+        self.client, self.round = client_id(context), train_round(msg)
+        defense = self.config.defense
+        traits = defense_traits(defense.name, defense.params)
+        if traits.check_model is not None:
+            traits.check_model(model)
+        self.defense = build_defense(defense.name, defense.params)
+        self.home = RecordState(context.state, DEFENSE_STATE)
+        self.state = self.home.load(self.round)
+        _, self.generator = client_generators(self.config.run.seed, self.client, self.round)
+        self.received = copy.deepcopy(model)
+        self.steps = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+        """One local step on the batch (``x``, ``y``): the gradient of the training loss, then
+        ``optimizer.step()``; returns the batch's loss."""
+        optimizer.zero_grad()
+        loss = loss_fn(self.model(x), y)
+        loss.backward()
+        optimizer.step()
+        self.steps += 1
+        return float(loss.detach())
+
+    def reply(self, metrics: dict[str, int | float] | None = None) -> Message:
+        """The reply to the train instruction: the defended upload (``arrays``), ``metrics`` with ``num-examples``
+        and the defense's reports, what the client declares; the defense's state is kept for the next round."""
+        names = list(self.model.state_dict())
+        sent, trained = get_arrays(self.received), get_arrays(self.model)
+        trainable = trainable_mask(self.model)
+        change = [(a - b).detach() for a, b in zip(parameters(self.received), parameters(self.model))]
+        step = LocalStep(
+            self.received, self.x, self.y, change, loss_fn, self.generator, self.round, self.client, len(self.y)
+        )
+        upload = defended_model(sent, trained, trainable, self.defense(step, self.state))
+        self.home.store(self.round, self.state)
+        content = RecordDict(
+            {
+                "arrays": array_record(names, upload),
+                "metrics": MetricRecord({**(metrics or {}), NUM_EXAMPLES: len(self.y)}),
+            }
+        )
+        reply = Message(content, reply_to=self.msg)
+        reports = defense_report(self.defense, self.state)
+        return write_upload(reply, names, upload, reports, self.config, self.client, steps=self.steps)
