@@ -199,7 +199,7 @@ def test_the_truth_mod_writes_the_targeted_rounds_of_the_targeted_clients_to_the
 
 
 def test_fedbn_keeps_each_clients_batch_norm_layers_and_sends_back_the_servers() -> None:
-    cfg = config(*FEDAVG, "model.mlp.depth=2", "model.mlp.batch-norm=true")
+    cfg = config(*FEDAVG, "model.mlp.depth=2", "model.mlp.batch-norm=true", "train.fedbn=true")
     model = model_of(cfg)
     sent = dict(model.state_dict())
     context, train = node(cfg, 0), app_train(cfg, 0)
@@ -283,3 +283,31 @@ def test_the_hook_refuses_a_model_its_defense_cannot_defend() -> None:
     x, y = local_examples(cfg, 0)
     with pytest.raises(ValueError, match="'3' is not a Linear layer"):
         DefendedTraining(instruction(ArrayRecord(model.state_dict()), 1, 0), node(cfg, 0), model, x, y)
+
+
+def test_under_fedbn_the_mods_upload_what_fedguards_client_uploads_and_the_layers_stay_on_the_client() -> None:
+    cfg = config(
+        *FEDAVG, "model.mlp.depth=2", "model.mlp.batch-norm=true", "train.fedbn=true",
+        "defense.name=dp", "defense.dp.clip=0.5", "defense.dp.noise-multiplier=0.3",
+    )  # fmt: skip
+    model = model_of(cfg)
+    arrays = [t.numpy().copy() for t in model.state_dict().values()]
+    fedguard_state, context = RecordDict(), node(cfg, 1)
+
+    def app(msg: Message, context: Context) -> Message:
+        return fedbn_mod(msg, context, app_train(cfg, 1))
+
+    for round_ in (1, 2):  # round 2 trains from the BatchNorm layers round 1 left on each side
+        theirs, _, _ = DefendedClient(cfg, 1, fedguard_state).fit(arrays, {"server-round": round_})
+        reply = defense_mod(instruction(ArrayRecord(model.state_dict()), round_, 1), context, app)
+        for name, a, b, sent in zip(model.state_dict(), reply.content["arrays"].to_numpy_ndarrays(), theirs, arrays):
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-6, err_msg=f"round {round_} {name}")
+            if name.startswith("4."):
+                np.testing.assert_array_equal(a, sent)
+
+
+def test_the_fedbn_mod_needs_the_setting_that_tells_the_defense_and_the_attacks() -> None:
+    cfg = config(*FEDAVG, "model.mlp.depth=2", "model.mlp.batch-norm=true")
+    model = model_of(cfg)
+    with pytest.raises(ValueError, match="fedguard.train.fedbn = true"):
+        fedbn_mod(instruction(ArrayRecord(model.state_dict()), 1, 0), node(cfg, 0), app_train(cfg, 0))

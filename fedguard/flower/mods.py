@@ -17,8 +17,8 @@ every other message through. They read fedguard's settings from the run config (
   trains on it; a flagged model is trained on anyway, skipped or refused as ``detect.action`` says.
 - ``truth_mod(examples)``: the true examples of a round the server targets (``capture.rounds``,
   ``capture.clients``), written to the client's own vault for scoring, never sent.
-- ``fedbn_mod``: every BatchNorm layer stays on its client (FedBN): the app trains its own layers and the server
-  gets back the ones it sent.
+- ``fedbn_mod``: every BatchNorm layer stays on its client (FedBN, ``train.fedbn``): the app trains its own layers
+  and the server gets back the ones it sent; the defense is given zeros there.
 
 ``examples(context) -> (x, y)`` is the app's own: the examples the client trains on this round, ``x``
 (N, C, H, W) in [0, 1] as the model takes them and ``y`` (N,) class indices. An entry is trainable when it is
@@ -171,7 +171,9 @@ def write_upload(
 
 def defend_reply(msg: Message, reply: Message, config: Config, client: int, state: RecordDict) -> Message:
     """``reply`` with the configured defense applied to the change its training made to ``msg``'s model
-    (``write_upload``); ``state`` holds the defense's state across rounds."""
+    (``write_upload``); ``state`` holds the defense's state across rounds. Under ``train.fedbn`` the defense is
+    given zeros at the BatchNorm entries, and they go back as ``msg`` sent them (``fedbn_mod`` inside this mod
+    kept the trained ones on the client)."""
     round_ = train_round(msg)
     _, sent_record = only_arrays(msg.content, "the train instruction")
     _, reply_record = only_arrays(reply.content, "the reply")
@@ -182,7 +184,12 @@ def defend_reply(msg: Message, reply: Message, config: Config, client: int, stat
     sent = sent_record.to_numpy_ndarrays()
     trained = reply_record.to_numpy_ndarrays()
     trainable = [is_trainable(n, a) for n, a in zip(names, sent)]
-    change = [torch.from_numpy(g) - torch.from_numpy(t) for g, t, keep in zip(sent, trained, trainable) if keep]
+    local = set(batch_norm_entries(names)) if config.train.fedbn else set()
+    change = [
+        torch.zeros(g.shape) if n in local else torch.from_numpy(g) - torch.from_numpy(t)
+        for n, g, t, keep in zip(names, sent, trained, trainable)
+        if keep
+    ]
     counted = metrics.get(NUM_EXAMPLES, 0)
     examples = int(counted) if isinstance(counted, (int, float)) else 0
     _, generator = client_generators(config.run.seed, client, round_)
@@ -191,7 +198,9 @@ def defend_reply(msg: Message, reply: Message, config: Config, client: int, stat
     defense = build_defense(config.defense.name, config.defense.params)
     defended = defense(update_step(change, generator, round_, client, examples), kept)
     home.store(round_, kept)
-    upload = defended_model(sent, trained, trainable, defended)
+    upload = [
+        g if n in local else u for n, g, u in zip(names, sent, defended_model(sent, trained, trainable, defended))
+    ]
     return write_upload(reply, names, upload, defense_report(defense, kept), config, client)
 
 
@@ -281,11 +290,17 @@ def batch_norm_entries(names: list[str]) -> list[str]:
 
 
 def fedbn_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """FedBN: the app trains the client's own BatchNorm layers (kept in ``Context.state``; the server's at its
-    first round), and the reply holds at every BatchNorm entry what the server sent, so that the mean leaves the
-    global ones unchanged."""
+    """FedBN (``train.fedbn = true``): the app trains the client's own BatchNorm layers (kept in ``Context.state``;
+    the server's at its first round), and the reply holds at every BatchNorm entry what the server sent, so that
+    the mean leaves the global ones unchanged. Put it after ``defense_mod`` (nearer the train function), or
+    around a train function calling ``DefendedTraining``."""
     if not is_train(msg):
         return call_next(msg, context)
+    if not audit_config(context).train.fedbn:
+        raise ValueError(
+            f"fedbn_mod needs {PREFIX}train.fedbn = true, so that the defense leaves the BatchNorm layers out and "
+            "the attacks that read them are refused"
+        )
     key, record = only_arrays(msg.content, "the train instruction")
     names = list(record.keys())
     local = batch_norm_entries(names)

@@ -12,7 +12,9 @@ FedAvg upload.
 ``reply`` gives the defense the model received, the client's examples and the round's change
 ``received - trained`` (as fedguard's own FedAvg client does) and uploads ``received - defended``. State lives in
 ``Context.state`` and randomness comes from (``run.seed``, client, round), as for the mods; the reply carries the
-defense's reports, the upload's sizes and what the client declares, as ``defense_mod``'s does.
+defense's reports, the upload's sizes and what the client declares, as ``defense_mod``'s does. Under
+``train.fedbn`` (``fedbn_mod`` around the train function) the defense is given zeros at the BatchNorm entries,
+which the reply carries as trained, for ``fedbn_mod`` to keep on the client.
 
 The defenses of one batch gradient (``dp-sgd``, ``refiner``: their traits' ``protocols`` are FedSGD's) are refused
 by the configuration for a Flower app's model uploads: fedguard's attacks that know them model one defended
@@ -30,7 +32,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from clients.state import RecordState
 from fedguard.defenses import LocalStep, build_defense, defense_report
 from fedguard.defenses.base import defense_traits
-from fedguard.flower.mods import DEFENSE_STATE, defended_model, train_round, write_upload
+from fedguard.flower.mods import DEFENSE_STATE, batch_norm_entries, defended_model, train_round, write_upload
 from fedguard.flower.settings import audit_config, client_id
 from fedguard.seeding import client_generators
 from fedguard.training import get_arrays, loss_fn, parameters, trainable_mask
@@ -81,11 +83,17 @@ class DefendedTraining:
         names = list(self.model.state_dict())
         sent, trained = get_arrays(self.received), get_arrays(self.model)
         trainable = trainable_mask(self.model)
-        change = [(a - b).detach() for a, b in zip(parameters(self.received), parameters(self.model))]
+        local = set(batch_norm_entries(names)) if self.config.train.fedbn else set()
+        named = [n for n, keep in zip(names, trainable) if keep]
+        change = [
+            torch.zeros_like(a) if n in local else (a - b).detach()
+            for n, a, b in zip(named, parameters(self.received), parameters(self.model))
+        ]
         step = LocalStep(
             self.received, self.x, self.y, change, loss_fn, self.generator, self.round, self.client, len(self.y)
         )
-        upload = defended_model(sent, trained, trainable, self.defense(step, self.state))
+        defended = defended_model(sent, trained, trainable, self.defense(step, self.state))
+        upload = [t if n in local else u for n, t, u in zip(names, trained, defended)]
         self.home.store(self.round, self.state)
         content = RecordDict(
             {
