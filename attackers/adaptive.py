@@ -119,16 +119,34 @@ class AdaptiveInvertingGradients(InvertingGradients):
         if self.revealed is None:
             raise ValueError("attack 'ig-adaptive' needs the clients' defense (set threat.defense = true)")
         by_index: dict[int, Reconstruction] = {}
-        for revealed, indices in told_apart(self.revealed, observations).items():
+        stepped = every_step_reason(self.defense)
+        plain = [i for i, obs in enumerate(observations) if stepped and obs.kind == "weights"]
+        rest = [i for i in range(len(observations)) if i not in plain]
+        plan: list[tuple[Revealed, list[int], str]] = [(Undeclared(), plain, stepped)] if plain else []
+        for revealed, indices in told_apart(self.revealed, [observations[i] for i in rest]).items():
+            if indices:
+                plan.append((revealed, [rest[i] for i in indices], self.not_adaptive))
+        for revealed, indices, not_adaptive in plan:
             group = [observations[i] for i in indices]
             spec = adapted_spec(self.spec, revealed, group[0])
             for index, result in zip(indices, search(spec, group, seed, decoder=self.decoder, defense=self.defense)):
                 result.stats["matched"] = type(revealed).__name__
-                result.stats["adaptive"] = not self.not_adaptive
-                if self.not_adaptive:
-                    result.stats["not_adaptive"] = self.not_adaptive
+                result.stats["adaptive"] = not not_adaptive
+                if not_adaptive:
+                    result.stats["not_adaptive"] = not_adaptive
                 by_index[index] = result
         return [by_index[index] for index in range(len(observations))]
+
+
+def every_step_reason(defense: Any) -> str:
+    """Why the search does not adapt to a model upload under ``defense``, one that every local step followed
+    (``DefenseTraits.defends_steps``: DP-SGD under FedAvg); '' for any other."""
+    if not getattr(defense, "defends_steps", False):
+        return ""
+    return (
+        f"defense {type(defense).__name__} was followed by every local step of this model upload; the search models "
+        "one defended update: matched as undefended"
+    )
 
 
 def told_apart(revealed: Revealed, observations: list[Observation]) -> dict[Revealed, list[int]]:

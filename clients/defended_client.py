@@ -20,6 +20,7 @@ from fedguard.config import Component, Config, DataSection, PartitionSection
 from fedguard.data import Split, load_dataset
 from fedguard.data.federated import client_split
 from fedguard.defenses import Defense, LocalStep, build_defense, defense_report
+from fedguard.defenses.base import defense_traits, step_gradient
 from fedguard.detect import STATE_PREFIX, Action, Detector, Received, Verdict, build_detector, detect
 from fedguard.models import build_model
 from fedguard.protocols import Schedule
@@ -128,6 +129,8 @@ class DefendedClient(NumPyClient):
         ``train.fedbn`` the BatchNorm layers are the client's own (``clients.local_batch_norm``): loaded from its
         state before the detectors and the step, kept after it, hidden from the defense, and sent back as the
         server sent them.
+        A defense that ``defends_steps`` (DP-SGD) under a protocol that uploads models is followed by every local
+        step instead of applied to the round's change.
         Returns the upload (coordinate-encoded when that halves it at least, marked by ``encoding``), the number of
         examples, and what the client declares: hyper-parameters, ``labels`` (a list, where the threat model
         grants them), sizes, the defense's ``defense.*`` reports and the detectors' findings (``detect.*``).
@@ -151,7 +154,14 @@ class DefendedClient(NumPyClient):
         mask = trainable_mask(model)
         protocol = run_protocol(cfg.train.protocol)
         mu = float(config.get(PROXIMAL_MU_KEY, 0.0))
-        schedule = Schedule(cfg.train.lr, cfg.train.batch_size, cfg.train.local_epochs)
+        defense = _defense(cfg.defense.name, cfg.defense.params)
+        defense_state = {k: v for k, v in state.items() if not k.startswith((STATE_PREFIX, FEDBN_PREFIX))}
+        every_step = defense_traits(cfg.defense.name, cfg.defense.params).defends_steps
+        every_step = every_step and protocol.upload_kind == "weights"
+        gradient = step_gradient(defense, defense_state, generator, round_, self.client_id, len(local))
+        schedule = Schedule(
+            cfg.train.lr, cfg.train.batch_size, cfg.train.local_epochs, gradient=gradient if every_step else None
+        )
         update = protocol.local_step(model, local, schedule, rng, proximal_mu=mu)
         x, y, grads = update.x, update.y, update.direction
         _, buffers = split_by_mask(get_arrays(update.buffers_from), mask)
@@ -171,10 +181,8 @@ class DefendedClient(NumPyClient):
             write_truth(self.vault, round_, self.client_id, x, y)
 
         kept = {k: v for k, v in state.items() if k.startswith((STATE_PREFIX, FEDBN_PREFIX))}
-        defense_state = {k: v for k, v in state.items() if k not in kept}
         step = LocalStep(model, x, y, grads, loss_fn, generator, round_, self.client_id, len(local))
-        defense = _defense(cfg.defense.name, cfg.defense.params)
-        sent = defense(step, defense_state)
+        sent = grads if every_step else defense(step, defense_state)  # every step followed the defended gradient
         reports = defense_report(defense, defense_state)
         self.state.store(round_, {**defense_state, **kept})
 

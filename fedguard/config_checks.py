@@ -34,6 +34,7 @@ from fedguard.limits import (
 from fedguard.memory import RunMemory, activation_bytes, machine_bytes, model_bytes, size_text
 from fedguard.models import build_model
 from fedguard.observation import ModelCard
+from fedguard.protocols import PROTOCOLS
 from fedguard.protocols import protocol as run_protocol
 from fedguard.registry import RequiredFile
 from fedguard.schema import AUTO_STRATEGY as AUTO_STRATEGY  # the schema's names, read from here too
@@ -589,8 +590,8 @@ def _path_problems(run: RunSection, data: DataSection) -> list[str]:
 
 def _defense_problems(defense: Component, protocol: str, sections: dict[str, Any]) -> list[str]:
     """What the defense's traits say against this run (nothing is built, no file or data set is loaded): its
-    files, the protocols it supports and, when it declares a ``check_model(model)``, the run's model (built here
-    for that)."""
+    files, the protocols it supports (for one that defends every step, a protocol whose training lets it), and,
+    when it declares a ``check_model(model)``, the run's model (built here for that)."""
     if defense.params is None:
         return []  # its parameters were reported already
     traits = defense_traits(defense.name, defense.params)
@@ -599,6 +600,12 @@ def _defense_problems(defense: Component, protocol: str, sections: dict[str, Any
         problems.append(
             f"defense.name = {defense.name!r} works on {' and '.join(sorted(traits.protocols))} "
             f"uploads only; train.protocol = {protocol!r}"
+        )
+    chosen = run_protocol(protocol) if protocol in PROTOCOLS.names() else None
+    if traits.defends_steps and chosen is not None and chosen.upload_kind == "weights" and not chosen.defends_steps:
+        problems.append(
+            f"defense.name = {defense.name!r} defends every local step of a model upload, and train.protocol = "
+            f"{protocol!r} does not follow a defended gradient at each step (its defends_steps is off)"
         )
     if traits.check_model is not None:
         problems += _model_problems(defense.name, traits.check_model, sections["model"], sections["data"])

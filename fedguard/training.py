@@ -7,7 +7,7 @@ entries are parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -37,6 +37,10 @@ def compute_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tup
     return [g.detach() for g in grads], float(loss.detach())
 
 
+StepGradient = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[list[torch.Tensor], float]]
+"""``(model, x, y) -> (one gradient per trainable parameter, the batch's loss)``: what one local step follows."""
+
+
 def minibatches(num_samples: int, batch_size: int, generator: np.random.Generator) -> Iterator[np.ndarray]:
     """Shuffled positions 0..num_samples-1 in batches of at most ``batch_size``."""
     order = generator.permutation(num_samples)
@@ -53,18 +57,20 @@ def local_sgd(
     batch_size: int,
     generator: np.random.Generator,
     proximal_mu: float = 0.0,
+    gradient: StepGradient | None = None,
 ) -> tuple[int, float]:
     """SGD on (x, y) for ``epochs`` epochs in place; returns (steps taken, last cross-entropy loss).
 
     With ``proximal_mu > 0`` the loss gains FedProx's proximal term ``mu/2 ||w - w_0||^2`` (``w_0``: the
-    parameters at the start), whose gradient ``mu (w - w_0)`` is added to each step's."""
+    parameters at the start), whose gradient ``mu (w - w_0)`` is added to each step's. ``gradient(model, x, y)``
+    gives each step's (gradients, loss) in place of ``compute_gradients`` (a defense of every step: DP-SGD)."""
     if proximal_mu < 0:
         raise ValueError(f"proximal_mu must be >= 0, got {proximal_mu}")
     anchor = [p.detach().clone() for p in parameters(model)] if proximal_mu > 0 else []
     steps, last = 0, float("nan")
     for _ in range(epochs):
         for batch in minibatches(len(y), batch_size, generator):
-            grads, last = compute_gradients(model, x[batch], y[batch])
+            grads, last = (gradient or compute_gradients)(model, x[batch], y[batch])
             with torch.no_grad():
                 for i, (p, g) in enumerate(zip(parameters(model), grads)):
                     p.sub_(lr * (g + proximal_mu * (p - anchor[i])) if anchor else lr * g)

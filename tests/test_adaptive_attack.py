@@ -120,3 +120,18 @@ def test_the_undefended_upload_is_matched_as_ig_and_says_so_and_a_known_defense_
         results[defense] = attack.reconstruct_many(observations[:1], 0)[0].stats
     assert results["none"]["adaptive"] is False and "unchanged" in results["none"]["not_adaptive"]
     assert results["soteria"]["adaptive"] is True and "not_adaptive" not in results["soteria"]
+
+
+def test_a_model_upload_that_every_dp_sgd_step_followed_is_matched_as_undefended_and_says_so() -> None:
+    params = AdaptiveInvertingGradientsParams(**{**PARAMS.__dict__, "iterations": 1})
+    gradient, _, _ = uploads()
+    first = gradient[0]
+    lr = 0.1
+    stepped = [g - lr * u if t else u for g, u, t in zip(first.global_arrays, first.upload, first.trainable)]
+    declared = {"lr": lr, "batch-size": 1, "local-epochs": 1, "local-steps": 1}
+    weights = dataclasses.replace(first, kind="weights", upload=stepped, declared=declared)
+    attack = build_attack("ig-adaptive", params, defense=("dp-sgd", None))
+    as_model, as_gradient = attack.reconstruct_many([weights, gradient[1]], 0)
+    assert as_model.stats["matched"] == "Undeclared" and as_model.stats["adaptive"] is False
+    assert "DPSGD was followed by every local step of this model upload" in as_model.stats["not_adaptive"]
+    assert as_gradient.stats["matched"] == "ClippedNoise" and as_gradient.stats["adaptive"] is True

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from flwr.app import RecordDict
 
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
+from clients import DefendedClient
 from fedguard.config import ConfigError, load_config
 from fedguard.data import load_dataset
 from fedguard.defenses import DEFENSES, LocalStep, build_defense
@@ -278,9 +280,40 @@ def test_sampling_rate_is_the_batch_over_the_clients_data_set(photos) -> None:
     assert pinned.spent(state)["sample-rate"] == 0.5 and "epsilon" not in pinned.report(state)  # no noise: no bound
 
 
-def test_configuration_refuses_weight_uploads() -> None:
-    with pytest.raises(ConfigError, match="dp-sgd' works on fedsgd uploads only"):
-        load_config(None, ["defense.name=dp-sgd", "train.protocol=fedavg"])
+def fedavg_upload(*overrides: str) -> tuple[list[np.ndarray], int, dict]:
+    """The model change of fedguard's client's FedAvg upload (client 0, round 1, the MLP on digits), its number
+    of examples and what it declares."""
+
+    cfg = load_config(
+        None,
+        ["data.name=digits", "model.mlp.hidden=16", "partition.num-clients=4", "train.clients-per-round=4",
+         "train.protocol=fedavg", "train.local-epochs=2", "train.lr=0.1", "train.batch-size=8", *overrides],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    arrays = get_arrays(build_model("mlp", load_dataset("digits").spec, cfg.model.params))
+    upload, examples, declared = DefendedClient(cfg, 0, RecordDict()).fit(arrays, {"server-round": 1})
+    return [np.asarray(a) - b for a, b in zip(arrays, upload)], examples, declared
+
+
+def test_under_fedavg_every_local_step_follows_the_clipped_noised_gradient() -> None:
+    plain, _, _ = fedavg_upload("defense.name=none")
+    unclipped, _, _ = fedavg_upload(
+        "defense.name=dp-sgd", "defense.dp-sgd.clip=1e6", "defense.dp-sgd.noise-multiplier=0"
+    )
+    for a, b in zip(unclipped, plain):  # clipping off, no noise: the per-example mean is the batch gradient
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    clipped, _, declared = fedavg_upload(
+        "defense.name=dp-sgd", "defense.dp-sgd.clip=0.01", "defense.dp-sgd.noise-multiplier=0"
+    )  # fmt: skip
+    steps = declared["local-steps"]
+    moved = float(np.sqrt(sum((c**2).sum() for c in clipped)))
+    assert 0 < moved <= steps * 0.1 * 0.01 * (1 + 1e-5)  # each step moves at most lr * clip
+    assert float(np.sqrt(sum((p**2).sum() for p in plain))) > 10 * moved
+    _, examples, declared = fedavg_upload(
+        "defense.name=dp-sgd", "defense.dp-sgd.clip=1", "defense.dp-sgd.noise-multiplier=1.1"
+    )  # fmt: skip
+    assert declared["defense.steps"] == declared["local-steps"] == 2 * -(-examples // 8)  # one accountant step each
+    assert declared["defense.epsilon"] == pytest.approx(epsilon_spent(1.1, 8 / examples, declared["local-steps"]))
 
 
 def test_dataset_size_zero_means_sampling_rate_one(photos) -> None:

@@ -15,6 +15,7 @@ from clients import DefendedClient
 from fedguard.config import Config, ConfigError
 from fedguard.data import load_dataset
 from fedguard.data.federated import client_split
+from fedguard.defenses.accountant import epsilon_spent
 from fedguard.defenses.gaussian_mechanism import epsilon_after
 from fedguard.flower import DefendedTraining, defense_mod, detect_mod, fedbn_mod, truth_mod
 from fedguard.flower.mods import batch_norm_entries, is_trainable
@@ -257,9 +258,27 @@ def test_an_in_training_defense_through_the_hook_uploads_what_fedguards_client_u
     assert reply.content["metrics"]["num-examples"] == examples
 
 
-def test_a_defense_of_one_batch_gradient_is_refused_for_a_flower_apps_model_uploads() -> None:
-    with pytest.raises(ConfigError, match="dp-sgd.*fedsgd uploads only"):
-        config(*FEDAVG, "defense.name=dp-sgd")
+def test_refiner_defends_one_batch_gradient_and_is_refused_for_a_flower_apps_model_uploads() -> None:
+    with pytest.raises(ConfigError, match="refiner.*fedsgd uploads only"):
+        config(*FEDAVG, "defense.name=refiner")
+
+
+def test_dp_sgd_through_the_hook_uploads_what_fedguards_client_uploads_and_its_epsilon_is_the_accountants() -> None:
+    cfg = config(*FEDAVG, "defense.name=dp-sgd", "defense.dp-sgd.clip=1.0", "defense.dp-sgd.noise-multiplier=1.1")
+    model = model_of(cfg)
+    arrays = [t.numpy().copy() for t in model.state_dict().values()]
+    fedguard_state, context = RecordDict(), node(cfg, 3)
+    examples = len(local_examples(cfg, 3)[1])
+    for round_ in (1, 2):
+        theirs, _, declared = DefendedClient(cfg, 3, fedguard_state).fit(arrays, {"server-round": round_})
+        reply = hooked_train(cfg, 3)(instruction(ArrayRecord(model.state_dict()), round_, 3), context)
+        for name, a, b in zip(model.state_dict(), reply.content["arrays"].to_numpy_ndarrays(), theirs):
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-6, err_msg=f"round {round_} {name}")
+        steps = round_ * 2 * -(-examples // 8)  # two epochs a round, each step one step of the accountant
+        metrics = reply.content["metrics"]
+        assert metrics["defense.steps"] == declared["defense.steps"] == steps
+        assert metrics["defense.epsilon"] == pytest.approx(epsilon_spent(1.1, 8 / examples, steps), rel=1e-12)
+        assert metrics["defense.epsilon"] == declared["defense.epsilon"]
 
 
 def test_the_hook_steps_the_apps_own_optimizer() -> None:

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from fedguard.registry import NoParams, Registry, RequiredFile
 from fedguard.trained.files import refuse
+from fedguard.training import StepGradient, compute_gradients, loss_fn
 
 REPORT_PREFIX = "defense."  # fit-metric prefix of what a ReportingDefense reports
 UPLOAD_PREFIX = "upload."  # report-name prefix of a number about this upload alone (not cumulative)
@@ -60,6 +61,26 @@ def update_step(
     return LocalStep(
         nn.Module(), empty, empty.long(), grads, nn.functional.cross_entropy, generator, round_, client, examples
     )
+
+
+def step_gradient(
+    defense: Defense,
+    state: dict[str, torch.Tensor],
+    generator: torch.Generator,
+    round_: int,
+    client: int,
+    examples: int,
+) -> StepGradient:
+    """What every local step follows under a defense that ``defends_steps``: ``defense`` on the step's batch at the
+    model's current parameters (its ``grads`` the batch's plain gradient), with the batch's loss; ``state`` and
+    ``generator`` are the round's, shared by its steps."""
+
+    def gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[list[torch.Tensor], float]:
+        plain, loss = compute_gradients(model, x, y)
+        step = LocalStep(model, x, y, plain, loss_fn, generator, round_, client, examples)
+        return [g.detach() for g in defense(step, state)], loss
+
+    return gradient
 
 
 class Defense(Protocol):
@@ -143,13 +164,16 @@ class DefenseTraits:
     ``simulated`` (has ``simulate``, for EOT attacks), the ``files`` its clients load, and whether it is
     ``update_only``: it reads nothing of its ``LocalStep`` but ``grads``, ``generator``, ``round``, ``client`` and
     ``examples``, so that it can defend the update of training it did not see (``update_step``; a Flower mod,
-    ``fedguard.flower``)."""
+    ``fedguard.flower``), and whether it ``defends_steps``: under a protocol that uploads models (FedAvg) it is
+    called on every local step's batch, and the step follows what it returns (``step_gradient``; DP-SGD), the
+    upload being the model those steps reach."""
 
     protocols: frozenset[str] | None = None
     check_model: Callable[[nn.Module], None] | None = None
     simulated: bool = False
     files: tuple[RequiredFile, ...] = ()
     update_only: bool = False
+    defends_steps: bool = False
 
     @classmethod
     def of(cls, defense: type, **changes: Any) -> DefenseTraits:
@@ -160,6 +184,7 @@ class DefenseTraits:
             getattr(defense, "check_model", None),
             callable(getattr(defense, "simulate", None)),
             update_only=bool(getattr(defense, "update_only", False)),
+            defends_steps=bool(getattr(defense, "defends_steps", False)),
         )
         return dataclasses.replace(declared, **changes)
 

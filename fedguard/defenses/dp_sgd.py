@@ -13,9 +13,10 @@ copies of the trainable parameters, so ``step.model`` is left untouched; ``step.
 
 Decisions where the paper is silent or the setting differs:
 
-* The upload is one DP-SGD gradient of the batch at the global model, a FedSGD upload. Under FedAvg, where
-  ``step.grads`` is the pseudo-gradient of several local steps, it would replace them by one noisy gradient;
-  the defense is meant for the FedSGD protocol.
+* Under FedSGD the upload is one DP-SGD gradient of the batch at the global model. Under FedAvg (a protocol
+  that uploads models and ``defends_steps``) every local step follows this gradient of its own batch at the
+  current parameters, as Abadi et al.'s Algorithm 1 trains, and the upload is the model the steps reach; each
+  step is one step of the accountant (``fedguard.defenses.base.step_gradient``).
 * BatchNorm in training mode normalises each sample by statistics of the whole batch, so a sample's
   gradient depends on the others and per-sample clipping bounds nothing: models with BatchNorm are refused
   (ValueError), as Opacus refuses them (it suggests GroupNorm instead).
@@ -163,7 +164,7 @@ class DPSGD:
         state[STEPS] = torch.tensor(steps + 1, dtype=torch.int64)
         state[SAMPLE_RATE] = torch.tensor(largest, dtype=torch.float64)
 
-    protocols = frozenset({"fedsgd"})  # one noisy step per upload: a FedAvg upload would hide several steps
+    defends_steps = True  # under FedAvg, every local step (module docstring)
 
     def revealed(self) -> ClippedNoise:
         """The mean of per-example gradients clipped to ``clip``, plus zero-mean noise: std ``noise_multiplier *

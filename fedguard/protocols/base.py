@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from fedguard.data import Split
+from fedguard.training import StepGradient
 from fedguard.wire.declared import Declared
 
 UploadKind = Literal["gradient", "weights"]  # fedguard.observation.UPLOAD_KINDS: what an observation holds
@@ -20,11 +21,14 @@ UploadKind = Literal["gradient", "weights"]  # fedguard.observation.UPLOAD_KINDS
 @dataclass(frozen=True)
 class Schedule:
     """The run's ``train.*`` values a local step reads: ``lr``, ``batch_size`` (samples per batch, at most) and
-    ``local_epochs``."""
+    ``local_epochs``; ``gradient``: what every local step follows in place of its batch's gradient, for a
+    defense of every step (``DefenseTraits.defends_steps``; None: the batch's gradient), honoured by a protocol
+    whose ``defends_steps`` says so."""
 
     lr: float
     batch_size: int
     local_epochs: int
+    gradient: StepGradient | None = None
 
 
 @dataclass
@@ -49,12 +53,15 @@ class Protocol(ABC):
 
     ``upload_kind``: what an upload holds, ``gradient`` (one per trainable parameter) or ``weights`` (the local
     model); ``one_batch``: an upload is one batch, so its examples equal its declared batch size, at most
-    ``train.batch-size``; ``default_strategy``: the ``server.strategy`` that ``auto`` stands for."""
+    ``train.batch-size``; ``default_strategy``: the ``server.strategy`` that ``auto`` stands for;
+    ``defends_steps``: its local training follows ``schedule.gradient`` at every step, so that a defense of every
+    step (DP-SGD) can run under it."""
 
     name: ClassVar[str]
     upload_kind: ClassVar[UploadKind]
     one_batch: ClassVar[bool]
     default_strategy: ClassVar[str]
+    defends_steps: ClassVar[bool] = False
 
     @abstractmethod
     def local_step(

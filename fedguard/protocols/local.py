@@ -44,6 +44,7 @@ class FedAvg(Protocol):
     upload_kind = "weights"
     one_batch = False
     default_strategy = "fedavg"
+    defends_steps = True  # train_on follows schedule.gradient
 
     def local_step(
         self, model: nn.Module, local: Split, schedule: Schedule, rng: np.random.Generator, proximal_mu: float = 0.0
@@ -66,7 +67,10 @@ class FedAvg(Protocol):
         """``epochs`` epochs of SGD on (``x``, ``y``) in reshuffled batches of ``schedule.batch_size`` on a copy of
         ``model``, as the update of a client that declares ``schedule``."""
         trained = copy.deepcopy(model)
-        steps, loss = local_sgd(trained, x, y, schedule.lr, epochs, schedule.batch_size, rng, proximal_mu=proximal_mu)
+        steps, loss = local_sgd(
+            trained, x, y, schedule.lr, epochs, schedule.batch_size, rng, proximal_mu=proximal_mu,
+            gradient=schedule.gradient,
+        )  # fmt: skip
         change = [(g - t).detach() for g, t in zip(parameters(model), parameters(trained))]
         declared = Declared(
             batch_size=min(schedule.batch_size, len(y)),
