@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,9 @@ def app_run(tmp_path_factory: pytest.TempPathFactory):
         "PATH": f"{BIN}:{os.environ['PATH']}",
     }
 
-    def run(name: str, overrides: str = "") -> tuple[Path, str]:
+    def run(name: str, overrides: str = "", client_app: str | None = None) -> tuple[Path, str]:
+        if client_app is not None:
+            (app / "digitsapp" / "client_app.py").write_text(client_app)
         command = [str(BIN / "flwr"), "run", ".", "--stream", "--federation-config", "num-supernodes=4"]
         command += ["--run-config", f"fedguard.out-dir='{name}' {overrides}"]
         result = subprocess.run(command, env=env, cwd=app, capture_output=True, text=True, timeout=300)
@@ -49,6 +52,12 @@ def app_run(tmp_path_factory: pytest.TempPathFactory):
     stop_local_superlink(http_port)
 
 
+def status(folder: Path, output: str) -> dict:
+    """The run's ``status.json``; a failure shows the end of ``flwr run``'s output when there is none."""
+    assert (folder / "status.json").is_file(), output[-3000:]
+    return json.loads((folder / "status.json").read_text())
+
+
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -56,7 +65,7 @@ def rows(path: Path) -> list[dict]:
 @pytest.mark.slow
 def test_a_foreign_app_gets_a_report_with_attacks_scored_against_its_clients_truth(app_run) -> None:
     folder, output = app_run("honest")
-    assert json.loads((folder / "status.json").read_text()) == {"status": "completed", "rounds": 3}, output[-3000:]
+    assert status(folder, output) == {"status": "completed", "rounds": 3}, output[-3000:]
     rounds = rows(folder / "rounds.jsonl")
     assert [r["round"] for r in rounds] == [1, 2, 3] and all(r["clients"] == 4 for r in rounds)
     assert all(0 <= r["accuracy"] <= 1 for r in rounds)
@@ -76,10 +85,34 @@ def test_a_foreign_app_gets_a_report_with_attacks_scored_against_its_clients_tru
 @pytest.mark.slow
 def test_the_detector_mod_refuses_the_imprint_servers_model_in_that_app(app_run) -> None:
     folder, output = app_run("malicious", "fedguard.threat.malicious='1:imprint' fedguard.attack.name='imprint'")
-    assert json.loads((folder / "status.json").read_text())["status"] == "completed", output[-3000:]
+    assert status(folder, output)["status"] == "completed", output[-3000:]
     first, *later = rows(folder / "rounds.jsonl")
     assert first["round"] == 1 and first["clients"] == 0 and first["declined"] == 4
     assert [f["action"] for f in first["detect"]] == ["refuse"] * 4
     assert all(f["structure.flagged"] == 1.0 for f in first["detect"])
     assert [r["clients"] for r in later] == [4, 4]
     assert not list((folder / "observations").glob("*.npz"))
+
+
+def hooked_client_app() -> str:
+    """The example's ClientApp with its train function replaced by the how-to's, which calls ``DefendedTraining``
+    (the Python block of docs/how-to/flower-app.md that does)."""
+    how_to = (ROOT / "docs" / "how-to" / "flower-app.md").read_text()
+    [snippet] = [block for block in re.findall(r"```python\n(.*?)```", how_to, re.S) if "DefendedTraining(msg" in block]
+    source = (APP / "digitsapp" / "client_app.py").read_text()
+    start, end = source.index("@app.train("), source.index("@app.evaluate()")
+    return source[:start] + snippet + "\n\n" + source[end:]
+
+
+@pytest.mark.slow
+def test_the_how_tos_train_function_runs_dp_sgd_at_every_step_in_that_app(app_run) -> None:
+    overrides = "fedguard.defense.name='dp-sgd'"  # its defaults: clip 1, noise multiplier 1
+    folder, output = app_run("dp-sgd", overrides, client_app=hooked_client_app())
+    assert status(folder, output)["status"] == "completed", output[-3000:]
+    rounds = rows(folder / "rounds.jsonl")
+    epsilons = [r["defense"]["epsilon"] for r in rounds]
+    assert epsilons == sorted(epsilons) and epsilons[0] > 0  # spent over the steps of every round so far
+    assert [r["defense"]["steps"] for r in rounds] == [4.0, 8.0, 12.0]  # 16 digits in batches of 8, 2 epochs
+    attacks = rows(folder / "attacks.jsonl")
+    assert {a["status"] for a in attacks} == {"ok"} and len(attacks) == 2
+    assert all(a["stats"]["adaptive"] is False for a in attacks)
