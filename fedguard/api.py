@@ -7,10 +7,15 @@
     truth, recon = run.images("ig", round=1, client=0)   # (N, C, H, W) float32 in [0, 1]
     sweep = fedguard.open_run("runs/defenses")            # a sweep folder: cells, runs, leakage
 
+``attack`` attacks a finished run's saved uploads again in this process (no Flower, no Ray), as ``fedguard attack``
+does, each call's rows kept apart from the others' (``invocation``):
+
+    fedguard.attack(run.folder, "ig", iterations=4000)   # the new rows; run.images("ig", 1, 0) now shows them
+
 ``run`` and ``run_sweep`` start ``fedguard run`` / ``fedguard sweep`` as a child process, exactly as the command
-line does (the run's own processes, its lock, its watcher and its report), and print its progress; the tables
-are pandas DataFrames read from the folder's JSON-lines files, so a handle opened later on a copied folder gives
-the same tables.
+line does (the run's own processes, its lock, its watcher and its report), and print its progress; the tables are
+pandas DataFrames read from the folder's JSON-lines files, so a handle opened later on a copied folder gives the
+same tables.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from fedguard.store.folder import (
     ROUNDS_FILE,
     RUNS_FILE,
     SUMMARY_FILE,
-    image_prefix,
 )
+from fedguard.store.invocations import invocation_of
 from fedguard.store.rows import read_attacks, read_cells, read_rounds
 from fedguard.store.vault import read_scored_images
 
@@ -121,22 +126,29 @@ class RunResults:
             ]
         )
 
-    def images(self, attack: str, round: int, client: int) -> tuple[np.ndarray, np.ndarray]:
+    def images(
+        self, attack: str, round: int, client: int, invocation: str | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(truth, reconstruction) of one attacked upload, each (N, C, H, W) float32 in [0, 1], image i of the
-        reconstruction matched to image i of the client's batch (as scored). ``KeyError`` naming the attacked
-        uploads when this one was not attacked or not scored."""
-        truth, recon = read_scored_images(self.folder, round, client, image_prefix(round, client, attack))
+        reconstruction matched to image i of the client's batch (as scored): of the latest invocation of
+        ``attack`` on it (the run's own, ``run``, or a ``fedguard attack``'s, ``attack-<n>``), or of
+        ``invocation``. ``KeyError`` naming the scored (attack, round, client, invocation) when there is none."""
+        scored = [r for r in read_attacks(self.folder) if r.get("status") == "ok" and r.get("images")]
+        chosen = [
+            r
+            for r in scored
+            if (r.get("attack"), r.get("round"), r.get("client")) == (attack, round, client)
+            and invocation in (None, invocation_of(r))
+        ]
+        truth, recon = (None, None)
+        if chosen:
+            truth, recon = read_scored_images(self.folder, round, client, str(chosen[-1]["images"]))
         if truth is None or recon is None:
-            scored = sorted(
-                {
-                    (r["attack"], r["round"], r["client"])
-                    for r in read_attacks(self.folder)
-                    if r.get("status") == "ok" and r.get("images")
-                }
-            )
+            known = sorted({(r["attack"], r["round"], r["client"], invocation_of(r)) for r in scored})
             raise KeyError(
-                f"no scored reconstruction of attack {attack!r}, round {round}, client {client} in "
-                f"{self.folder}; scored (attack, round, client): {scored or 'none'}"
+                f"no scored reconstruction of attack {attack!r}, round {round}, client {client}"
+                f"{'' if invocation is None else f', invocation {invocation!r}'} in {self.folder}; scored "
+                f"(attack, round, client, invocation): {known or 'none'}"
             )
         return truth, recon
 
@@ -273,6 +285,35 @@ def run(
         status = read_status(folder) or {}
         raise RunFailed(f"fedguard run failed (exit code {code}) in {folder}: {status.get('error') or tail}", folder)
     return RunResults(folder)
+
+
+def attack(
+    run: str | Path | RunResults,
+    name: str | None = None,
+    overrides: Iterable[str] = (),
+    progress: Callable[[str], None] | None = print,
+    **params: Any,
+) -> pd.DataFrame:
+    """Attack a finished run's captured uploads again, in this process, as ``fedguard attack RUN`` does (no
+    Flower, no Ray process): ``name`` the attack (``attack.name``; None: the run's own), ``params`` its parameters
+    (``iterations=500`` for ``attack.<name>.iterations``), ``overrides`` any other ``key=value``. The rows are
+    scored against the run's vault, appended to its ``attacks.jsonl`` under an invocation id of their own
+    (``attack-<n>``) with their images, and returned as ``RunResults.attacks`` has them; the report is rebuilt.
+    Raises ``ConfigError`` for a bad key or value, ``FileNotFoundError`` for a folder without captured uploads."""
+    from fedguard.commands.attack import attack_capture
+
+    if params and name is None:
+        raise ConfigError([f"attack parameters {sorted(params)} given without the attack's name"])
+    chosen = [] if name is None else [f"attack.name={name}"]
+    chosen += [f"attack.{name}.{key.replace('_', '-')}={_override_value(value)}" for key, value in params.items()]
+    folder = run.folder if isinstance(run, RunResults) else Path(run)
+    _, rows = attack_capture(folder, [*chosen, *overrides], progress or (lambda line: None))
+    return _frame(rows, drop=("per_image",))
+
+
+def _override_value(value: Any) -> str:
+    """``value`` as ``key=value`` text reads it back (booleans as true/false)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def run_sweep(

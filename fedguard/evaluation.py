@@ -34,6 +34,7 @@ from fedguard.models import global_model
 from fedguard.observation import Observation
 from fedguard.report.images import save_grid
 from fedguard.store.folder import ATTACKS_FILE, VAULT_DIR, JsonlAppender, grid_name, image_prefix, recon_name
+from fedguard.store.invocations import image_label, invocation_of
 from fedguard.store.vault import read_round_truth, read_truth, write_batch, write_truth
 from fedguard.training import compute_gradients
 
@@ -210,8 +211,8 @@ class Evaluator:
         added["floor"] = floor_scores(images, self.lpips_net)
         if rec.gradient is not None:
             added["gradient"] = gradient_scores(obs, rec.gradient, images, labels)
-        label = "-".join(str(context[k]) for k in ("attack", "source") if k in context)
-        prefix = image_prefix(obs.round, obs.client, label or "attack")
+        invocation = invocation_of(context)
+        prefix = image_prefix(obs.round, obs.client, image_label(str(context.get("attack", "attack")), invocation))
         save_grid(images, self.run_dir / grid_name(prefix, "truth"), scale=None)
         order = scores["order"]
         save_grid(rec.images[order], self.run_dir / grid_name(prefix, "recon"), scale=None)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import fedguard
 from attackers.base import AttackOutcome, Reconstruction
+from fedguard.api import open_run
 from fedguard.commands.cli import main
 from fedguard.config import load_config
 from fedguard.data import load_dataset
@@ -129,6 +132,7 @@ def test_attack_command_on_a_capture(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert code == 0
     rows = [json.loads(line) for line in (folder / ATTACKS_FILE).read_text().splitlines()]
     assert len(rows) == 2 and all(r["status"] == "ok" and r["source"] == "offline" for r in rows)
+    assert {r["invocation"] for r in rows} == {"attack-1"}
     assert all(r["psnr"] > 20 and r["label_accuracy"] == 1.0 for r in rows), rows
     assert (folder / "report.html").is_file()
     assert "ig round 1 client 0: ok" in capsys.readouterr().out
@@ -196,3 +200,44 @@ def test_labels_an_attack_does_not_know_are_not_scored(tmp_path: Path) -> None:
     unknown = Reconstruction(truth[0][[2, 0, 1]], torch.full((3,), -1), {})  # -1: labels the attack does not know
     row = Evaluator(folder, {})(AttackOutcome(obs, "ok", unknown, attack="feature-fishing"))
     assert row["label_accuracy"] is None and row["ssim"] == pytest.approx(1.0)
+
+
+IG_CPU = ["attack.name=ig", "attack.ig.restarts=1", "attack.ig.device=cpu"]
+
+
+def cli_attack(folder: Path, *overrides: str) -> None:
+    assert main(["attack", str(folder), *(arg for text in overrides for arg in ("--set", text))]) == 0
+
+
+def test_two_attack_invocations_with_different_budgets_stay_apart(tmp_path: Path) -> None:
+    folder = make_run(tmp_path, batch=1, clients=1)
+    cli_attack(folder, *IG_CPU, "attack.ig.iterations=2")
+    cli_attack(folder, *IG_CPU, "attack.ig.iterations=150")
+    rows = [json.loads(line) for line in (folder / ATTACKS_FILE).read_text().splitlines()]
+    assert [(r["invocation"], r["attack_params"]["iterations"]) for r in rows] == [("attack-1", 2), ("attack-2", 150)]
+    assert rows[0]["images"] != rows[1]["images"] and rows[1]["psnr"] > rows[0]["psnr"] + 5
+    run = open_run(folder)
+    latest = run.images("ig", 1, 0)[1]
+    first = run.images("ig", 1, 0, invocation="attack-1")[1]
+    stored = {r["invocation"]: np.load(folder / f"{r['images']}_recon.npz")["images"] for r in rows}
+    assert np.array_equal(latest, stored["attack-2"]) and np.array_equal(first, stored["attack-1"])
+    with pytest.raises(KeyError, match=r"invocation 'attack-3'.*\('ig', 1, 0, 'attack-1'\)"):
+        run.images("ig", 1, 0, invocation="attack-3")
+    report = (folder / "report.html").read_text()
+    assert "ig (attack-1)" in report and "ig (attack-2)" in report
+
+
+def test_the_python_attack_gives_the_rows_of_the_command_in_this_process(tmp_path: Path) -> None:
+    import psutil
+
+    by_cli, by_api = make_run(tmp_path / "cli", batch=1, clients=1), make_run(tmp_path / "api", batch=1, clients=1)
+    cli_attack(by_cli, *IG_CPU, "attack.ig.iterations=40")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    rows = fedguard.attack(by_api, "ig", iterations=40, restarts=1, device="cpu", progress=None)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # no Flower or Ray process
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    [expected] = [json.loads(line) for line in (by_cli / ATTACKS_FILE).read_text().splitlines()]
+    [got] = rows.to_dict("records")
+    for key in ("attack", "invocation", "round", "client", "status", "psnr", "ssim", "lpips", "label_accuracy"):
+        assert got[key] == expected[key], key
+    assert got["attack_params.iterations"] == 40

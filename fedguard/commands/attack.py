@@ -8,6 +8,7 @@ said at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from collections.abc import Callable
@@ -17,12 +18,20 @@ from typing import Any
 
 from attackers.base import ATTACKS, AttackOutcome, build_attack, check_attack_files, required_manipulation, shape_key
 from fedguard.absent_plugins import without_absent_plugins
-from fedguard.config import Config, ConfigError, load_config, read_preset
+from fedguard.config import Component, Config, ConfigError, load_config, read_preset
 from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
 from fedguard.observation import Observation
 from fedguard.report.html import build_report
 from fedguard.store.folder import ATTACKS_FILE, CONFIG_FILE, OBSERVATIONS_DIR, UPLOAD_GLOB
+from fedguard.store.invocations import next_invocation
 from fedguard.store.observations import ObservationRefused, RunExpectations, read_observation
+from fedguard.store.rows import read_attacks
+
+
+def describe(attack: Component) -> str:
+    """``name key=value, ...``: an attack and the parameters it runs with."""
+    params = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(attack.params).items())
+    return f"{attack.name} {params}".strip()
 
 
 def locate(capture_dir: Path) -> tuple[Path, Path]:
@@ -75,14 +84,16 @@ def attack_capture(
     capture_dir: Path, overrides: list[str], progress: Callable[[str], None] = print
 ) -> tuple[Path, list[dict[str, Any]]]:
     """Run every configured attack on the saved observations it applies to (those computed under the
-    manipulation it exploits), score against the run's vault, append to its ``attacks.jsonl``, rebuild its
-    report. Observations that cannot be read or do not fit the run are skipped, each named. Returns (run folder,
-    new rows)."""
+    manipulation it exploits), score against the run's vault, append to its ``attacks.jsonl`` (each row with this
+    invocation's id, ``attack-<n>``: ``fedguard.store.invocations``), rebuild its report. Observations that cannot
+    be read or do not fit the run are skipped, each named. Returns (run folder, new rows)."""
     run_dir, folder = locate(capture_dir)
     config = offline_config(run_dir, overrides, progress)
     check_attack_files(config.attacks)  # every missing generator or denoiser named before any attack runs
     observations, skipped = readable_observations(folder, run_dir, RunExpectations.of(config), progress)
-    evaluator = Evaluator(run_dir, attack_contexts(config, source="offline"))
+    invocation = next_invocation(read_attacks(run_dir))
+    progress(f"fedguard: invocation {invocation} ({', '.join(describe(c) for c in config.attacks)})")
+    evaluator = Evaluator(run_dir, attack_contexts(config, source="offline", invocation=invocation))
     rows = []
     for component in config.attacks:
         attack = build_attack(component.name, component.params, (config.defense.name, config.defense.params))

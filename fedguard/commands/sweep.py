@@ -71,6 +71,7 @@ from fedguard.store.folder import (
     write_atomic,
     write_jsonl,
 )
+from fedguard.store.invocations import own_rows
 from fedguard.store.rows import AttackRow, RoundRow, read_attacks, read_rounds
 
 SETTING_KINDS = ("diagnostic", "realistic")
@@ -414,7 +415,7 @@ def summarize_runs(runs: list[SweepRun]) -> dict[str, Any]:
     manipulated client-rounds any of the clients' detectors flagged (``k``, ``n``, ``ci95``: the Wilson interval;
     None where no client checked a manipulated model); ``setting_kind``: the setting's; ``threat``: the server's
     threat model (``ThreatSection.model``)."""
-    logs = [(run, read_rounds(run.folder), read_attacks(run.folder)) for run in runs]
+    logs = [(run, read_rounds(run.folder), own_rows(read_attacks(run.folder))) for run in runs]
     trained = [[r for r in rounds if r["round"] > 0] for _, rounds, _ in logs]
     scored_by_run = [[a for a in attacks if a.get("status") == "ok"] for _, _, attacks in logs]
     scored = [a for rows in scored_by_run for a in rows]

@@ -24,6 +24,7 @@ from fedguard.report.leakage import RECOVERED_SSIM
 from fedguard.report.recorded import read_recorded_config
 from fedguard.report.statistics import wilson_interval
 from fedguard.store.folder import RUNS_FILE
+from fedguard.store.invocations import own_rows
 from fedguard.store.rows import AttackRow, RoundRow, read_attacks, read_cells, read_rounds
 
 HONEST = "honest"  # the manipulation of an honest client-round
@@ -177,7 +178,7 @@ def run_findings(folder: Path, setting: str = "") -> tuple[list[ClientRound], li
         malicious = str(read_recorded_config(folder).value("threat.malicious", ""))
     except ConfigError:
         return [], []
-    return client_rounds(rounds, parse_schedule(malicious), setting), read_attacks(folder)
+    return client_rounds(rounds, parse_schedule(malicious), setting), own_rows(read_attacks(folder))
 
 
 def pooled_findings(runs: list[tuple[str, Path]]) -> tuple[list[ClientRound], list[AttackRow]]:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from html import escape
 from io import BytesIO
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fedguard.config import NO_ATTACK, ConfigError
 from fedguard.metrics.scoring import LEAK_SSIM
@@ -39,6 +39,7 @@ from fedguard.store.folder import (
     warn,
     write_atomic,
 )
+from fedguard.store.invocations import attack_label
 from fedguard.store.rows import AttackRow, RoundRow, read_attacks, read_rounds
 from strategies.registry import AUTO as AUTO_STRATEGY
 from strategies.registry import resolve as resolve_strategy
@@ -690,7 +691,9 @@ def _page(run_dir: Path, notes: _Notes) -> str:
         ),
         key=lambda row: row["round"],
     )
-    attacks = sorted(read_attacks(run_dir, notes), key=_sort_key)
+    # each invocation of an attack under a name of its own (fedguard attack's: "ig (attack-2)"), never averaged
+    labelled = [cast(AttackRow, {**row, "attack": attack_label(row)}) for row in read_attacks(run_dir, notes)]
+    attacks = sorted(labelled, key=_sort_key)
     images = EmbeddedImages()
     title = str(config.value("name", run_dir.name)) if config else run_dir.name
     sections = [_stats(rounds, attacks), _training(rounds, attacks, images), _attacks(run_dir, attacks, images, notes)]

@@ -50,6 +50,7 @@ from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest
 from fedguard.store.card import initial_model, model_card, upload_rules
 from fedguard.store.checkpoint import RoundCheckpoint, write_checkpoint
 from fedguard.store.folder import ATTACKS_FILE, flwr_run_dir
+from fedguard.store.invocations import RUN_INVOCATION
 from fedguard.store.resume import resume_point, rewind
 from fedguard.store.rows import read_attacks, read_rounds
 from fedguard.tracking import Trackers, open_trackers
@@ -148,7 +149,7 @@ def build_attack_pool(config: Config, folder: Path, stop: StopRequest, trackers:
         )
         for a in config.attacks
     ]
-    evaluator = Evaluator(folder, attack_contexts(config), listeners=[trackers.attack])
+    evaluator = Evaluator(folder, attack_contexts(config, invocation=RUN_INVOCATION), listeners=[trackers.attack])
 
     def score_and_announce(outcome: AttackOutcome) -> None:
         print(f"fedguard: attack {describe_row(evaluator(outcome))}", flush=True)

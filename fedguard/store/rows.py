@@ -54,6 +54,7 @@ class AttackRow(TypedDict, total=False):
     round: int
     client: int
     attack: str
+    invocation: str  # fedguard.store.invocations: 'run', or the 'fedguard attack' that wrote the row
     source: str
     defense: str
     params: dict[str, Any]
@@ -136,6 +137,7 @@ CHECKED: dict[str, dict[str, str]] = {
         "leaked_images": NUMBER,
         "best_ssim": NUMBER,
         "attack": TEXT,
+        "invocation": TEXT,
         "defense": TEXT,
         "status": TEXT,
         "images": TEXT,
