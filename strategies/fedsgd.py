@@ -9,10 +9,12 @@ replace the global ones.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from logging import INFO
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
@@ -45,6 +47,15 @@ class FedSGD(FedAvg):
 
     def __repr__(self) -> str:
         return f"FedSGD(lr={self.lr})"
+
+    def aggregation(self) -> str:
+        """How the uploads are combined: the uniform mean of the gradients, then the server's step."""
+        return f"the uniform mean of the gradients, then theta -= {self.lr:g} * mean; buffers averaged"
+
+    def summary(self) -> None:
+        """Flower's sampling lines, then the uniform mean (Flower's FedAvg would say it weighs by examples)."""
+        log(INFO, "\t├──> Sampling: fraction train %.2f, evaluate %.2f", self.fraction_train, self.fraction_evaluate)
+        log(INFO, "\t└──> Aggregation: %s", self.aggregation())
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -8,8 +8,10 @@ that ``start(grid, initial_arrays, ...)`` of the outermost one runs the whole fe
 from __future__ import annotations
 
 from collections.abc import Iterable
+from logging import INFO
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -48,5 +50,34 @@ class StrategyWrapper(Strategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return self.strategy.aggregate_evaluate(server_round, replies)
 
+    def wrappers(self) -> list[str]:
+        """The wrappers' class names, outermost first, down to the strategy that aggregates."""
+        names: list[str] = []
+        inner: Strategy = self
+        while isinstance(inner, StrategyWrapper):
+            names.append(type(inner).__name__)
+            inner = inner.strategy
+        return names
+
     def summary(self) -> None:
+        """Name the strategy that aggregates and how it weighs the uploads (Flower's banner names the outermost
+        wrapper), then its own summary."""
+        log(INFO, "\t├──> %s", aggregation_line(self))
         self.strategy.summary()
+
+
+def aggregation(strategy: Strategy) -> str:
+    """How ``strategy`` combines the uploads: its own ``aggregation()`` where it has one (fedguard's FedSGD),
+    ``mean weighted by '<key>'`` for Flower's FedAvg family, else nothing known."""
+    own = getattr(strategy, "aggregation", None)
+    if callable(own):
+        return str(own())
+    key = getattr(strategy, "weighted_by_key", None)
+    return f"mean weighted by {key!r}" if key else "as its own aggregate_train does"
+
+
+def aggregation_line(strategy: Strategy) -> str:
+    """``<innermost> aggregates (<how>), behind <wrappers>``: the strategy that really aggregates."""
+    inner = strategy.innermost() if isinstance(strategy, StrategyWrapper) else strategy
+    behind = f", behind {' > '.join(strategy.wrappers())}" if isinstance(strategy, StrategyWrapper) else ""
+    return f"{inner!r} aggregates ({aggregation(inner)}){behind}"

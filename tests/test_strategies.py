@@ -4,12 +4,14 @@ the federation check, and whole runs of ``run_server`` with Flower's built-in st
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord
+from flwr.common.logger import FLOWER_LOGGER
 from flwr.serverapp.strategy import FedAvg, FedMedian, Krum
 
 from fedguard.config import ConfigError
@@ -18,8 +20,10 @@ from fedguard.runtime.client_app import make_client_app
 from fedguard.runtime.server_app import FederationMismatch, run_server, wait_for_nodes
 from fedguard.wire.records import array_record
 from strategies import AllClientsFailed, GradientStep, RoundGuard, StrategyContext, build_strategy
+from strategies.fedsgd import FedSGD
 from strategies.registry import STRATEGIES, protocol_problem
 from strategies.upload_checks import UploadRules
+from strategies.wrapper import StrategyWrapper, aggregation_line
 from tests.helpers import Nodes, config, reply, train_round
 from tests.local_grid import LocalGrid
 
@@ -175,3 +179,22 @@ def test_no_module_uses_flowers_legacy_server_or_filters_its_warnings() -> None:
                 assert not any(n.startswith(legacy) for n in names), f"{source} imports {names}"
             flower_filter = re.search(r"filterwarnings\([^)]*(flwr|[Ff]lower)|getLogger\([\"']flwr|addFilter", text)
             assert flower_filter is None, f"{source} filters Flower's warnings"
+
+
+def test_the_summary_names_the_strategy_that_aggregates_and_how_it_weighs(caplog: pytest.LogCaptureFixture) -> None:
+    fedsgd = StrategyWrapper(FedSGD(lr=0.5, trainable=[True]))
+    assert aggregation_line(fedsgd) == (
+        "FedSGD(lr=0.5) aggregates (the uniform mean of the gradients, then theta -= 0.5 * mean; buffers averaged), "
+        "behind StrategyWrapper"
+    )
+    flower = StrategyWrapper(StrategyWrapper(FedAvg()))
+    assert "aggregates (mean weighted by 'num-examples'), behind StrategyWrapper > StrategyWrapper" in (
+        aggregation_line(flower)
+    )
+    FLOWER_LOGGER.propagate = True
+    try:
+        with caplog.at_level(logging.INFO):
+            fedsgd.summary()
+    finally:
+        FLOWER_LOGGER.propagate = False
+    assert "FedSGD(lr=0.5) aggregates (the uniform mean" in caplog.text and "Weighted by" not in caplog.text

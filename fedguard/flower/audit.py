@@ -48,7 +48,7 @@ from fedguard.store.card import initial_model, model_card
 from fedguard.store.folder import APP_FILE, write_atomic
 from fedguard.tracking import open_trackers
 from fedguard.wire.records import CLIENT_KEY, DECLARED, declined, read_findings, read_upload
-from strategies.wrapper import StrategyWrapper
+from strategies.wrapper import StrategyWrapper, aggregation_line
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +221,7 @@ class Audit(StrategyWrapper):
             sinks.append(pool)
         sink = FanOut(sinks)
         logged = RoundLog(capture_strategy(config, self.strategy, sink, card), recorder, self.metric_names)
+        print(f"fedguard: strategy {aggregation_line(logged)}", flush=True)
         outcome = ("failed", "the ServerApp stopped")
         try:
             result = logged.start(

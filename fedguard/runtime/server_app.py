@@ -61,6 +61,7 @@ from strategies import FedSGD, GradientStep, HonestButCurious, Malicious, RoundG
 from strategies.registry import aggregates_gradients, build_strategy, resolve
 from strategies.state import restore_strategy_state, strategy_state
 from strategies.upload_checks import NonFiniteModel, Rejection, nonfinite_problem
+from strategies.wrapper import aggregation_line
 
 log = logging.getLogger(__name__)
 
@@ -383,6 +384,7 @@ def run_server(grid: Grid, config: Config) -> Path:
         strategy = RoundGuard(
             strategy, round_accounting(latest), upload_rules(config, card), seed=config.run.seed, rounds_done=done
         )
+        print(f"fedguard: strategy {aggregation_line(strategy)}", flush=True)
         arrays = get_arrays(model) if point is None else resumed_arrays(card, point, model)
         if point is not None:
             restore_strategy_state(strategy, point.strategy)
