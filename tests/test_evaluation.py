@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import sys
 from pathlib import Path
@@ -241,3 +242,25 @@ def test_the_python_attack_gives_the_rows_of_the_command_in_this_process(tmp_pat
     for key in ("attack", "invocation", "round", "client", "status", "psnr", "ssim", "lpips", "label_accuracy"):
         assert got[key] == expected[key], key
     assert got["attack_params.iterations"] == 40
+
+
+def test_the_report_shows_aligned_pairs_with_their_scores_and_marks_an_attack_below_the_floor(tmp_path: Path) -> None:
+    from fedguard.observation import load_observations
+    from fedguard.report.html import build_report
+
+    folder = make_run(tmp_path, batch=3, clients=2)
+    truth = read_truth(folder / VAULT_DIR, 1, 0)
+    assert truth is not None
+    images, labels = truth
+    first, second = load_observations(folder / OBSERVATIONS_DIR)
+    evaluator = Evaluator(folder, {"ig": {"attack": "ig", "defense": "none", "seed": 0}})
+    exact = evaluator(AttackOutcome(first, "ok", Reconstruction(images[[2, 0, 1]], labels[[2, 0, 1]]), attack="ig"))
+    assert exact["psnr"] == pytest.approx(100.0)
+    grey = Reconstruction(torch.full((3, 3, 32, 32), 0.5), torch.tensor([0, 1, 2]))
+    flat = evaluator(AttackOutcome(second, "ok", grey, attack="ig"))
+    assert flat["psnr"] < flat["floor"]["psnr"]
+    page = html.unescape(build_report(folder).read_text())
+    assert page.count('<div class="pairs"') == 2 and page.count("the client's above, the reconstruction below") == 6
+    assert page.count("SSIM 1.00 · 100.0 dB") == 3  # the exact copy, each image matched to its own
+    assert page.count(">below the floor</span>") == 2  # its gallery title and its row; not on the exact one
+    assert "median PSNR (dB)" in page

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from html import escape
@@ -22,10 +23,13 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
+from PIL import Image
+
 from fedguard.config import NO_ATTACK, ConfigError
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.report.comparison import write_comparison
-from fedguard.report.images import load_png
+from fedguard.report.images import grid_array, load_png
 from fedguard.report.recorded import RecordedConfig, read_recorded_config
 from fedguard.report.run_status import read_status
 from fedguard.store.folder import (
@@ -36,11 +40,13 @@ from fedguard.store.folder import (
     RunFileError,
     grid_name,
     inside,
+    recon_name,
     warn,
     write_atomic,
 )
 from fedguard.store.invocations import attack_label
 from fedguard.store.rows import AttackRow, RoundRow, read_attacks, read_rounds
+from fedguard.store.vault import read_scored_images
 from strategies.registry import AUTO as AUTO_STRATEGY
 from strategies.registry import resolve as resolve_strategy
 
@@ -100,6 +106,11 @@ def _number(value: Any) -> float | None:
 def _mean(values: Iterable[Any]) -> float | None:
     numbers = [n for n in (_number(v) for v in values) if n is not None]
     return sum(numbers) / len(numbers) if numbers else None
+
+
+def _median(values: Iterable[Any]) -> float | None:
+    numbers = [n for n in (_number(v) for v in values) if n is not None]
+    return float(statistics.median(numbers)) if numbers else None
 
 
 def _fmt(value: Any, digits: int, suffix: str = "") -> str:
@@ -465,7 +476,7 @@ def _summary_table(attacks: list[AttackRow]) -> str:
             f"<tr><td>{escape(attack)}</td><td>{escape(defense)}</td>"
             f'<td class="num">{len(ok)}</td><td class="num{" bad" if len(rows) - len(ok) else ""}" '
             f'title="{escape(_not_ok(rows))}">{len(rows) - len(ok)}</td>'
-            f'<td class="num">{_fmt(_mean(r.get("psnr") for r in ok), 2)}</td>'
+            f'<td class="num">{_fmt(_median(r.get("psnr") for r in ok), 2)}</td>'
             f"{_ssim_cell(_mean(r.get('ssim') for r in ok))}"
             f'<td class="num">{_fmt(_mean(r.get("lpips") for r in ok), 3)}</td>'
             f'<td class="num">{_pct(_mean(r.get("label_accuracy") for r in ok))}</td>'
@@ -475,7 +486,8 @@ def _summary_table(attacks: list[AttackRow]) -> str:
         )
     return (
         '<table class="data"><thead><tr><th>attack</th><th>defense</th><th class="num">ok</th>'
-        '<th class="num">not ok</th><th class="num">mean PSNR (dB)</th><th class="num">mean SSIM</th>'
+        '<th class="num">not ok</th><th class="num" title="the median: one exact copy (100 dB) moves a mean by '
+        'tens of dB">median PSNR (dB)</th><th class="num">mean SSIM</th>'
         '<th class="num">mean LPIPS</th><th class="num">mean label acc.</th>'
         f'<th class="num">SSIM &gt; {LEAK_SSIM:g}</th>'
         '<th class="num" title="flat images of each true image\'s mean colour">floor PSNR / SSIM</th></tr></thead>'
@@ -495,7 +507,8 @@ def _uploads_table(attacks: list[AttackRow], anchors: dict[int, str]) -> str:
             f'<tr class="{"failed" if not _is_ok(row) else ""}"><td class="num">{where}</td>'
             f'<td class="num">{client}</td>'
             f"<td>{_attack_cell(row)}</td><td>{escape(str(row.get('defense', DASH)))}</td>"
-            f'<td class="num">{escape(str(row.get("batch_size", DASH)))}</td><td>{_status_badge(row)}</td>'
+            f'<td class="num">{escape(str(row.get("batch_size", DASH)))}</td><td>{_status_badge(row)}'
+            f"{_floor_badge(row)}</td>"
             f'<td class="num">{_fmt(row.get("psnr"), 2)}</td>{_ssim_cell(row.get("ssim"))}'
             f"{_ssim_cell(row.get('best_ssim'))}"
             f'<td class="num">{_fmt(row.get("lpips"), 3)}</td><td class="num">{_pct(row.get("label_accuracy"))}</td>'
@@ -557,10 +570,61 @@ def _gallery_item(run_dir: Path, row: AttackRow, anchor: str, images: EmbeddedIm
         ("time", _fmt(row.get("seconds"), 1, " s")),
     ]
     score_html = "".join(f"<span><b>{escape(k)}</b> {escape(v)}</span>" for k, v in scores)
-    verdict = '<span class="badge error">leaked</span>' if _leaked(row) else ""
+    verdict = '<span class="badge error">leaked</span>' if _leaked(row) else _floor_badge(row)
     return (
         f'<article class="upload" id="{escape(anchor)}"><h3>{escape(title)} {verdict}</h3>'
-        f'<div class="pair">{"".join(cells)}</div><p class="scores">{score_html}</p></article>'
+        f'<div class="pair">{"".join(cells)}</div><p class="scores">{score_html}</p>'
+        f"{_aligned_pairs(run_dir, row, images)}</article>"
+    )
+
+
+MAX_PAIRS = 32  # aligned pairs shown per attacked upload (the grids above show every image)
+
+
+def _aligned_pairs(run_dir: Path, row: AttackRow, images: EmbeddedImages) -> str:
+    """Each true image above the reconstruction matched to it, with that image's SSIM and PSNR (the first
+    ``MAX_PAIRS``), from the vault and the reconstruction saved with the row; nothing where either is missing."""
+    prefix = str(row["images"])
+    try:
+        inside(run_dir, recon_name(prefix))
+        truth, recon = read_scored_images(run_dir, int(row.get("round", 0)), int(row.get("client", 0)), prefix)
+    except (RunFileError, OSError, ValueError):
+        return ""  # the grids above say what is missing
+    per_image = row.get("per_image") or []
+    if truth is None or recon is None or truth.shape != recon.shape or truth.shape[1] not in (1, 3):
+        return ""
+    figures = []
+    for index in range(min(len(truth), MAX_PAIRS)):
+        buffer = BytesIO()
+        Image.fromarray(grid_array(np.stack([truth[index], recon[index]]), columns=1, scale=None)).save(buffer, "PNG")
+        scores = per_image[index] if index < len(per_image) else {}
+        caption = f"SSIM {_fmt(scores.get('ssim'), 2)} · {_fmt(scores.get('psnr'), 1)} dB"
+        alt = f"image {index + 1}: the client's above, the reconstruction below"
+        tag = images.tag(buffer.getvalue(), alt, "cell")
+        figures.append(f"<figure>{tag}<figcaption>{caption}</figcaption></figure>")
+    more = f'<p class="more">and {len(truth) - MAX_PAIRS} more in the grids</p>' if len(truth) > MAX_PAIRS else ""
+    return (
+        f'<div class="pairs" title="each true image above its matched reconstruction">{"".join(figures)}</div>' + more
+    )
+
+
+def _below_floor(row: AttackRow) -> bool:
+    """Whether the attack did no better than flat images of each true image's mean colour (PSNR or SSIM)."""
+    floor = row.get("floor") or {}
+    psnr, ssim = _number(row.get("psnr")), _number(row.get("ssim"))
+    floor_psnr, floor_ssim = _number(floor.get("psnr")), _number(floor.get("ssim"))
+    return (psnr is not None and floor_psnr is not None and psnr <= floor_psnr) or (
+        ssim is not None and floor_ssim is not None and ssim <= floor_ssim
+    )
+
+
+def _floor_badge(row: AttackRow) -> str:
+    """A badge on an attack that did no better than the flat-image floor, or nothing."""
+    if not (_is_ok(row) and _below_floor(row)):
+        return ""
+    return (
+        '<span class="badge timeout" title="no better than flat images of each true image\'s mean colour: the '
+        'attack recovered no more than the average colour">below the floor</span>'
     )
 
 
@@ -648,6 +712,11 @@ a { color:var(--blue); }
 .pair { display:flex; flex-wrap:wrap; gap:18px; align-items:flex-start; }
 .pair figure { background:var(--bg); padding:10px; border-radius:10px; text-align:center; max-width:100%; }
 .pair img { display:block; max-width:100%; height:auto; image-rendering:pixelated; border-radius:2px; }
+.pairs { display:flex; flex-wrap:wrap; gap:6px; margin-top:10px; }
+.pairs figure { margin:0; text-align:center; }
+.pairs img { display:block; image-rendering:pixelated; }
+.pairs figcaption { font-size:11px; color:var(--muted); font-variant-numeric:tabular-nums; }
+.more { font-size:12.5px; color:var(--muted); }
 .pair figcaption { font-size:12.5px; color:var(--muted); margin-top:6px; text-transform:uppercase; letter-spacing:.06em; }
 .missing { padding:40px 24px; color:var(--muted); font-style:italic; }
 .scores { display:flex; flex-wrap:wrap; gap:6px 18px; margin:10px 0 0; font-variant-numeric:tabular-nums; }
