@@ -3,6 +3,7 @@ HTML, the detection panel, and the page rendered in headless Chromium with every
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from pathlib import Path
@@ -11,9 +12,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from attackers.base import AttackOutcome, Reconstruction
 from fedguard.commands.cli import main
 from fedguard.commands.sweep import summary_table
+from fedguard.evaluation import Evaluator
+from fedguard.observation import load_observations
 from fedguard.report.detection import detection_table, pooled_findings, sweep_runs
+from fedguard.report.html import build_report
 from fedguard.report.leakage import privacy
 from fedguard.report.leakage_table import leakage_tables
 from fedguard.report.sweep_html import (
@@ -25,7 +30,9 @@ from fedguard.report.sweep_html import (
     privacy_utility_points,
     split_section,
 )
+from fedguard.store.vault import read_truth
 from tests.test_detection_report import write_sweep_runs
+from tests.test_evaluation import make_run
 from tests.test_report_html import CHROMIUM, chromium, img_count
 
 
@@ -173,3 +180,28 @@ def test_the_sweep_page_renders_in_chromium(tmp_path: Path) -> None:
     assert done.returncode == 0 and shot.is_file(), done.stderr[-2000:]
     pixels = np.asarray(Image.open(shot).convert("RGB"), dtype=np.float32)
     assert pixels.std() > 20, "the screenshot is not blank"
+
+
+def test_each_variant_shows_its_best_rounds_reconstruction_and_links_every_runs_report(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    run = make_run(sweep / "trained" / "none", batch=3, clients=1)
+    [obs] = load_observations(run / "observations")
+    truth = read_truth(run / "vault", 1, 0)
+    assert truth is not None
+    evaluator = Evaluator(run, {"ig": {"attack": "ig", "defense": "none", "seed": 0, "invocation": "run"}})
+    evaluator(AttackOutcome(obs, "ok", Reconstruction(*truth), attack="ig"))
+    build_report(run)
+    rows = cells()[:2]
+    rows[0].update(strongest_attack="ig", by_round={"1": {"ssim": 1.0}})
+    write_sweep(sweep)
+    (sweep / "sweep.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    runs = [
+        {"setting": "trained", "variant": "none", "seed": 0, "status": "ok", "folder": str(run)},
+        {"setting": "trained", "variant": "prune", "seed": 0, "status": "failed", "folder": str(sweep / "x")},
+    ]
+    (sweep / "runs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in runs))
+    assert main(["report", str(sweep)]) == 0
+    page = html.unescape((sweep / SWEEP_PAGE).read_text())
+    assert '<a href="trained/none/run/report.html">seed 0</a>' in page
+    assert page.count("the client's above, the reconstruction below") == 3 and "ig, round 1, client 0, seed 0" in page
+    assert "seed 0 failed" in page and "no reconstruction" in page  # the prune variant

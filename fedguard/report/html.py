@@ -584,28 +584,39 @@ MAX_PAIRS = 32  # aligned pairs shown per attacked upload (the grids above show 
 def _aligned_pairs(run_dir: Path, row: AttackRow, images: EmbeddedImages) -> str:
     """Each true image above the reconstruction matched to it, with that image's SSIM and PSNR (the first
     ``MAX_PAIRS``), from the vault and the reconstruction saved with the row; nothing where either is missing."""
-    prefix = str(row["images"])
+    found = scored_images(run_dir, row)
+    return "" if found is None else pairs_html(*found, row.get("per_image") or [], images, MAX_PAIRS)
+
+
+def scored_images(run_dir: Path, row: AttackRow) -> tuple[np.ndarray, np.ndarray] | None:
+    """(truth, reconstruction) of an attack row, (N, C, H, W) each, image i matched to image i; None where the
+    files are missing, unreadable, outside the run folder or not images of one shape."""
+    prefix = str(row.get("images"))
     try:
         inside(run_dir, recon_name(prefix))
         truth, recon = read_scored_images(run_dir, int(row.get("round", 0)), int(row.get("client", 0)), prefix)
-    except (RunFileError, OSError, ValueError):
-        return ""  # the grids above say what is missing
-    per_image = row.get("per_image") or []
-    if truth is None or recon is None or truth.shape != recon.shape or truth.shape[1] not in (1, 3):
-        return ""
+    except (RunFileError, OSError, ValueError, TypeError):
+        return None
+    if truth is None or recon is None or truth.shape != recon.shape or truth.ndim != 4 or truth.shape[1] not in (1, 3):
+        return None
+    return truth, recon
+
+
+def pairs_html(truth: np.ndarray, recon: np.ndarray, per_image: list[Any], images: EmbeddedImages, limit: int) -> str:
+    """The first ``limit`` true images each above its reconstruction, captioned with ``per_image``'s SSIM and PSNR
+    (dB), and a note of how many more there are."""
     figures = []
-    for index in range(min(len(truth), MAX_PAIRS)):
+    for index in range(min(len(truth), limit)):
         buffer = BytesIO()
         Image.fromarray(grid_array(np.stack([truth[index], recon[index]]), columns=1, scale=None)).save(buffer, "PNG")
-        scores = per_image[index] if index < len(per_image) else {}
+        scores = per_image[index] if index < len(per_image) and isinstance(per_image[index], dict) else {}
         caption = f"SSIM {_fmt(scores.get('ssim'), 2)} · {_fmt(scores.get('psnr'), 1)} dB"
         alt = f"image {index + 1}: the client's above, the reconstruction below"
         tag = images.tag(buffer.getvalue(), alt, "cell")
         figures.append(f"<figure>{tag}<figcaption>{caption}</figcaption></figure>")
-    more = f'<p class="more">and {len(truth) - MAX_PAIRS} more in the grids</p>' if len(truth) > MAX_PAIRS else ""
-    return (
-        f'<div class="pairs" title="each true image above its matched reconstruction">{"".join(figures)}</div>' + more
-    )
+    more = f'<p class="more">and {len(truth) - limit} more</p>' if len(truth) > limit else ""
+    title = "each true image above its matched reconstruction"
+    return f'<div class="pairs" title="{title}">{"".join(figures)}</div>{more}'
 
 
 def _below_floor(row: AttackRow) -> bool:

@@ -14,6 +14,7 @@ loads nothing from elsewhere.
 from __future__ import annotations
 
 import json
+import os
 import re
 from html import escape
 from pathlib import Path
@@ -28,11 +29,12 @@ from fedguard.report.detection import (
     setting_rows,
     sweep_runs,
 )
-from fedguard.report.html import CSS, EmbeddedImages, figure_png, page_html, plot_axes
+from fedguard.report.html import CSS, DASH, EmbeddedImages, figure_png, page_html, pairs_html, plot_axes, scored_images
 from fedguard.report.invocation import INVOCATION_FILE, invocation_line
 from fedguard.report.leakage import SUCCESS_SSIM
-from fedguard.store.folder import RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, write_atomic
-from fedguard.store.rows import CellRow, read_cells
+from fedguard.store.folder import REPORT_FILE, RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, write_atomic
+from fedguard.store.invocations import own_rows
+from fedguard.store.rows import CellRow, read_attacks, read_cells
 
 SWEEP_PAGE = "sweep.html"
 FIGURES = ("privacy-utility", "leakage-per-round", "cost")
@@ -290,6 +292,72 @@ def _setting_panel(folder: Path, setting: str, cells: list[CellRow], baseline: s
     return "\n".join(parts)
 
 
+STRIP_IMAGES = 8  # true images, each above its reconstruction, shown per variant
+
+
+def best_round(cell: CellRow) -> int | None:
+    """The attacked round where the cell's strongest attack scored its highest mean SSIM (None: no such)."""
+    scored = {r: v.get("ssim") for r, v in (cell.get("by_round") or {}).items() if isinstance(v, dict)}
+    numbers = {int(r): float(v) for r, v in scored.items() if isinstance(v, (int, float)) and str(r).isdigit()}
+    return max(numbers, key=lambda r: (numbers[r], -r)) if numbers else None
+
+
+def _strip(cell: CellRow, runs: list[CellRow], images: EmbeddedImages) -> str:
+    """The images of the cell's strongest attack in its best round, from the lowest seed whose run has them: the
+    upload it reconstructed best, each true image above its reconstruction."""
+    attack, round_ = cell.get("strongest_attack"), best_round(cell)
+    if attack is None or round_ is None:
+        return ""
+    for run in sorted(runs, key=lambda r: int(r.get("seed", 0))):
+        rows = [
+            a
+            for a in own_rows(read_attacks(Path(run["folder"])))
+            if a.get("attack") == attack and a.get("round") == round_ and a.get("status") == "ok" and a.get("images")
+        ]
+        for row in sorted(rows, key=lambda a: -float(a.get("ssim") or 0.0)):
+            found = scored_images(Path(run["folder"]), row)
+            if found is not None:
+                where = f"{attack}, round {round_}, client {row.get('client')}, seed {run.get('seed')}"
+                pairs = pairs_html(*found, row.get("per_image") or [], images, STRIP_IMAGES)
+                return f'<div class="strip"><div class="where">{escape(where)}</div>{pairs}</div>'
+    return ""
+
+
+def _report_links(folder: Path, runs: list[CellRow]) -> str:
+    """A link to each seed's run report (relative to the sweep folder), or why there is none."""
+    links = []
+    for run in sorted(runs, key=lambda r: int(r.get("seed", 0))):
+        seed = escape(str(run.get("seed", "?")))
+        report = Path(run["folder"]) / REPORT_FILE
+        if run.get("status") != "ok":
+            links.append(f'<span class="badge error">seed {seed} failed</span>')
+        elif report.is_file():
+            href = os.path.relpath(report, folder)
+            links.append(f'<a href="{escape(Path(href).as_posix())}">seed {seed}</a>')
+        else:
+            links.append(f"seed {seed}: no report")
+    return " ".join(links)
+
+
+def _runs_panel(folder: Path, setting: str, cells: list[CellRow], runs: list[CellRow], images: EmbeddedImages) -> str:
+    """Per variant of ``setting``: what its strongest attack recovered in its best round, and its runs' reports."""
+    rows = []
+    for cell in cells:
+        mine = [r for r in runs if r.get("setting") == setting and r.get("variant") == cell.get("variant")]
+        strip = _strip(cell, mine, images) or '<span class="empty">no reconstruction</span>'
+        rows.append(
+            f"<tr><td><code>{escape(str(cell.get('variant')))}</code></td><td>{strip}</td>"
+            f"<td>{_report_links(folder, mine) or DASH}</td></tr>"
+        )
+    return (
+        f'<section class="panel"><h2>Reconstructions in <code>{escape(setting)}</code></h2><p class="lead">Each '
+        "variant's strongest attack in its best round (the upload it reconstructed best, first seed), each true "
+        "image above its reconstruction, and every run's report.</p>"
+        '<table class="data"><thead><tr><th>variant</th><th>the clients\' images and their reconstructions</th>'
+        f"<th>run reports</th></tr></thead><tbody>{''.join(rows)}</tbody></table></section>"
+    )
+
+
 def split_section(markdown: str, title: str) -> tuple[str, str]:
     """(``markdown`` without its ``## title`` section, the section's lines after the heading); a section runs to
     the next ``##`` heading or the end; ``(markdown, "")`` without one."""
@@ -346,7 +414,12 @@ def render_sweep(folder: Path, baseline: str | None = None) -> str:
     baseline = baseline or cells[0].get("baseline") or cells[0]["variant"]
     images = EmbeddedImages()
     settings = list(dict.fromkeys(c["setting"] for c in cells))
-    panels = [_setting_panel(folder, s, [c for c in cells if c["setting"] == s], baseline, images) for s in settings]
+    runs = read_cells(folder, RUNS_FILE) if (folder / RUNS_FILE).is_file() else []
+    panels = []
+    for setting in settings:
+        chosen = [c for c in cells if c["setting"] == setting]
+        panels.append(_setting_panel(folder, setting, chosen, baseline, images))
+        panels.append(_runs_panel(folder, setting, chosen, runs, images))
     summary = folder / SUMMARY_FILE
     rest, detection = split_section(summary.read_text(), HEADING) if summary.is_file() else ("", "")
     tables = markdown_html(rest) if summary.is_file() else '<p class="empty">No summary.md.</p>'
@@ -366,6 +439,7 @@ def render_sweep(folder: Path, baseline: str | None = None) -> str:
     css = CSS + (
         ".scroll { overflow-x:auto; } .curve h3 { margin-top:14px; } code { font-size:90%; }\n"
         ".figures { display:grid; grid-template-columns:repeat(auto-fit, minmax(460px, 1fr)); gap:0 24px; }\n"
+        ".strip .where { font-size:12.5px; color:var(--muted); }\n"
     )
     return page_html(f"{name} \u2014 fedguard sweep", css, body, images.count)
 
