@@ -100,7 +100,7 @@ def test_a_run_folder_opens_as_tables_and_arrays(tmp_path: Path) -> None:
     with pytest.raises(
         KeyError,
         match=r"no scored reconstruction of attack 'idlg', round 1, client 0 .*"
-        r"scored \(attack, round, client\): \[\('ig', 1, 1\)\]",
+        r"scored \(attack, round, client, invocation\): \[\('ig', 1, 1, 'run'\)\]",
     ):
         run.images("idlg", round=1, client=0)
     with pytest.raises(FileNotFoundError, match="holds no run \\(rounds.jsonl\\) and no sweep \\(runs.jsonl\\)"):
