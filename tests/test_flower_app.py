@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_flwr_run import free_port, stop_local_superlink
+from tests.test_flwr_run import flower_home  # noqa: F401  (the fixture app_run runs on)
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -23,22 +22,12 @@ APP = ROOT / "examples" / "flower-app"
 
 
 @pytest.fixture(scope="module")
-def app_run(tmp_path_factory: pytest.TempPathFactory):
-    """Runs the example app with ``--run-config`` overrides; returns its run folder and its output."""
-    home = tmp_path_factory.mktemp("flwr-home")
+def app_run(tmp_path_factory: pytest.TempPathFactory, flower_home):  # noqa: F811
+    """Runs the example app with ``--run-config`` overrides on Flower's default local SuperLink of a Flower home
+    of its own (``tests.test_flwr_run.flower_home``); returns its run folder and its output."""
+    home, env = flower_home
     app = tmp_path_factory.mktemp("app") / "flower-app"
     shutil.copytree(APP, app, ignore=shutil.ignore_patterns("__pycache__"))
-    http_port, control_port = free_port(), free_port()
-    env = {
-        **os.environ,
-        "FLWR_HOME": str(home),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FEDGUARD_RUNS": str(home / "runs"),
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
-        "PATH": f"{BIN}:{os.environ['PATH']}",
-    }
 
     def run(name: str, overrides: str = "", client_app: str | None = None) -> tuple[Path, str]:
         if client_app is not None:
@@ -48,8 +37,7 @@ def app_run(tmp_path_factory: pytest.TempPathFactory):
         result = subprocess.run(command, env=env, cwd=app, capture_output=True, text=True, timeout=300)
         return home / "runs" / name, result.stdout + result.stderr
 
-    yield run
-    stop_local_superlink(http_port)
+    return run
 
 
 def status(folder: Path, output: str) -> dict:

@@ -117,6 +117,12 @@ def _check_update_only(config: Config) -> None:
         )
 
 
+def examples_in(metrics: MetricRecord) -> int:
+    """The reply's ``num-examples`` (0 when it gives none)."""
+    counted = metrics.get(NUM_EXAMPLES, 0)
+    return int(counted) if isinstance(counted, (int, float)) else 0
+
+
 def defended_model(
     sent: list[np.ndarray], trained: list[np.ndarray], trainable: list[bool], defended: list[torch.Tensor]
 ) -> list[np.ndarray]:
@@ -144,8 +150,7 @@ def write_upload(
     reports."""
     arrays_key, _ = only_arrays(reply.content, "the reply")
     metrics_key, metrics = only_metrics(reply.content, "the reply")
-    counted = metrics.get(NUM_EXAMPLES, 0)
-    examples = int(counted) if isinstance(counted, (int, float)) else 0
+    examples = examples_in(metrics)
     size = byte_counts(upload)
     travels = size.encoded if 2 * size.encoded <= size.dense else size.dense  # as fedguard's client would send it
     schedule = config.train
@@ -190,8 +195,7 @@ def defend_reply(msg: Message, reply: Message, config: Config, client: int, stat
         for n, g, t, keep in zip(names, sent, trained, trainable)
         if keep
     ]
-    counted = metrics.get(NUM_EXAMPLES, 0)
-    examples = int(counted) if isinstance(counted, (int, float)) else 0
+    examples = examples_in(metrics)
     _, generator = client_generators(config.run.seed, client, round_)
     home = RecordState(state, DEFENSE_STATE)
     kept = home.load(round_)
