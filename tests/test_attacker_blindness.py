@@ -99,12 +99,13 @@ def watched(vault: Path) -> Iterator[list[dict[str, Any]]]:
 
 
 def legitimate(record: dict[str, Any]) -> bool:
-    """A vault file opened by the vault's own functions for a client writing its batch, or for the evaluator
-    scoring (called back from the attacker pool's thread in the server); no attack code on the stack."""
+    """A vault file opened by the vault's own functions for a client writing its batch, for the evaluator
+    scoring (called back from the attacker pool's thread in the server), or for the run report setting each
+    true image beside its reconstruction; no attack code on the stack."""
     stack = record["stack"]
-    user = "clients/defended_client.py" if "w" in record["mode"] else "fedguard/evaluation.py"
+    users = ("clients/defended_client.py",) if "w" in record["mode"] else ("fedguard/evaluation.py", "fedguard/report/html.py")
     attack_code = [f for f in stack if f.startswith("attackers/") and f != "attackers/pool.py"]
-    return stack[:1] == ["fedguard/store/vault.py"] and user in stack and not attack_code
+    return stack[:1] == ["fedguard/store/vault.py"] and any(u in stack for u in users) and not attack_code
 
 
 def attack_factory_args(cfg: Config) -> tuple[Any, ...]:
