@@ -103,7 +103,11 @@ def legitimate(record: dict[str, Any]) -> bool:
     scoring (called back from the attacker pool's thread in the server), or for the run report setting each
     true image beside its reconstruction; no attack code on the stack."""
     stack = record["stack"]
-    users = ("clients/defended_client.py",) if "w" in record["mode"] else ("fedguard/evaluation.py", "fedguard/report/html.py")
+    users = (
+        ("clients/defended_client.py",)
+        if "w" in record["mode"]
+        else ("fedguard/evaluation.py", "fedguard/report/html.py")
+    )
     attack_code = [f for f in stack if f.startswith("attackers/") and f != "attackers/pool.py"]
     return stack[:1] == ["fedguard/store/vault.py"] and any(u in stack for u in users) and not attack_code
 

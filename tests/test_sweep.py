@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import html
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from fedguard.commands.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sw
 from fedguard.config import ConfigError, load_config
 from fedguard.report.paper_table import render_paper_table
 from fedguard.report.run_dir import config_toml
+from tests.test_report_html import CHROMIUM, chromium, img_count
 
 SMALL = """
 name = "small"
@@ -258,6 +261,14 @@ def test_a_sweep_runs_each_variant_and_resumes(tmp_path: Path) -> None:
         tmp_path,
         SMALL
         + """
+[capture]
+rounds = "1"
+clients = "0"
+[attack]
+name = "idlg"
+[attack.idlg]
+iterations = 20
+device = "cpu"
 [sweep]
 baseline = "none"
 [sweep.variants.none]
@@ -276,7 +287,7 @@ defense = { name = "dp", dp = { noise-multiplier = 0.05 } }
     assert summary.startswith(
         f"Run as `fedguard sweep {preset} --seeds 0 --set train.rounds=2` (preset SHA-256 `{digest[:12]}`)"
     )
-    assert summary.count("\n") == 6
+    assert summary.count("| `none` |") == summary.count("| `dp` |") == 2, summary  # the verdicts and the leakage
     recorded = json.loads((tmp_path / "out" / "invocation.json").read_text())
     assert recorded == {
         "preset": str(preset),
@@ -285,7 +296,19 @@ defense = { name = "dp", dp = { noise-multiplier = 0.05 } }
         "seeds": [0],
         "overrides": ["train.rounds=2"],
     }
-    assert "--set train.rounds=2</code>" in (tmp_path / "out" / "sweep.html").read_text()
+    page = html.unescape((tmp_path / "out" / "sweep.html").read_text())
+    assert "--set train.rounds=2</code>" in page
+    assert page.count("idlg, round 1, client 0, seed 0") == 2, "a strip per variant"
+    assert page.count("the client's above, the reconstruction below") == 2 * 8, "each strip holds the batch of 8"
+    links = re.findall(r'<a href="([^"]+/report\.html)">seed 0</a>', page)
+    assert len(links) == 2 and all((tmp_path / "out" / link).is_file() for link in links), links
+    if CHROMIUM.exists():  # the page as a browser shows it: every embedded image decodes
+        url = (tmp_path / "out" / "sweep.html").resolve().as_uri()
+        dom = chromium(["--virtual-time-budget=5000", "--dump-dom", url], tmp_path / "profile")
+        assert dom.returncode == 0, dom.stderr[-2000:]
+        loaded = re.search(r'data-images-loaded="(\d+)"', dom.stdout)
+        assert loaded and int(loaded.group(1)) == img_count(page) > 2 * 2, "every figure and reconstruction decodes"
+        assert "--set train.rounds=2" in html.unescape(dom.stdout)
     assert [json.loads(line)["variant"] for line in (tmp_path / "out" / SWEEP_FILE).read_text().splitlines()] == [
         "none",
         "dp",
