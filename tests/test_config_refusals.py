@@ -641,3 +641,19 @@ def test_a_plugin_that_raises_or_exits_on_import_is_named_and_the_run_refused(
     assert main(["run", "--set", "server.plugins=exiting_plugin"]) == 2
     assert "called sys.exit(0)" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists(), "nothing is written"
+
+
+def test_the_checked_share_sizes_are_the_partitioners_and_computed_once_per_split() -> None:
+    """A sweep's runs differ mostly in what does not move the split: each distinct split is drawn once."""
+    from fedguard.config_checks import share_sizes
+
+    counts, options = (120, 80, 200, 40), PartitionOptions(alpha=0.3)
+    labels = np.repeat(np.arange(4), counts)
+    share_sizes.cache_clear()
+    sizes = share_sizes(counts, 6, "dirichlet", options, 7)
+    assert list(sizes) == [len(p) for p in partition(labels, 6, "dirichlet", options, 7)] and sum(sizes) == 440
+    for variant in ("none", "dp", "dgp"):  # the runs of three variants that share the data, the split and the seed
+        load_config(None, ["partition.name=dirichlet", f"defense.name={variant}", "seed=3"])
+    info = share_sizes.cache_info()
+    assert (info.misses, info.hits) == (2, 2), info
+    assert share_sizes(counts, 6, "dirichlet", options, 8) != sizes  # another seed, another split
