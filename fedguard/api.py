@@ -93,7 +93,7 @@ class RunResults:
     def rounds(self) -> pd.DataFrame:
         """One row per round (0: the initial model): ``round``, ``accuracy``, ``loss``, ``seconds``, the
         defense's totals as ``defense.<name>``, upload sizes in bytes."""
-        return _frame(read_rounds(self.folder), drop=("uploads", "rejected", "detect"))
+        return _frame(read_rounds(self.folder), drop=("uploads", "failed", "rejected", "detect"))
 
     @property
     def uploads(self) -> pd.DataFrame:

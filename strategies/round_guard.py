@@ -12,14 +12,13 @@ every upload, reply accounting, dtypes.
 - A client whose detectors flagged the model it received (``fedguard.detect``) may decline the round: it skips
   it (a reply with its findings and no upload) or refuses it (an error whose reason holds its findings;
   ``fedguard.wire.records``). Neither is a failure nor an upload: its client is left out of the round.
-- Every round's replies are counted: ``on_replies(server_round, uploads, errors, rejected, findings)`` receives
-  the accepted uploads, the error reasons (refusals not among them), the rejections and what each client's
-  detectors found (``{"client", <finding>: value, ...}`` in client order); a round in which no node succeeded
-  (declining is not failing) stops the
-  run with ``AllClientsFailed`` naming the reasons, instead of carrying on with an unchanged model; so does a
-  client that says it cannot train in any round (``fedguard.wire.records.cannot_train``: a missing trained file, a
-  refused configuration), whatever the others did; a round whose every upload was rejected or declined leaves
-  the model as it was.
+- Every round's replies are counted: ``on_replies(server_round, uploads, failed, rejected, findings)`` receives the
+  accepted uploads, the clients that failed with their error reasons (``ClientFailure``; refusals not among them), the
+  rejections and what each client's detectors found (``{"client", <finding>: value, ...}`` in client order); a round
+  in which no node succeeded (declining is not failing) stops the run with ``AllClientsFailed`` naming the reasons,
+  instead of carrying on with an unchanged model; so does a client that says it cannot train in any round
+  (``fedguard.wire.records.cannot_train``: a missing trained file, a refused configuration), whatever the others did;
+  a round whose every upload was rejected or declined leaves the model as it was.
 - The aggregate keeps the global model's dtypes (Flower's averaging turns integer buffers into floats).
 - Rounds repeat exactly: the nodes a strategy samples (Flower's ``sample_nodes``) are drawn in node-id order
   from a generator seeded by the run seed and the round, and the accepted uploads reach aggregation in client
@@ -51,7 +50,15 @@ from fedguard.wire.records import (
     read_findings,
     read_upload,
 )
-from strategies.upload_checks import Layout, Rejection, UploadRefused, UploadRules, check_identity, upload_problem
+from strategies.client_failures import ClientFailure
+from strategies.upload_checks import (
+    Layout,
+    Rejection,
+    UploadRefused,
+    UploadRules,
+    check_identity,
+    upload_problem,
+)
 from strategies.wrapper import StrategyWrapper
 
 log = logging.getLogger(__name__)
@@ -73,9 +80,9 @@ class RoundGuard(StrategyWrapper):
     ----------
     strategy : Strategy
         The wrapped (decoding, capturing, aggregating) strategy.
-    on_replies : Callable[[int, list[Upload], list[str], list[Rejection], list[dict[str, Any]]], None]
-        Called with each round's accepted uploads (their declarations and reports; not their arrays), error
-        reasons, rejections and the clients' findings, before aggregation.
+    on_replies : Callable[[int, list[Upload], list[ClientFailure], list[Rejection], list[dict[str, Any]]], None]
+        Called with each round's accepted uploads (their declarations and reports; not their arrays), the
+        clients that failed (their error reasons), rejections and the clients' findings, before aggregation.
     rules : UploadRules
         What the run lets a client declare.
     seed : int
@@ -87,7 +94,7 @@ class RoundGuard(StrategyWrapper):
     def __init__(
         self,
         strategy: Strategy,
-        on_replies: Callable[[int, list[Upload], list[str], list[Rejection], list[dict[str, Any]]], None],
+        on_replies: Callable[[int, list[Upload], list[ClientFailure], list[Rejection], list[dict[str, Any]]], None],
         rules: UploadRules,
         seed: int = 0,
         rounds_done: int = 0,
@@ -144,7 +151,11 @@ class RoundGuard(StrategyWrapper):
         replies = list(replies)
         failed = [m for m in replies if m.has_error()]
         findings, refusals = self.refusals(failed)
-        errors = [f"node {m.metadata.src_node_id}: {m.error.reason}" for m in failed if m not in refusals]
+        errors = [
+            ClientFailure.of(self.clients.get(m.metadata.src_node_id), m.metadata.src_node_id, m.error.reason)
+            for m in failed
+            if m not in refusals
+        ]
         skips, skip_rejections = self.skips([m for m in replies if not m.has_error() and declined(m)])
         accepted, rejected = self.screen([m for m in replies if not m.has_error() and not declined(m)])
         accepted.sort(key=lambda m: self.clients[m.metadata.src_node_id])
@@ -165,7 +176,7 @@ class RoundGuard(StrategyWrapper):
                 f"{permanent[0].error.reason} ({len(permanent)} of {len(replies)} clients)"
             )
         if not accepted and not rejected and not refusals and not skips:
-            reasons = "; ".join(errors[:3]) + (f"; ... ({len(errors) - 3} more)" if len(errors) > 3 else "")
+            reasons = "; ".join(map(str, errors[:3])) + (f"; ... ({len(errors) - 3} more)" if len(errors) > 3 else "")
             raise AllClientsFailed(
                 f"round {server_round}: every one of {len(errors)} clients failed ({reasons or 'no node replied'})"
             )

@@ -322,5 +322,5 @@ def test_the_round_guard_rejects_a_skip_that_names_another_client_and_fails_a_ga
     assert new is not None and new.to_numpy_ndarrays()[0].tolist() == [1.0, 1.0]
     _, uploads, errors, rejected, found = seen[0]
     assert [u.client for u in uploads] == [0] and found == []
-    assert len(errors) == 1 and "not json" in errors[0]
+    assert len(errors) == 1 and "not json" in errors[0].reason
     assert [(r.client, "declares client 0" in r.reason) for r in rejected] == [(1, True)]

@@ -20,6 +20,7 @@ from fedguard.runtime.client_app import make_client_app
 from fedguard.runtime.server_app import FederationMismatch, run_server, wait_for_nodes
 from fedguard.wire.records import array_record
 from strategies import AllClientsFailed, GradientStep, RoundGuard, StrategyContext, build_strategy
+from strategies.client_failures import FAILURE_CHARS, ClientFailure
 from strategies.fedsgd import FedSGD
 from strategies.registry import STRATEGIES, protocol_problem
 from strategies.upload_checks import UploadRules
@@ -69,9 +70,38 @@ def test_the_round_guard_stops_a_round_in_which_every_client_failed() -> None:
     for m in sent:
         m.metadata.__dict__["_message_id"] = "m"
         errors.append(Message(Error(code=0, reason="boom"), reply_to=m))
-    with pytest.raises(AllClientsFailed, match="round 1: every one of 2 clients failed .*boom"):
+    with pytest.raises(AllClientsFailed, match=r"round 1: every one of 2 clients failed \(client 0 \(node \d+\): boom"):
         guard.aggregate_train(1, errors)
-    assert seen[0][1] == [] and len(seen[0][2]) == 2
+    assert seen[0][1] == [] and [(f.client, f.reason) for f in seen[0][2]] == [(0, "boom"), (1, "boom")]
+
+
+# The reason Flower relays for a ClientApp that raised in a Ray actor (Flower 1.2x), cut to its last frames.
+RAY_REASON = """Traceback (most recent call last):
+  File "/venv/flwr/clientapp/client_app.py", line 158, in __call__
+    return self._registered_funcs["train"](message, context)
+  File "/repo/clients/defended_client.py", line 185, in fit
+    sent = grads if every_step else defense(step, defense_state)
+  File "/plugins/flaky_defense.py", line 13, in defend
+    raise ValueError("the flaky defense broke")
+ValueError: the flaky defense broke
+
+The above exception was the direct cause of the following exception:
+
+\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=17733, ip=127.0.0.1, actor_id=5938)
+  File "/venv/flwr/simulation/ray_transport/ray_actor.py", line 65, in run
+    raise ClientAppException(str(ex)) from ex
+flwr.clientapp.client_app.ClientAppException:
+Exception ClientAppException occurred. Message: the flaky defense broke'>"""
+
+
+def test_a_failure_keeps_the_exception_and_where_it_was_raised() -> None:
+    failure = ClientFailure.of(4, 17, RAY_REASON)
+    assert failure.reason == "ValueError: the flaky defense broke (at /plugins/flaky_defense.py:13 in defend)"
+    assert failure.row() == {"client": 4, "node": 17, "reason": failure.reason}
+    assert str(ClientFailure.of(None, 9, None)) == "client ? (node 9): no reason given"
+    assert ClientFailure.of(1, 2, "\x1b[91mnode went away\x1b[0m").reason == "node went away"  # no traceback: as sent
+    long = ClientFailure.of(1, 2, "x" * 5000).reason
+    assert len(long) == FAILURE_CHARS + 3 and long.startswith("...")
 
 
 def test_the_round_guard_keeps_integer_buffers_integers() -> None:
@@ -154,6 +184,9 @@ def test_a_user_strategy_outside_the_package_is_selected_by_configuration(
 def test_a_failed_client_is_counted_and_a_round_without_any_stops_the_run(tmp_path: Path) -> None:
     folder = run_in_process(tmp_path / "one", "train.clients-per-round=4", fail=(1,))
     assert [r.get("failures") for r in rows(folder)[1:]] == [1, 1, 1] and rows(folder)[1]["clients"] == 3
+    assert [[(f["client"], f["reason"]) for f in r["failed"]] for r in rows(folder)[1:]] == [
+        [(1, "RuntimeError: this client fails")]
+    ] * 3, "each failure is recorded with its client and reason"
     with pytest.raises(AllClientsFailed):
         run_in_process(tmp_path / "all", fail=(0, 1, 2, 3))
     status = read_status(tmp_path / "all" / "run")

@@ -48,6 +48,7 @@ from fedguard.store.card import initial_model, model_card
 from fedguard.store.folder import APP_FILE, write_atomic
 from fedguard.tracking import open_trackers
 from fedguard.wire.records import CLIENT_KEY, DECLARED, declined, read_findings, read_upload
+from strategies.client_failures import ClientFailure
 from strategies.wrapper import StrategyWrapper, aggregation_line
 
 log = logging.getLogger(__name__)
@@ -107,14 +108,15 @@ class RoundLog(StrategyWrapper):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
-        kept, uploads, errors, findings = [], [], [], []
+        kept, uploads, findings = [], [], []
+        errors: list[ClientFailure] = []  # an app's node carries no client fedguard assigned
         for reply in replies:
             found = read_findings(reply)
             if found is not None:
                 findings.append({"client": declared_client(reply), **found})
             if reply.has_error():
                 if found is None:
-                    errors.append(f"node {reply.metadata.src_node_id}: {reply.error.reason}")
+                    errors.append(ClientFailure.of(None, reply.metadata.src_node_id, reply.error.reason))
                 continue
             if declined(reply):
                 continue

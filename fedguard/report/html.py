@@ -30,6 +30,7 @@ from fedguard.config import NO_ATTACK, ConfigError
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.report.comparison import write_comparison
 from fedguard.report.images import grid_array, load_png
+from fedguard.report.left_out import FAILED, left_out, left_out_counts, left_out_html
 from fedguard.report.recorded import RecordedConfig, read_recorded_config
 from fedguard.report.run_status import read_status
 from fedguard.store.folder import (
@@ -369,6 +370,10 @@ def _stats(rounds: list[RoundRow], attacks: list[AttackRow]) -> str:
         cards.append(("final accuracy", _pct(last["accuracy"]), since, ""))
         cards.append(("best accuracy", _pct(best["accuracy"]), f"at round {best.get('round')}", ""))
         cards.append(("final loss", _fmt(last.get("loss"), 4), f"from {_fmt(first.get('loss'), 4)}", ""))
+    counts = left_out_counts(left_out(rounds))
+    if any(counts.values()):
+        detail = ", ".join(f"{n} {how}" for how, n in counts.items() if n)
+        cards.append(("clients left out", str(sum(counts.values())), detail, "bad" if counts[FAILED] else ""))
     seconds = sum(n for row in rounds if (n := _number(row.get("seconds"))) is not None and math.isfinite(n))
     cards.append(("wall time", _duration(seconds), f"{len(rounds)} rows in {ROUNDS_FILE}", ""))
     if attacks:
@@ -421,13 +426,14 @@ def _training(rounds: list[RoundRow], attacks: list[AttackRow], images: Embedded
             )
         body = "".join(
             f"<tr><td>{escape(str(row.get('round', DASH)))}</td><td>{_pct(row.get('accuracy'), 2)}</td>"
-            f"<td>{_fmt(row.get('loss'), 4)}</td><td>{_fmt(row.get('seconds'), 1)}</td></tr>"
+            f"<td>{_fmt(row.get('loss'), 4)}</td><td>{escape(str(row.get('clients', DASH)))}</td>"
+            f"<td>{_fmt(row.get('seconds'), 1)}</td></tr>"
             for row in rounds
         )
         parts.append(
             f"<details><summary>Round log ({len(rounds)} rows)</summary>"
             '<table class="data compact"><thead><tr><th>round</th><th>accuracy</th><th>loss</th>'
-            "<th>seconds</th></tr></thead>"
+            "<th>uploads aggregated</th><th>seconds</th></tr></thead>"
             f"<tbody>{body}</tbody></table></details>"
         )
     parts.append("</section>")
@@ -776,7 +782,12 @@ def _page(run_dir: Path, notes: _Notes) -> str:
     attacks = sorted(labelled, key=_sort_key)
     images = EmbeddedImages()
     title = str(config.value("name", run_dir.name)) if config else run_dir.name
-    sections = [_stats(rounds, attacks), _training(rounds, attacks, images), _attacks(run_dir, attacks, images, notes)]
+    sections = [
+        _stats(rounds, attacks),
+        _training(rounds, attacks, images),
+        left_out_html(rounds),
+        _attacks(run_dir, attacks, images, notes),
+    ]
     problems = ([config_problem] if config_problem else []) + _ending(run_dir)
     body = "\n".join(
         [

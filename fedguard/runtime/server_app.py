@@ -58,6 +58,7 @@ from fedguard.training import evaluate, get_arrays, set_arrays
 from fedguard.wire.declared import Declared
 from fedguard.wire.records import Upload, array_record
 from strategies import FedSGD, GradientStep, HonestButCurious, Malicious, RoundGuard, SparseUploads, StrategyContext
+from strategies.client_failures import ClientFailure
 from strategies.registry import aggregates_gradients, build_strategy, resolve
 from strategies.state import restore_strategy_state, strategy_state
 from strategies.upload_checks import NonFiniteModel, Rejection, nonfinite_problem
@@ -227,15 +228,16 @@ def wait_for_nodes(grid: Grid, config: Config, poll: float = 0.5) -> int:
 
 
 def round_accounting(recorder_extra: dict[str, Any]) -> Any:
-    """``on_replies`` of ``RoundGuard``: keeps the round's defense reports, sizes, reply counts, rejected
-    uploads (``rejected``: ``{"client", "reason"}`` each), the clients' detector findings (``detect``:
+    """``on_replies`` of ``RoundGuard``: keeps the round's defense reports, sizes, reply counts, the clients that
+    failed (``failures``, their number; ``failed``: ``{"client", "node", "reason"}`` each), rejected uploads
+    (``rejected``: ``{"client", "reason"}`` each), the clients' detector findings (``detect``:
     ``{"client", <finding>: value, ..., "action"}`` each; ``declined``: how many skipped or refused the round)
     and ``skipped`` when no upload was left, for the row written with its evaluation."""
 
     def on_replies(
         server_round: int,
         uploads: list[Upload],
-        errors: list[str],
+        failed: list[ClientFailure],
         rejected: list[Rejection],
         findings: list[dict[str, Any]],
     ) -> None:
@@ -253,10 +255,11 @@ def round_accounting(recorder_extra: dict[str, Any]) -> Any:
             if sizes:
                 recorder_extra[name] = round(sum(sizes) / len(sizes))
         recorder_extra["clients"] = len(uploads)
-        if errors:
-            recorder_extra["failures"] = len(errors)
-            for reason in errors:
-                log.warning("round %d: %s", server_round, reason)
+        if failed:
+            recorder_extra["failures"] = len(failed)
+            recorder_extra["failed"] = [f.row() for f in failed]
+            for failure in failed:
+                log.warning("round %d: %s", server_round, failure)
         if rejected:
             recorder_extra["rejected"] = [r.row() for r in rejected]
             for r in rejected:

@@ -32,6 +32,7 @@ class RoundRow(TypedDict, total=False):
     dense_bytes: int  # the same, dense
     clients: int
     failures: int
+    failed: list[dict[str, Any]]  # {client, node, reason}: each client whose round failed
     rejected: list[dict[str, Any]]  # {client, reason}
     detect: list[dict[str, Any]]  # per client: its detectors' findings (fedguard.detect.Verdict.row)
     declined: int
