@@ -1,6 +1,6 @@
-"""A hostile client as a plugin (``server.plugins=tests.hostile_defense``, ``defense.name=overflow``): every
-gradient entry it uploads is 3e38, finite but near float32's largest value, so that the mean of two such
-uploads overflows to infinity. Used by ``tests/test_hostile_clients.py``."""
+"""Hostile clients as a plugin (``server.plugins=tests.hostile_defense``), used by ``tests/test_hostile_clients.py``:
+``defense.name=overflow`` uploads 3e38 in every gradient entry, finite but near float32's largest value, so that the
+mean of two such uploads overflows to infinity; ``defense.name=broken-client-1`` raises in client 1 only."""
 
 from __future__ import annotations
 
@@ -17,5 +17,17 @@ def build_overflow(params: object) -> Defense:
 
     def defend(step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return [torch.full_like(g, NEAR_FLOAT32_MAX) for g in step.grads]
+
+    return defend
+
+
+@register_defense("broken-client-1")
+def build_broken_client_1(params: object) -> Defense:
+    """Upload the gradient as it is, but raise in client 1."""
+
+    def defend(step: LocalStep, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        if step.client == 1:
+            raise ValueError(f"client 1's defense broke in round {step.round}")
+        return list(step.grads)
 
     return defend

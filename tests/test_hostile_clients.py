@@ -7,9 +7,11 @@ builds them (``tests.helpers.reply``) on a grid of node ids 100, 101, 102 (clien
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -346,3 +348,35 @@ def test_fedguard_run_exits_non_zero_when_the_global_model_turns_non_finite(tmp_
     status = read_status(out)
     assert status["status"] == "failed" and "NonFiniteModel: round 1" in status["error"], status
     assert [r["round"] for r in rows(out)] == [0, 1] and "stopped" in rows(out)[-1]
+
+
+@pytest.mark.slow
+def test_a_client_failing_in_a_real_simulation_is_named_with_its_reason(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    command = [str(Path(sys.executable).parent / "fedguard"), "run", "--out", str(out)]
+    for setting in (
+        "data.name=digits",
+        "model.name=mlp",
+        "model.mlp.hidden=16",
+        "partition.num-clients=3",
+        "train.clients-per-round=3",
+        "train.rounds=2",
+        "capture.rounds=none",
+        "server.plugins=tests.hostile_defense",
+        "defense.name=broken-client-1",
+    ):
+        command += ["--set", setting]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    for row in rows(out)[1:]:
+        assert row["clients"] == 2 and row["failures"] == 1, row
+        [failed] = row["failed"]
+        assert failed["client"] == 1 and isinstance(failed["node"], int), failed
+        assert re.fullmatch(
+            rf"ValueError: client 1's defense broke in round {row['round']} \(at .*tests/hostile_defense.py:\d+ in "
+            r"defend\)",
+            failed["reason"],
+        ), failed
+    page = html.unescape((out / "report.html").read_text())
+    assert "Clients left out of a round" in page and page.count("client 1's defense broke") == 2
