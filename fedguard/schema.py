@@ -252,6 +252,12 @@ class ServerSection:
         "seconds the server waits for one SuperNode per client before it stops and says how to fix the federation",
         gt=0.0,
     )
+    round_timeout: float = option(
+        3600.0,
+        "seconds the server waits for a round's replies; a client that has not replied by then is a straggler, "
+        "left out of the round and named in its row of rounds.jsonl (stragglers)",
+        gt=0.0,
+    )
     message_index: bool = option(
         True,
         "simulation: hand each client its messages through a per-node index of "

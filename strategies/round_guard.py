@@ -12,11 +12,12 @@ every upload, reply accounting, dtypes.
 - A client whose detectors flagged the model it received (``fedguard.detect``) may decline the round: it skips
   it (a reply with its findings and no upload) or refuses it (an error whose reason holds its findings;
   ``fedguard.wire.records``). Neither is a failure nor an upload: its client is left out of the round.
-- Every round's replies are counted: ``on_replies(server_round, uploads, failed, rejected, findings)`` receives the
-  accepted uploads, the clients that failed with their error reasons (``ClientFailure``; refusals not among them), the
-  rejections and what each client's detectors found (``{"client", <finding>: value, ...}`` in client order); a round
-  in which no node succeeded (declining is not failing) stops the run with ``AllClientsFailed`` naming the reasons,
-  instead of carrying on with an unchanged model; so does a client that says it cannot train in any round
+- Every round's replies are counted: ``on_replies(server_round, uploads, failed, rejected, findings, stragglers)``
+  receives the accepted uploads, the clients that failed with their error reasons (``ClientFailure``; refusals not
+  among them), the rejections and what each client's detectors found (``{"client", <finding>: value, ...}`` in client
+  order) and the clients that sent no reply (stragglers: the round's ``timeout`` passed); a round in which no node
+  succeeded (declining is not failing) stops the run with ``AllClientsFailed`` naming the reasons, instead of carrying
+  on with an unchanged model; so does a client that says it cannot train in any round
   (``fedguard.wire.records.cannot_train``: a missing trained file, a refused configuration), whatever the others did;
   a round whose every upload was rejected or declined leaves the model as it was.
 - The aggregate keeps the global model's dtypes (Flower's averaging turns integer buffers into floats).
@@ -63,6 +64,9 @@ from strategies.wrapper import StrategyWrapper
 
 log = logging.getLogger(__name__)
 
+# on_replies(round, accepted uploads, failed clients, rejections, findings, stragglers' clients)
+OnReplies = Callable[[int, list[Upload], list[ClientFailure], list[Rejection], list[dict[str, Any]], list[int]], None]
+
 
 class AllClientsFailed(RuntimeError):
     """No node returned an upload in a round, or one cannot train in any round."""
@@ -80,9 +84,10 @@ class RoundGuard(StrategyWrapper):
     ----------
     strategy : Strategy
         The wrapped (decoding, capturing, aggregating) strategy.
-    on_replies : Callable[[int, list[Upload], list[ClientFailure], list[Rejection], list[dict[str, Any]]], None]
+    on_replies : OnReplies
         Called with each round's accepted uploads (their declarations and reports; not their arrays), the
-        clients that failed (their error reasons), rejections and the clients' findings, before aggregation.
+        clients that failed (their error reasons), rejections, the clients' findings and the clients instructed
+        that sent no reply (stragglers: Flower's round timeout passed), before aggregation.
     rules : UploadRules
         What the run lets a client declare.
     seed : int
@@ -94,7 +99,7 @@ class RoundGuard(StrategyWrapper):
     def __init__(
         self,
         strategy: Strategy,
-        on_replies: Callable[[int, list[Upload], list[ClientFailure], list[Rejection], list[dict[str, Any]]], None],
+        on_replies: OnReplies,
         rules: UploadRules,
         seed: int = 0,
         rounds_done: int = 0,
@@ -167,7 +172,10 @@ class RoundGuard(StrategyWrapper):
             for m, f in sorted(findings.items(), key=lambda item: self.clients[item[0].metadata.src_node_id])
             if f is not None
         ]
-        self.on_replies(server_round, [read_upload(m, arrays=False) for m in accepted], errors, rejected, found)
+        replied = {m.metadata.src_node_id for m in replies}
+        stragglers = sorted(self.clients[node] for node in self._instructions if node not in replied)
+        uploads = [read_upload(m, arrays=False) for m in accepted]
+        self.on_replies(server_round, uploads, errors, rejected, found, stragglers)
         permanent = [m for m in failed if cannot_train(m.error.reason)]
         if permanent:
             node = permanent[0].metadata.src_node_id
@@ -177,8 +185,12 @@ class RoundGuard(StrategyWrapper):
             )
         if not accepted and not rejected and not refusals and not skips:
             reasons = "; ".join(map(str, errors[:3])) + (f"; ... ({len(errors) - 3} more)" if len(errors) > 3 else "")
+            if stragglers:
+                late = f"clients {stragglers} sent no reply within the round's timeout (server.round-timeout)"
+                reasons = "; ".join(filter(None, [reasons, late]))
             raise AllClientsFailed(
-                f"round {server_round}: every one of {len(errors)} clients failed ({reasons or 'no node replied'})"
+                f"round {server_round}: every one of {len(errors) + len(stragglers)} clients failed "
+                f"({reasons or 'no node replied'})"
             )
         aggregated, metrics = self.strategy.aggregate_train(server_round, failed + accepted)
         if aggregated is None:

@@ -320,7 +320,7 @@ def test_the_round_guard_rejects_a_skip_that_names_another_client_and_fails_a_ga
         message.metadata.__dict__["_src_node_id"] = to.metadata.dst_node_id
     new, _ = guard.aggregate_train(1, replies)
     assert new is not None and new.to_numpy_ndarrays()[0].tolist() == [1.0, 1.0]
-    _, uploads, errors, rejected, found = seen[0]
-    assert [u.client for u in uploads] == [0] and found == []
+    _, uploads, errors, rejected, found, stragglers = seen[0]
+    assert [u.client for u in uploads] == [0] and found == [] and stragglers == []
     assert len(errors) == 1 and "not json" in errors[0].reason
     assert [(r.client, "declares client 0" in r.reason) for r in rejected] == [(1, True)]

@@ -44,6 +44,7 @@ from strategies.upload_checks import (
     nonfinite_problem,
 )
 from tests.helpers import ListSink, Nodes, config, reply
+from tests.hostile_defense import SLOW_SECONDS
 from tests.local_grid import LocalGrid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -350,9 +351,8 @@ def test_fedguard_run_exits_non_zero_when_the_global_model_turns_non_finite(tmp_
     assert [r["round"] for r in rows(out)] == [0, 1] and "stopped" in rows(out)[-1]
 
 
-@pytest.mark.slow
-def test_a_client_failing_in_a_real_simulation_is_named_with_its_reason(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+def hostile_run(out: Path, defense: str, *settings: str) -> subprocess.CompletedProcess[str]:
+    """``fedguard run`` of 3 clients for 2 rounds whose defense is ``tests.hostile_defense``'s ``defense``."""
     command = [str(Path(sys.executable).parent / "fedguard"), "run", "--out", str(out)]
     for setting in (
         "data.name=digits",
@@ -363,11 +363,18 @@ def test_a_client_failing_in_a_real_simulation_is_named_with_its_reason(tmp_path
         "train.rounds=2",
         "capture.rounds=none",
         "server.plugins=tests.hostile_defense",
-        "defense.name=broken-client-1",
+        f"defense.name={defense}",
+        *settings,
     ):
         command += ["--set", setting]
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+def test_a_client_failing_in_a_real_simulation_is_named_with_its_reason(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = hostile_run(out, "broken-client-1")
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     for row in rows(out)[1:]:
         assert row["clients"] == 2 and row["failures"] == 1, row
@@ -380,3 +387,14 @@ def test_a_client_failing_in_a_real_simulation_is_named_with_its_reason(tmp_path
         ), failed
     page = html.unescape((out / "report.html").read_text())
     assert "Clients left out of a round" in page and page.count("client 1's defense broke") == 2
+
+
+@pytest.mark.slow
+def test_a_client_past_the_round_timeout_is_a_straggler_and_the_round_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = hostile_run(out, "slow-client-1", "server.round-timeout=25")  # round 1 starts the clients: ~5 s
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    first, second = rows(out)[1:]
+    assert first["stragglers"] == [1] and first["clients"] == 2 and first["seconds"] < SLOW_SECONDS, first
+    assert "stragglers" not in second and second["clients"] == 3, second
+    assert "straggler" in html.unescape((out / "report.html").read_text())

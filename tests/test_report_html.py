@@ -242,23 +242,24 @@ def test_the_report_lists_every_client_a_round_went_without(tmp_path: Path) -> N
     folder = make_run(tmp_path, None)
     rows = [json.loads(line) for line in (folder / "rounds.jsonl").read_text().splitlines()]
     rows[1].update(clients=2, failures=1, failed=[{"client": 3, "node": 41, "reason": "ValueError: <broke>"}])
-    rows[2].update(clients=1, rejected=[{"client": 0, "reason": "shape (3,) where (2,) was sent"}])
+    rows[2].update(clients=1, rejected=[{"client": 0, "reason": "shape (3,) where (2,) was sent"}], stragglers=[5])
     rows[2]["detect"] = [{"client": 2, "structure": 9.5, "action": "skip"}, {"client": 1, "action": "report"}]
     rows[3].update(failures=2)  # a row from before failures named their clients
     (folder / "rounds.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     page = html.unescape(build_report(folder).read_text())
     panel = page[page.index("<h2>Clients left out of a round</h2>") :].split("</section>")[0]
-    assert "3 failed, 1 rejected, 1 declined" in panel
+    assert "3 failed, 1 straggler, 1 rejected, 1 declined" in panel
     cells = re.findall(
         r"<tr><td>(\d+)</td><td>([^<]+)</td><td><span[^>]*>(\w+)</span></td><td><code>(.*?)</code>", panel
     )
     assert cells == [
         ("1", "3 (node 41)", "failed", "ValueError: <broke>"),
+        ("2", "5", "straggler", "no reply within server.round-timeout"),
         ("2", "0", "rejected", "shape (3,) where (2,) was sent"),
         ("2", "2", "declined", "skip: its detectors flagged the model it received"),
         ("3", "?", "failed", "2 client(s); no reason recorded"),
     ]
-    assert '<div class="label">clients left out</div><div class="value">5</div>' in page
+    assert '<div class="label">clients left out</div><div class="value">6</div>' in page
     assert "<th>uploads aggregated</th>" in page and "<td>2</td><td>1.5</td>" in page
     quiet = make_run(tmp_path / "quiet", None)
     assert "Clients left out" not in build_report(quiet).read_text()

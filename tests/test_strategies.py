@@ -17,7 +17,7 @@ from flwr.serverapp.strategy import FedAvg, FedMedian, Krum
 from fedguard.config import ConfigError
 from fedguard.report.run_status import read_status
 from fedguard.runtime.client_app import make_client_app
-from fedguard.runtime.server_app import FederationMismatch, run_server, wait_for_nodes
+from fedguard.runtime.server_app import FederationMismatch, round_accounting, run_server, wait_for_nodes
 from fedguard.wire.records import array_record
 from strategies import AllClientsFailed, GradientStep, RoundGuard, StrategyContext, build_strategy
 from strategies.client_failures import FAILURE_CHARS, ClientFailure
@@ -102,6 +102,26 @@ def test_a_failure_keeps_the_exception_and_where_it_was_raised() -> None:
     assert ClientFailure.of(1, 2, "\x1b[91mnode went away\x1b[0m").reason == "node went away"  # no traceback: as sent
     long = ClientFailure.of(1, 2, "x" * 5000).reason
     assert len(long) == FAILURE_CHARS + 3 and long.startswith("...")
+
+
+def test_a_client_that_sends_no_reply_within_the_timeout_is_a_straggler() -> None:
+    seen = []
+    guard = RoundGuard(FedAvg(min_train_nodes=3), lambda *a: seen.append(a), RULES)
+    sent = list(guard.configure_train(1, array_record(["w"], [np.zeros(2, np.float32)]), ConfigRecord(), Nodes(3)))
+    from flwr.app import Error, Message
+
+    late = sorted(sent, key=lambda m: m.metadata.dst_node_id)[1]  # client 1's node: no reply by the timeout
+    replies = []
+    for m in sent:
+        m.metadata.__dict__["_message_id"] = "m"
+        if m is not late:
+            replies.append(Message(Error(code=0, reason="boom"), reply_to=m))
+    with pytest.raises(AllClientsFailed):
+        guard.aggregate_train(1, replies)
+    assert seen[0][5] == [1] and sorted(f.client for f in seen[0][2]) == [0, 2]
+    row: dict = {}
+    round_accounting(row)(*seen[0])
+    assert row["stragglers"] == [1] and row["failures"] == 2
 
 
 def test_the_round_guard_keeps_integer_buffers_integers() -> None:

@@ -1,6 +1,6 @@
 """The clients a round went without, from ``rounds.jsonl``: those that failed (their ClientApp raised or their
-process died), whose upload the server rejected, and whose detectors made them decline the round; each with its
-round, client and reason, for the run report."""
+process died), that sent no reply within ``server.round-timeout`` (stragglers), whose upload the server rejected,
+and whose detectors made them decline the round; each with its round, client and reason, for the run report."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from typing import Any
 
 from fedguard.store.rows import RoundRow
 
-FAILED, REJECTED, DECLINED = "failed", "rejected", "declined"
+FAILED, STRAGGLER, REJECTED, DECLINED = "failed", "straggler", "rejected", "declined"
 
 
 @dataclass(frozen=True)
 class LeftOut:
-    """A client left out of a round: ``how`` (``FAILED``, ``REJECTED``, ``DECLINED``) and why; ``count`` client-rounds
-    (more than 1 only for failures a row counts without naming their clients)."""
+    """A client left out of a round: ``how`` (``FAILED``, ``STRAGGLER``, ``REJECTED``, ``DECLINED``) and why;
+    ``count`` client-rounds (more than 1 only for failures a row counts without naming their clients)."""
 
     round: int
     client: str
@@ -41,6 +41,8 @@ def left_out(rounds: list[RoundRow]) -> list[LeftOut]:
         unnamed = int(row.get("failures") or 0) - len(row.get("failed") or [])
         if unnamed > 0:  # a row written before failures carried their clients
             found.append(LeftOut(round_, "?", FAILED, f"{unnamed} client(s); no reason recorded", unnamed))
+        for client in row.get("stragglers") or []:
+            found.append(LeftOut(round_, str(client), STRAGGLER, "no reply within server.round-timeout"))
         for entry in row.get("rejected") or []:
             found.append(LeftOut(round_, _client(entry), REJECTED, str(entry.get("reason", ""))))
         for entry in row.get("detect") or []:
@@ -52,7 +54,7 @@ def left_out(rounds: list[RoundRow]) -> list[LeftOut]:
 
 def left_out_counts(found: list[LeftOut]) -> dict[str, int]:
     """How many client-rounds were left out, per ``how``."""
-    return {how: sum(f.count for f in found if f.how == how) for how in (FAILED, REJECTED, DECLINED)}
+    return {how: sum(f.count for f in found if f.how == how) for how in (FAILED, STRAGGLER, REJECTED, DECLINED)}
 
 
 def left_out_html(rounds: list[RoundRow]) -> str:
@@ -61,7 +63,7 @@ def left_out_html(rounds: list[RoundRow]) -> str:
     if not found:
         return ""
     counts = ", ".join(f"{n} {how}" for how, n in left_out_counts(found).items() if n)
-    css = {FAILED: "error", REJECTED: "error", DECLINED: "timeout"}
+    css = {FAILED: "error", STRAGGLER: "timeout", REJECTED: "error", DECLINED: "timeout"}
     body = "".join(
         f"<tr><td>{f.round}</td><td>{escape(f.client)}</td>"
         f'<td><span class="badge {css[f.how]}">{f.how}</span></td><td><code>{escape(f.reason)}</code></td></tr>'

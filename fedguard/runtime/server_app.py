@@ -20,7 +20,7 @@ import functools
 import logging
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -230,7 +230,8 @@ def wait_for_nodes(grid: Grid, config: Config, poll: float = 0.5) -> int:
 def round_accounting(recorder_extra: dict[str, Any]) -> Any:
     """``on_replies`` of ``RoundGuard``: keeps the round's defense reports, sizes, reply counts, the clients that
     failed (``failures``, their number; ``failed``: ``{"client", "node", "reason"}`` each), rejected uploads
-    (``rejected``: ``{"client", "reason"}`` each), the clients' detector findings (``detect``:
+    (``rejected``: ``{"client", "reason"}`` each), the clients that did not reply within ``server.round-timeout``
+    (``stragglers``), the clients' detector findings (``detect``:
     ``{"client", <finding>: value, ..., "action"}`` each; ``declined``: how many skipped or refused the round)
     and ``skipped`` when no upload was left, for the row written with its evaluation."""
 
@@ -240,6 +241,7 @@ def round_accounting(recorder_extra: dict[str, Any]) -> Any:
         failed: list[ClientFailure],
         rejected: list[Rejection],
         findings: list[dict[str, Any]],
+        stragglers: Sequence[int] = (),
     ) -> None:
         recorder_extra.clear()
         reports = aggregate_reports(
@@ -260,6 +262,9 @@ def round_accounting(recorder_extra: dict[str, Any]) -> Any:
             recorder_extra["failed"] = [f.row() for f in failed]
             for failure in failed:
                 log.warning("round %d: %s", server_round, failure)
+        if stragglers:
+            recorder_extra["stragglers"] = list(stragglers)
+            log.warning("round %d: clients %s sent no reply within server.round-timeout", server_round, stragglers)
         if rejected:
             recorder_extra["rejected"] = [r.row() for r in rejected]
             for r in rejected:
@@ -395,6 +400,7 @@ def run_server(grid: Grid, config: Config) -> Path:
             grid,
             initial_arrays=array_record(card.names, arrays),
             num_rounds=config.train.rounds - done,
+            timeout=config.server.round_timeout,
             evaluate_fn=central_evaluation(config, card, recorder, latest, round_checkpoints(folder, strategy), done),
         )
         outcome = ("completed", "")

@@ -33,6 +33,7 @@ class RoundRow(TypedDict, total=False):
     clients: int
     failures: int
     failed: list[dict[str, Any]]  # {client, node, reason}: each client whose round failed
+    stragglers: list[int]  # the clients that sent no reply within server.round-timeout
     rejected: list[dict[str, Any]]  # {client, reason}
     detect: list[dict[str, Any]]  # per client: its detectors' findings (fedguard.detect.Verdict.row)
     declined: int
