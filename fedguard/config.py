@@ -142,6 +142,23 @@ class Config:
         flat.update(_param_keys(STRATEGY_PREFIX, STRATEGIES, (strategy,)))
         return flat
 
+    def used_flat(self) -> dict[str, Scalar]:
+        """The keys that shape this run: the sections' keys (``pool.*`` only when an attack runs,
+        ``detect.action`` only when a detector runs), each kind's ``name`` and the parameters of the chosen
+        components and of the strategy the run aggregates with, not those of every registered one."""
+        idle = {"pool"} if not self.attacks else set()
+        skipped = {"detect.action"} if not self.detectors else set()
+        chosen = {f"{kind}.{c.name}." for kind in [*COMPONENT_KINDS, *PARAMETER_KINDS] for c in self.components(kind)}
+        chosen.add(f"{STRATEGY_PREFIX}.{resolve_strategy(self.strategy.name, self.train.protocol)}.")
+        sections = {_key(prefix, f.name) for prefix, section in SECTIONS.items() for f in dataclasses.fields(section)}
+        names = {f"{kind}.name" for kind in COMPONENT_KINDS}
+        return {
+            key: value
+            for key, value in self.to_flat().items()
+            if key not in skipped
+            and (key in names or (key in sections and key.split(".")[0] not in idle) or key.startswith(tuple(chosen)))
+        }
+
     def components(self, kind: str) -> tuple[Component, ...]:
         """The chosen components of ``kind`` ('model', 'defense', 'attack', 'detect', 'manipulation')."""
         if kind in LISTED_KINDS:

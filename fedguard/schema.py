@@ -294,6 +294,10 @@ class TrackSection:
         "run folder: mlflow.db and mlflow-artifacts/)",
     )
     mlflow_experiment: str = option("fedguard", "MLflow experiment the run is logged in (created when missing)")
+    mlflow_parent: str = option(
+        "",
+        "id of the MLflow run this run is nested under ('' = none; fedguard sweep sets it to the sweep's run)",
+    )
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ from fedguard.store.folder import (
 )
 from fedguard.store.invocations import own_rows
 from fedguard.store.rows import AttackRow, RoundRow, read_attacks, read_rounds
+from fedguard.tracking.mlflow_sweep import sweep_parent
 
 SETTING_KINDS = ("diagnostic", "realistic")
 """What a setting is (EVALUATION.md, point 7): diagnostic finds worst cases (batch 1, untrained model, known
@@ -684,14 +685,15 @@ def run_sweep(
     seeded = sweep.seeds is not None
     pending = [run.config for run in sweep.runs if not finished(run)] if share_ray else []
     rows = []
-    with shared_ray(pending, progress) as ray_env:
+    tracked = [run.config for run in sweep.runs]
+    with shared_ray(pending, progress) as ray_env, sweep_parent(sweep.name, sweep.folder, tracked) as nest:
         for index, run in enumerate(sweep.runs, 1):
             label = f"[{index}/{len(sweep.runs)}] {run.setting}/{run.variant}" + (f" seed {run.seed}" if seeded else "")
             if finished(run):
                 progress(f"fedguard: {label}: finished earlier, kept ({run.folder})")
                 rows.append({**summarize_runs([run]), "seed": run.seed})
                 continue
-            rows.append(_run_once(run, label, timeout, ray_env, progress))
+            rows.append(_run_once(replace(run, config=nest(run.config)), label, timeout, ray_env, progress))
     write_jsonl(sweep.folder / RUNS_FILE, rows)
     cells = cell_rows(sweep.runs, rows, sweep.baseline)
     write_jsonl(sweep.folder / SWEEP_FILE, cells)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -46,6 +47,16 @@ ROUND_SCORES = ("accuracy", "loss", "seconds")
 ATTACK_SCORES = ("psnr", "ssim", "lpips", "label_accuracy", "seconds")
 
 
+def safe_name(key: str) -> str:
+    """``key`` with the characters MLflow refuses in a name (``+`` of ``attack.mjolnir+dlg``) as ``_``."""
+    return re.sub(r"[^\w\-. :/]", "_", key)
+
+
+def metric_name(*parts: str) -> str:
+    """The one name both trackers give a metric: ``parts`` joined by ``/`` (``attack/ig/ssim``), made safe."""
+    return safe_name("/".join(parts))
+
+
 def _finite(values: dict[str, Any]) -> dict[str, float]:
     return {
         key: float(value)
@@ -55,19 +66,20 @@ def _finite(values: dict[str, Any]) -> dict[str, float]:
 
 
 def round_scalars(row: dict[str, Any]) -> dict[str, float]:
-    """The finite numbers of a ``rounds.jsonl`` row: ``ROUND_SCORES`` and the defense's totals as
-    ``defense/<name>``."""
+    """The finite numbers of a ``rounds.jsonl`` row by metric name: ``round/<score>`` of ``ROUND_SCORES`` and
+    the defense's totals as ``defense/<name>``."""
     return _finite(
         {
-            **{key: row.get(key) for key in ROUND_SCORES},
-            **{f"defense/{name}": value for name, value in (row.get("defense") or {}).items()},
+            **{metric_name("round", key): row.get(key) for key in ROUND_SCORES},
+            **{metric_name("defense", name): value for name, value in (row.get("defense") or {}).items()},
         }
     )
 
 
 def attack_scalars(row: dict[str, Any]) -> dict[str, float]:
-    """The finite ``ATTACK_SCORES`` of an ``attacks.jsonl`` row (none for a failed attack)."""
-    return _finite({key: row.get(key) for key in ATTACK_SCORES})
+    """The finite ``ATTACK_SCORES`` of an ``attacks.jsonl`` row as ``attack/<attack>/<score>`` (none for a
+    failed attack)."""
+    return _finite({metric_name("attack", str(row["attack"]), key): row.get(key) for key in ATTACK_SCORES})
 
 
 def attack_images(folder: Path, row: dict[str, Any]) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -179,8 +191,13 @@ def _open(name: str, config: Config, folder: Path) -> Tracker:
     from fedguard.tracking.mlflow_log import MLflowTracker
 
     if config.track.mlflow_uri:
-        return MLflowTracker(config.track.mlflow_uri, config.track.mlflow_experiment)
-    local = folder.absolute()  # MLflow 3 refuses its plain file store: a SQLite store in the run folder instead
-    return MLflowTracker(
-        f"sqlite:///{local / MLFLOW_DB}", config.track.mlflow_experiment, artifacts=(local / MLFLOW_ARTIFACTS).as_uri()
-    )
+        return MLflowTracker(config.track.mlflow_uri, config.track.mlflow_experiment, folder)
+    uri, artifacts = local_store(folder)
+    return MLflowTracker(uri, config.track.mlflow_experiment, folder, artifacts=artifacts)
+
+
+def local_store(folder: Path) -> tuple[str, str]:
+    """(tracking URI, artifact location) of the MLflow store in ``folder``: ``mlflow.db`` (MLflow 3 refuses its
+    plain file store) and ``mlflow-artifacts/``."""
+    local = folder.absolute()
+    return f"sqlite:///{local / MLFLOW_DB}", (local / MLFLOW_ARTIFACTS).as_uri()
