@@ -185,10 +185,11 @@ def test_a_run_started_from_python_keeps_the_arrays_it_scored(tmp_path: Path) ->
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run.folder / "tensorboard")).Reload()
-    assert [e.step for e in events.Scalars("accuracy")] == [0, 1, 2], "the run's rounds reached TensorBoard"
+    assert [e.step for e in events.Scalars("round/accuracy")] == [0, 1, 2], "the run's rounds reached TensorBoard"
     assert [e.value for e in events.Scalars("attack/ig/ssim")] == pytest.approx([row["ssim"]])
     client = MlflowClient(f"sqlite:///{run.folder / 'mlflow.db'}")
     [tracked] = client.search_runs([client.get_experiment_by_name("fedguard").experiment_id])
-    assert tracked.info.status == "FINISHED" and tracked.data.metrics["attack.ig.psnr"] == pytest.approx(row["psnr"])
+    assert tracked.info.status == "FINISHED" and tracked.data.metrics["attack/ig/psnr"] == pytest.approx(row["psnr"])
+    assert tracked.info.run_name == run.folder.name, "an MLflow run is named after its folder"
     with pytest.raises(FileExistsError, match="already holds a run"):
         fedguard.run(QUICKSTART, out=tmp_path / "run", progress=None)
