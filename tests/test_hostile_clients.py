@@ -319,47 +319,16 @@ def test_a_global_model_turning_non_finite_stops_the_run(tmp_path: Path) -> None
     assert last["round"] == 1 and last["stopped"].startswith("the global model's array '")
 
 
-@pytest.mark.slow
-@pytest.mark.heavy
-def test_fedguard_run_exits_non_zero_when_the_global_model_turns_non_finite(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+def hostile_run(out: Path, defense: str, *settings: str, clients: int = 3) -> subprocess.CompletedProcess[str]:
+    """``fedguard run`` of ``clients`` clients for 2 rounds whose defense is ``tests.hostile_defense``'s
+    ``defense``."""
     command = [str(Path(sys.executable).parent / "fedguard"), "run", "--out", str(out)]
     for setting in (
         "data.name=digits",
         "model.name=mlp",
         "model.mlp.hidden=16",
-        "partition.num-clients=2",
-        "train.clients-per-round=2",
-        "train.rounds=2",
-        "capture.rounds=none",
-        "server.plugins=tests.hostile_defense",
-        "defense.name=overflow",
-    ):
-        command += ["--set", setting]
-    result = subprocess.run(
-        command,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"},
-    )
-    assert result.returncode != 0, (result.stdout + result.stderr)[-3000:]
-    assert "Traceback" not in result.stdout + result.stderr, "an explained stop prints no traceback"
-    status = read_status(out)
-    assert status["status"] == "failed" and "NonFiniteModel: round 1" in status["error"], status
-    assert [r["round"] for r in rows(out)] == [0, 1] and "stopped" in rows(out)[-1]
-
-
-def hostile_run(out: Path, defense: str, *settings: str) -> subprocess.CompletedProcess[str]:
-    """``fedguard run`` of 3 clients for 2 rounds whose defense is ``tests.hostile_defense``'s ``defense``."""
-    command = [str(Path(sys.executable).parent / "fedguard"), "run", "--out", str(out)]
-    for setting in (
-        "data.name=digits",
-        "model.name=mlp",
-        "model.mlp.hidden=16",
-        "partition.num-clients=3",
-        "train.clients-per-round=3",
+        f"partition.num-clients={clients}",
+        f"train.clients-per-round={clients}",
         "train.rounds=2",
         "capture.rounds=none",
         "server.plugins=tests.hostile_defense",
@@ -369,6 +338,18 @@ def hostile_run(out: Path, defense: str, *settings: str) -> subprocess.Completed
         command += ["--set", setting]
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_fedguard_run_exits_non_zero_when_the_global_model_turns_non_finite(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = hostile_run(out, "overflow", clients=2)
+    assert result.returncode != 0, (result.stdout + result.stderr)[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr, "an explained stop prints no traceback"
+    status = read_status(out)
+    assert status["status"] == "failed" and "NonFiniteModel: round 1" in status["error"], status
+    assert [r["round"] for r in rows(out)] == [0, 1] and "stopped" in rows(out)[-1]
 
 
 @pytest.mark.slow

@@ -122,7 +122,7 @@ class RoundLog(StrategyWrapper):
                 continue
             kept.append(reply)
             uploads.append(read_upload(reply, arrays=False))
-        self.on_replies(server_round, uploads, errors, [], findings)
+        self.on_replies(server_round, uploads, errors, [], findings, [])  # no rejections, no straggler count
         return self.strategy.aggregate_train(server_round, kept)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:

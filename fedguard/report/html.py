@@ -30,7 +30,7 @@ from fedguard.config import NO_ATTACK, ConfigError
 from fedguard.metrics.scoring import LEAK_SSIM
 from fedguard.report.comparison import write_comparison
 from fedguard.report.images import grid_array, load_png
-from fedguard.report.left_out import FAILED, left_out, left_out_counts, left_out_html
+from fedguard.report.left_out import FAILED, LeftOut, left_out, left_out_counts, left_out_html, left_out_summary
 from fedguard.report.recorded import RecordedConfig, read_recorded_config
 from fedguard.report.run_status import read_status
 from fedguard.store.folder import (
@@ -360,7 +360,7 @@ def _header(run_dir: Path, recorded: RecordedConfig | None, problems: list[str],
     return "\n".join(parts)
 
 
-def _stats(rounds: list[RoundRow], attacks: list[AttackRow]) -> str:
+def _stats(rounds: list[RoundRow], attacks: list[AttackRow], found: list[LeftOut]) -> str:
     cards: list[tuple[str, str, str, str]] = []  # label, value, detail, css class
     scored = [row for row in rounds if _number(row.get("accuracy")) is not None]
     if scored:
@@ -370,10 +370,10 @@ def _stats(rounds: list[RoundRow], attacks: list[AttackRow]) -> str:
         cards.append(("final accuracy", _pct(last["accuracy"]), since, ""))
         cards.append(("best accuracy", _pct(best["accuracy"]), f"at round {best.get('round')}", ""))
         cards.append(("final loss", _fmt(last.get("loss"), 4), f"from {_fmt(first.get('loss'), 4)}", ""))
-    counts = left_out_counts(left_out(rounds))
-    if any(counts.values()):
-        detail = ", ".join(f"{n} {how}" for how, n in counts.items() if n)
-        cards.append(("clients left out", str(sum(counts.values())), detail, "bad" if counts[FAILED] else ""))
+    counts = left_out_counts(found)
+    if found:
+        total, bad = str(sum(counts.values())), "bad" if counts[FAILED] else ""
+        cards.append(("clients left out", total, left_out_summary(found), bad))
     seconds = sum(n for row in rounds if (n := _number(row.get("seconds"))) is not None and math.isfinite(n))
     cards.append(("wall time", _duration(seconds), f"{len(rounds)} rows in {ROUNDS_FILE}", ""))
     if attacks:
@@ -782,10 +782,11 @@ def _page(run_dir: Path, notes: _Notes) -> str:
     attacks = sorted(labelled, key=_sort_key)
     images = EmbeddedImages()
     title = str(config.value("name", run_dir.name)) if config else run_dir.name
+    found = left_out(rounds)
     sections = [
-        _stats(rounds, attacks),
+        _stats(rounds, attacks, found),
         _training(rounds, attacks, images),
-        left_out_html(rounds),
+        left_out_html(found),
         _attacks(run_dir, attacks, images, notes),
     ]
     problems = ([config_problem] if config_problem else []) + _ending(run_dir)

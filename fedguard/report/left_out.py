@@ -57,12 +57,16 @@ def left_out_counts(found: list[LeftOut]) -> dict[str, int]:
     return {how: sum(f.count for f in found if f.how == how) for how in (FAILED, STRAGGLER, REJECTED, DECLINED)}
 
 
-def left_out_html(rounds: list[RoundRow]) -> str:
-    """A panel listing every client left out of a round, or '' when none was."""
-    found = left_out(rounds)
+def left_out_summary(found: list[LeftOut]) -> str:
+    """How many client-rounds were left out, by how: '3 failed, 1 rejected'."""
+    return ", ".join(f"{n} {how}" for how, n in left_out_counts(found).items() if n)
+
+
+def left_out_html(found: list[LeftOut]) -> str:
+    """A panel listing every client left out of a round (``left_out``), or '' when none was."""
     if not found:
         return ""
-    counts = ", ".join(f"{n} {how}" for how, n in left_out_counts(found).items() if n)
+    counts = left_out_summary(found)
     css = {FAILED: "error", STRAGGLER: "timeout", REJECTED: "error", DECLINED: "timeout"}
     body = "".join(
         f"<tr><td>{f.round}</td><td>{escape(f.client)}</td>"

@@ -20,7 +20,7 @@ import functools
 import logging
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ from fedguard.wire.records import Upload, array_record
 from strategies import FedSGD, GradientStep, HonestButCurious, Malicious, RoundGuard, SparseUploads, StrategyContext
 from strategies.client_failures import ClientFailure
 from strategies.registry import aggregates_gradients, build_strategy, resolve
+from strategies.round_guard import OnReplies
 from strategies.state import restore_strategy_state, strategy_state
 from strategies.upload_checks import NonFiniteModel, Rejection, nonfinite_problem
 from strategies.wrapper import aggregation_line
@@ -227,7 +228,7 @@ def wait_for_nodes(grid: Grid, config: Config, poll: float = 0.5) -> int:
     )
 
 
-def round_accounting(recorder_extra: dict[str, Any]) -> Any:
+def round_accounting(recorder_extra: dict[str, Any]) -> OnReplies:
     """``on_replies`` of ``RoundGuard``: keeps the round's defense reports, sizes, reply counts, the clients that
     failed (``failures``, their number; ``failed``: ``{"client", "node", "reason"}`` each), rejected uploads
     (``rejected``: ``{"client", "reason"}`` each), the clients that did not reply within ``server.round-timeout``
@@ -241,7 +242,7 @@ def round_accounting(recorder_extra: dict[str, Any]) -> Any:
         failed: list[ClientFailure],
         rejected: list[Rejection],
         findings: list[dict[str, Any]],
-        stragglers: Sequence[int] = (),
+        stragglers: list[int],
     ) -> None:
         recorder_extra.clear()
         reports = aggregate_reports(
