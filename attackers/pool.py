@@ -22,12 +22,13 @@ the cluster at ``address``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +196,7 @@ class AttackPool:
         self._ready: list[bool] = []
         self._ready_refs: dict[Any, int] = {}
         self._started = False
+        self._held = 0
         self._busy: dict[ray.ObjectRef[Any], _Dispatch] = {}
         self._queue: deque[_Task] = deque()
         self._lock = threading.Lock()
@@ -236,6 +238,29 @@ class AttackPool:
         factories = {a.name: a.factory for a in self.attacks}
         return AttackWorkerActor.options(**options).remote(Call(AttackWorker, factories, self.threads))
 
+    def warm_up(self) -> None:
+        """Start the workers now rather than at the first submit, where Ray is already up (inside a simulation,
+        whose engine started it) and the workers claim no GPU (on a GPU they start at the first submit, once
+        the simulated clients took their share of it); otherwise nothing."""
+        if self.use_gpu or not ray.is_initialized():
+            return
+        with self._lock:
+            if not self._started and not self._closing.is_set():
+                self._started = True
+                self._thread.start()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Nothing is dispatched while the block runs: the observations submitted in it (one round's) are
+        grouped as if they had come at once, however soon a worker is free."""
+        with self._lock:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held -= 1
+
     def submit(self, obs: Observation) -> None:
         """Queue one task per attack that applies to ``obs``; returns immediately. Raises ``RuntimeError``
         after ``close``."""
@@ -274,6 +299,8 @@ class AttackPool:
         if self._closing.is_set() or self.stop() is not None:
             return
         with self._lock:
+            if self._held:
+                return
             for worker in self._idle_workers():
                 if not self._queue:
                     return

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -63,8 +65,22 @@ class FanOut:
         for sink in self.sinks:
             sink.submit(obs)
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Each sink's ``held`` block (a sink without one is not held) around the block."""
+        with contextlib.ExitStack() as stack:
+            for sink in self.sinks:
+                stack.enter_context(held(sink))
+            yield
+
     def close(self, timeout: float | None = None) -> None:
         """Close each sink in order, all within ``timeout`` seconds together."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for sink in self.sinks:
             sink.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def held(sink: ObservationSink) -> contextlib.AbstractContextManager[None]:
+    """``sink.held()`` where the sink has one (it acts on the block's observations as on one batch), else nothing."""
+    hold = getattr(sink, "held", None)
+    return hold() if callable(hold) else contextlib.nullcontext()

@@ -1,7 +1,8 @@
 """fedguard: what a server can reconstruct from federated uploads, and which defense stops it.
 
 The Python API (``fedguard.api``): ``run`` and ``run_sweep`` start an experiment or a sweep as the command line
-does; ``attack`` attacks a finished run's saved uploads again in this process; ``open_run`` opens what one wrote
+does (``run(..., warm=True)`` in a runtime kept for the process's next runs until ``close()``); ``attack``
+attacks a finished run's saved uploads again in this process; ``open_run`` opens what one wrote
 (``RunResults``, ``SweepResults``) as pandas DataFrames and arrays.
 """
 
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from fedguard.api import RunFailed, RunResults, SweepResults, as_config, attack, open_run, run, run_sweep
+    from fedguard.api import RunFailed, RunResults, SweepResults, as_config, attack, close, open_run, run, run_sweep
 
 __all__ = [
     "RunFailed",
@@ -21,6 +22,7 @@ __all__ = [
     "__version__",
     "as_config",
     "attack",
+    "close",
     "open_run",
     "run",
     "run_sweep",

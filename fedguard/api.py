@@ -20,6 +20,7 @@ same tables.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import subprocess
 import sys
@@ -33,6 +34,7 @@ import numpy as np
 from fedguard.config import Config, ConfigError, load_config
 from fedguard.report.run_dir import config_toml, resolve_run_dir
 from fedguard.report.run_status import read_status
+from fedguard.runtime.simulation import joins_cluster
 from fedguard.store.folder import (
     CONFIG_FILE,
     REPORT_FILE,
@@ -46,6 +48,8 @@ from fedguard.store.vault import read_scored_images
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from fedguard.runtime.warm import WarmRuntime
 
 ConfigLike = Config | Mapping[str, Any] | str | Path
 """A preset's path, a mapping of keys (flat ``{"train.rounds": 2}`` or nested ``{"train": {"rounds": 2}}``) or a
@@ -257,17 +261,49 @@ def _follow(command: list[str], progress: Callable[[str], None] | None) -> tuple
     return process.returncode, "\n".join(tail)
 
 
+_WARM: dict[str, WarmRuntime] = {}  # this process's warm runtime, once a warm run started it
+
+
+def close() -> None:
+    """Stop the warm runtime ``run(..., warm=True)`` started (its Ray cluster and runner); the next warm run starts
+    a new one. Called at this process's exit too."""
+    runtime = _WARM.pop("runtime", None)
+    if runtime is not None:
+        runtime.close()
+
+
+def _warm_runtime(cpus: int) -> WarmRuntime:
+    """This process's warm runtime with a cluster of ``cpus`` CPUs (the one running, or a new one when it has
+    another count)."""
+    from fedguard.runtime.warm import WarmRuntime
+
+    runtime = _WARM.get("runtime")
+    if runtime is not None and runtime.cpus != cpus:
+        close()
+        runtime = None
+    if runtime is None:
+        if not _WARM:
+            atexit.register(close)
+        runtime = _WARM["runtime"] = WarmRuntime(cpus)
+    return runtime
+
+
 def run(
     config: ConfigLike,
     out: str | Path | None = None,
     overrides: Iterable[str] = (),
     progress: Callable[[str], None] | None = print,
+    warm: bool = False,
 ) -> RunResults:
     """Run one experiment to its end and open its folder.
 
     ``config``: a preset's path, a mapping of keys or a ``Config``; ``overrides``: ``key=value`` strings applied
     after it; ``out``: the run's folder (default: the config's ``out-dir``, else ``runs/<name>``, or
     ``runs/<name>-2`` ... when that holds a run). ``progress`` receives each line ``fedguard run`` prints.
+    ``warm``: run it in this process's warm runtime (``fedguard.runtime.warm``: a Ray cluster and a runner
+    started by the first warm run and kept for the next ones until ``close()`` or this process's exit), so a
+    run pays for no process, SuperLink or Ray start; the results are those of a cold run. A configuration that
+    joins a Ray cluster of its own (``sim.address``, ``RAY_ADDRESS``) runs cold.
     Raises ``ConfigError`` before anything runs when the configuration is invalid, ``FileExistsError`` when
     ``out`` (or ``out-dir``) already holds a run, ``RunFailed`` (with the folder) when the run fails."""
     resolved = as_config(config, overrides)
@@ -280,7 +316,13 @@ def run(
     with tempfile.TemporaryDirectory() as scratch:
         preset = Path(scratch, "preset.toml")
         preset.write_text(config_toml(resolved))
-        code, tail = _follow([sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(folder)], progress)
+        if warm and joins_cluster(resolved) is None:
+            log = Path(scratch, "run.log")
+            code = _warm_runtime(resolved.sim.num_cpus).run(preset, folder, log, progress=progress)
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        else:
+            command = [sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(folder)]
+            code, tail = _follow(command, progress)
     if code != 0:
         status = read_status(folder) or {}
         raise RunFailed(f"fedguard run failed (exit code {code}) in {folder}: {status.get('error') or tail}", folder)

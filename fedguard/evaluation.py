@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -145,6 +146,7 @@ class Evaluator:
                 row.update(self._scores(outcome.observation, outcome.reconstruction, context))
             except Exception:
                 row.update(status="score-error", error=f"scoring failed:\n{traceback.format_exc(limit=-3)}"[-2000:])
+        row["at"] = round(time.time(), 3)
         with self._lock:
             self.rows.append(row)
             with JsonlAppender(self.run_dir / ATTACKS_FILE) as rows:

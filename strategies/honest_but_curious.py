@@ -22,7 +22,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from attackers.manipulation import HONEST
-from attackers.sinks import ObservationSink
+from attackers.sinks import ObservationSink, held
 from fedguard.aggregate import AGGREGATE_CLIENT, aggregate_declaration, weighted_mean
 from fedguard.observation import UPLOAD_KINDS, ModelCard, Observation
 from fedguard.selection import Selection
@@ -124,11 +124,12 @@ class HonestButCurious(StrategyWrapper):
         sent = self.sent.pop(server_round, None)
         if sent is not None:
             uploads = by_client([read_upload(reply) for reply in replies if not reply.has_error()])
-            if self.secure:
-                self.capture_aggregate(server_round, *sent, uploads)
-            else:
-                for upload in uploads:
-                    self.capture(server_round, *sent, upload)
+            with held(self.sink):  # the round's captures reach the attacks as one batch
+                if self.secure:
+                    self.capture_aggregate(server_round, *sent, uploads)
+                else:
+                    for upload in uploads:
+                        self.capture(server_round, *sent, upload)
         return self.strategy.aggregate_train(server_round, replies)
 
     def capture_aggregate(

@@ -29,7 +29,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from attackers.manipulation import HONEST, ClientManipulation, Manipulation
-from attackers.sinks import ObservationSink
+from attackers.sinks import ObservationSink, held
 from fedguard.observation import ModelCard
 from fedguard.selection import Selection
 from fedguard.wire.records import array_record, read_upload
@@ -122,7 +122,8 @@ class Malicious(HonestButCurious):
         if server_round in self._per_node:
             sent_by_node = self._per_node.pop(server_round)
             replies = list(replies)
-            self.learn(server_round, sent_by_node, replies)
+            with held(self.sink):  # the round's captures reach the attacks as one batch
+                self.learn(server_round, sent_by_node, replies)
             on_honest = [r for r in replies if sent_by_node.get(r.metadata.src_node_id, ((), ""))[1] == HONEST]
             return self.strategy.aggregate_train(server_round, on_honest) if on_honest else (None, None)
         aggregated, metrics = super().aggregate_train(server_round, replies)

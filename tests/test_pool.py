@@ -406,3 +406,19 @@ def test_each_observation_goes_to_every_attack_that_exploits_its_manipulation(ma
     got = sorted((o.attack, o.observation.client, o.status) for o in outcomes.items)
     assert got == [("honest-a", 0, "ok"), ("honest-b", 0, "ok"), ("trap", 1, "ok")]
     assert all(o.reconstruction.stats["group"] == 1 for o in outcomes.items), "attacks are never grouped together"
+
+
+def test_a_warmed_up_pool_has_its_workers_up_before_the_first_submit_and_groups_a_held_batch(make_pool) -> None:
+    outcomes = Outcomes()
+    pool = make_pool(outcomes, group=4)
+    pool.warm_up()  # Ray is up (the fixture's cluster), as inside a simulation
+    wait_until_started(pool)  # the workers exist and ran their constructor, with nothing submitted
+    assert pool._ready_refs or all(pool._ready)
+    batch = [observation(c) for c in range(4)]
+    with pool.held():
+        for obs in batch:
+            pool.submit(obs)
+            time.sleep(0.15)  # three of the pool's polls between two submits: a free worker would take each alone
+    outcomes.wait(len(batch))
+    pool.close(timeout=10)
+    assert [o.reconstruction.stats["call"] for o in outcomes.items] == [(0, 1, 2, 3)] * 4, "the held round as one"

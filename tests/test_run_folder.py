@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from fedguard.store.folder import (
     write_json,
     write_jsonl,
 )
+from fedguard.store.rows import busy_span
 from tests.test_evaluation import make_run as make_captured_run
 from tests.test_sweep import SMALL
 
@@ -139,6 +141,22 @@ def test_a_diverged_model_writes_strict_rounds(tmp_path: Path) -> None:
     recorder.close()
     rows = [strict(line) for line in (tmp_path / ROUNDS_FILE).read_text().splitlines()]
     assert rows[1]["loss"] is None and rows[1]["non_finite"]["/defense/epsilon"] == "Infinity"
+
+
+def test_round_and_attack_rows_carry_when_they_were_written_and_give_the_runs_busy_span(tmp_path: Path) -> None:
+    before = time.time()
+    recorder = RoundRecorder(tmp_path / ROUNDS_FILE, total_rounds=2, clients_per_round=1, out=io.StringIO())
+    time.sleep(0.05)
+    recorder.record(0, 2.3, 0.1)
+    recorder.record(1, 2.2, 0.2)
+    recorder.close()
+    rounds = [json.loads(line) for line in (tmp_path / ROUNDS_FILE).read_text().splitlines()]
+    assert before - 1e-3 <= rounds[0]["at"] <= rounds[1]["at"] <= time.time() + 1e-3  # kept to the millisecond
+    write_jsonl(tmp_path / ATTACKS_FILE, [{"round": 1, "client": 0, "at": rounds[1]["at"] + 7.5}, {"round": 1}])
+    start, end = busy_span(tmp_path) or (0.0, 0.0)
+    assert start == pytest.approx(rounds[0]["at"] - rounds[0]["seconds"]) and start >= before - 1e-3
+    assert end == rounds[1]["at"] + 7.5, "the last attack row ends the span"
+    assert busy_span(tmp_path / "empty") is None
 
 
 def test_a_torn_last_line_is_skipped_with_a_warning_and_a_damaged_line_is_named(tmp_path: Path) -> None:

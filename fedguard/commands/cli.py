@@ -206,30 +206,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run a Flower simulation of the configured federation: check the configuration, data and files first,
     then follow the run to its end (rounds, attacks, report)."""
     # A light process (fedguard.runtime.launcher) takes this one's place and waits for the run.
-    from attackers.base import check_attack_files
-    from fedguard.data import load_dataset
-    from fedguard.defenses.base import check_defense_files
-    from fedguard.report.run_dir import resolve_run_dir
-    from fedguard.runtime.simulation import prepare, resource_problems
-    from fedguard.tracking import tracker_problems
+    from fedguard.runtime.preflight import ready
+    from fedguard.runtime.simulation import prepare
 
-    config = _resumed(args) if args.resume is not None else _resolve(args)
-    if problems := resource_problems(config) + tracker_problems(config):  # this machine's, before anything loads
-        raise ConfigError(problems)
-    check_attack_files(config.attacks)  # the simulated clients read this machine's files: check them all now
-    data = load_dataset(config.data.name, config.data.source_options())
-    check_defense_files(config.defense.name, config.defense.params, clients_here=True, spec=data.spec)
-    folder = Path(config.run.out_dir) if config.run.resume else resolve_run_dir(config)
-    if problem := writable_problem("--out", args.out) if args.out else writable_problem("out-dir", folder):
-        raise ConfigError([problem])
-    config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder)))
+    config, line = ready(_resumed(args) if args.resume is not None else _resolve(args), args.out)
     plan = prepare(config, verbose=args.verbose)
-    print(
-        f"fedguard: {config.partition.num_clients} clients ({config.partition.name}) on {data.name} "
-        f"({len(data.train)} train / {len(data.test)} test), model {config.model.name}, "
-        f"{config.train.protocol} for {config.train.rounds} rounds, defense {config.defense.name}",
-        flush=True,
-    )
+    print(line, flush=True)
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, "-m", "fedguard.runtime.launcher", str(plan.save())])
     return 1  # not reached: execv replaces this process
@@ -291,7 +273,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated sweep stops its run as Ctrl-C does, results kept
     print(f"fedguard: sweep {sweep.name}: {len(sweep.runs)} runs in {sweep.folder}", flush=True)
     start = time.perf_counter()
-    rows = run_sweep(sweep, lambda line: print(line, flush=True))
+    rows = run_sweep(sweep, lambda line: print(line, flush=True), warm=not args.cold)
     print((sweep.folder / SUMMARY_FILE).read_text(), end="")
     print(f"fedguard: sweep done in {time.perf_counter() - start:.0f} s; summary in {sweep.folder / SUMMARY_FILE}")
     return 0 if all(row["status"] == "ok" and not row["failed_seeds"] for row in rows) else 1
@@ -497,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seed_list,
         metavar="N[,N...]",
         help="run these seeds instead of the preset's [sweep] seeds, e.g. --seeds 0",
+    )
+    sweep.add_argument(
+        "--cold",
+        action="store_true",
+        help="run each run as its own `fedguard run` process (its own Python, SuperLink and Flower submission) "
+        "instead of one after another in one warm runner; the results are the same",
     )
     sweep.set_defaults(handler=cmd_sweep)
 

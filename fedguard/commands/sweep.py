@@ -15,12 +15,13 @@ A sweep preset is a run preset with a ``[sweep]`` table::
     defense = { name = "dp", dp = { noise-multiplier = 0.01 } }
 
 Every (setting, variant) pair is a cell, run once per seed: the preset's keys, then the setting's, then the
-variant's, then the seed. All runs are validated before the first one starts. Each runs as its own
-``fedguard run`` process in ``<sweep folder>/<setting>/<variant>`` (``.../<variant>/seed-<n>`` when the
-preset declares ``seeds``), so a run that fails is reported and the others go on; the runs join one Ray
-cluster started for the sweep where they would each have started the same (``fedguard.runtime.ray_head``); a
-run folder that already holds ``rounds.jsonl`` with every round is kept, not run again (a stopped sweep
-resumes). ``runs.jsonl``
+variant's, then the seed. All runs are validated before the first one starts. Each runs as its own Flower run
+in ``<sweep folder>/<setting>/<variant>`` (``.../<variant>/seed-<n>`` when the preset declares ``seeds``), so a
+run that fails is reported and the others go on; the runs join one Ray cluster started for the sweep where they
+would each have started the same (``fedguard.runtime.ray_head``), and run one after another in one warm runner
+on it (``fedguard.runtime.warm``: no process, SuperLink or Ray start per run), or each as its own ``fedguard
+run`` process where they cannot share the cluster or ``warm`` is off; a run folder that already holds
+``rounds.jsonl`` with every round is kept, not run again (a stopped sweep resumes). ``runs.jsonl``
 holds one row per run, ``sweep.jsonl`` one row per cell over its seeds (``summarize_runs``: means, the
 ``privacy`` object of ``fedguard.report.leakage``, accuracy with its interval over seeds; a failed run is
 left out and counted in ``failed_seeds``) and ``summary.md`` the table per variant; a reproduction
@@ -32,13 +33,14 @@ skipped with a warning, and every file appears whole.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,7 @@ from fedguard.report.run_status import read_status
 from fedguard.report.statistics import over_seeds
 from fedguard.report.sweep_html import build_sweep_page
 from fedguard.runtime.ray_head import shared_ray
+from fedguard.runtime.warm import WarmRuntime
 from fedguard.store.folder import (
     RUNS_FILE,
     SUMMARY_FILE,
@@ -675,10 +678,12 @@ def run_sweep(
     progress: Callable[[str], None] = print,
     timeout: float | None = None,
     share_ray: bool = True,
+    warm: bool = True,
 ) -> list[dict[str, Any]]:
-    """Run every run of ``sweep`` that is not finished yet, one process each, on one Ray cluster where they can
-    share it and ``share_ray`` (``fedguard.runtime.ray_head``); write ``runs.jsonl`` (a row per run),
-    ``sweep.jsonl`` (a row per cell) and ``summary.md``; returns the cells' rows."""
+    """Run every run of ``sweep`` that is not finished yet on one Ray cluster where they can share it and
+    ``share_ray`` (``fedguard.runtime.ray_head``): one after another in one warm runner
+    (``fedguard.runtime.warm``) when ``warm``, else one ``fedguard run`` process each; write ``runs.jsonl`` (a
+    row per run), ``sweep.jsonl`` (a row per cell) and ``summary.md``; returns the cells' rows."""
     sweep.folder.mkdir(parents=True, exist_ok=True)
     if sweep.invocation:
         write_atomic(sweep.folder / INVOCATION_FILE, json.dumps(sweep.invocation, indent=1) + "\n")
@@ -686,14 +691,18 @@ def run_sweep(
     pending = [run.config for run in sweep.runs if not finished(run)] if share_ray else []
     rows = []
     tracked = [run.config for run in sweep.runs]
-    with shared_ray(pending, progress) as ray_env, sweep_parent(sweep.name, sweep.folder, tracked) as nest:
+    with (
+        shared_ray(pending, progress) as ray_env,
+        sweep_parent(sweep.name, sweep.folder, tracked) as nest,
+        _runner(ray_env, warm) as runtime,
+    ):
         for index, run in enumerate(sweep.runs, 1):
             label = f"[{index}/{len(sweep.runs)}] {run.setting}/{run.variant}" + (f" seed {run.seed}" if seeded else "")
             if finished(run):
                 progress(f"fedguard: {label}: finished earlier, kept ({run.folder})")
                 rows.append({**summarize_runs([run]), "seed": run.seed})
                 continue
-            rows.append(_run_once(replace(run, config=nest(run.config)), label, timeout, ray_env, progress))
+            rows.append(_run_once(replace(run, config=nest(run.config)), label, timeout, ray_env, progress, runtime))
     write_jsonl(sweep.folder / RUNS_FILE, rows)
     cells = cell_rows(sweep.runs, rows, sweep.baseline)
     write_jsonl(sweep.folder / SWEEP_FILE, cells)
@@ -712,15 +721,35 @@ def run_sweep(
     return cells
 
 
+@contextlib.contextmanager
+def _runner(ray_env: dict[str, str], warm: bool) -> Iterator[WarmRuntime | None]:
+    """A warm runtime on the sweep's shared cluster when ``warm`` and there is one, else None; closed at the end."""
+    if not (warm and ray_env):
+        yield None
+        return
+    with WarmRuntime(0, address=ray_env["RAY_ADDRESS"]) as runtime:
+        yield runtime
+
+
 def _run_once(
-    run: SweepRun, label: str, timeout: float | None, env: dict[str, str], progress: Callable[[str], None]
+    run: SweepRun,
+    label: str,
+    timeout: float | None,
+    env: dict[str, str],
+    progress: Callable[[str], None],
+    runtime: WarmRuntime | None = None,
 ) -> dict[str, Any]:
-    """Run ``run`` as its own ``fedguard run`` (``env`` added to its environment); its ``runs.jsonl`` row."""
+    """Run ``run`` in ``runtime``, else as its own ``fedguard run`` (``env`` added to its environment); its
+    ``runs.jsonl`` row."""
     run.folder.mkdir(parents=True, exist_ok=True)
     preset, log = run.folder.with_suffix(".toml"), run.folder.with_suffix(".log")
     write_atomic(preset, config_toml(run.config))
     progress(f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}")
-    code = run_one([sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)], log, timeout, env)
+    if runtime is not None:
+        code = runtime.run(preset, run.folder, log, timeout)
+    else:
+        command = [sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)]
+        code = run_one(command, log, timeout, env)
     if code != 0:
         failed = failed_row(run, failure_reason(run, code, log), log)
         progress(f"fedguard: {label}: failed: {failed['error']} (log {log})")

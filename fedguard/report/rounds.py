@@ -45,6 +45,7 @@ class RoundRecorder:
         """Write one row and print a progress line; returns the row."""
         now = time.perf_counter()
         row = {"round": round_, "accuracy": accuracy, "loss": loss, "seconds": round(now - self._last, 4), **extra}
+        row["at"] = round(time.time(), 3)
         self._last = now
         self.rows.append(row)
         self._file.append(row)

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
@@ -181,23 +182,32 @@ def launch(plan: Launch) -> Path:
             os.close(lock)
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    return _ending(Path(plan.out_dir), signum)
+    return ending(Path(plan.out_dir), signum)
 
 
 def _supervised(plan: Launch, lock: int) -> int | None:
     """Run ``plan`` under a watcher (``fedguard.runtime.supervisor``) that holds ``lock`` too and stops the run should
     this process die; returns the signal that stopped the run, or None."""
+    with watched(plan.out_dir, lock, plan.env) as token:
+        return _run(plan, {**plan.env, RUN_TOKEN_ENV: token})
+
+
+@contextlib.contextmanager
+def watched(out_dir: str, lock: int, env: dict[str, str]) -> Iterator[str]:
+    """A watcher (``fedguard.runtime.supervisor``) of the run writing ``out_dir`` while the block runs: it holds
+    ``lock`` too, and should this process die before the block ends, it stops the processes carrying the token
+    yielded (``RUN_TOKEN_ENV``) and records the run as interrupted."""
     token = secrets.token_hex(16)
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "fedguard.runtime.supervisor", plan.out_dir, token, str(os.getpid())],
+        [sys.executable, "-m", "fedguard.runtime.supervisor", out_dir, token, str(os.getpid())],
         stdin=subprocess.PIPE,
-        env=plan.env,
+        env=env,
         pass_fds=(lock,),
         start_new_session=True,
     )
     assert watcher.stdin is not None
     try:
-        return _run(plan, {**plan.env, RUN_TOKEN_ENV: token})
+        yield token
     finally:
         with contextlib.suppress(OSError):
             watcher.stdin.write(DONE)
@@ -266,7 +276,7 @@ def _run(plan: Launch, env: dict[str, str]) -> int | None:
     return stop.signum
 
 
-def _ending(folder: Path, signum: int | None) -> Path:
+def ending(folder: Path, signum: int | None) -> Path:
     """``folder`` when its run completed; ``Interrupted`` when ``signum`` stopped it; else ``LaunchError``."""
     status = read_status(folder)
     if signum is not None:
@@ -316,11 +326,11 @@ def _stream(
 def _print_output(stream: IO[str], verbose: bool) -> None:
     """Print the lines of ``stream`` as they come, but Flower's own INFO lines unless ``verbose``."""
     for line in stream:
-        if verbose or not _is_flower_chatter(line):
+        if verbose or not is_flower_chatter(line):
             print(line, end="", flush=True)
 
 
-def _is_flower_chatter(line: str) -> bool:
+def is_flower_chatter(line: str) -> bool:
     """Flower's INFO log lines (round banners, sampling), shown with ``--verbose`` only."""
     return line.lstrip().startswith(("INFO :", "\x1b[92mINFO", "DEBUG :")) or not line.strip()
 

@@ -55,6 +55,27 @@ def _address(helper: subprocess.Popen[str]) -> str | None:
     return None
 
 
+class RayHead:
+    """A local Ray cluster of ``cpus`` CPUs in a helper process; ``address`` is None when it did not start."""
+
+    def __init__(self, cpus: int) -> None:
+        self.cpus = cpus
+        self.helper = subprocess.Popen(
+            [sys.executable, "-m", "fedguard.runtime.ray_head", str(cpus)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=ray_environment(),
+            start_new_session=True,  # a Ctrl-C reaches the sweep, which stops the runs first, then closes the pipe
+        )
+        self.address = _address(self.helper)
+
+    def stop(self) -> None:
+        """Stop the cluster (idempotent)."""
+        _stop(self.helper)
+
+
 @contextlib.contextmanager
 def shared_ray(configs: Sequence[Config], say: Callable[[str], None] = print) -> Iterator[dict[str, str]]:
     """Start one Ray cluster for the runs of ``configs`` (``shared_cpus``); yields the environment a run's process
@@ -64,28 +85,21 @@ def shared_ray(configs: Sequence[Config], say: Callable[[str], None] = print) ->
     if cpus is None:
         yield {}
         return
-    helper = subprocess.Popen(
-        [sys.executable, "-m", "fedguard.runtime.ray_head", str(cpus)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=ray_environment(),
-        start_new_session=True,  # a Ctrl-C reaches the sweep, which stops the runs first, then closes the pipe
-    )
+    head = RayHead(cpus)
     try:
-        address = _address(helper)
-        if address is None:
+        if head.address is None:
             say("fedguard: the sweep's shared Ray cluster did not start; each run starts its own")
             yield {}
         else:
-            yield {"RAY_ADDRESS": address}
+            yield {"RAY_ADDRESS": head.address}
     finally:
-        _stop(helper)
+        head.stop()
 
 
 def _stop(helper: subprocess.Popen[str]) -> None:
     """Close the helper's pipe (it stops Ray and exits); kill it after ``START_SECONDS``."""
+    if helper.poll() is not None and helper.stdout is not None and helper.stdout.closed:
+        return
     with contextlib.suppress(OSError):
         assert helper.stdin is not None
         helper.stdin.close()

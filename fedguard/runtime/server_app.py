@@ -387,6 +387,7 @@ def run_server(grid: Grid, config: Config) -> Path:
             sinks: list[Any] = [DiskSink(folder / OBSERVATIONS_DIR)]
             if config.attacks:
                 pool = build_attack_pool(config, folder, stop, trackers)
+                pool.warm_up()  # its workers start while the first rounds run, not after the first capture
                 sinks.append(pool)
             sink = FanOut(sinks)
             strategy = capture_strategy(config, strategy, sink, card)

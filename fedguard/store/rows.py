@@ -25,6 +25,7 @@ class RoundRow(TypedDict, total=False):
     accuracy: float | None
     loss: float | None
     seconds: float
+    at: float  # when the row was written: seconds since the epoch (UTC)
     non_finite: dict[str, str]  # JSON Pointer -> the value written as null ('NaN', 'Infinity', ...)
     defense: dict[str, float]  # the defense's reports: largest running totals, means of per-upload numbers
     uploads: list[dict[str, Any]]  # per upload: its client and its per-upload reports
@@ -66,6 +67,7 @@ class AttackRow(TypedDict, total=False):
     status: str
     error: str | None
     seconds: float
+    at: float  # when the row was written: seconds since the epoch (UTC)
     mse: float | None
     psnr: float | None  # dB
     ssim: float | None
@@ -125,7 +127,7 @@ class CellRow(TypedDict, total=False):
 
 NUMBER, TEXT, TABLE = "a number", "a string", "an object"
 CHECKED: dict[str, dict[str, str]] = {
-    ROUNDS_FILE: {"round": NUMBER, "accuracy": NUMBER, "loss": NUMBER, "seconds": NUMBER},
+    ROUNDS_FILE: {"round": NUMBER, "accuracy": NUMBER, "loss": NUMBER, "seconds": NUMBER, "at": NUMBER},
     ATTACKS_FILE: {
         "round": NUMBER,
         "client": NUMBER,
@@ -136,6 +138,7 @@ CHECKED: dict[str, dict[str, str]] = {
         "mse": NUMBER,
         "label_accuracy": NUMBER,
         "seconds": NUMBER,
+        "at": NUMBER,
         "leaked_images": NUMBER,
         "best_ssim": NUMBER,
         "attack": TEXT,
@@ -197,3 +200,15 @@ def _checked(row: dict[str, Any], fields: dict[str, str], where: str, note: Note
         elif kind == TABLE and row.get(key) is not None:
             clean[key] = _checked(row[key], FLOOR_CHECKED, f"{where}{key}.", note)
     return clean
+
+
+def busy_span(folder: Path) -> tuple[float, float] | None:
+    """When a run's rounds and attacks began and ended (seconds since the epoch, from its rows' ``at``): from the
+    start of round 0, the initial evaluation (its row's ``at`` less its ``seconds``), to the last round or attack
+    row written; None for a run without rows that carry ``at``."""
+    rounds = [row for row in read_rounds(folder) if "at" in row]
+    if not rounds:
+        return None
+    attacks = [row for row in read_attacks(folder) if "at" in row]
+    first = min(rounds, key=lambda row: row["round"])
+    return first["at"] - first["seconds"], max(row["at"] for row in [*rounds, *attacks])

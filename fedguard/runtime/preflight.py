@@ -1,0 +1,43 @@
+"""What ``fedguard run`` checks before a run starts, in whichever runtime runs it (a cold launch or a warm one).
+
+This machine's resources and trackers, the attacks' and defense's files, the dataset, and a writable run
+folder: each refused with a ``ConfigError`` (or the loader's own error) naming the bad value, before a round
+runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from fedguard.config import Config, ConfigError
+from fedguard.limits import writable_problem
+
+
+def ready(config: Config, out: Path | None = None) -> tuple[Config, str]:
+    """``config`` checked and set to write its run folder (``out``, else its ``out-dir`` or ``runs/<name>``,
+    its own folder when it resumes); returns it and the line describing the federation."""
+    from attackers.base import check_attack_files
+    from fedguard.data import load_dataset
+    from fedguard.defenses.base import check_defense_files
+    from fedguard.report.run_dir import resolve_run_dir
+    from fedguard.runtime.simulation import resource_problems
+    from fedguard.tracking import tracker_problems
+
+    if out is not None and not config.run.resume:
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(out)))
+    if problems := resource_problems(config) + tracker_problems(config):  # this machine's, before anything loads
+        raise ConfigError(problems)
+    check_attack_files(config.attacks)  # the simulated clients read this machine's files: check them all now
+    data = load_dataset(config.data.name, config.data.source_options())
+    check_defense_files(config.defense.name, config.defense.params, clients_here=True, spec=data.spec)
+    folder = Path(config.run.out_dir) if config.run.resume else resolve_run_dir(config)
+    if problem := writable_problem("--out", out) if out else writable_problem("out-dir", folder):
+        raise ConfigError([problem])
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder)))
+    line = (
+        f"fedguard: {config.partition.num_clients} clients ({config.partition.name}) on {data.name} "
+        f"({len(data.train)} train / {len(data.test)} test), model {config.model.name}, "
+        f"{config.train.protocol} for {config.train.rounds} rounds, defense {config.defense.name}"
+    )
+    return config, line
