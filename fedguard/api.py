@@ -49,6 +49,7 @@ from fedguard.store.vault import read_scored_images
 if TYPE_CHECKING:
     import pandas as pd
 
+    from fedguard.commands.sweep import Sweep
     from fedguard.runtime.warm import WarmRuntime
 
 ConfigLike = Config | Mapping[str, Any] | str | Path
@@ -365,15 +366,20 @@ def run_sweep(
     only: Iterable[str] = (),
     seeds: Iterable[int] | None = None,
     progress: Callable[[str], None] | None = print,
+    warm: bool = False,
 ) -> SweepResults:
     """Run a sweep preset (each run not finished yet) and open its folder; the arguments are those of
-    ``fedguard sweep`` (``only``: ``[SETTING/]VARIANT`` names; ``seeds``: instead of the preset's). Raises
+    ``fedguard sweep`` (``only``: ``[SETTING/]VARIANT`` names; ``seeds``: instead of the preset's), which runs it
+    as a child process. ``warm``: run it in this process instead, its runs in this process's warm runtime (the
+    one ``run(..., warm=True)`` uses, kept for the next runs and sweeps until ``close()``). Raises
     ``ConfigError`` before anything runs when a run's configuration is invalid, ``RunFailed`` when the sweep
     itself fails (a failed run is a row with status ``failed``, not an exception)."""
     from fedguard.commands.sweep import load_sweep
 
     overrides, only, chosen = list(overrides), list(only), None if seeds is None else list(seeds)
     sweep = load_sweep(preset, None if out is None else Path(out), overrides, only, chosen)
+    if warm:
+        return _warm_sweep(sweep, out is not None, progress or (lambda line: None))
     command = [sys.executable, "-m", "fedguard", "sweep", str(Path(preset).absolute()), "--out", str(sweep.folder)]
     command += [arg for text in overrides for arg in ("--set", text)] + [
         arg for name in only for arg in ("--only", name)
@@ -382,4 +388,25 @@ def run_sweep(
     code, tail = _follow(command, progress)
     if code != 0:
         raise RunFailed(f"fedguard sweep failed (exit code {code}) in {sweep.folder}: {tail}", sweep.folder)
+    return SweepResults(sweep.folder)
+
+
+def _warm_sweep(sweep: Sweep, out_given: bool, progress: Callable[[str], None]) -> SweepResults:
+    """Run ``sweep`` in this process, its runs in this process's warm runtime where they can share a cluster
+    (``fedguard.runtime.ray_head.shared_cpus``), else each as its own ``fedguard run``; checked as ``fedguard
+    sweep`` checks it."""
+    from fedguard.commands.sweep import finished
+    from fedguard.commands.sweep import run_sweep as sweep_runs
+    from fedguard.limits import writable_problem
+    from fedguard.runtime.preflight import machine_problems
+    from fedguard.runtime.ray_head import shared_cpus
+
+    problems = machine_problems([(f"{run.setting}/{run.variant}", run.config) for run in sweep.runs])
+    if problem := writable_problem("out" if out_given else "sweep folder", sweep.folder):
+        problems.append(problem)
+    if problems:
+        raise ConfigError(problems)
+    cpus = shared_cpus([run.config for run in sweep.runs if not finished(run)])
+    progress(f"fedguard: sweep {sweep.name}: {len(sweep.runs)} runs in {sweep.folder}")
+    sweep_runs(sweep, progress, runtime=None if cpus is None else _warm_runtime(cpus))
     return SweepResults(sweep.folder)

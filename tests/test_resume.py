@@ -72,7 +72,7 @@ class StoppingGrid(LocalGrid):
 
 
 def rows_without_time(folder: Path) -> list[dict]:
-    return [{k: v for k, v in row.items() if k != "seconds"} for row in read_jsonl(folder / "rounds.jsonl")]
+    return [{k: v for k, v in row.items() if k not in ("seconds", "at")} for row in read_jsonl(folder / "rounds.jsonl")]
 
 
 @pytest.fixture

@@ -94,3 +94,21 @@ def test_a_warm_run_past_its_limit_stops_cleanly_and_a_killed_runner_is_replaced
 
         assert runtime.run(short_run, tmp_path / "after", tmp_path / "after.log", timeout=180) == 0
         assert json.loads((tmp_path / "after" / "status.json").read_text())["status"] == "completed"
+
+
+def test_a_warm_sweep_runs_in_the_processs_runtime_and_leaves_it_to_the_next_run(tmp_path: Path) -> None:
+    preset = tmp_path / "sweep.toml"
+    variants = '\n[sweep.variants.none]\n"defense.name" = "none"\n[sweep.variants.prune]\n"defense.name" = "prune"\n'
+    preset.write_text(SMALL + variants)
+    lines: list[str] = []
+    sweep = fedguard.run_sweep(preset, out=tmp_path / "sweep", progress=lines.append, warm=True)
+    runner = _WARM["runtime"].runner
+    assert runner is not None
+    assert list(sweep.runs["status"]) == ["ok", "ok"], lines
+    assert lines[0] == f"fedguard: sweep warm: 2 runs in {tmp_path / 'sweep'}"
+    assert any(": ok;" in line for line in lines), lines
+    plain = tmp_path / "plain.toml"
+    plain.write_text(SMALL)
+    fedguard.run(plain, out=tmp_path / "after", progress=None, warm=True)
+    assert _WARM["runtime"].runner is runner, "the run after the sweep ran in the sweep's runner"
+    fedguard.close()

@@ -262,10 +262,11 @@ def _interrupt(signum: int, _frame: object) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every setting x variant of a sweep preset (e.g. every defense), then print the summary table."""
     from fedguard.commands.sweep import load_sweep, run_sweep
+    from fedguard.runtime.preflight import machine_problems
     from fedguard.store.folder import SUMMARY_FILE
 
     sweep = load_sweep(args.preset, args.out, args.overrides, args.only, args.seeds)
-    problems = _machine_problems([(f"{run.setting}/{run.variant}", run.config) for run in sweep.runs])
+    problems = machine_problems([(f"{run.setting}/{run.variant}", run.config) for run in sweep.runs])
     if problem := writable_problem("--out", args.out) if args.out else writable_problem("sweep folder", sweep.folder):
         problems.append(problem)
     if problems:
@@ -277,24 +278,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print((sweep.folder / SUMMARY_FILE).read_text(), end="")
     print(f"fedguard: sweep done in {time.perf_counter() - start:.0f} s; summary in {sweep.folder / SUMMARY_FILE}")
     return 0 if all(row["status"] == "ok" and not row["failed_seeds"] for row in rows) else 1
-
-
-def _machine_problems(runs: list[tuple[str, Config]]) -> list[str]:
-    """What this machine lacks for any of the named ``runs``, each problem once with the first run it concerns;
-    runs alike in what is checked (``sim.*``, ``track.*``, the attacks' devices) are checked once."""
-    from fedguard.runtime.simulation import resource_problems
-    from fedguard.tracking import tracker_problems
-
-    problems: dict[str, str] = {}
-    checked: set[str] = set()
-    for label, config in runs:
-        key = repr((config.sim, config.track, config.attack_devices()))
-        if key in checked:
-            continue
-        checked.add(key)
-        for problem in resource_problems(config) + tracker_problems(config):
-            problems.setdefault(problem, label)
-    return [f"{label}: {problem}" for problem, label in problems.items()]
 
 
 def cmd_attack(args: argparse.Namespace) -> int:

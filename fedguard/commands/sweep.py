@@ -679,11 +679,14 @@ def run_sweep(
     timeout: float | None = None,
     share_ray: bool = True,
     warm: bool = True,
+    runtime: WarmRuntime | None = None,
 ) -> list[dict[str, Any]]:
     """Run every run of ``sweep`` that is not finished yet on one Ray cluster where they can share it and
     ``share_ray`` (``fedguard.runtime.ray_head``): one after another in one warm runner
-    (``fedguard.runtime.warm``) when ``warm``, else one ``fedguard run`` process each; write ``runs.jsonl`` (a
-    row per run), ``sweep.jsonl`` (a row per cell) and ``summary.md``; returns the cells' rows."""
+    (``fedguard.runtime.warm``) when ``warm``, else one ``fedguard run`` process each; in ``runtime`` when given
+    (a warm runtime its caller keeps: its cluster must suit the runs, ``shared_cpus``), which is left running.
+    Write ``runs.jsonl`` (a row per run), ``sweep.jsonl`` (a row per cell) and ``summary.md``; returns the cells'
+    rows."""
     sweep.folder.mkdir(parents=True, exist_ok=True)
     if sweep.invocation:
         write_atomic(sweep.folder / INVOCATION_FILE, json.dumps(sweep.invocation, indent=1) + "\n")
@@ -692,9 +695,8 @@ def run_sweep(
     rows = []
     tracked = [run.config for run in sweep.runs]
     with (
-        shared_ray(pending, progress) as ray_env,
+        _runtime(pending, progress, warm, runtime) as (ray_env, runtime),
         sweep_parent(sweep.name, sweep.folder, tracked) as nest,
-        _runner(ray_env, warm) as runtime,
     ):
         for index, run in enumerate(sweep.runs, 1):
             label = f"[{index}/{len(sweep.runs)}] {run.setting}/{run.variant}" + (f" seed {run.seed}" if seeded else "")
@@ -722,13 +724,21 @@ def run_sweep(
 
 
 @contextlib.contextmanager
-def _runner(ray_env: dict[str, str], warm: bool) -> Iterator[WarmRuntime | None]:
-    """A warm runtime on the sweep's shared cluster when ``warm`` and there is one, else None; closed at the end."""
-    if not (warm and ray_env):
-        yield None
+def _runtime(
+    pending: list[Config], progress: Callable[[str], None], warm: bool, given: WarmRuntime | None
+) -> Iterator[tuple[dict[str, str], WarmRuntime | None]]:
+    """The environment that joins the sweep's Ray cluster and the warm runtime its runs run in (None: each its own
+    ``fedguard run``): ``given``, left running; else a cluster for ``pending`` (``shared_ray``) with a runtime on it
+    when ``warm``, both stopped at the end."""
+    if given is not None:
+        yield {"RAY_ADDRESS": str(given.address)}, given
         return
-    with WarmRuntime(0, address=ray_env["RAY_ADDRESS"]) as runtime:
-        yield runtime
+    with shared_ray(pending, progress) as ray_env:
+        if not (warm and ray_env):
+            yield ray_env, None
+            return
+        with WarmRuntime(0, address=ray_env["RAY_ADDRESS"]) as runtime:
+            yield ray_env, runtime
 
 
 def _run_once(

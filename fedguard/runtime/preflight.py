@@ -41,3 +41,21 @@ def ready(config: Config, out: Path | None = None) -> tuple[Config, str]:
         f"{config.train.protocol} for {config.train.rounds} rounds, defense {config.defense.name}"
     )
     return config, line
+
+
+def machine_problems(runs: list[tuple[str, Config]]) -> list[str]:
+    """What this machine lacks for any of the named ``runs``, each problem once with the first run it concerns;
+    runs alike in what is checked (``sim.*``, ``track.*``, the attacks' devices) are checked once."""
+    from fedguard.runtime.simulation import resource_problems
+    from fedguard.tracking import tracker_problems
+
+    problems: dict[str, str] = {}
+    checked: set[str] = set()
+    for label, config in runs:
+        key = repr((config.sim, config.track, config.attack_devices()))
+        if key in checked:
+            continue
+        checked.add(key)
+        for problem in resource_problems(config) + tracker_problems(config):
+            problems.setdefault(problem, label)
+    return [f"{label}: {problem}" for problem, label in problems.items()]

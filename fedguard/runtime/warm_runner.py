@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -139,7 +138,6 @@ def serve_one(preset: Path, out: Path) -> int:
 
 def main() -> int:
     """Answer each request on standard input until it closes."""
-    logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower's INFO lines, as `fedguard run` hides them
     replies = os.dup(1)
     for line in sys.stdin:
         if not line.strip():
