@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fedguard.commands.cli import main
+from fedguard.runtime.launcher import free_port
 from fedguard.runtime.processes import ProcessTracker, is_running
 from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest
 from fedguard.store.folder import write_atomic
@@ -109,12 +109,6 @@ def test_one_signal_stops_the_run_with_every_result_kept(tmp_path: Path, signum:
     assert "Run status: interrupted" in (out / "report.html").read_text()
     assert f"attacks: 0 ok, {len(rows)} interrupted" in log
     assert "Traceback" not in log, log[-3000:]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str], *overrides: str) -> str:

@@ -21,6 +21,8 @@ from typing import IO
 
 import pytest
 
+from fedguard.runtime.launcher import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CERTS_SCRIPT = ROOT / "docker" / "certs" / "generate.sh"
@@ -33,12 +35,6 @@ SMALL_RUN = "data.name='digits' model.name='mlp' model.mlp.hidden=16 train.round
 IG = "attack.name='ig' attack.ig.iterations=20 attack.ig.restarts=1 attack.ig.device='cpu'"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tail(path: Path, lines: int = 40) -> str:

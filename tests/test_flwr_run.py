@@ -16,16 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from fedguard.runtime.launcher import superlink_command, write_flower_home
+from fedguard.runtime.launcher import free_port, superlink_command, write_flower_home
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for_port(port: int, timeout: float) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedguard.config import load_config
+from fedguard.runtime.launcher import free_port
 from fedguard.store.folder import read_jsonl
 from fedguard.tracking import Trackers, open_trackers, tracker_problems
 from tests.test_api import fake_run
@@ -133,12 +134,6 @@ def test_a_tracked_run_prints_no_warning(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "mlflow.db").exists() and (tmp_path / "tensorboard").is_dir()
     assert "Warning" not in done.stdout + done.stderr, done.stderr[-3000:]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow

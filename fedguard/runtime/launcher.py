@@ -97,7 +97,8 @@ class Interrupted(RuntimeError):
             )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now (the system's pick)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -245,7 +246,7 @@ def _run(plan: Launch, env: dict[str, str]) -> int | None:
     """Start the private SuperLink and the app on it with ``env``, wait for the run and stop what it started;
     returns the signal that stopped it, or None."""
     home = Path(plan.home)
-    port = _free_port()
+    port = free_port()
     write_flower_home(home, port)
     log_file = home / "superlink.log"
     command = superlink_command(port, home / "state.db")
