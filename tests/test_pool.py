@@ -412,8 +412,11 @@ def test_a_warmed_up_pool_has_its_workers_up_before_the_first_submit_and_groups_
     outcomes = Outcomes()
     pool = make_pool(outcomes, group=4)
     pool.warm_up()  # Ray is up (the fixture's cluster), as inside a simulation
+    deadline = time.monotonic() + 60
+    while not (pool._workers and all(pool._workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the pool's thread creates the workers
     wait_until_started(pool)  # the workers exist and ran their constructor, with nothing submitted
-    assert pool._ready_refs or all(pool._ready)
+    assert pool.stats.submitted == 0
     batch = [observation(c) for c in range(4)]
     with pool.held():
         for obs in batch:
