@@ -34,6 +34,17 @@ batch-size = 8
 num-cpus = 2
 """
 
+IDLG_ROUND_1 = """
+[capture]
+rounds = "1"
+clients = "0"
+[attack]
+name = "idlg"
+[attack.idlg]
+iterations = 20
+device = "cpu"
+"""  # a quick attack on client 0's upload of round 1
+
 
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "sweep.toml"
@@ -260,16 +271,8 @@ def test_a_sweep_runs_each_variant_and_resumes(tmp_path: Path) -> None:
     preset = write(
         tmp_path,
         SMALL
-        + """
-[capture]
-rounds = "1"
-clients = "0"
-[attack]
-name = "idlg"
-[attack.idlg]
-iterations = 20
-device = "cpu"
-[sweep]
+        + IDLG_ROUND_1
+        + """[sweep]
 baseline = "none"
 [sweep.variants.none]
 "defense.name" = "none"

@@ -18,23 +18,12 @@ from fedguard.report.run_status import read_status
 from fedguard.runtime.warm import WarmRuntime
 from fedguard.store.folder import REPORT_FILE
 from fedguard.store.rows import read_attacks, read_rounds
+from tests.test_sweep import IDLG_ROUND_1
 from tests.test_sweep import SMALL as SWEEP_SMALL
 
 pytestmark = pytest.mark.slow  # Ray, Flower's simulation engine
 
-SMALL = (
-    SWEEP_SMALL.replace('name = "small"', 'name = "warm"')
-    + """
-[capture]
-rounds = "1"
-clients = "0"
-[attack]
-name = "idlg"
-[attack.idlg]
-iterations = 20
-device = "cpu"
-"""
-)
+SMALL = SWEEP_SMALL.replace('name = "small"', 'name = "warm"') + IDLG_ROUND_1
 
 
 def computed(folder: Path) -> tuple[object, ...]:

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
@@ -367,18 +367,25 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m fedguard.runtime.launcher LAUNCH_JSON (written by fedguard run)", file=sys.stderr)
         return 2
     plan = Launch.load(Path(args[0]))
+    return exit_code(lambda: launch(plan), plan.asked_at)
+
+
+def exit_code(run: Callable[[], Path], asked_at: float, failures: tuple[type[Exception], ...] = (LaunchError,)) -> int:
+    """Call ``run`` and print how it ended, as ``fedguard run`` does; the exit code: 0, 1 (one of ``failures``),
+    2 (another run writes the folder) or 128 + the signal that stopped it (``asked_at``: ``time.time()`` when the
+    run was asked for)."""
     try:
-        folder = launch(plan)
+        folder = run()
     except RunFolderBusy as busy:
         print(f"fedguard: {busy}", file=sys.stderr, flush=True)
         return 2
-    except LaunchError as error:
-        print(f"fedguard: {error}", file=sys.stderr, flush=True)
-        return 1
     except Interrupted as stopped:
         print(f"fedguard: {stopped}", file=sys.stderr, flush=True)
         return stopped.exit_code
-    print(f"fedguard: done in {time.time() - plan.asked_at:.1f} s; rounds in {folder / ROUNDS_FILE}", flush=True)
+    except failures as error:
+        print(f"fedguard: {error}", file=sys.stderr, flush=True)
+        return 1
+    print(f"fedguard: done in {time.time() - asked_at:.1f} s; rounds in {folder / ROUNDS_FILE}", flush=True)
     return 0
 
 

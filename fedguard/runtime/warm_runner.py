@@ -34,9 +34,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from fedguard.config import Config, load_config
-from fedguard.runtime.launcher import STOP_FILE_ENV, Interrupted, SignalStop, ending, watched
+from fedguard.runtime.launcher import STOP_FILE_ENV, SignalStop, ending, exit_code, watched
 from fedguard.runtime.preflight import ready
-from fedguard.store.lock import RunFolderBusy, hold
+from fedguard.store.lock import hold
 
 
 def simulate_here(config: Config) -> None:
@@ -119,21 +119,14 @@ def serve_one(preset: Path, out: Path) -> int:
     """Check and run the configuration in ``preset`` into ``out``, printing as ``fedguard run`` does; its exit
     code."""
     asked_at = time.time()
-    try:
+
+    def checked_and_run() -> Path:
         config, line = ready(load_config(preset), out)
         print(line, flush=True)
-        folder = run_warm(config)
-    except RunFolderBusy as busy:
-        print(f"fedguard: {busy}", file=sys.stderr, flush=True)
-        return 2
-    except Interrupted as stopped:
-        print(f"fedguard: {stopped}", file=sys.stderr, flush=True)
-        return stopped.exit_code
-    except Exception as error:  # a refused configuration, missing data, a failed run: named in the log
-        print(f"fedguard: {error}", file=sys.stderr, flush=True)
-        return 1
-    print(f"fedguard: done in {time.time() - asked_at:.1f} s; rounds in {folder / 'rounds.jsonl'}", flush=True)
-    return 0
+        return run_warm(config)
+
+    # Any other error (a refused configuration, missing data, a failed run) is named in the log, exit code 1.
+    return exit_code(checked_and_run, asked_at, failures=(Exception,))
 
 
 def main() -> int:
