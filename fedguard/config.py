@@ -47,11 +47,13 @@ from fedguard.detect import DETECTORS
 from fedguard.limits import (
     INT64_MAX,
     INT64_MIN,
+    PLUGIN_IMPORT_SECONDS,
     finite_problem,
     nesting_problem,
     shown,
 )
 from fedguard.models import MODELS
+from fedguard.plugin_faults import PluginImportHangs, import_deadline
 from fedguard.registry import NoParams, Registry, RequiredFile, field_help
 from fedguard.runtime.app_code import ship_plugin
 from fedguard.schema import AUTO_STRATEGY as AUTO_STRATEGY  # the schema's names, read from here too
@@ -321,7 +323,11 @@ def _import_plugin(module: str, value: str) -> str | None:
             f"identifiers, e.g. extensions.norm_clipped)"
         )
     try:
-        ship_plugin(module, getattr(importlib.import_module(module), "__file__", None))
+        with import_deadline(module, PLUGIN_IMPORT_SECONDS):
+            imported = importlib.import_module(module)
+        ship_plugin(module, getattr(imported, "__file__", None))
+    except PluginImportHangs as hangs:
+        return f"server.plugins = {shown(value)}: {hangs}; a plugin registers components and must not block"
     except Exception as error:  # a plugin's import error of any kind is a configuration problem
         return f"server.plugins = {shown(value)}: cannot import {shown(module)} ({type(error).__name__}: {error})"
     except SystemExit as exiting:  # sys.exit() on import would end fedguard with the plugin's code, 0 included

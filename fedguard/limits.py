@@ -23,6 +23,9 @@ The limits, and why:
   (``defense.dp.epsilon``), a few more where a registered name holds dots.
 - ``MAX_META_BYTES``: the JSON description of a captured upload read back from disk (``fedguard.store.observations``;
   its arrays are sized by the model card): a few KiB for a ResNet's entry names, plus one label per example.
+- ``PLUGIN_IMPORT_SECONDS``: importing a ``server.plugins`` module runs its own code; a plugin registers
+  components (a second or two with its imports, torch already loaded), so one still importing after a minute
+  hangs, and the configuration check names it instead of waiting for ever.
 - Paths: no NUL character, no name longer than the file system's ``PC_NAME_MAX``, no path longer than its
   ``PC_PATH_MAX`` (``os.pathconf``); a run folder keeps ``RUN_FILES_RESERVE`` bytes of that for the files the
   run writes inside it (``observations/round-RRRR_client-CCCC.npz``, ...).
@@ -51,6 +54,7 @@ MAX_LISTED = 1_000_000
 MAX_NESTING = 8
 RUN_FILES_RESERVE = 64
 MAX_META_BYTES = 4 * 2**20
+PLUGIN_IMPORT_SECONDS = 60.0
 
 _REPR = reprlib.Repr()
 _REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel = 80, 80, 60, 3

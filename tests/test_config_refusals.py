@@ -5,7 +5,6 @@ leave a client no data; all problems together, each naming its key and value."""
 from __future__ import annotations
 
 import math
-import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -122,7 +121,6 @@ def test_counts_have_upper_bounds(key: str, limit: int) -> None:
 
 def test_a_huge_capture_range_is_refused_without_expanding_it() -> None:
     tracemalloc.start()
-    started = time.perf_counter()
     try:
         [rounds] = problems_of(["capture.rounds=1-1000000000"])
         [clients] = problems_of(["capture.clients=0-999999999999"])
@@ -131,7 +129,7 @@ def test_a_huge_capture_range_is_refused_without_expanding_it() -> None:
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert time.perf_counter() - started < 10 and peak < 200 * 2**20
+    assert peak < 200 * 2**20  # nothing expanded: a list of 10^12 rounds would not fit in memory at all
     assert rounds == (
         "capture.rounds = '1-1000000000': 21-1000000000 not in this run; this run's rounds are 1-20 (train.rounds = 20)"
     )

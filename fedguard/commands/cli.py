@@ -204,7 +204,9 @@ def _resumed(args: argparse.Namespace) -> Config:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a Flower simulation of the configured federation: check the configuration, data and files first,
-    then follow the run to its end (rounds, attacks, report)."""
+    then follow the run to its end (rounds, attacks, report). Exits 0 when the run completed, 1 when it failed,
+    2 when it was refused (the configuration, this machine, a folder another run writes) or a plugin's code
+    stopped it, 128 + N when signal N stopped it."""
     # A light process (fedguard.runtime.launcher) takes this one's place and waits for the run.
     from fedguard.runtime.preflight import ready
     from fedguard.runtime.simulation import prepare

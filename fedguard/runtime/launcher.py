@@ -83,6 +83,11 @@ class LaunchError(RuntimeError):
     """The private SuperLink or ``flwr run`` could not start, or the run did not complete."""
 
 
+class PluginFailed(LaunchError):
+    """The run stopped because a ``server.plugins`` module's code raised or exited (``status.json`` names it):
+    ``fedguard run`` exits 2, as for a plugin refused on import."""
+
+
 class Interrupted(RuntimeError):
     """``fedguard run`` was stopped by a signal; ``exit_code`` is 128 + its number, as a shell reports it."""
 
@@ -278,14 +283,16 @@ def _run(plan: Launch, env: dict[str, str]) -> int | None:
 
 
 def ending(folder: Path, signum: int | None) -> Path:
-    """``folder`` when its run completed; ``Interrupted`` when ``signum`` stopped it; else ``LaunchError``."""
+    """``folder`` when its run completed; ``Interrupted`` when ``signum`` stopped it; else ``LaunchError``
+    (``PluginFailed`` when a plugin's code stopped it)."""
     status = read_status(folder)
     if signum is not None:
         raise Interrupted(signum, folder, status)
     if status is None:
         raise LaunchError(f"the run stopped before its ServerApp started or wrote {folder}/status.json")
     if status["status"] != "completed":
-        raise LaunchError(f"the run ended as {status['status']!r}: {status.get('error', '')}")
+        failure = PluginFailed if status.get("plugin") else LaunchError
+        raise failure(f"the run ended as {status['status']!r}: {status.get('error', '')}")
     return folder
 
 
@@ -361,7 +368,8 @@ def _stop(process: subprocess.Popen[Any], grace: float = 20.0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m fedguard.runtime.launcher LAUNCH_JSON``: run the launch, print how it ended; the exit code is 0,
-    1 (the run failed), 2 (another run writes the folder) or 128 + the signal that stopped it."""
+    1 (the run failed), 2 (another run writes the folder, or a plugin's code stopped the run) or 128 + the signal
+    that stopped it."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m fedguard.runtime.launcher LAUNCH_JSON (written by fedguard run)", file=sys.stderr)
@@ -372,12 +380,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def exit_code(run: Callable[[], Path], asked_at: float, failures: tuple[type[Exception], ...] = (LaunchError,)) -> int:
     """Call ``run`` and print how it ended, as ``fedguard run`` does; the exit code: 0, 1 (one of ``failures``),
-    2 (another run writes the folder) or 128 + the signal that stopped it (``asked_at``: ``time.time()`` when the
-    run was asked for)."""
+    2 (another run writes the folder, or a plugin's code stopped the run) or 128 + the signal that stopped it
+    (``asked_at``: ``time.time()`` when the run was asked for)."""
     try:
         folder = run()
-    except RunFolderBusy as busy:
-        print(f"fedguard: {busy}", file=sys.stderr, flush=True)
+    except (RunFolderBusy, PluginFailed) as refused:
+        print(f"fedguard: {refused}", file=sys.stderr, flush=True)
         return 2
     except Interrupted as stopped:
         print(f"fedguard: {stopped}", file=sys.stderr, flush=True)

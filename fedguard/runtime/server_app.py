@@ -33,13 +33,14 @@ from attackers.base import AttackOutcome, attack_traits, build_attack, check_att
 from attackers.manipulation import build_manipulation
 from attackers.pool import AttackPool, AttackSpec
 from attackers.sinks import DiskSink, FanOut
-from fedguard.config import Config, ConfigError, relative_path_problems
+from fedguard.config import Config, ConfigError, relative_path_problems, split_names
 from fedguard.data import load_dataset
 from fedguard.defenses import aggregate_reports
 from fedguard.defenses.base import check_defense_files
 from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
 from fedguard.models import build_model
 from fedguard.observation import ModelCard
+from fedguard.plugin_faults import PluginFailure, raising_plugin
 from fedguard.protocols import protocol as run_protocol
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
@@ -47,6 +48,7 @@ from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_d
 from fedguard.report.run_status import write_status
 from fedguard.runtime.message_index import index_message_delivery, remove_message_index
 from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_on_flower_exit
+from fedguard.runtime.stuck_plugin import watch_for_stuck_plugin
 from fedguard.store.card import initial_model, model_card, upload_rules
 from fedguard.store.checkpoint import RoundCheckpoint, write_checkpoint
 from fedguard.store.folder import ATTACKS_FILE, flwr_run_dir
@@ -324,13 +326,15 @@ def finish_run(
     pool: AttackPool | None,
     stop: StopRequest,
     trackers: Trackers,
+    plugin: str = "",
 ) -> None:
     """The ending of every run, however it stopped: ``status.json`` ('interrupted' too when a stop came while
-    the attacks ran), the round log, the captured uploads and a row for every attack, the report, the
-    trackers' ending. A step that fails does not keep the next ones from running."""
+    the attacks ran; ``plugin``: the plugin module whose code stopped it), the round log, the captured uploads and
+    a row for every attack, the report, the trackers' ending. A step that fails does not keep the next ones from
+    running."""
     ending = outcome[0]
     rounds = max((r["round"] for r in recorder.rows), default=0)
-    _attempt("writing status.json", lambda: write_status(folder, outcome[0], rounds, outcome[1]))
+    _attempt("writing status.json", lambda: write_status(folder, outcome[0], rounds, outcome[1], plugin))
     _attempt("closing the round log", recorder.close)
     print(f"fedguard: {recorder.summary()}", flush=True)
     if sink is not None:
@@ -376,11 +380,15 @@ def run_server(grid: Grid, config: Config) -> Path:
         previous=read_rounds(folder) if point is not None else (),
         listeners=[trackers.round],
     )
+    ended = watch_for_stuck_plugin(
+        stop, split_names(config.server.plugins), folder, lambda: max((r["round"] for r in recorder.rows), default=0)
+    )
     latest: dict[str, Any] = {}
     rounds, clients = config.capture.round_selection(), config.capture.client_selection()
     sink: FanOut | None = None
     pool: AttackPool | None = None
     outcome = ("failed", "the ServerApp stopped")
+    plugin = ""
     try:
         wait_for_nodes(grid, config)
         if not (rounds.is_empty() or clients.is_empty()):
@@ -410,11 +418,18 @@ def run_server(grid: Grid, config: Config) -> Path:
         outcome = ("interrupted", str(interruption))
         print(f"fedguard: the run was {interruption}; recording the attacks left as interrupted", flush=True)
     except BaseException as error:
-        outcome = ("failed", f"{type(error).__name__}: {error}")
-        print(f"fedguard: the run failed: {outcome[1]}", flush=True)
-        raise
+        blamed = raising_plugin(error, split_names(config.server.plugins))
+        if blamed is None:
+            outcome = ("failed", f"{type(error).__name__}: {error}")
+            print(f"fedguard: the run failed: {outcome[1]}", flush=True)
+            raise
+        failure = PluginFailure(blamed, error)
+        outcome, plugin = ("failed", str(failure)), blamed.module
+        print(f"fedguard: the run failed: {failure}", flush=True)
+        raise failure from None
     finally:
-        finish_run(folder, config, recorder, outcome, sink, pool, stop, trackers)
+        ended.set()
+        finish_run(folder, config, recorder, outcome, sink, pool, stop, trackers, plugin)
     return folder
 
 
@@ -443,7 +458,7 @@ def make_server_app(config: Config | None = None) -> ServerApp:
     def main(grid: Grid, context: Context) -> None:
         try:
             run_server(grid, config if config is not None else flwr_run_config(context))
-        except NonFiniteModel:
+        except (NonFiniteModel, PluginFailure):
             return  # an explained stop: run_server printed it and the run folder says 'failed', without a traceback
 
     return server_app
