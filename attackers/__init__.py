@@ -19,6 +19,6 @@ from attackers import (  # noqa: F401  (registration)
     trap_weights,
 )
 from attackers.base import ATTACKS, Attack, Reconstruction, build_attack, register_attack
-from attackers.sinks import DiskSink, ObservationSink
+from attackers.sinks import ObservationSink
 
-__all__ = ["ATTACKS", "Attack", "DiskSink", "ObservationSink", "Reconstruction", "build_attack", "register_attack"]
+__all__ = ["ATTACKS", "Attack", "ObservationSink", "Reconstruction", "build_attack", "register_attack"]

@@ -36,8 +36,8 @@ import ray
 import torch
 
 from attackers.base import AttackOutcome, Reconstruction, shape_key
+from fedguard.app_code import Call
 from fedguard.observation import Observation
-from fedguard.runtime.app_code import Call
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class AttackWorker:
 def _worker_actor() -> type:
     """The actor class of a worker. It is local, so Ray ships it by value and the worker imports nothing of this
     app for it; the ``AttackWorker`` it builds comes as a ``Call``, unpickled from this app's code
-    (``fedguard.runtime.app_code``), not from a copy in the folder Ray's driver was started in."""
+    (``fedguard.app_code``), not from a copy in the folder Ray's driver was started in."""
 
     class AttackWorkerActor:
         def __init__(self, make: Callable[[], Any]) -> None:

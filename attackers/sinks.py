@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Protocol
 
-from fedguard.observation import Observation, save_observation
+from fedguard.observation import Observation
 
 log = logging.getLogger(__name__)
 
@@ -22,37 +19,6 @@ class ObservationSink(Protocol):
     def submit(self, obs: Observation) -> None: ...
 
     def close(self, timeout: float | None = None) -> None: ...
-
-
-class DiskSink:
-    """Saves observations to ``folder`` on a background thread (see ``fedguard.observation``)."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = Path(folder)
-        self.saved: list[Path] = []
-        self.failed: list[tuple[str, str]] = []
-        self._queue: queue.Queue[Observation | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="observation-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, obs: Observation) -> None:
-        """Queue ``obs`` for writing; returns immediately."""
-        self._queue.put(obs)
-
-    def close(self, timeout: float | None = None) -> None:
-        """Write everything queued, then stop the writer (waits up to ``timeout`` seconds, any length)."""
-        self._queue.put(None)
-        self._thread.join(None if timeout is None else min(timeout, threading.TIMEOUT_MAX))
-        if self._thread.is_alive():
-            log.warning("observation writer still busy after %s s; %d left", timeout, self._queue.qsize())
-
-    def _work(self) -> None:
-        while (obs := self._queue.get()) is not None:
-            try:
-                self.saved.append(save_observation(obs, self.folder))
-            except OSError as error:
-                self.failed.append((obs.file_name, str(error)))
-                log.error("could not save %s: %s", obs.file_name, error)
 
 
 class FanOut:

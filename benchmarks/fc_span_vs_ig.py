@@ -31,7 +31,8 @@ from attackers.fc_span import SpanParams
 from attackers.inverting_gradients import InvertingGradientsParams
 from fedguard.metrics import score_batch
 from fedguard.metrics.scoring import LEAK_SSIM
-from fedguard.observation import Observation, load_observations
+from fedguard.observation import Observation
+from fedguard.store.observation_files import load_observations
 from fedguard.store.vault import read_truth
 
 PRESET = Path(__file__).resolve().parents[1] / "experiments" / "defenses.toml"

@@ -40,6 +40,7 @@ from typing import Any
 from attackers import ATTACKS
 from attackers.base import attack_traits
 from attackers.manipulation import MANIPULATIONS
+from fedguard.app_code import ship_plugin
 from fedguard.config_checks import cross_checks
 from fedguard.defenses import DEFENSES
 from fedguard.defenses.base import defense_traits
@@ -55,7 +56,6 @@ from fedguard.limits import (
 from fedguard.models import MODELS
 from fedguard.plugin_faults import PluginImportHangs, import_deadline
 from fedguard.registry import NoParams, Registry, RequiredFile, field_help
-from fedguard.runtime.app_code import ship_plugin
 from fedguard.schema import AUTO_STRATEGY as AUTO_STRATEGY  # the schema's names, read from here too
 from fedguard.schema import NO_ATTACK as NO_ATTACK
 from fedguard.schema import SECTIONS as SECTIONS

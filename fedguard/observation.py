@@ -1,28 +1,23 @@
-"""What the server sees of one client upload, and its on-disk format.
+"""What the server sees of one client upload.
 
 An ``Observation`` holds exactly what an honest-but-curious server has: the
 global model it sent (architecture, parameters and buffers), the upload it got
 back, its kind, the number of examples and the hyper-parameters the client
 declared. Never the client's data.
 
-On disk one observation is one ``.npz`` file (no pickles): arrays
-``global/<i>`` and ``upload/<i>`` for the i-th ``state_dict`` entry, and
-``meta``, a JSON string with every other field.
+``meta()`` is what its file holds besides the arrays (``fedguard.store.observation_files`` writes and reads the
+files).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedguard.data.registry import SourceOptions
 from fedguard.data.spec import DataSpec
-from fedguard.store.folder import UPLOAD_GLOB, upload_file_name
 from fedguard.wire.declared import Declared
 
 UPLOAD_KINDS = ("gradient", "weights")
@@ -67,11 +62,6 @@ class Observation:
         """What the client declared (and the server derived), typed; ``ValueError`` for a value of the wrong type."""
         return Declared.read(self.declared)
 
-    @property
-    def file_name(self) -> str:
-        """``round-RRRR_client-CCCC.npz``."""
-        return upload_file_name(self.round, self.client)
-
     def meta(self) -> dict[str, Any]:
         """Every field but the arrays, JSON-ready."""
         return {
@@ -87,49 +77,6 @@ class Observation:
             "declared": self.declared,
             "manipulation": self.manipulation,
         }
-
-
-def save_observation(obs: Observation, folder: Path) -> Path:
-    """Write ``obs`` to ``folder/obs.file_name`` atomically; returns the path."""
-    folder.mkdir(parents=True, exist_ok=True)
-    arrays = {f"global/{i}": a for i, a in enumerate(obs.global_arrays)}
-    arrays.update({f"upload/{i}": a for i, a in enumerate(obs.upload)})
-    target = folder / obs.file_name
-    partial = folder / f".{obs.file_name}.part"
-    with open(partial, "wb") as handle:
-        # mypy takes **arrays for a value of the keyword-only allow_pickle (a bool)
-        np.savez(handle, meta=np.array(json.dumps(obs.meta())), **arrays)  # type: ignore[arg-type]
-    os.replace(partial, target)
-    return target
-
-
-def load_observation(path: Path) -> Observation:
-    """Read an observation written by ``save_observation``."""
-    with np.load(path, allow_pickle=False) as archive:
-        meta = json.loads(str(archive["meta"]))
-        count = len(meta["names"])
-        global_arrays = [archive[f"global/{i}"] for i in range(count)]
-        upload = [archive[f"upload/{i}"] for i in range(count)]
-    return Observation(
-        round=meta["round"],
-        client=meta["client"],
-        kind=meta["kind"],
-        model=meta["model"],
-        model_params=meta["model_params"],
-        spec=DataSpec(*meta["spec"]),
-        names=tuple(meta["names"]),
-        trainable=tuple(meta["trainable"]),
-        global_arrays=global_arrays,
-        upload=upload,
-        num_examples=meta["num_examples"],
-        declared=meta["declared"],
-        manipulation=meta.get("manipulation", "none"),
-    )
-
-
-def load_observations(folder: Path) -> list[Observation]:
-    """Every observation in ``folder``, ordered by round then client."""
-    return [load_observation(p) for p in sorted(Path(folder).glob(UPLOAD_GLOB))]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,14 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from fedguard.trained.files import MissingTrainedFile, TrainedFileError
+
+class TrainedFileError(ValueError):
+    """A trained file that cannot be used: the message names it, what is wrong and the command that makes one."""
+
+
+class MissingTrainedFile(TrainedFileError, FileNotFoundError):
+    """Nothing at a trained file's path."""
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 Traits = Callable[[Any], Any]

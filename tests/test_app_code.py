@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ray import cloudpickle
 
-from fedguard.runtime.app_code import Call, app_root
+from fedguard.app_code import Call, app_root
 from fedguard.runtime.client_app import make_client_app
 
 ROOT = Path(__file__).resolve().parents[1]

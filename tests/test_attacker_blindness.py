@@ -28,11 +28,12 @@ import pytest
 from attackers.base import build_attack
 from attackers.sinks import FanOut
 from fedguard.config import Config
-from fedguard.observation import Observation, load_observations
+from fedguard.observation import Observation
 from fedguard.runtime import client_app
 from fedguard.runtime.client_app import make_client_app
 from fedguard.runtime.server_app import run_server
-from fedguard.store.folder import OBSERVATIONS_DIR, UPLOAD_GLOB, VAULT_DIR
+from fedguard.store.folder import OBSERVATIONS_DIR, UPLOAD_GLOB, VAULT_DIR, upload_file_name
+from fedguard.store.observation_files import load_observations
 from fedguard.store.vault import read_truth
 from tests import open_log_hook
 from tests.helpers import config
@@ -196,7 +197,9 @@ def test_attack_code_that_reads_the_vault_is_caught(captured: tuple[Path, list[O
     folder, handed = captured
     with watched(folder / VAULT_DIR) as opened:
         VaultReader(folder / VAULT_DIR).reconstruct_many(handed, 0)
-    assert sorted(Path(r["path"]).name for r in opened) == sorted(obs.file_name for obs in handed)
+    assert sorted(Path(r["path"]).name for r in opened) == sorted(
+        upload_file_name(obs.round, obs.client) for obs in handed
+    )
     assert not any(legitimate(r) for r in opened)
 
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flwr.serverapp.strategy import FedAvg
 
-from attackers.sinks import DiskSink
 from fedguard.data import DataSpec
-from fedguard.observation import ModelCard, Observation, load_observations, save_observation
+from fedguard.observation import ModelCard, Observation
 from fedguard.selection import Selection
+from fedguard.store.observation_files import DiskSink, load_observations, save_observation
 from fedguard.wire.records import Upload
 from strategies import FedSGD, HonestButCurious
 from tests.helpers import ListSink, train_round
@@ -134,7 +134,7 @@ def test_disk_sink_does_not_block_and_writes_everything(tmp_path: Path, monkeypa
         gate.wait(10)
         return real_save(obs, folder)
 
-    monkeypatch.setattr("attackers.sinks.save_observation", slow_save)
+    monkeypatch.setattr("fedguard.store.observation_files.save_observation", slow_save)
     sink = DiskSink(tmp_path)
     for client in range(3):
         sink.submit(observation(client=client))  # returns while the writer is held

@@ -21,9 +21,10 @@ from fedguard.data import load_dataset
 from fedguard.evaluation import Evaluator, describe_row
 from fedguard.metrics import psnr, ssim
 from fedguard.models import build_model
-from fedguard.observation import ModelCard, save_observation
+from fedguard.observation import ModelCard
 from fedguard.report.run_dir import OBSERVATIONS_DIR, prepare_run_dir
 from fedguard.store.folder import ATTACKS_FILE, VAULT_DIR
+from fedguard.store.observation_files import save_observation
 from fedguard.store.vault import read_truth, write_truth
 from fedguard.training import compute_gradients, get_arrays, merge_by_mask, split_by_mask, trainable_mask
 
@@ -62,7 +63,7 @@ def test_evaluator_scores_after_matching_and_writes_grids(tmp_path: Path) -> Non
     truth = read_truth(folder / VAULT_DIR, 1, 0)
     assert truth is not None
     images, labels = truth
-    from fedguard.observation import load_observations
+    from fedguard.store.observation_files import load_observations
 
     [obs] = load_observations(folder / OBSERVATIONS_DIR)
     shuffled = Reconstruction(images[[2, 0, 1]], labels[[2, 0, 1]], {"loss": 0.0})
@@ -105,7 +106,7 @@ def test_evaluator_scores_after_matching_and_writes_grids(tmp_path: Path) -> Non
 def test_missing_ground_truth_is_reported_not_scored(tmp_path: Path) -> None:
     folder = make_run(tmp_path, batch=1, clients=1)
     (folder / VAULT_DIR / "round-0001_client-0000.npz").unlink()
-    from fedguard.observation import load_observations
+    from fedguard.store.observation_files import load_observations
 
     [obs] = load_observations(folder / OBSERVATIONS_DIR)
     row = Evaluator(folder, {"ig": {"attack": "ig"}})(
@@ -195,7 +196,7 @@ def test_labels_an_attack_does_not_know_are_not_scored(tmp_path: Path) -> None:
     folder = make_run(tmp_path, batch=3, clients=1)
     truth = read_truth(folder / VAULT_DIR, 1, 0)
     assert truth is not None
-    from fedguard.observation import load_observations
+    from fedguard.store.observation_files import load_observations
 
     [obs] = load_observations(folder / OBSERVATIONS_DIR)
     unknown = Reconstruction(truth[0][[2, 0, 1]], torch.full((3,), -1), {})  # -1: labels the attack does not know
@@ -245,8 +246,8 @@ def test_the_python_attack_gives_the_rows_of_the_command_in_this_process(tmp_pat
 
 
 def test_the_report_shows_aligned_pairs_with_their_scores_and_marks_an_attack_below_the_floor(tmp_path: Path) -> None:
-    from fedguard.observation import load_observations
     from fedguard.report.html import build_report
+    from fedguard.store.observation_files import load_observations
 
     folder = make_run(tmp_path, batch=3, clients=2)
     truth = read_truth(folder / VAULT_DIR, 1, 0)

@@ -37,11 +37,12 @@ from fedguard.data.dataset import ImageData
 from fedguard.data.registry import SourceOptions
 from fedguard.metrics.image import ssim
 from fedguard.models import build_model, global_model
-from fedguard.observation import ModelCard, Observation, load_observations
+from fedguard.observation import ModelCard, Observation
 from fedguard.runtime import client_app
 from fedguard.runtime.client_app import make_client_app
 from fedguard.runtime.server_app import run_server
 from fedguard.store.folder import OBSERVATIONS_DIR, ROUNDS_FILE, VAULT_DIR
+from fedguard.store.observation_files import load_observations
 from fedguard.store.vault import read_truth
 from fedguard.training import (
     compute_gradients,

@@ -24,8 +24,9 @@ from fedguard.mjolnir.packing import pack, unpack
 from fedguard.mjolnir.pipeline import packing_of
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
-from fedguard.observation import ModelCard, save_observation
+from fedguard.observation import ModelCard
 from fedguard.runtime.server_app import initial_model
+from fedguard.store.observation_files import save_observation
 from fedguard.training import compute_gradients, get_arrays, loss_fn, set_arrays, trainable_mask
 from tests.helpers import needs_fashion_mnist
 

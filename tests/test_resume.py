@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 
-from clients.state import FileState, discard_after
 from fedguard.config import Config
 from fedguard.defenses.base import LocalStep
 from fedguard.defenses.dgp import DGPParams, DualGradientPruning
@@ -29,6 +28,7 @@ from fedguard.runtime.client_app import make_client_app
 from fedguard.runtime.server_app import run_server
 from fedguard.runtime.stopping import RunInterrupted
 from fedguard.store.checkpoint import CheckpointError, RoundCheckpoint, read_checkpoint, write_checkpoint
+from fedguard.store.client_state import FileState, discard_after
 from fedguard.store.folder import read_jsonl
 from fedguard.store.resume import resume_point, rewind
 from strategies.state import restore_strategy_state, strategy_state

@@ -20,17 +20,17 @@ import torch
 import fedguard.evaluation
 from attackers.base import AttackOutcome, Reconstruction
 from attackers.pool import AttackPool, AttackSpec
-from attackers.sinks import DiskSink, FanOut
+from attackers.sinks import FanOut
 from fedguard.commands.attack import _attack_group
 from fedguard.config import ConfigError, load_config
 from fedguard.evaluation import ROW_STATUSES, Evaluator, status_counts
-from fedguard.observation import load_observations
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE
 from fedguard.runtime.server_app import finish_run
 from fedguard.runtime.stopping import StopRequest
 from fedguard.store.folder import ATTACKS_FILE, STATUS_FILE, read_json
+from fedguard.store.observation_files import DiskSink, load_observations
 from fedguard.tracking import Trackers
 from tests.test_evaluation import make_run
 from tests.test_pool import ERROR_TEXT, FakeAttack, Outcomes, observation

@@ -108,10 +108,10 @@ def aggregate_run(tmp_path: Path) -> Path:
     """A FedSGD run folder under secure aggregation: two clients' batches of 4 digits, one aggregate captured."""
 
     from fedguard.data import load_dataset
-    from fedguard.observation import save_observation
     from fedguard.report.run_dir import prepare_run_dir
     from fedguard.store.card import initial_model, model_card
     from fedguard.store.folder import OBSERVATIONS_DIR
+    from fedguard.store.observation_files import save_observation
     from fedguard.training import compute_gradients, get_arrays, merge_by_mask, split_by_mask, trainable_mask
 
     overrides = [f"out-dir={tmp_path / 'run'}", "model.mlp.hidden=64", "threat.aggregation=secure"]
@@ -157,8 +157,8 @@ def test_an_aggregate_naming_clients_the_run_does_not_have_is_skipped_with_the_r
     import dataclasses
 
     from fedguard.commands.cli import main
-    from fedguard.observation import load_observations, save_observation
     from fedguard.store.folder import OBSERVATIONS_DIR
+    from fedguard.store.observation_files import load_observations, save_observation
 
     folder = aggregate_run(tmp_path)
     [obs] = load_observations(folder / OBSERVATIONS_DIR)

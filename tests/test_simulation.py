@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from fedguard.config import load_config
-from fedguard.observation import load_observations
 from fedguard.runtime.server_app import initial_model
+from fedguard.store.observation_files import load_observations
 from fedguard.training import get_arrays
 
 ROOT = Path(__file__).resolve().parents[1]

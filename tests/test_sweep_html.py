@@ -16,7 +16,6 @@ from attackers.base import AttackOutcome, Reconstruction
 from fedguard.commands.cli import main
 from fedguard.commands.sweep import summary_table
 from fedguard.evaluation import Evaluator
-from fedguard.observation import load_observations
 from fedguard.report.detection import detection_table, pooled_findings, sweep_runs
 from fedguard.report.html import build_report
 from fedguard.report.leakage import privacy
@@ -30,6 +29,7 @@ from fedguard.report.sweep_html import (
     privacy_utility_points,
     split_section,
 )
+from fedguard.store.observation_files import load_observations
 from fedguard.store.vault import read_truth
 from tests.test_detection_report import write_sweep_runs
 from tests.test_evaluation import make_run

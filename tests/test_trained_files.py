@@ -41,9 +41,9 @@ from fedguard.mjolnir import (
     save_gradient_set,
     train_ddpm,
 )
+from fedguard.registry import MissingTrainedFile, TrainedFileError
 from fedguard.report.run_dir import OBSERVATIONS_DIR
 from fedguard.runtime.server_app import run_server
-from fedguard.trained.files import MissingTrainedFile, TrainedFileError
 
 SPEC = DataSpec(1, 8, 8, 10)
 TINY = UNetConfig(base_channels=4, channel_mults=(1, 2), groups=2)

@@ -76,8 +76,7 @@ from fedguard.defenses.dp_update import global_norm
 from fedguard.defenses.revealed import TowardsRobustData
 from fedguard.evalnet import TrainedEvalNet, load_evalnet
 from fedguard.evalnet.store import COMMAND
-from fedguard.registry import RequiredFile
-from fedguard.trained.files import MissingTrainedFile, TrainedFileError
+from fedguard.registry import MissingTrainedFile, RequiredFile, TrainedFileError
 
 CACHE_KEY = "x_star"
 RADII = ("relative", "absolute")

@@ -16,8 +16,9 @@ import numpy as np
 
 from fedguard.data.spec import DataSpec
 from fedguard.evalnet.model import EvalNet
+from fedguard.registry import TrainedFileError
 from fedguard.trained.archive import load_module_arrays, module_arrays, save_archive
-from fedguard.trained.files import FileKind, TrainedFileError, load_trained
+from fedguard.trained.files import FileKind, load_trained
 from fedguard.trained.fitting import trained_meta
 
 FORMAT = "fedguard-evalnet/1"

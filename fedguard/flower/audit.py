@@ -28,7 +28,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from attackers.base import check_attack_files
-from attackers.sinks import DiskSink, FanOut
+from attackers.sinks import FanOut
 from fedguard.config import Config
 from fedguard.flower.mods import is_trainable
 from fedguard.flower.settings import PREFIX, audit_config
@@ -46,6 +46,7 @@ from fedguard.runtime.server_app import (
 from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_on_flower_exit
 from fedguard.store.card import initial_model, model_card
 from fedguard.store.folder import APP_FILE, write_atomic
+from fedguard.store.observation_files import DiskSink
 from fedguard.tracking import open_trackers
 from fedguard.wire.records import CLIENT_KEY, DECLARED, declined, read_findings, read_upload
 from strategies.client_failures import ClientFailure

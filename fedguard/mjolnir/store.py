@@ -22,8 +22,9 @@ from fedguard.mjolnir.condition import check_noise_range
 from fedguard.mjolnir.ddpm import Schedule
 from fedguard.mjolnir.packing import spec_from_dict
 from fedguard.mjolnir.unet import UNet, UNetConfig
+from fedguard.registry import TrainedFileError
 from fedguard.trained.archive import load_module_arrays, module_arrays, save_archive
-from fedguard.trained.files import FileKind, TrainedFileError, described, read_archive
+from fedguard.trained.files import FileKind, described, read_archive
 
 FORMAT = "fedguard-mjolnir-ddpm/1"
 

@@ -33,13 +33,14 @@ from flwr.common.constant import ErrorCode
 
 from clients import DefendedClient
 from clients.defended_client import ModelDeclined
-from clients.state import ClientState, FileState, RecordState
+from clients.state import ClientState, RecordState
+from fedguard.app_code import AppCode
 from fedguard.config import Config, ConfigError
 from fedguard.data import DatasetNotFoundError
 from fedguard.defenses.base import REPORT_PREFIX
-from fedguard.runtime.app_code import AppCode
+from fedguard.registry import TrainedFileError
+from fedguard.store.client_state import FileState
 from fedguard.store.folder import CLIENT_STATE_DIR, VAULT_DIR, flwr_run_dir
-from fedguard.trained.files import TrainedFileError
 from fedguard.wire.declared import wire_key
 from fedguard.wire.records import (
     ARRAYS,
@@ -146,7 +147,7 @@ def declined_reply(msg: Message, declined: ModelDeclined) -> Message:
 
 class ShippedClientApp(AppCode, ClientApp):
     """Flower's ClientApp, rebuilt from this app's code in the Ray actors Flower's simulation ships it to
-    (``fedguard.runtime.app_code``)."""
+    (``fedguard.app_code``)."""
 
 
 def make_client_app(config: Config | None = None) -> ClientApp:

@@ -32,7 +32,7 @@ from flwr.serverapp.strategy import Strategy
 from attackers.base import AttackOutcome, attack_traits, build_attack, check_attack_files, required_manipulation
 from attackers.manipulation import build_manipulation
 from attackers.pool import AttackPool, AttackSpec
-from attackers.sinks import DiskSink, FanOut
+from attackers.sinks import FanOut
 from fedguard.config import Config, ConfigError, relative_path_problems, split_names
 from fedguard.data import load_dataset
 from fedguard.defenses import aggregate_reports
@@ -53,6 +53,7 @@ from fedguard.store.card import initial_model, model_card, upload_rules
 from fedguard.store.checkpoint import RoundCheckpoint, write_checkpoint
 from fedguard.store.folder import ATTACKS_FILE, flwr_run_dir
 from fedguard.store.invocations import RUN_INVOCATION
+from fedguard.store.observation_files import DiskSink
 from fedguard.store.resume import resume_point, rewind
 from fedguard.store.rows import read_attacks, read_rounds
 from fedguard.tracking import Trackers, open_trackers

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from clients.state import discard_after
 from fedguard.store.checkpoint import RoundCheckpoint, read_checkpoint
+from fedguard.store.client_state import discard_after
 from fedguard.store.folder import (
     ATTACKS_FILE,
     CLIENT_STATE_DIR,

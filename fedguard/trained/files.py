@@ -21,6 +21,8 @@ from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
+from fedguard.registry import MissingTrainedFile, TrainedFileError
+
 T = TypeVar("T")
 Layout = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 """Array name -> (shape, dtype) a file must hold; a size of -1 matches any size."""
@@ -42,14 +44,6 @@ READ_ERRORS = (
 """What numpy and zipfile raise on a damaged ``.npz`` archive (MemoryError: a header claiming a huge array)."""
 META_ERRORS = (KeyError, TypeError, ValueError, AttributeError, RuntimeError)
 """What building an object from a meta that lacks a field or holds an invalid one raises."""
-
-
-class TrainedFileError(ValueError):
-    """A trained file that cannot be used: the message names it, what is wrong and the command that makes one."""
-
-
-class MissingTrainedFile(TrainedFileError, FileNotFoundError):
-    """Nothing at a trained file's path."""
 
 
 @dataclass(frozen=True)

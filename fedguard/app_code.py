@@ -22,7 +22,7 @@ from typing import Any
 
 def app_root() -> str:
     """The folder this app's packages (fedguard, attackers, clients, strategies) were imported from."""
-    return str(Path(__file__).resolve().parents[2])
+    return str(Path(__file__).resolve().parents[1])
 
 
 SHIPPED_PLUGINS: dict[str, str] = {}
