@@ -39,6 +39,7 @@ from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard
 from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
+from tests.steps import batch_step as step_of
 
 IMAGES = [3, 40, 101, 150]  # test-split photo tiles
 MODELS = {"mlp": ("mlp", None), "lenet": ("lenet", None), "mlp-bn": ("mlp", MLPParams(hidden=64, batch_norm=True))}
@@ -58,14 +59,6 @@ def model_of(photos, key: str) -> nn.Module:
     name, params = MODELS[key]
     torch.manual_seed(0)
     return build_model(name, photos.spec, params)
-
-
-def step_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int = 0, loss=loss_fn, round_: int = 1):
-    """A FedSGD step: the batch gradient of ``loss`` in train mode, and a generator seeded with ``seed``."""
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [g.detach() for g in torch.autograd.grad(loss(model(x), y), params)]
-    return LocalStep(model, x, y, grads, loss, torch.Generator().manual_seed(seed), round_, 0)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

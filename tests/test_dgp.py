@@ -6,8 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from fedguard.config import ConfigError, load_config
@@ -17,22 +15,10 @@ from fedguard.defenses.dgp import DGPParams, DualGradientPruning
 from fedguard.metrics import psnr, ssim
 from fedguard.models import build_model
 from fedguard.training import compute_gradients, loss_fn
+from tests.steps import update_only as step_of
 from tests.untrained import untrained_mlp
 
 SHAPES = [(256, 3072), (256,), (10, 256), (10,)]  # the MLP on 32x32 photos, reduced to one hidden layer
-
-
-def step_of(grads: list[torch.Tensor], round_: int = 0) -> LocalStep:
-    """A local step carrying ``grads``; the model and batch are irrelevant to DGP."""
-    return LocalStep(
-        nn.Linear(2, 2),
-        torch.zeros(1, 1, 1, 2),
-        torch.zeros(1, dtype=torch.long),
-        grads,
-        F.cross_entropy,
-        torch.Generator().manual_seed(0),
-        round_,
-    )
 
 
 def update(seed: int) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from attackers.inverting_gradients import InvertingGradients, InvertingGradients
 from clients import DefendedClient
 from fedguard.config import ConfigError, load_config
 from fedguard.data import load_dataset
-from fedguard.defenses import DEFENSES, LocalStep, build_defense
+from fedguard.defenses import DEFENSES, build_defense
 from fedguard.defenses.accountant import ORDERS, epsilon_spent, rdp
 from fedguard.defenses.dp_sgd import (  # registers "dp-sgd"
     DPSGD,
@@ -36,6 +36,7 @@ from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard
 from fedguard.training import compute_gradients, get_arrays, loss_fn, parameters, trainable_mask
+from tests.steps import batch_step as step_of
 
 BATCH = list(range(0, 64, 8))  # 8 test-split tiles
 
@@ -48,11 +49,6 @@ def photos():
 def model_of(name: str, photos, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return build_model(name, photos.spec)
-
-
-def step_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> LocalStep:
-    grads, _ = compute_gradients(model, x, y)
-    return LocalStep(model, x, y, grads, loss_fn, torch.Generator().manual_seed(seed), 1, 0)
 
 
 def loop_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:

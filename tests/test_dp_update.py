@@ -19,13 +19,12 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedguard.config import ConfigError, load_config
-from fedguard.defenses import DEFENSES, LocalStep, build_defense
+from fedguard.defenses import DEFENSES, build_defense
 from fedguard.defenses.dp_update import (
     MECHANISMS,
     UpdateDP,
@@ -36,20 +35,9 @@ from fedguard.defenses.dp_update import (
 )
 from fedguard.defenses.gaussian_mechanism import epsilon_after, gaussian_sigma
 from fedguard.mjolnir.noise import classical_gaussian_sigma
+from tests.steps import update_only as step_of
 
 LARGE = 200_000  # entries of the update whose noise is measured
-
-
-def step_of(grads: list[torch.Tensor], seed: int = 0) -> LocalStep:
-    """A local step carrying ``grads``; the model and batch are irrelevant to this defense."""
-    return LocalStep(
-        model=nn.Linear(2, 2),
-        x=torch.zeros(1, 1, 1, 2),
-        y=torch.zeros(1, dtype=torch.long),
-        grads=grads,
-        loss_fn=F.cross_entropy,
-        generator=torch.Generator().manual_seed(seed),
-    )
 
 
 def dp(clip: float = 1.0, noise_multiplier: float = 0.0, mechanism: str = "gaussian"):

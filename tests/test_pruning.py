@@ -4,27 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from fedguard.config import ConfigError, load_config
-from fedguard.defenses import DEFENSES, LocalStep, build_defense
+from fedguard.defenses import DEFENSES, build_defense
 from fedguard.defenses.magnitude import largest
 from fedguard.defenses.pruning import MagnitudePruning, PruneParams
+from tests.steps import update_only as step_of
 
 SHAPES = [(64, 300), (64,), (10, 64), (10,), (1,)]
-
-
-def step_of(grads: list[torch.Tensor]) -> LocalStep:
-    """A local step carrying ``grads``; the model and batch are irrelevant to pruning."""
-    return LocalStep(
-        nn.Linear(2, 2),
-        torch.zeros(1, 1, 1, 2),
-        torch.zeros(1, dtype=torch.long),
-        grads,
-        F.cross_entropy,
-        torch.Generator().manual_seed(0),
-    )
 
 
 def update(seed: int) -> list[torch.Tensor]:

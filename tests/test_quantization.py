@@ -10,21 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from fedguard.config import ConfigError, load_config
-from fedguard.defenses import DEFENSES, LocalStep, build_defense
+from fedguard.defenses import DEFENSES, build_defense
 from fedguard.defenses.quantization import QuantizeParams, StochasticQuantization
+from tests.steps import update_only as step_of
 
 DRAWS = 4000
-
-
-def step_of(grads: list[torch.Tensor], generator: torch.Generator) -> LocalStep:
-    """A local step carrying ``grads``; the model and batch are irrelevant to quantization."""
-    return LocalStep(
-        nn.Linear(2, 2), torch.zeros(1, 1, 1, 2), torch.zeros(1, dtype=torch.long), grads, F.cross_entropy, generator
-    )
 
 
 def quantize(bits: int) -> StochasticQuantization:

@@ -32,7 +32,8 @@ from fedguard.metrics.matching import match
 from fedguard.models import build_model
 from fedguard.models.convnet import ConvNetParams
 from fedguard.observation import ModelCard, Observation
-from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
+from fedguard.training import get_arrays, trainable_mask
+from tests.steps import batch_step as step_of
 from tests.untrained import untrained_mlp
 
 IMAGES = [3, 150]  # test-split tiles of two different photos
@@ -49,11 +50,6 @@ def evalnet(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def refiner(evalnet: Path, **changes) -> Refiner:
     return build_defense("refiner", RefinerParams(evalnet=str(evalnet), **changes))
-
-
-def step_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int = 0, round_: int = 1) -> LocalStep:
-    grads, _ = compute_gradients(model, x, y)
-    return LocalStep(model, x, y, grads, loss_fn, torch.Generator().manual_seed(seed), round_, 0)
 
 
 def mlp_step(batch: list[int] = IMAGES, seed: int = 0) -> LocalStep:

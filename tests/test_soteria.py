@@ -19,7 +19,7 @@ import torch.nn as nn
 from attackers.inverting_gradients import InvertingGradients, InvertingGradientsParams
 from fedguard.data import load_dataset
 from fedguard.data.spec import DataSpec
-from fedguard.defenses import DEFENSES, LocalStep, build_defense
+from fedguard.defenses import DEFENSES, build_defense
 from fedguard.defenses.soteria import (
     Soteria,
     SoteriaParams,
@@ -32,7 +32,8 @@ from fedguard.metrics import psnr, ssim
 from fedguard.models import build_model
 from fedguard.models.convnet import ConvNetParams
 from fedguard.observation import ModelCard
-from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
+from fedguard.training import get_arrays, trainable_mask
+from tests.steps import batch_step as step_of
 
 SPEC = DataSpec(channels=3, height=32, width=32, num_classes=10)
 
@@ -45,11 +46,6 @@ def photos() -> tuple[torch.Tensor, torch.Tensor]:
 def model_of(name: str, params=None) -> nn.Module:
     torch.manual_seed(0)
     return build_model(name, SPEC, params)
-
-
-def step_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LocalStep:
-    grads, _ = compute_gradients(model, x, y)
-    return LocalStep(model, x, y, grads, loss_fn, torch.Generator().manual_seed(0), 1, 0)
 
 
 def slow_scores(model: nn.Module, head: nn.Module, x: torch.Tensor) -> torch.Tensor:
