@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from fedguard.observation import Observation, save_observation
+from fedguard.store.folder import RunFileUnwritable
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,16 @@ class DiskSink:
         self.folder = Path(folder)
         self.saved: list[Path] = []
         self.failed: list[tuple[str, str]] = []
+        self.full: RunFileUnwritable | None = None  # the first write that found the disk full
         self._queue: queue.Queue[Observation | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="observation-writer", daemon=True)
         self._thread.start()
 
     def submit(self, obs: Observation) -> None:
-        """Queue ``obs`` for writing; returns immediately."""
+        """Queue ``obs`` for writing; returns immediately. Once a write found the disk full, raises its
+        ``RunFileUnwritable``: the run stops rather than go on capturing what it cannot keep."""
+        if self.full is not None:
+            raise self.full
         self._queue.put(obs)
 
     def close(self, timeout: float | None = None) -> None:
@@ -53,6 +58,8 @@ class DiskSink:
             except OSError as error:
                 self.failed.append((obs.file_name, str(error)))
                 log.error("could not save %s: %s", obs.file_name, error)
+                if isinstance(error, RunFileUnwritable) and self.full is None:
+                    self.full = error
 
 
 class FanOut:

@@ -13,7 +13,6 @@ On disk one observation is one ``.npz`` file (no pickles): arrays
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import numpy as np
 
 from fedguard.data.registry import SourceOptions
 from fedguard.data.spec import DataSpec
-from fedguard.store.folder import UPLOAD_GLOB, upload_file_name
+from fedguard.store.folder import UPLOAD_GLOB, replacing, upload_file_name
 from fedguard.wire.declared import Declared
 
 UPLOAD_KINDS = ("gradient", "weights")
@@ -91,15 +90,12 @@ class Observation:
 
 def save_observation(obs: Observation, folder: Path) -> Path:
     """Write ``obs`` to ``folder/obs.file_name`` atomically; returns the path."""
-    folder.mkdir(parents=True, exist_ok=True)
     arrays = {f"global/{i}": a for i, a in enumerate(obs.global_arrays)}
     arrays.update({f"upload/{i}": a for i, a in enumerate(obs.upload)})
     target = folder / obs.file_name
-    partial = folder / f".{obs.file_name}.part"
-    with open(partial, "wb") as handle:
+    with replacing(target, sync=False) as handle:
         # mypy takes **arrays for a value of the keyword-only allow_pickle (a bool)
         np.savez(handle, meta=np.array(json.dumps(obs.meta())), **arrays)  # type: ignore[arg-type]
-    os.replace(partial, target)
     return target
 
 
