@@ -171,8 +171,11 @@ def _flower_params(name: str, fields: dict[str, tuple[type, Any, str]], doc: str
             value = getattr(self, field_name)
             low, high = _BOUNDS.get(field_name, (0.0, float("inf")))
             if not low <= value < high or (field_name in _POSITIVE and value == 0):
-                low_text = "> 0" if field_name in _POSITIVE else f">= {low:g}"
-                bound = f"{low_text} and < {high:g}" if high != float("inf") else low_text
+                positive = field_name in _POSITIVE
+                if high == float("inf"):
+                    bound = "> 0" if positive else ">= 0"
+                else:
+                    bound = f"> 0 and < {high:g}" if positive else f"in [{low}, {high})"
                 raise ValueError(f"{field_name.replace('_', '-')} = {value!r}: must be {bound}")
 
     params = dataclasses.make_dataclass(
