@@ -479,6 +479,18 @@ def test_fedguard_run_exits_non_zero_when_the_global_model_turns_non_finite(tmp_
 
 
 @pytest.mark.slow
+def test_a_numeric_extreme_that_passes_the_checks_ends_the_real_run_failed_without_a_traceback(tmp_path: Path) -> None:
+    """FedAdam's tau = 1e-308 is a valid setting whose first server step divides by ~0: the run-time case of
+    ``tests/test_config_refusals.py``'s extremes."""
+    out = tmp_path / "run"
+    result = hostile_run(out, "none", "server.strategy=fedadam", "server.fedadam.tau=1e-308")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output, output[-3000:]
+    assert "the run ended as 'failed': NonFiniteModel: round 1: after aggregation the global model's" in output
+    assert read_status(out)["status"] == "failed"
+
+
+@pytest.mark.slow
 def test_a_client_failing_in_a_real_simulation_is_named_with_its_reason(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = hostile_run(out, "broken-client-1")
