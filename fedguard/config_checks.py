@@ -539,16 +539,25 @@ def _sample_rate_problems(
 
 def _strategy_problems(sections: dict[str, Any], invalid: set[str]) -> list[str]:
     """A strategy that would never aggregate: one that needs more replies a round than a round has (Flower's
-    Bulyan skips every round with fewer than 4 f + 3 and leaves the model as it was)."""
+    Bulyan skips every round with fewer than 4 f + 3 and leaves the model as it was), or whose clients' proximal
+    term diverges (FedProx: ``train.lr * proximal-mu`` of 2 or more, ``fedguard.limits``)."""
     train, strategy = sections["train"], sections["strategy"]
     name = resolve_strategy(sections["server"].strategy, train.protocol)
-    if name not in STRATEGIES or strategy.params is None or not _usable(invalid, "train.clients-per-round"):
+    if name not in STRATEGIES or strategy.params is None:
         return []
+    problems = []
+    mu = getattr(strategy.params, "proximal_mu", 0.0)
+    if _usable(invalid, "train.lr") and train.lr * mu >= 2:
+        problems.append(
+            f"{param_key(STRATEGY_PREFIX, name, 'proximal_mu')} = {shown(mu)} with train.lr = {shown(train.lr)}: "
+            f"train.lr * proximal-mu must be < 2 (each local step multiplies the distance to the global model by "
+            f"1 - lr * mu, which grows without bound from 2 on: every upload would turn non-finite)"
+        )
     needed = strategy_min_replies(name, strategy.params)
-    if train.clients_per_round >= needed:
-        return []
+    if not _usable(invalid, "train.clients-per-round") or train.clients_per_round >= needed:
+        return problems
     settings = settings_text(STRATEGY_PREFIX, name, dataclasses.asdict(strategy.params))
-    return [
+    return problems + [
         f"{settings + ': ' if settings else ''}server.strategy = {shown(name)} aggregates a round only from "
         f"{needed} replies on, and train.clients-per-round = {train.clients_per_round}: no round would change the "
         f"model; choose train.clients-per-round >= {needed}" + (" or other parameters" if settings else "")

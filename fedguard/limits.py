@@ -13,6 +13,17 @@ The limits, and why:
   the cores and memory of one machine).
 - ``train.lr`` below ``MAX_LR``: one SGD step moves a weight by the learning rate times its gradient, and a rate of
   10^6 or more turns the global model non-finite within a round (1e308: at the first step), which stops the run.
+  The same bound holds every other step size: ``defense.censor.probe-lr`` and the server steps of Flower's
+  strategies (``eta``, ``server-learning-rate``); a server momentum is below 1 (at 1 or more the velocity grows
+  every round), and FedProx's ``train.lr * proximal-mu`` below 2 (each local step multiplies the distance to the
+  global model by ``1 - lr * mu``, which grows without bound beyond 2: every upload turns non-finite).
+- ``MAX_NOISE_STD``: the standard deviation of a DP defense's noise on an upload entry (``clip * noise-multiplier``,
+  gradient units). Uploads are float32 (largest 3.4e38): a draw of many standard deviations, added up over
+  ``MAX_CLIENTS`` uploads, stays finite below 1e30; at ``clip * noise-multiplier`` = 1e307 every upload held an
+  infinity and was rejected, so the run trained on nothing.
+- ``defense.dp-sgd.noise-multiplier`` 0 (no noise: epsilon infinite) or within ``SGM_NOISE_RANGE``: the RDP
+  accountant (opacus) overflows from 1e155, divides by zero at 1e-308 and ran for minutes at 1e-160; at 1e-3 its
+  epsilon is 5e8 (no privacy at all), from 1e4 on the floor its orders reach (0.0035 at delta 1e-5).
 - ``MAX_LAYERS`` layers of a model whose depth is a parameter: building a model of 10^5 layers, even on the
   meta device, takes tens of seconds before its memory can be estimated (``fedguard.memory``).
 - ``MAX_LISTED`` integers listed by a selection such as ``capture.rounds = '1-3,2-9'`` (repeats counted): the
@@ -26,6 +37,11 @@ The limits, and why:
 - ``PLUGIN_IMPORT_SECONDS``: importing a ``server.plugins`` module runs its own code; a plugin registers
   components (a second or two with its imports, torch already loaded), so one still importing after a minute
   hangs, and the configuration check names it instead of waiting for ever.
+- ``MAX_LINE_BYTES``: one line of a run's ``.jsonl`` file (or a whole JSON file such as ``status.json``) read back
+  (``fedguard.store.folder.read_jsonl``). The largest row fedguard writes is a round's with every per-client list
+  full: 1,315 bytes per client measured (``encode_row`` of a row whose every client failed with a reason of
+  ``FAILURE_CHARS``, with its defense reports, detector findings and straggler id), 125 MiB at ``MAX_CLIENTS``
+  clients a round. A longer line is refused naming its file, line and size, measured without holding it.
 - Paths: no NUL character, no name longer than the file system's ``PC_NAME_MAX``, no path longer than its
   ``PC_PATH_MAX`` (``os.pathconf``); a run folder keeps ``RUN_FILES_RESERVE`` bytes of that for the files the
   run writes inside it (``observations/round-RRRR_client-CCCC.npz``, ...).
@@ -50,11 +66,14 @@ MAX_IMAGE_SIZE = 1024
 MAX_PROCESSES = 1024
 MAX_LAYERS = 1000
 MAX_LR = 1e6
+MAX_NOISE_STD = 1e30
+SGM_NOISE_RANGE = (1e-3, 1e6)
 MAX_LISTED = 1_000_000
 MAX_NESTING = 8
 RUN_FILES_RESERVE = 64
 MAX_META_BYTES = 4 * 2**20
 PLUGIN_IMPORT_SECONDS = 60.0
+MAX_LINE_BYTES = 128 * 2**20
 
 _REPR = reprlib.Repr()
 _REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel = 80, 80, 60, 3

@@ -29,6 +29,7 @@ from typing import Any
 from flwr.serverapp import strategy as flower
 from flwr.serverapp.strategy import Strategy
 
+from fedguard.limits import MAX_LR
 from fedguard.protocols import PROTOCOLS, Protocol, protocol
 from fedguard.registry import NoParams, Registry
 from strategies.fedsgd import FedSGD
@@ -170,9 +171,11 @@ def _flower_params(name: str, fields: dict[str, tuple[type, Any, str]], doc: str
             value = getattr(self, field_name)
             low, high = _BOUNDS.get(field_name, (0.0, float("inf")))
             if not low <= value < high or (field_name in _POSITIVE and value == 0):
-                bound = (
-                    f"in [{low}, {high})" if high != float("inf") else ("> 0" if field_name in _POSITIVE else ">= 0")
-                )
+                positive = field_name in _POSITIVE
+                if high == float("inf"):
+                    bound = "> 0" if positive else ">= 0"
+                else:
+                    bound = f"> 0 and < {high:g}" if positive else f"in [{low}, {high})"
                 raise ValueError(f"{field_name.replace('_', '-')} = {value!r}: must be {bound}")
 
     params = dataclasses.make_dataclass(
@@ -185,7 +188,14 @@ def _flower_params(name: str, fields: dict[str, tuple[type, Any, str]], doc: str
     return params
 
 
-_BOUNDS = {"beta": (0.0, 0.5), "beta_1": (0.0, 1.0), "beta_2": (0.0, 1.0)}
+_BOUNDS = {
+    "beta": (0.0, 0.5),
+    "beta_1": (0.0, 1.0),
+    "beta_2": (0.0, 1.0),
+    "server_momentum": (0.0, 1.0),  # at 1 or more the velocity grows every round
+    "eta": (0.0, MAX_LR),  # step sizes: fedguard.limits
+    "server_learning_rate": (0.0, MAX_LR),
+}
 _POSITIVE = frozenset({"eta", "server_learning_rate", "tau", "num_nodes_to_select"})
 
 

@@ -123,7 +123,7 @@ def test_observation_file_round_trip(tmp_path: Path) -> None:
     assert loaded.meta() == obs.meta()
     for a, b in zip(loaded.global_arrays + loaded.upload, obs.global_arrays + obs.upload):
         assert a.dtype == b.dtype and np.array_equal(a, b)
-    assert not list(tmp_path.glob(".*part")), "no partial file left behind"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name], "no partial file left behind"
 
 
 def test_disk_sink_does_not_block_and_writes_everything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -227,6 +227,16 @@ def test_the_choice_follows_the_cold_posterior_among_improving_candidates() -> N
     assert int(index) == 0 and not bool(fell_back)
 
 
+@pytest.mark.parametrize("temperature", [1e-308, 5e-324])
+def test_the_smallest_temperatures_draw_the_least_loss_instead_of_nan(temperature: float) -> None:
+    """exp(-n loss / M) once overflowed every logit at M = 1e-308 and the draw raised on a NaN probability."""
+    losses = torch.tensor([0.9, 0.7, 1.1, float("nan")])
+    generator = torch.Generator().manual_seed(0)
+    for base in (1.0, 0.5):  # improving candidates, and none improving
+        picks = {int(choose_candidate(losses, torch.tensor(base), 8, temperature, generator)[0]) for _ in range(50)}
+        assert picks == {1}
+
+
 def test_a_tiny_temperature_chooses_the_least_loss_and_a_positive_one_varies(photos, batch) -> None:
     model = model_of(photos, "lenet")
     x, y = batch
@@ -346,8 +356,9 @@ def test_simulate_draws_one_differentiable_orthogonal_proposal_per_job() -> None
     ("field", "value", "message"),
     [
         ("trials", 0, r"trials must be >= 1, got 0"),
-        ("probe_lr", 0.0, r"probe-lr must be finite and > 0, got 0\.0"),
-        ("probe_lr", float("inf"), r"probe-lr must be finite and > 0, got inf"),
+        ("probe_lr", 0.0, r"probe-lr must be > 0 and < 1e\+06 \(fedguard.limits.MAX_LR\), got 0\.0"),
+        ("probe_lr", float("inf"), r"probe-lr must be > 0 and < 1e\+06 \(fedguard.limits.MAX_LR\), got inf"),
+        ("probe_lr", 1e6, r"probe-lr must be > 0 and < 1e\+06 \(fedguard.limits.MAX_LR\), got 1000000\.0"),
         ("temperature", -0.5, r"temperature must be finite and >= 0, got -0\.5"),
         ("temperature", float("nan"), r"temperature must be finite and >= 0, got nan"),
         ("active_rounds", -1, r"active-rounds must be >= 0 \(0 = every round\), got -1"),

@@ -5,6 +5,7 @@ leave a client no data; all problems together, each naming its key and value."""
 from __future__ import annotations
 
 import math
+import re
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -655,3 +656,69 @@ def test_the_checked_share_sizes_are_the_partitioners_and_computed_once_per_spli
     info = share_sizes.cache_info()
     assert (info.misses, info.hits) == (2, 2), info
     assert share_sizes(counts, 6, "dirichlet", options, 8) != sizes  # another seed, another split
+
+
+# 5. numeric extremes of every step size and noise scale: refused naming key, value and range, or run as given
+
+DP, DP_SGD, CENSOR = ["defense.name=dp"], ["defense.name=dp-sgd"], ["defense.name=censor"]
+FEDAVGM, FEDADAM = ["server.strategy=fedavgm"], ["server.strategy=fedadam"]
+FEDPROX = ["server.strategy=fedprox", "train.protocol=fedavg"]
+STEP = r"must be > 0 and < 1e\+06"
+NOISE = r"must be < 1e\+30 \(fedguard.limits.MAX_NOISE_STD"
+SGM = r"noise-multiplier must be 0 \(no noise\) or in \[0.001, 1e\+06\] \(fedguard.limits.SGM_NOISE_RANGE"
+EXTREMES = [
+    # (the chosen component, key, value, what the refusal says; None: accepted, the run trains as configured)
+    ([], "train.lr", "1e308", r"train.lr = 1e\+308: must be > 0.0 and < 1000000.0"),
+    ([], "train.lr", "1e-308", None),
+    ([], "train.lr", "0", r"train.lr = 0.0: must be > 0.0 and < 1000000.0"),
+    ([], "train.lr", "-1", r"train.lr = -1.0: must be > 0.0"),
+    (FEDAVGM, "server.fedavgm.server-learning-rate", "1e308", rf"server-learning-rate = 1e\+308: {STEP}"),
+    (FEDAVGM, "server.fedavgm.server-learning-rate", "0", rf"server-learning-rate = 0.0: {STEP}"),
+    (FEDAVGM, "server.fedavgm.server-momentum", "1e308", r"server-momentum = 1e\+308: must be in \[0.0, 1.0\)"),
+    (FEDAVGM, "server.fedavgm.server-momentum", "1", r"server-momentum = 1.0: must be in \[0.0, 1.0\)"),
+    (FEDAVGM, "server.fedavgm.server-momentum", "-1", r"server-momentum = -1.0: must be in \[0.0, 1.0\)"),
+    (FEDAVGM, "server.fedavgm.server-momentum", "1e-308", None),
+    (FEDADAM, "server.fedadam.eta", "1e308", rf"eta = 1e\+308: {STEP}"),
+    (FEDADAM, "server.fedadam.eta", "-1", rf"eta = -1.0: {STEP}"),
+    (FEDADAM, "server.fedadam.tau", "0", r"tau = 0.0: must be > 0"),
+    (FEDADAM, "server.fedadam.tau", "1e-308", None),  # runs, and stops at its first step: the run-time case
+    (FEDADAM, "server.fedadam.beta-1", "1e308", r"beta-1 = 1e\+308: must be in \[0.0, 1.0\)"),
+    (FEDPROX, "server.fedprox.proximal-mu", "1e308", r"proximal-mu = 1e\+308 with train.lr = 0.5: .* must be < 2"),
+    (FEDPROX, "server.fedprox.proximal-mu", "3.9", None),
+    (FEDPROX, "server.fedprox.proximal-mu", "4", r"proximal-mu = 4.0 with train.lr = 0.5: .* must be < 2"),
+    (DP, "defense.dp.clip", "1e308", rf"noise scale .* is 1e\+307: {NOISE}"),
+    (DP, "defense.dp.clip", "1e-308", None),
+    (DP, "defense.dp.clip", "0", r"clip must be > 0, got 0.0 \(defense.dp.clip = 0.0\)"),
+    (DP, "defense.dp.noise-multiplier", "1e308", rf"noise scale .* is 1e\+308: {NOISE}"),
+    (DP, "defense.dp.noise-multiplier", "-1", r"noise-multiplier must be >= 0, got -1.0"),
+    ([*DP, "defense.dp.mechanism=laplace"], "defense.dp.noise-multiplier", "1e308", rf"is 1e\+308: {NOISE}"),
+    ([*DP, "defense.dp.clip=1e308"], "defense.dp.noise-multiplier", "0", None),  # no noise: the clip is no bound
+    (DP, "defense.dp.epsilon", "1e308", None),
+    (DP, "defense.dp.epsilon", "1e-308", None),  # the calibration's largest noise, 8e4: finite
+    (DP, "defense.dp.epsilon", "-1", r"epsilon must be finite and >= 0"),
+    (DP, "defense.dp.delta", "1e308", r"delta must be in \(0, 1\), got 1e\+308"),
+    (DP_SGD, "defense.dp-sgd.clip", "1e308", rf"clip \* noise-multiplier = 1e\+308: {NOISE}"),
+    (DP_SGD, "defense.dp-sgd.clip", "0", r"clip must be finite and > 0, got 0.0"),
+    (DP_SGD, "defense.dp-sgd.noise-multiplier", "1e308", rf"{SGM}.*got 1e\+308"),
+    (DP_SGD, "defense.dp-sgd.noise-multiplier", "1e-308", rf"{SGM}.*got 1e-308"),
+    (DP_SGD, "defense.dp-sgd.noise-multiplier", "-1", rf"{SGM}.*got -1.0"),
+    (DP_SGD, "defense.dp-sgd.noise-multiplier", "0", None),
+    (CENSOR, "defense.censor.probe-lr", "1e308", r"probe-lr must be > 0 and < 1e\+06 \(fedguard.limits.MAX_LR\)"),
+    (CENSOR, "defense.censor.probe-lr", "0", r"probe-lr must be > 0 and < 1e\+06"),
+    (CENSOR, "defense.censor.temperature", "1e-308", None),
+    (CENSOR, "defense.censor.temperature", "1e308", None),
+]
+
+
+@pytest.mark.parametrize(("chosen", "key", "value", "refusal"), EXTREMES, ids=[f"{k}={v}" for _, k, v, _ in EXTREMES])
+def test_an_extreme_step_or_noise_is_refused_naming_key_value_and_range(
+    chosen: list[str], key: str, value: str, refusal: str | None
+) -> None:
+    """Each refused value raised in the run once (an overflowing accountant or probe step, a NaN draw) or made
+    every upload non-finite (the run trained on nothing); non-finite values are refused for every key above."""
+    overrides = [*chosen, f"{key}={value}"]
+    if refusal is None:
+        load_config(None, overrides)
+        return
+    problems = problems_of(overrides)
+    assert any(key.rsplit(".", 1)[0] in p and re.search(refusal, p) for p in problems), problems

@@ -7,6 +7,7 @@ builds them (``tests.helpers.reply``) on a grid of node ids 100, 101, 102 (clien
 
 from __future__ import annotations
 
+import errno
 import html
 import io
 import json
@@ -14,20 +15,25 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from fedguard.config import Config
 from fedguard.data import DataSpec
 from fedguard.observation import ModelCard
 from fedguard.report.run_status import read_status
 from fedguard.runtime.client_app import make_client_app
-from fedguard.runtime.server_app import round_accounting, run_server
+from fedguard.runtime.server_app import make_server_app, round_accounting, run_server
 from fedguard.selection import Selection
+from fedguard.store.checkpoint import read_checkpoint
+from fedguard.store.folder import CHECKPOINT_FILE, ROUNDS_FILE, RunFileUnwritable
+from fedguard.store.rows import read_rounds
 from fedguard.wire.records import ARRAYS, array_record
 from fedguard.wire.sparse import ENCODING_KEY, SPARSE, encode_arrays
 from strategies import FedSGD, HonestButCurious, RoundGuard, SparseUploads
@@ -319,6 +325,126 @@ def test_a_global_model_turning_non_finite_stops_the_run(tmp_path: Path) -> None
     assert last["round"] == 1 and last["stopped"].startswith("the global model's array '")
 
 
+def serve(cfg: Config, grid: LocalGrid) -> None:
+    """Call the ServerApp of ``cfg`` on ``grid`` as Flower calls it."""
+    context = Context(run_id=1, node_id=0, state=RecordDict(), run_config={}, node_config={})
+    make_server_app(cfg)(grid=grid, context=context)
+
+
+def test_every_client_failing_ends_the_serverapp_failed_naming_them_without_a_traceback(tmp_path: Path) -> None:
+    cfg = config("train.rounds=2", "capture.rounds=none", f"out-dir={tmp_path / 'run'}")
+    serve(cfg, LocalGrid(make_client_app(cfg), cfg.partition.num_clients, fail={0, 1, 2, 3}))  # returns: explained
+    status = read_status(tmp_path / "run")
+    assert status["status"] == "failed" and status["error"].startswith("AllClientsFailed: round 1: every one of 3")
+    assert "RuntimeError: this client fails" in status["error"]
+
+
+def failing_writes(monkeypatch: pytest.MonkeyPatch, name: str, call: int, code: int) -> None:
+    """``os.write`` and ``os.fsync`` on a file whose name holds ``name`` fail with ``code`` at the ``call``-th of
+    them (a write having given half its bytes to the file first, as a disk filling mid-line does)."""
+    real_write, real_fsync, calls = os.write, os.fsync, [0]
+
+    def failing(fd: int) -> bool:
+        if name not in os.path.basename(os.readlink(f"/proc/self/fd/{fd}")):
+            return False
+        calls[0] += 1
+        return calls[0] == call
+
+    def write(fd: int, data: bytes) -> int:
+        if failing(fd):
+            real_write(fd, data[: len(data) // 2])
+            raise OSError(code, os.strerror(code))
+        return real_write(fd, data)
+
+    def fsync(fd: int) -> None:
+        if failing(fd):
+            raise OSError(code, os.strerror(code))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize(
+    ("name", "code"),
+    [
+        (ROUNDS_FILE, errno.ENOSPC),
+        (ROUNDS_FILE, errno.EFBIG),
+        (ROUNDS_FILE, errno.EROFS),
+        (CHECKPOINT_FILE, errno.EDQUOT),
+    ],
+)
+def test_a_disk_filling_mid_run_ends_it_failed_naming_the_file_and_keeps_every_whole_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, code: int
+) -> None:
+    """The second write of ``name`` fails: round 1's row (half of it written first), or round 1's checkpoint."""
+    folder = tmp_path / "run"
+    cfg = config("train.rounds=3", "capture.rounds=none", f"out-dir={folder}")
+    grid = LocalGrid(make_client_app(cfg), cfg.partition.num_clients)
+    failing_writes(monkeypatch, name, call=2, code=code)
+    with pytest.raises(RunFileUnwritable) as raised:
+        run_server(grid, cfg)
+    message = rf"cannot write {re.escape(str(folder / name))}: {os.strerror(code)}; free space on its file system: \d+"
+    assert re.fullmatch(message + r" bytes \(.* MiB\)", str(raised.value))
+    monkeypatch.undo()
+    status = read_status(folder)
+    assert status["status"] == "failed" and re.match(rf"RunFileUnwritable: {message}", status["error"]), status
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no torn line left to skip
+        kept = [row["round"] for row in read_rounds(folder)]
+    assert kept == ([0] if name == ROUNDS_FILE else [0, 1])
+    assert not [p.name for p in folder.rglob("*") if p.name.endswith(".tmp")], "no temporary is left"
+    assert read_checkpoint(folder).round == 0, "the last whole checkpoint is kept"
+
+
+def test_a_full_disk_ends_the_serverapp_without_a_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config("train.rounds=2", "capture.rounds=none", f"out-dir={tmp_path / 'run'}")
+    failing_writes(monkeypatch, ROUNDS_FILE, call=2, code=errno.ENOSPC)
+    serve(cfg, LocalGrid(make_client_app(cfg), cfg.partition.num_clients))  # returns: an explained stop
+    assert read_status(tmp_path / "run")["error"].startswith("RunFileUnwritable: cannot write ")
+
+
+FILE_SIZE_LIMIT = """
+import resource, signal, sys
+from flwr.app import Context, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from fedguard.data.registry import load_dataset
+from fedguard.runtime.client_app import make_client_app
+from fedguard.runtime.server_app import make_server_app
+from tests.helpers import config
+from tests.local_grid import LocalGrid
+
+TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+cfg = config("train.rounds=2", "capture.rounds=none", "out-dir=" + sys.argv[1])
+load_dataset(cfg.data.name, cfg.data.source_options())  # unpacked into the cache before the limit
+grid = LocalGrid(make_client_app(cfg), cfg.partition.num_clients)
+limit = int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+make_server_app(cfg)(grid=grid, context=Context(run_id=1, node_id=0, state=RecordDict(), run_config={}, node_config={}))
+"""
+
+
+def test_a_real_file_size_limit_mid_run_ends_it_failed_naming_the_file(tmp_path: Path) -> None:
+    """Under ``RLIMIT_FSIZE`` of 7000 bytes the run's config.toml (5.6 KB) fits and its first checkpoint (8 KB,
+    after round 0's evaluation) does not: the system refuses the write with EFBIG."""
+    folder = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-c", FILE_SIZE_LIMIT, str(folder), "7000"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    status = read_status(folder)
+    assert status["status"] == "failed", status
+    assert status["error"].startswith(f"RunFileUnwritable: cannot write {folder / CHECKPOINT_FILE}: File too large")
+    assert [row["round"] for row in read_rounds(folder)] == [0]
+    assert not (folder / CHECKPOINT_FILE).exists() and not list(folder.glob(".*.tmp"))
+
+
 def hostile_run(out: Path, defense: str, *settings: str, clients: int = 3) -> subprocess.CompletedProcess[str]:
     """``fedguard run`` of ``clients`` clients for 2 rounds whose defense is ``tests.hostile_defense``'s
     ``defense``."""
@@ -350,6 +476,18 @@ def test_fedguard_run_exits_non_zero_when_the_global_model_turns_non_finite(tmp_
     status = read_status(out)
     assert status["status"] == "failed" and "NonFiniteModel: round 1" in status["error"], status
     assert [r["round"] for r in rows(out)] == [0, 1] and "stopped" in rows(out)[-1]
+
+
+@pytest.mark.slow
+def test_a_numeric_extreme_that_passes_the_checks_ends_the_real_run_failed_without_a_traceback(tmp_path: Path) -> None:
+    """FedAdam's tau = 1e-308 is a valid setting whose first server step divides by ~0: the run-time case of
+    ``tests/test_config_refusals.py``'s extremes."""
+    out = tmp_path / "run"
+    result = hostile_run(out, "none", "server.strategy=fedadam", "server.fedadam.tau=1e-308")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output, output[-3000:]
+    assert "the run ended as 'failed': NonFiniteModel: round 1: after aggregation the global model's" in output
+    assert read_status(out)["status"] == "failed"
 
 
 @pytest.mark.slow

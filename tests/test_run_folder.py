@@ -8,12 +8,15 @@ import json
 import math
 import os
 import time
+import tracemalloc
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+import fedguard.store.folder as folder_module
+from fedguard import limits
 from fedguard.commands.cli import main
 from fedguard.commands.sweep import load_sweep, run_sweep
 from fedguard.config import load_config
@@ -210,6 +213,85 @@ def test_the_atomic_writer_leaves_the_old_file_or_the_new(
     monkeypatch.setattr(os, failing, real)
     write_atomic(path, "new")
     assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == [REPORT_FILE]
+
+
+# ----------------------------------------------------------------------------------------------
+# A line longer than any row
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_lines(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Lines of at most 64 bytes read, 16 of a line held at once: the bound and the chunked reading at a
+    size a test writes."""
+    monkeypatch.setattr(limits, "MAX_LINE_BYTES", 64)
+    monkeypatch.setattr(folder_module, "_HELD", 16)
+    return 64
+
+
+def test_a_line_longer_than_the_bound_is_refused_naming_the_file_line_and_size(
+    tmp_path: Path, small_lines: int
+) -> None:
+    path = tmp_path / ROUNDS_FILE
+    fits = json.dumps({"round": 1, "pad": "x" * (small_lines - 23)})
+    assert len(fits) == small_lines
+    path.write_text(f'{{"round": 0}}\n{fits}\n{{"round": 2, "pad": "{"y" * 100}"}}\n{{"round": 3}}\n')
+    with pytest.raises(RunFileError, match=r"rounds.jsonl, line 3: 123 bytes, longer than any row .*at most 64 bytes"):
+        read_jsonl(path)
+    path.write_text(f'{{"round": 0}}\n{fits}\n{{"round": 2}}')  # a row longer than a held chunk is read whole
+    assert [row["round"] for row in read_jsonl(path)] == [0, 1, 2]
+    path.write_text(f'{{"round": 0}}\n{fits[:40]}')  # a torn last line longer than a chunk is still a torn line
+    with pytest.warns(RunFolderWarning, match=r"skipped the torn last line 2 \(40 bytes"):
+        assert read_jsonl(path) == [{"round": 0}]
+    path.write_text('{"round": 0}\n' + "z" * 65)  # over the bound without a newline: refused, not skipped
+    with pytest.raises(RunFileError, match=r"line 2: 65 bytes"):
+        read_jsonl(path)
+    write_json(tmp_path / "status.json", {"status": "failed", "error": "e" * 100})
+    with pytest.raises(RunFileError, match=r"status.json: 134 bytes, larger than any JSON file .*at most 64"):
+        read_json(tmp_path / "status.json")
+
+
+def test_the_appender_mends_a_long_tail_reading_it_backwards(tmp_path: Path, small_lines: int) -> None:
+    path = tmp_path / ATTACKS_FILE
+    row = json.dumps({"n": 1, "pad": "p" * 40})
+    path.write_text('{"n": 0}\n' + row)  # a whole row, longer than a chunk, lacking its newline
+    with JsonlAppender(path) as rows:
+        rows.append({"n": 2})
+    assert [r["n"] for r in read_jsonl(path)] == [0, 1, 2]
+    path.write_text('{"n": 0}\n' + "q" * 200)  # over the bound: cut as a torn line
+    with pytest.warns(RunFolderWarning, match=r"cut a torn last line \(200 bytes\)"), JsonlAppender(path) as rows:
+        rows.append({"n": 1})
+    assert path.read_text() == '{"n": 0}\n{"n": 1}\n'
+
+
+def test_report_names_a_line_longer_than_the_bound(
+    tmp_path: Path, small_lines: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = make_run(tmp_path)
+    with open(folder / ROUNDS_FILE, "a") as out:
+        out.write('{"round": 3, "pad": "' + "x" * 1000 + '"}\n')
+    assert main(["report", str(folder)]) == 2
+    assert f"{folder / ROUNDS_FILE}, line 4: 1023 bytes, longer than any row" in capsys.readouterr().err
+
+
+def test_a_200_mb_line_is_refused_holding_a_small_part_of_it(tmp_path: Path) -> None:
+    """The line is sparse (NUL bytes the file system does not store): its size costs no disk and no writing."""
+    path = tmp_path / ROUNDS_FILE
+    size = 200 * 2**20
+    assert size > limits.MAX_LINE_BYTES
+    with open(path, "wb") as out:
+        out.write(b'{"round": 0}\n')
+        out.truncate(out.tell() + size)
+        out.seek(0, os.SEEK_END)
+        out.write(b'\n{"round": 2}\n')
+    tracemalloc.start()
+    try:
+        with pytest.raises(RunFileError, match=rf"line 2: {size} bytes, longer than any row"):
+            read_jsonl(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * folder_module._HELD < size / 20
 
 
 # ----------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ from torch.func import functional_call, vmap
 
 from fedguard.defenses.base import LocalStep, class_traits, register_defense
 from fedguard.defenses.revealed import OrthogonalPerTensor
+from fedguard.limits import MAX_LR
 
 FALLBACKS = ("raw", "best", "zero")
 PROJECTIONS = ("exact", "published")
@@ -90,8 +91,8 @@ class CensorParams:
     def __post_init__(self) -> None:
         if self.trials < 1:
             raise ValueError(f"trials must be >= 1, got {self.trials}")
-        if not (self.probe_lr > 0 and math.isfinite(self.probe_lr)):
-            raise ValueError(f"probe-lr must be finite and > 0, got {self.probe_lr}")
+        if not 0 < self.probe_lr < MAX_LR:
+            raise ValueError(f"probe-lr must be > 0 and < {MAX_LR:g} (fedguard.limits.MAX_LR), got {self.probe_lr}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.fallback not in FALLBACKS:
@@ -152,7 +153,10 @@ def choose_candidate(
     if temperature == 0:
         return losses.argmin(), fell_back
     eligible = (improves | fell_back) & losses.isfinite()
-    logits = torch.where(eligible, -batch_size * losses.double() / temperature, -math.inf)
+    # exp(-n (loss - least) / M): the least eligible loss has logit 0, so a small M sharpens the draw towards it
+    # instead of overflowing every logit to -inf (a NaN softmax)
+    least = torch.where(eligible, losses.double(), math.inf).min()
+    logits = torch.where(eligible, -batch_size * (losses.double() - least) / temperature, -math.inf)
     logits = torch.where(eligible.any(), logits, torch.zeros_like(logits))
     probs = torch.softmax(logits, 0).to(generator.device)
     index = torch.multinomial(probs, 1, generator=generator)[0]

@@ -46,6 +46,7 @@ from torch.func import functional_call, grad, vmap
 from fedguard.defenses.accountant import epsilon_spent
 from fedguard.defenses.base import LocalStep, class_traits, register_defense
 from fedguard.defenses.revealed import ClippedNoise
+from fedguard.limits import MAX_NOISE_STD, SGM_NOISE_RANGE
 
 STEPS, SAMPLE_RATE = "steps", "sample_rate"  # keys of the defense state
 
@@ -64,8 +65,17 @@ class DPSGDParams:
     def __post_init__(self) -> None:
         if not (self.clip > 0 and math.isfinite(self.clip)):
             raise ValueError(f"clip must be finite and > 0, got {self.clip}")
-        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
-            raise ValueError(f"noise-multiplier must be finite and >= 0, got {self.noise_multiplier}")
+        low, high = SGM_NOISE_RANGE
+        if not (self.noise_multiplier == 0 or low <= self.noise_multiplier <= high):
+            raise ValueError(
+                f"noise-multiplier must be 0 (no noise) or in [{low:g}, {high:g}] (fedguard.limits.SGM_NOISE_RANGE: "
+                f"where the privacy accountant can compute epsilon), got {self.noise_multiplier}"
+            )
+        if not self.clip * self.noise_multiplier < MAX_NOISE_STD:
+            raise ValueError(
+                f"the noise std on the sum, clip * noise-multiplier = {self.clip * self.noise_multiplier:g}: must be "
+                f"< {MAX_NOISE_STD:g} (fedguard.limits.MAX_NOISE_STD: float32 uploads would hold infinities)"
+            )
         if self.dataset_size < 0:
             raise ValueError(f"dataset-size must be >= 0 (0: the client's own data set size), got {self.dataset_size}")
         if not 0 < self.delta < 1:

@@ -38,6 +38,7 @@ import torch
 from fedguard.defenses.base import LocalStep, class_traits, register_defense
 from fedguard.defenses.gaussian_mechanism import epsilon_after, gaussian_sigma
 from fedguard.defenses.revealed import ClippedNoise
+from fedguard.limits import MAX_NOISE_STD
 
 MECHANISMS = ("gaussian", "laplace")
 CALIBRATIONS = ("analytic", "mjolnir-code")
@@ -85,6 +86,11 @@ class UpdateDPParams:
             raise ValueError(f"calibration {self.calibration!r}: choose one of {', '.join(CALIBRATIONS)}")
         if self.calibration == "mjolnir-code" and self.epsilon == 0:
             raise ValueError("calibration 'mjolnir-code' maps epsilon to a noise std: set epsilon > 0")
+        if not self.noise_scale < MAX_NOISE_STD:
+            raise ValueError(
+                f"the noise scale (clip * noise-multiplier, or as epsilon calibrates it) is {self.noise_scale:g}: "
+                f"must be < {MAX_NOISE_STD:g} (fedguard.limits.MAX_NOISE_STD: float32 uploads would hold infinities)"
+            )
 
     @property
     def effective_noise_multiplier(self) -> float:

@@ -13,7 +13,6 @@ row: ``fedguard.store.rows``).
 from __future__ import annotations
 
 import base64
-import json
 import math
 import statistics
 from collections import Counter, defaultdict
@@ -41,6 +40,7 @@ from fedguard.store.folder import (
     RunFileError,
     grid_name,
     inside,
+    read_json,
     recon_name,
     warn,
     write_atomic,
@@ -303,10 +303,9 @@ def _audited_app(run_dir: Path) -> dict[str, Any]:
     """What ``app.json`` says of the audited Flower app (``fedguard.flower.Audit``); empty for fedguard's own runs
     and for a file that cannot be read."""
     try:
-        found = json.loads((run_dir / APP_FILE).read_text())
+        return read_json(run_dir / APP_FILE) or {}
     except (OSError, ValueError):
         return {}
-    return found if isinstance(found, dict) else {}
 
 
 def _chips(recorded: RecordedConfig, done: int, app: dict[str, Any]) -> list[tuple[str, str]]:

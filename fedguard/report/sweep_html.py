@@ -13,7 +13,6 @@ loads nothing from elsewhere.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from html import escape
@@ -32,7 +31,7 @@ from fedguard.report.detection import (
 from fedguard.report.html import CSS, DASH, EmbeddedImages, figure_png, page_html, pairs_html, plot_axes, scored_images
 from fedguard.report.invocation import INVOCATION_FILE, invocation_line
 from fedguard.report.leakage import SUCCESS_SSIM
-from fedguard.store.folder import REPORT_FILE, RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, write_atomic
+from fedguard.store.folder import REPORT_FILE, RUNS_FILE, SUMMARY_FILE, SWEEP_FILE, read_json, write_atomic
 from fedguard.store.invocations import own_rows
 from fedguard.store.rows import CellRow, read_attacks, read_cells
 
@@ -399,8 +398,7 @@ def _invocation_html(folder: Path) -> str:
     """The command the sweep ran as (``invocation.json``: preset, its digest, --only, --seeds, --set); a note
     where the folder holds no readable record."""
     try:
-        record = json.loads((folder / INVOCATION_FILE).read_text())
-        line = invocation_line(record)
+        line = invocation_line(read_json(folder / INVOCATION_FILE) or {})
     except (OSError, ValueError, KeyError, TypeError):
         return '<p class="lead">No readable invocation.json: the preset and options it ran with are unknown.</p>'
     return f'<p class="lead">{markdown_html(line).removeprefix("<p>").removesuffix("</p>")}</p>'

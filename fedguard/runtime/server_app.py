@@ -51,7 +51,7 @@ from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest
 from fedguard.runtime.stuck_plugin import watch_for_stuck_plugin
 from fedguard.store.card import initial_model, model_card, upload_rules
 from fedguard.store.checkpoint import RoundCheckpoint, write_checkpoint
-from fedguard.store.folder import ATTACKS_FILE, flwr_run_dir
+from fedguard.store.folder import ATTACKS_FILE, RunFileUnwritable, flwr_run_dir
 from fedguard.store.invocations import RUN_INVOCATION
 from fedguard.store.observation_files import DiskSink
 from fedguard.store.resume import resume_point, rewind
@@ -60,7 +60,16 @@ from fedguard.tracking import Trackers, open_trackers
 from fedguard.training import evaluate, get_arrays, set_arrays
 from fedguard.wire.declared import Declared
 from fedguard.wire.records import Upload, array_record
-from strategies import FedSGD, GradientStep, HonestButCurious, Malicious, RoundGuard, SparseUploads, StrategyContext
+from strategies import (
+    AllClientsFailed,
+    FedSGD,
+    GradientStep,
+    HonestButCurious,
+    Malicious,
+    RoundGuard,
+    SparseUploads,
+    StrategyContext,
+)
 from strategies.client_failures import ClientFailure
 from strategies.registry import aggregates_gradients, build_strategy, resolve
 from strategies.round_guard import OnReplies
@@ -294,12 +303,14 @@ def round_accounting(recorder_extra: dict[str, Any]) -> OnReplies:
 
 
 def _attempt(what: str, step: Callable[[], Any]) -> None:
-    """Run one step of a run's ending; a failure is printed with its reason and the next steps still run."""
+    """Run one step of a run's ending; a failure is printed with its reason (and logged with its traceback, but
+    for a full disk) and the next steps still run."""
     try:
         step()
     except Exception as error:
         print(f"fedguard: {what} failed: {type(error).__name__}: {error}", flush=True)
-        log.error("%s failed:\n%s", what, traceback.format_exc())
+        if not isinstance(error, RunFileUnwritable):  # a full disk is explained by its message: no traceback
+            log.error("%s failed:\n%s", what, traceback.format_exc())
 
 
 def close_capture(sink: FanOut, pool: AttackPool | None, wait: float, folder: Path) -> None:
@@ -459,7 +470,7 @@ def make_server_app(config: Config | None = None) -> ServerApp:
     def main(grid: Grid, context: Context) -> None:
         try:
             run_server(grid, config if config is not None else flwr_run_config(context))
-        except (NonFiniteModel, PluginFailure):
+        except (NonFiniteModel, AllClientsFailed, RunFileUnwritable, PluginFailure):
             return  # an explained stop: run_server printed it and the run folder says 'failed', without a traceback
 
     return server_app

@@ -10,12 +10,13 @@ before the run resumes. The arrays are written as they are (``numpy.save``): the
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from fedguard.store.folder import replacing
 
 _ROUND_FILE = re.compile(r"round-(\d+)\.npz")
 
@@ -71,14 +72,11 @@ class FileState:
     def store(self, round_: int, tensors: dict[str, torch.Tensor]) -> None:
         if not tensors and self._read is None:  # stateless, and nothing before to supersede
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
         target = self.folder / f"round-{round_:04d}.npz"
-        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
         arrays = {name: t.detach().cpu().contiguous().numpy() for name, t in tensors.items()}
-        with open(partial, "wb") as out:
+        with replacing(target, sync=False) as out:
             # mypy takes **arrays for a value of the keyword-only allow_pickle (a bool)
             np.savez(out, **arrays)  # type: ignore[arg-type]
-        os.replace(partial, target)
         for older, path in _rounds(self.folder).items():
             if older < round_ and (self._read is None or older < self._read):
                 path.unlink(missing_ok=True)

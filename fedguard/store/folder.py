@@ -22,7 +22,10 @@ temporary file in the same folder, flushed and synced, then renamed over the old
 the old file or the new one, never a part. Rows are added by ``JsonlAppender``: each row is one line
 given to the system in one write on a descriptor opened for appending, so a killed run leaves at most a
 torn last line. ``read_jsonl`` skips such a line with a warning and names the file and line of any other
-line that is not a row.
+line that is not a row; it reads line by line and refuses a line longer than ``fedguard.limits.MAX_LINE_BYTES``
+(naming its file, line and size) without holding it. A write that fails because the disk is full, the quota spent,
+the file system read-only or the file over ``RLIMIT_FSIZE`` (``UNWRITABLE``) raises ``RunFileUnwritable``, naming
+the file and the space left, and leaves the file as it was: the old whole file, or the rows before the failed one.
 
 Rows and JSON files are strict JSON (RFC 8259), which has no NaN or infinity. A float that is not finite
 is written as ``null`` and named in the row's ``non_finite`` object, which maps the value's JSON Pointer
@@ -38,15 +41,20 @@ outside the run folder (absolute, through ``..``, or through a symbolic link out
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import secrets
+import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, BinaryIO
+
+from fedguard import limits
 
 CONFIG_FILE = "config.toml"
 ROUNDS_FILE = "rounds.jsonl"
@@ -68,12 +76,45 @@ UPLOAD_GLOB = "round-*_client-*.npz"  # observations and vault entries
 GRID_KINDS = ("truth", "recon")
 NON_FINITE_KEY = "non_finite"
 RUNS_ENV = "FEDGUARD_RUNS"
+_HELD = 2**20  # bytes of a line read at once: a longer line is measured before it is read whole
 
 Note = Callable[[str], None]
 
 
 class RunFileError(ValueError):
     """A run-folder file that cannot be read as written, or a path that leads out of the run folder."""
+
+
+UNWRITABLE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+"""Why a run file cannot be written that no retry mends: the disk is full, the quota spent, the file system read-only,
+or the file over the process's size limit (``RLIMIT_FSIZE``)."""
+
+
+class RunFileUnwritable(OSError):
+    """A run file that could not be written for one of ``UNWRITABLE``: names the file and the space left."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        super().__init__(error.errno, error.strerror, str(path))
+        self.free = _free_bytes(Path(path).parent)
+
+    def __str__(self) -> str:
+        free = "unknown" if self.free is None else f"{self.free} bytes ({self.free / 2**20:.1f} MiB)"
+        return f"cannot write {self.filename}: {self.strerror}; free space on its file system: {free}"
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Bytes free to this process on the file system of ``folder`` (or of its nearest existing parent)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def unwritable(path: Path, error: OSError) -> OSError:
+    """``error``, raised writing ``path``, as a ``RunFileUnwritable`` when it is one of ``UNWRITABLE``."""
+    return RunFileUnwritable(path, error) if error.errno in UNWRITABLE else error
 
 
 class RunFolderWarning(UserWarning):
@@ -186,22 +227,34 @@ def _restore(row: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def write_atomic(path: Path, data: bytes | str) -> Path:
-    """Write ``data`` (text as UTF-8) to ``path``: a temporary file in the same folder, flushed and synced,
-    then ``os.replace``; creates the folder. A failure leaves the previous file (or none) and no temporary."""
+@contextlib.contextmanager
+def replacing(path: Path, sync: bool = True) -> Iterator[BinaryIO]:
+    """A file for the new content of ``path``: a temporary in the same folder that replaces ``path`` when the
+    block ends (flushed and, with ``sync``, synced first); creates the folder. A failure leaves the previous file
+    (or none) and no temporary; a full disk (``UNWRITABLE``) raises ``RunFileUnwritable`` naming ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(temp, "xb") as out:
-            out.write(data.encode("utf-8") if isinstance(data, str) else data)
+            yield out
             out.flush()
-            os.fsync(out.fileno())
+            if sync:
+                os.fsync(out.fileno())
         os.replace(temp, path)
+    except OSError as error:
+        temp.unlink(missing_ok=True)
+        raise unwritable(path, error) from error
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_atomic(path: Path, data: bytes | str) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` through ``replacing``: the old file or the new, never a part."""
+    with replacing(path) as out:
+        out.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path)
 
 
 def write_json(path: Path, value: dict[str, Any]) -> Path:
@@ -222,6 +275,19 @@ def _is_row(line: bytes) -> bool:
     return True
 
 
+def _last_line_start(fd: int, size: int) -> int:
+    """The offset after the last newline in the first ``size`` bytes of the file open as ``fd`` (0: none), read
+    backwards ``_HELD`` bytes at a time."""
+    end = size
+    while end > 0:
+        start = max(0, end - _HELD)
+        at = os.pread(fd, end - start, start).rfind(b"\n")
+        if at >= 0:
+            return start + at + 1
+        end = start
+    return 0
+
+
 class JsonlAppender:
     """Appends rows to a ``.jsonl`` file, each as one write of one line (no buffer to flush).
 
@@ -231,10 +297,16 @@ class JsonlAppender:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as error:
+            raise unwritable(self.path, error) from error
         try:
             self._mend_tail()
+        except OSError as error:
+            os.close(self._fd)
+            raise unwritable(self.path, error) from error
         except BaseException:
             os.close(self._fd)
             raise
@@ -243,19 +315,25 @@ class JsonlAppender:
         size = os.fstat(self._fd).st_size
         if size == 0 or os.pread(self._fd, 1, size - 1) == b"\n":
             return
-        content = os.pread(self._fd, size, 0)
-        start = content.rfind(b"\n") + 1
-        if _is_row(content[start:]):
+        start = _last_line_start(self._fd, size)
+        if size - start <= limits.MAX_LINE_BYTES and _is_row(os.pread(self._fd, size - start, start)):
             os.write(self._fd, b"\n")
             return
         os.ftruncate(self._fd, start)
         warn(f"{self.path}: cut a torn last line ({size - start} bytes) before appending")
 
     def append(self, row: dict[str, Any]) -> None:
-        """Write ``row`` as one strict JSON line."""
+        """Write ``row`` as one strict JSON line. A write that fails (a full disk: ``RunFileUnwritable``) takes
+        back what it wrote of the line, so the file holds whole rows only."""
         data = (encode_row(row) + "\n").encode("utf-8")
-        while data:  # a regular file takes it in one write; the loop only finishes a short one
-            data = data[os.write(self._fd, data) :]
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            while data:  # a regular file takes it in one write; the loop only finishes a short one
+                data = data[os.write(self._fd, data) :]
+        except OSError as error:
+            with contextlib.suppress(OSError):  # truncating frees space; a read-only file system keeps no part
+                os.ftruncate(self._fd, end)
+            raise unwritable(self.path, error) from error
 
     def close(self) -> None:
         """Close the file."""
@@ -293,30 +371,69 @@ def _row(path: Path, number: int, line: bytes) -> dict[str, Any]:
         raise RunFileError(f"{path}, line {number}: not a row ({error})") from None
 
 
+def _lines(path: Path, handle: BinaryIO) -> Iterator[tuple[int, bytes, bool]]:
+    """(number, the line without its newline, whether a newline ended it) of each line of ``handle`` (opened
+    on ``path``). A line longer than ``_HELD`` is measured first, reading on to its newline without holding it,
+    and read again only when it is within ``limits.MAX_LINE_BYTES``; a longer one raises ``RunFileError`` naming
+    the file, the line and its size, having held at most ``_HELD`` bytes of it."""
+    number = 0
+    while piece := handle.readline(_HELD):
+        number += 1
+        if piece.endswith(b"\n"):
+            yield number, piece[:-1], True
+            continue
+        start, size, ended = handle.tell() - len(piece), len(piece), False
+        while not ended and (more := handle.readline(_HELD)):
+            size, ended = size + len(more), more.endswith(b"\n")
+        length = size - ended
+        if length > limits.MAX_LINE_BYTES:
+            raise RunFileError(
+                f"{path}, line {number}: {length} bytes, longer than any row fedguard writes (at most "
+                f"{limits.MAX_LINE_BYTES} bytes, fedguard.limits.MAX_LINE_BYTES); refused"
+            )
+        if size > len(piece):
+            handle.seek(start)
+            piece = handle.read(size)
+        yield number, piece[:length], ended
+
+
 def read_jsonl(path: Path, note: Note = warn) -> list[dict[str, Any]]:
-    """The rows of ``path``, a missing file none; blank lines are skipped.
+    """The rows of ``path``, a missing file none; blank lines are skipped. The file is read line by line.
 
     A last line without its newline that is not a row is what a stopped writer leaves: it is skipped and
-    ``note`` told. Any other line that is not a row raises ``RunFileError`` with the file and line.
+    ``note`` told. Any other line that is not a row raises ``RunFileError`` with the file and line, and so
+    does a line longer than ``fedguard.limits.MAX_LINE_BYTES`` (its size named, the line never held whole).
     """
     path = Path(path)
     if not path.is_file():
         return []
-    *lines, tail = path.read_bytes().split(b"\n")
-    rows = [_row(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
-    if tail.strip():
-        try:
-            rows.append(_row(path, len(lines) + 1, tail))
-        except RunFileError:
-            note(f"{path}: skipped the torn last line {len(lines) + 1} ({len(tail)} bytes, no newline)")
+    rows = []
+    with open(path, "rb") as handle:
+        for number, line, ended in _lines(path, handle):
+            if not line.strip():
+                continue
+            if ended:
+                rows.append(_row(path, number, line))
+                continue
+            try:
+                rows.append(_row(path, number, line))
+            except RunFileError:
+                note(f"{path}: skipped the torn last line {number} ({len(line)} bytes, no newline)")
     return rows
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
-    """The object in the JSON file ``path`` (non-finite floats put back), or None when there is none."""
+    """The object in the JSON file ``path`` (non-finite floats put back), or None when there is none; a file
+    larger than ``fedguard.limits.MAX_LINE_BYTES`` is refused (``RunFileError``) unread."""
     path = Path(path)
     if not path.is_file():
         return None
+    size = path.stat().st_size
+    if size > limits.MAX_LINE_BYTES:
+        raise RunFileError(
+            f"{path}: {size} bytes, larger than any JSON file fedguard writes (at most {limits.MAX_LINE_BYTES} "
+            "bytes, fedguard.limits.MAX_LINE_BYTES); refused"
+        )
     try:
         return _parse(path.read_bytes())
     except _UNREADABLE as error:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 from pathlib import Path
@@ -17,23 +16,20 @@ import numpy as np
 
 from fedguard.data.spec import DataSpec
 from fedguard.observation import Observation
-from fedguard.store.folder import UPLOAD_GLOB, upload_file_name
+from fedguard.store.folder import UPLOAD_GLOB, RunFileUnwritable, replacing, upload_file_name
 
 log = logging.getLogger(__name__)
 
 
 def save_observation(obs: Observation, folder: Path) -> Path:
     """Write ``obs`` to ``folder/round-RRRR_client-CCCC.npz`` atomically; returns the path."""
-    folder.mkdir(parents=True, exist_ok=True)
     arrays = {f"global/{i}": a for i, a in enumerate(obs.global_arrays)}
     arrays.update({f"upload/{i}": a for i, a in enumerate(obs.upload)})
     name = upload_file_name(obs.round, obs.client)
     target = folder / name
-    partial = folder / f".{name}.part"
-    with open(partial, "wb") as handle:
+    with replacing(target, sync=False) as handle:
         # mypy takes **arrays for a value of the keyword-only allow_pickle (a bool)
         np.savez(handle, meta=np.array(json.dumps(obs.meta())), **arrays)  # type: ignore[arg-type]
-    os.replace(partial, target)
     return target
 
 
@@ -73,12 +69,16 @@ class DiskSink:
         self.folder = Path(folder)
         self.saved: list[Path] = []
         self.failed: list[tuple[str, str]] = []
+        self.full: RunFileUnwritable | None = None  # the first write that found the disk full
         self._queue: queue.Queue[Observation | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="observation-writer", daemon=True)
         self._thread.start()
 
     def submit(self, obs: Observation) -> None:
-        """Queue ``obs`` for writing; returns immediately."""
+        """Queue ``obs`` for writing; returns immediately. Once a write found the disk full, raises its
+        ``RunFileUnwritable``: the run stops rather than go on capturing what it cannot keep."""
+        if self.full is not None:
+            raise self.full
         self._queue.put(obs)
 
     def close(self, timeout: float | None = None) -> None:
@@ -96,3 +96,5 @@ class DiskSink:
                 name = upload_file_name(obs.round, obs.client)
                 self.failed.append((name, str(error)))
                 log.error("could not save %s: %s", name, error)
+                if isinstance(error, RunFileUnwritable) and self.full is None:
+                    self.full = error

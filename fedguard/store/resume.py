@@ -39,9 +39,19 @@ def _keep_rows(path: Path, round_: int) -> int:
         return 0
     rows = read_jsonl(path)
     kept = [row for row in rows if int(row.get("round", 0)) <= round_]
-    if len(kept) != len(rows) or path.read_bytes()[-1:] not in (b"", b"\n"):
+    if len(kept) != len(rows) or not _ends_a_line(path):
         write_jsonl(path, kept)
     return len(rows) - len(kept)
+
+
+def _ends_a_line(path: Path) -> bool:
+    """Whether ``path`` is empty or its last byte is a newline (read alone)."""
+    with path.open("rb") as handle:
+        handle.seek(0, 2)
+        if handle.tell() == 0:
+            return True
+        handle.seek(-1, 2)
+        return handle.read(1) == b"\n"
 
 
 def rewind(folder: Path, round_: int) -> dict[str, int]:

@@ -10,13 +10,12 @@ and ``labels`` (B,) int64.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from fedguard.store.folder import VAULT_DIR, recon_name, upload_file_name
+from fedguard.store.folder import VAULT_DIR, recon_name, replacing, upload_file_name
 
 
 def truth_path(vault: Path, round_: int, client: int) -> Path:
@@ -31,11 +30,8 @@ def write_truth(vault: Path, round_: int, client: int, images: torch.Tensor, lab
 
 def write_batch(path: Path, images: torch.Tensor, labels: torch.Tensor) -> Path:
     """Store a batch atomically at ``path`` as ``.npz``: ``images`` float32 (N, C, H, W), ``labels`` int64."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.part")
-    with open(partial, "wb") as handle:
+    with replacing(path, sync=False) as handle:
         np.savez(handle, images=images.detach().cpu().float().numpy(), labels=labels.detach().cpu().long().numpy())
-    os.replace(partial, path)
     return path
 
 
