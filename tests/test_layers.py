@@ -59,7 +59,9 @@ def imports() -> set[tuple[str, str, str]]:
         for path in (ROOT / package).rglob("*.py"):
             source = unit(path.relative_to(ROOT).with_suffix("").parts)
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if isinstance(node, ast.ImportFrom) and node.module == "fedguard":  # from fedguard import limits
+                    names = [f"fedguard.{alias.name}" for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                     names = [node.module]
                 elif isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]
