@@ -104,13 +104,17 @@ def legitimate(record: dict[str, Any]) -> bool:
     scoring (called back from the attacker pool's thread in the server), or for the run report setting each
     true image beside its reconstruction; no attack code on the stack."""
     stack = record["stack"]
-    users = (
-        ("clients/defended_client.py",)
-        if "w" in record["mode"]
-        else ("fedguard/evaluation.py", "fedguard/report/html.py")
-    )
+    if writes(record):  # a write goes through the store's replace-on-success writer, called by the vault
+        vault_frames, users = ["fedguard/store/folder.py", "fedguard/store/vault.py"], ("clients/defended_client.py",)
+    else:
+        vault_frames, users = ["fedguard/store/vault.py"], ("fedguard/evaluation.py", "fedguard/report/html.py")
     attack_code = [f for f in stack if f.startswith("attackers/") and f != "attackers/pool.py"]
-    return stack[:1] == ["fedguard/store/vault.py"] and any(u in stack for u in users) and not attack_code
+    return stack[: len(vault_frames)] == vault_frames and any(u in stack for u in users) and not attack_code
+
+
+def writes(record: dict[str, Any]) -> bool:
+    """Whether an ``open`` record's mode creates or changes the file (``w``, ``x``, ``a`` or ``+``)."""
+    return any(flag in record["mode"] for flag in "wxa+")
 
 
 def attack_factory_args(cfg: Config) -> tuple[Any, ...]:
@@ -259,7 +263,7 @@ def test_a_real_run_keeps_the_truth_from_the_attack_workers(tmp_path: Path) -> N
     opened = [r for r in records if "path" in r]
     assert workers, "the hook saw no attack worker"
     assert {r["pid"] for r in opened}.isdisjoint(workers), [r for r in opened if r["pid"] in workers]
-    assert any("w" in r["mode"] for r in opened) and any("r" in r["mode"] for r in opened), opened
+    assert any(writes(r) for r in opened) and any(not writes(r) for r in opened), opened
     assert all(legitimate(r) for r in opened), [r for r in opened if not legitimate(r)]
 
     vault = out / VAULT_DIR
