@@ -15,10 +15,10 @@ from typing import Any
 
 from attackers.manipulation import MANIPULATIONS
 from fedguard.config import (
-    COMPONENT_KINDS,
     LISTED_KINDS,
     NO_ATTACK,
     ConfigError,
+    component_kinds,
     import_plugins,
     split_names,
 )
@@ -48,7 +48,7 @@ def without_absent_plugins(flat: Mapping[str, Any]) -> tuple[dict[str, Any], lis
                 f"imported here; the uploads are its updates: attack them where it imports"
             ]
         )
-    for kind, (registry, default, _) in COMPONENT_KINDS.items():
+    for kind, (registry, default, _) in component_kinds().items():
         chosen = split_names(str(kept.get(f"{kind}.name", default)))
         absent = [name for name in chosen if name != NO_ATTACK and name not in registry]
         if not absent:

@@ -37,11 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attackers import ATTACKS
-from attackers.base import attack_traits
-from attackers.manipulation import MANIPULATIONS
 from fedguard.app_code import ship_plugin
-from fedguard.config_checks import cross_checks
 from fedguard.defenses import DEFENSES
 from fedguard.defenses.base import defense_traits
 from fedguard.detect import DETECTORS
@@ -56,6 +52,7 @@ from fedguard.limits import (
 from fedguard.models import MODELS
 from fedguard.plugin_faults import PluginImportHangs, import_deadline
 from fedguard.registry import NoParams, Registry, RequiredFile, field_help
+from fedguard.run_plan import PLAN_KEY, plan_keys, plan_text
 from fedguard.schema import AUTO_STRATEGY as AUTO_STRATEGY  # the schema's names, read from here too
 from fedguard.schema import NO_ATTACK as NO_ATTACK
 from fedguard.schema import SECTIONS as SECTIONS
@@ -79,18 +76,41 @@ from strategies.registry import STRATEGIES, strategy_names
 from strategies.registry import protocol_problem as strategy_protocol_problem
 from strategies.registry import resolve as resolve_strategy
 
-COMPONENT_KINDS: dict[str, tuple[Registry[Any], str, str]] = {
-    "model": (MODELS, "mlp", "model architecture"),
-    "defense": (DEFENSES, "none", "client-side defense applied to every upload"),
-    "attack": (ATTACKS, NO_ATTACK, "attacks run on captured uploads, comma-separated ('none': capture only)"),
+KINDS: dict[str, tuple[str, str]] = {  # kind -> (its default name, what it is)
+    "model": ("mlp", "model architecture"),
+    "defense": ("none", "client-side defense applied to every upload"),
+    "attack": (NO_ATTACK, "attacks run on captured uploads, comma-separated ('none': capture only)"),
     "detect": (
-        DETECTORS,
         NO_ATTACK,
         "checks every client runs on the model it receives, before training, comma-separated ('none': no check)",
     ),
 }
 # Kinds chosen elsewhere (threat.malicious names the manipulations); only their parameters are keys.
-PARAMETER_KINDS: dict[str, Registry[Any]] = {"manipulation": MANIPULATIONS}
+PARAMETER_KINDS = ("manipulation",)
+ATTACK_SIDE = ("attack", "manipulation")  # the kinds only the server's attacks use
+
+
+def registry(kind: str) -> Registry[Any]:
+    """The registry of ``kind`` (one of ``KINDS`` or ``PARAMETER_KINDS``). The attack side's registries are
+    imported on first use, with every attack they register: a process that rebuilds a plan without them (a
+    client, ``Config.from_plan``) loads no attack code."""
+    if kind == "attack":
+        from attackers import ATTACKS
+
+        return ATTACKS
+    if kind == "manipulation":
+        from attackers.manipulation import MANIPULATIONS
+
+        return MANIPULATIONS
+    client_side: dict[str, Registry[Any]] = {"model": MODELS, "defense": DEFENSES, "detect": DETECTORS}
+    return client_side[kind]
+
+
+def component_kinds() -> dict[str, tuple[Registry[Any], str, str]]:
+    """Kind -> (its registry, its default name, what it is), for every kind a ``<kind>.name`` key chooses."""
+    return {kind: (registry(kind), default, help_text) for kind, (default, help_text) in KINDS.items()}
+
+
 LISTED_KINDS = {"attack": "attacks", "detect": "detectors"}  # kind -> the Config field of its chosen components
 CHOICES_OF: dict[str, Callable[[], list[str]]] = {"strategy": strategy_names}
 """The valid values of a schema field that takes its choices from a registry (``choices_of``), by kind."""
@@ -128,18 +148,53 @@ class Config:
         key = _memo_key(flat)
         return _build(flat) if key is None else _build_memoized(key)
 
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any], attack_side: bool = True) -> Config:
+        """The configuration of Flower's run config: rebuilt from its run plan (``PLAN_KEY``) where ``fedguard
+        run`` wrote one, else validated from its keys (``flwr run``)."""
+        text = run_config.get(PLAN_KEY, "")
+        if isinstance(text, str) and text:
+            return cls.from_plan(text, attack_side)
+        return cls.from_flat({key: value for key, value in run_config.items() if key != PLAN_KEY})
+
+    @classmethod
+    def from_plan(cls, text: str, attack_side: bool = True) -> Config:
+        """The configuration the run plan ``text`` (``plan``) holds, rebuilt without validating it again;
+        without ``attack_side`` its attacks and manipulations are left out (a client, which runs none, then
+        imports no attack code). ``ConfigError`` for a plan that is not one, or whose plugins cannot be imported
+        here. Memoized per process."""
+        return _rebuilt(text, attack_side)
+
+    def plan(self) -> str:
+        """This configuration as a run plan (``fedguard.run_plan``): the sections' keys, each kind's names and
+        the parameters of the chosen components and of the strategy."""
+        return plan_text(self.chosen_flat())
+
+    def chosen_flat(self) -> dict[str, Scalar]:
+        """``to_flat`` without the parameters of the components not chosen: all that rebuilds this
+        configuration."""
+        chosen = {f"{kind}.{c.name}." for kind in [*KINDS, *PARAMETER_KINDS] for c in self.components(kind)}
+        chosen.add(f"{STRATEGY_PREFIX}.{resolve_strategy(self.strategy.name, self.train.protocol)}.")
+        sections = {_key(prefix, f.name) for prefix, section in SECTIONS.items() for f in dataclasses.fields(section)}
+        names = {f"{kind}.name" for kind in KINDS}
+        return {
+            key: value
+            for key, value in self.to_flat().items()
+            if key in sections or key in names or key.startswith(tuple(chosen))
+        }
+
     def to_flat(self) -> dict[str, Scalar]:
         """Every key with its value, parameters of the components not chosen included."""
         flat: dict[str, Scalar] = {}
         for prefix, section in SECTIONS.items():
             for f in dataclasses.fields(section):
                 flat[_key(prefix, f.name)] = getattr(getattr(self, prefix or "run"), f.name)
-        for kind, (registry, _, _) in COMPONENT_KINDS.items():
+        for kind in KINDS:
             chosen = self.components(kind)
             flat[f"{kind}.name"] = ",".join(c.name for c in chosen) or NO_ATTACK
-            flat.update(_param_keys(kind, registry, chosen))
-        for kind, registry in PARAMETER_KINDS.items():
-            flat.update(_param_keys(kind, registry, self.components(kind)))
+            flat.update(_param_keys(kind, registry(kind), chosen))
+        for kind in PARAMETER_KINDS:
+            flat.update(_param_keys(kind, registry(kind), self.components(kind)))
         strategy = Component(resolve_strategy(self.strategy.name, self.train.protocol), self.strategy.params)
         flat.update(_param_keys(STRATEGY_PREFIX, STRATEGIES, (strategy,)))
         return flat
@@ -150,15 +205,11 @@ class Config:
         components and of the strategy the run aggregates with, not those of every registered one."""
         idle = {"pool"} if not self.attacks else set()
         skipped = {"detect.action"} if not self.detectors else set()
-        chosen = {f"{kind}.{c.name}." for kind in [*COMPONENT_KINDS, *PARAMETER_KINDS] for c in self.components(kind)}
-        chosen.add(f"{STRATEGY_PREFIX}.{resolve_strategy(self.strategy.name, self.train.protocol)}.")
         sections = {_key(prefix, f.name) for prefix, section in SECTIONS.items() for f in dataclasses.fields(section)}
-        names = {f"{kind}.name" for kind in COMPONENT_KINDS}
         return {
             key: value
-            for key, value in self.to_flat().items()
-            if key not in skipped
-            and (key in names or (key in sections and key.split(".")[0] not in idle) or key.startswith(tuple(chosen)))
+            for key, value in self.chosen_flat().items()
+            if key not in skipped and not (key in sections and key.split(".")[0] in idle)
         }
 
     def components(self, kind: str) -> tuple[Component, ...]:
@@ -192,12 +243,12 @@ class Config:
 BUILT_IN_PACKAGES = ("fedguard", "attackers", "strategies", "clients")
 
 
-def _param_keys(kind: str, registry: Registry[Any], chosen: tuple[Component, ...]) -> dict[str, Scalar]:
+def _param_keys(kind: str, entries: Registry[Any], chosen: tuple[Component, ...]) -> dict[str, Scalar]:
     """``<kind>.<name>.<param>`` of every built-in entry and of the chosen ones: the chosen ones' values,
     defaults for the rest (a plugin's entry not chosen stays out: another process may not import it)."""
     flat: dict[str, Scalar] = {}
     values = {c.name: c.params for c in chosen}
-    for entry in registry.entries():
+    for entry in entries.entries():
         if entry.name not in values and entry.factory.__module__.split(".")[0] not in BUILT_IN_PACKAGES:
             continue
         params = values.get(entry.name) or entry.params()
@@ -212,7 +263,7 @@ def split_names(value: str) -> list[str]:
 
 
 def _choices(kind: str) -> list[str]:
-    names = COMPONENT_KINDS[kind][0].names()
+    names = registry(kind).names()
     return [NO_ATTACK, *names] if kind in LISTED_KINDS else names
 
 
@@ -292,11 +343,11 @@ def schema() -> dict[str, tuple[type, Any, str]]:
         types = _field_types(section)
         for f in dataclasses.fields(section):
             keys[_key(prefix, f.name)] = (types[f.name], f.default, f.metadata.get("help", ""))
-    for kind, (_registry, default, help_text) in COMPONENT_KINDS.items():
+    for kind, (default, help_text) in KINDS.items():
         keys[f"{kind}.name"] = (str, default, f"{help_text}: {', '.join(_choices(kind))}")
-    parameterized = [(k, r) for k, (r, _, _) in COMPONENT_KINDS.items()] + list(PARAMETER_KINDS.items())
-    for kind, registry in parameterized + [(STRATEGY_PREFIX, STRATEGIES)]:
-        for entry in registry.entries():
+    parameterized = [(kind, registry(kind)) for kind in [*KINDS, *PARAMETER_KINDS]]
+    for kind, entries in parameterized + [(STRATEGY_PREFIX, STRATEGIES)]:
+        for entry in entries.entries():
             types = _field_types(entry.params)
             for f in dataclasses.fields(entry.params):
                 help_line = field_help(entry.params, f.name)
@@ -358,6 +409,53 @@ def _build_memoized(key: FlatKey) -> Config:
     return _build({name: value for name, _, value in key})
 
 
+@functools.lru_cache(maxsize=16)
+def _rebuilt(text: str, attack_side: bool) -> Config:
+    """The configuration of the run plan ``text``, built from its keys as they stand (``Config.from_plan``)."""
+    try:
+        keys = plan_keys(text)
+    except ValueError as error:
+        raise ConfigError([str(error)]) from None
+    problems = import_plugins(keys)  # a plan's plugins register its components here too
+    if problems:
+        raise ConfigError(problems)
+    sections: dict[str, Any] = {
+        prefix or "run": section(
+            **{f.name: keys.get(_key(prefix, f.name), f.default) for f in dataclasses.fields(section)}
+        )
+        for prefix, section in SECTIONS.items()
+    }
+    for kind, (default, _) in KINDS.items():
+        names = split_names(str(keys.get(f"{kind}.name", default)))
+        names = [] if kind in LISTED_KINDS and names == [NO_ATTACK] else names
+        if kind in ATTACK_SIDE and not attack_side:
+            names = []
+        chosen = tuple(Component(name, _planned_params(kind, registry(kind), name, keys)) for name in names)
+        sections[LISTED_KINDS.get(kind, kind)] = chosen if kind in LISTED_KINDS else chosen[0]
+    for kind in PARAMETER_KINDS:
+        scheduled = (
+            sorted(set(parse_schedule(sections["threat"].malicious, registry(kind).names).values()))
+            if attack_side
+            else []
+        )
+        sections[f"{kind}s"] = tuple(
+            Component(name, _planned_params(kind, registry(kind), name, keys)) for name in scheduled
+        )
+    name = resolve_strategy(sections["server"].strategy, sections["train"].protocol)
+    sections["strategy"] = Component(
+        sections["server"].strategy, _planned_params(STRATEGY_PREFIX, STRATEGIES, name, keys)
+    )
+    return Config(**sections)
+
+
+def _planned_params(kind: str, entries: Registry[Any], name: str, keys: Mapping[str, Any]) -> Any:
+    """The parameter dataclass of ``kind`` ``name`` from a plan's ``keys`` (defaults for keys it leaves out)."""
+    params = entries.get(name).params
+    return params(
+        **{f.name: keys[key] for f in dataclasses.fields(params) if (key := param_key(kind, name, f.name)) in keys}
+    )
+
+
 def plugin_params(flat: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
     """The keys ``server.plugin-params`` packs ('key=value key=value'), typed by the schema."""
     text = flat.get("server.plugin-params", "")
@@ -389,7 +487,9 @@ def _build(flat: Mapping[str, Any]) -> Config:
         for prefix, section in SECTIONS.items()
     }
 
-    for kind, (registry, default, _) in COMPONENT_KINDS.items():
+    from fedguard.config_checks import cross_checks  # the checks of every kind, attacks included
+
+    for kind, (default, _) in KINDS.items():
         value = values.get(f"{kind}.name", default)
         names = split_names(value) if kind in LISTED_KINDS else [value]
         names = [] if kind in LISTED_KINDS and names == [NO_ATTACK] else names
@@ -400,18 +500,18 @@ def _build(flat: Mapping[str, Any]) -> Config:
                 )
         if len(set(names)) < len(names):
             problems.append(f"{kind}.name = {shown(value)}: names a component twice")
-        params = _component_params(kind, registry, values, problems)
+        params = _component_params(kind, registry(kind), values, problems)
         chosen = tuple(Component(n, params.get(n)) for n in names if n in params)
         sections[LISTED_KINDS.get(kind, kind)] = (
             chosen if kind in LISTED_KINDS else (chosen[0] if chosen else Component(value, None))
         )
     try:
-        scheduled = sorted(set(parse_schedule(sections["threat"].malicious, MANIPULATIONS.names).values()))
+        scheduled = sorted(set(parse_schedule(sections["threat"].malicious, registry("manipulation").names).values()))
     except ValueError as error:
         problems.append(str(error))
         scheduled = []
-    for kind, registry in PARAMETER_KINDS.items():
-        params = _component_params(kind, registry, values, problems)
+    for kind in PARAMETER_KINDS:
+        params = _component_params(kind, registry(kind), values, problems)
         sections[f"{kind}s"] = tuple(Component(n, params.get(n)) for n in scheduled)
 
     strategies = _component_params(STRATEGY_PREFIX, STRATEGIES, values, problems)
@@ -459,11 +559,11 @@ PARAM_ERRORS = (ValueError, TypeError, ArithmeticError)
 
 
 def _component_params(
-    kind: str, registry: Registry[Any], values: Mapping[str, Any], problems: list[str]
+    kind: str, entries: Registry[Any], values: Mapping[str, Any], problems: list[str]
 ) -> dict[str, Any]:
     """Name -> parameter dataclass of every registered ``kind`` (invalid ones reported and left out)."""
     built: dict[str, Any] = {}
-    for entry in registry.entries():
+    for entry in entries.entries():
         given = {
             f.name: values[param_key(kind, entry.name, f.name)]
             for f in dataclasses.fields(entry.params)
@@ -601,8 +701,11 @@ def _file_params(kind: str, component: Component) -> tuple[RequiredFile, ...]:
     """The files a chosen defense or attack declares it loads (none for invalid parameters)."""
     if component.params is None:
         return ()
-    traits = defense_traits if kind == "defense" else attack_traits
-    return traits(component.name, component.params).files
+    if kind == "defense":
+        return defense_traits(component.name, component.params).files
+    from attackers.base import attack_traits  # only for an attack, which the attack side alone holds
+
+    return attack_traits(component.name, component.params).files
 
 
 def path_values(config: Config) -> dict[str, str]:

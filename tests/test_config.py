@@ -20,6 +20,7 @@ from fedguard.mjolnir import DDPMTrainOptions, SurrogateOptions, save_ddpm
 from fedguard.mjolnir.pipeline import train_mjolnir
 from fedguard.registry import field_help
 from fedguard.report.run_dir import CONFIG_FILE, prepare_run_dir, resolve_run_dir, unflatten
+from fedguard.run_plan import PLAN_KEY
 from fedguard.selection import Selection
 from tests.helpers import FASHION_MNIST
 
@@ -41,8 +42,11 @@ def test_defaults_are_valid_and_frozen() -> None:
 
 def test_pyproject_lists_every_key_with_its_default() -> None:
     table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    assert flatten(table) == Config().to_flat()
-    assert Config.from_flat(flatten(table)) == Config()
+    declared = flatten(table)
+    assert declared.pop(PLAN_KEY) == ""  # the run plan, which only `fedguard run` fills in
+    assert declared == Config().to_flat()
+    assert Config.from_flat(declared) == Config()
+    assert Config.from_run_config(flatten(table)) == Config()
 
 
 def test_every_preset_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ PACKAGES = ("fedguard", "attackers", "strategies", "clients")
 LAYERS: list[set[str]] = [
     {
         "fedguard.limits",
+        "fedguard.run_plan",
         "fedguard.selection",
         "fedguard.seeding",
         "fedguard.app_code",

@@ -324,4 +324,4 @@ def test_one_run_builds_each_attack_once_per_worker_and_validates_once_per_proce
     builds = [pid for what, pid in events if what == "build"]
     validations = [pid for what, pid in events if what == "validate"]
     assert 1 <= len(builds) <= 2 and len(set(builds)) == len(builds), events  # one per worker, two workers
-    assert len(set(validations)) == len(validations), events  # no process validates the same keys twice
+    assert len(validations) == 1, events  # the CLI validates; the ServerApp and the ClientApps rebuild its plan

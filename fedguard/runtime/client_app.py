@@ -155,7 +155,7 @@ def make_client_app(config: Config | None = None) -> ClientApp:
     client_app = ShippedClientApp()
 
     def client(context: Context, instruction: ConfigRecord) -> DefendedClient:
-        cfg = config if config is not None else Config.from_flat(context.run_config)
+        cfg = config if config is not None else Config.from_run_config(context.run_config, attack_side=False)
         partition = partition_of(context, cfg, instruction.get(PARTITION_KEY))
         return DefendedClient(cfg, partition, client_state(context, cfg, partition), truth_vault(context, cfg))
 

@@ -455,7 +455,7 @@ def flwr_run_config(context: Context) -> Config:
     """The configuration Flower's run config holds, with the run folder of its Flower run; ``ConfigError`` for
     a file or data folder given as a relative path, which the app's processes would look for in the SuperLink's
     folder (``fedguard run`` and ``fedguard sweep`` send absolute paths)."""
-    config = Config.from_flat(context.run_config)
+    config = Config.from_run_config(context.run_config)
     problems = relative_path_problems(config)
     if problems:
         raise ConfigError(problems)

@@ -28,6 +28,7 @@ import tomli_w
 from fedguard.config import Config, ConfigError, flatten
 from fedguard.config_checks import ray_address_problem
 from fedguard.report.run_dir import unflatten
+from fedguard.run_plan import PLAN_KEY
 from fedguard.runtime.app_bundle import stage_app
 from fedguard.runtime.launcher import CONNECTION, STOP_FILE_ENV, Interrupted, Launch, LaunchError, launch
 
@@ -49,13 +50,15 @@ def app_config_keys(app_dir: Path = APP_DIR) -> dict[str, Any]:
 
 
 def run_config(config: Config, declared: dict[str, Any]) -> dict[str, Any]:
-    """The run config ``flwr run`` passes: every key the app declares that differs from its default; keys of
-    plugins, which Flower would refuse as undeclared, packed into ``server.plugin-params``."""
+    """The run config ``flwr run`` passes: the run plan (``fedguard.run_plan``), which the app's processes rebuild
+    the configuration from, and, for a reader of ``run-config.toml``, every key the app declares that differs from
+    its default; keys of plugins, which Flower would refuse as undeclared, packed into ``server.plugin-params``."""
     flat, defaults = config.to_flat(), Config().to_flat()
     undeclared = {k: v for k, v in flat.items() if k not in declared and v != defaults.get(k)}
     overrides = {k: v for k, v in flat.items() if k in declared and v != declared[k]}
     if undeclared:
         overrides["server.plugin-params"] = " ".join(shlex.quote(f"{k}={v}") for k, v in undeclared.items())
+    overrides[PLAN_KEY] = config.plan()
     return overrides
 
 
