@@ -27,7 +27,7 @@ from fedguard.protocols import Schedule
 from fedguard.protocols import protocol as run_protocol
 from fedguard.seeding import client_generators
 from fedguard.store.vault import write_truth
-from fedguard.training import evaluate, get_arrays, loss_fn, merge_by_mask, set_arrays, split_by_mask, trainable_mask
+from fedguard.training import get_arrays, loss_fn, merge_by_mask, set_arrays, split_by_mask, trainable_mask
 from fedguard.wire.records import FINDING_PREFIX, PROXIMAL_MU_KEY, ROUND_KEY
 from fedguard.wire.sparse import SPARSE, byte_counts, encode_arrays
 
@@ -201,10 +201,3 @@ class DefendedClient(NumPyClient):
         )
         sent_arrays = encode_arrays(upload) if encoded else upload
         return sent_arrays, len(y), {**declared.record(), **reports, **findings}
-
-    def evaluate(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:
-        """Loss and accuracy of the global model on this client's data."""
-        model = self._load_model(parameters_in)
-        x, y = _local_data(self.config.data, self.config.partition, self.config.run.seed, self.client_id).batch()
-        loss, accuracy = evaluate(model, x, y)
-        return loss, len(y), {"accuracy": accuracy, "client": self.client_id}

@@ -104,8 +104,9 @@ def legitimate(record: dict[str, Any]) -> bool:
     scoring (called back from the attacker pool's thread in the server), or for the run report setting each
     true image beside its reconstruction; no attack code on the stack."""
     stack = record["stack"]
-    if writes(record):  # a write goes through the store's replace-on-success writer, called by the vault
-        vault_frames, users = ["fedguard/store/folder.py", "fedguard/store/vault.py"], ("clients/defended_client.py",)
+    if writes(record):  # a write goes through the replace-on-success writer, the store's, called by the vault
+        vault_frames = ["fedguard/atomic.py", "fedguard/store/folder.py", "fedguard/store/vault.py"]
+        users: tuple[str, ...] = ("clients/defended_client.py",)
     else:
         vault_frames, users = ["fedguard/store/vault.py"], ("fedguard/evaluation.py", "fedguard/report/html.py")
     attack_code = [f for f in stack if f.startswith("attackers/") and f != "attackers/pool.py"]

@@ -15,6 +15,7 @@ LAYERS: list[set[str]] = [
     {
         "fedguard.limits",
         "fedguard.run_plan",
+        "fedguard.atomic",
         "fedguard.selection",
         "fedguard.seeding",
         "fedguard.app_code",

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fedguard.atomic import replacing
 from fedguard.data.dataset import ImageData, Split, from_arrays, to_uint8_nchw
 from fedguard.data.registry import DatasetNotFoundError, SourceOptions, fixed_spec, register_dataset, unknown_spec
 from fedguard.data.spec import DataSpec
@@ -103,10 +104,8 @@ def stage_debian_fashion_mnist(source: Path | None = None, cache: Path | None = 
     for stem in FASHION_FILES:
         target = raw / stem
         if not target.is_file():
-            partial = target.with_suffix(".part")
-            with gzip.open(source / f"{stem}.gz", "rb") as src, open(partial, "wb") as dst:
+            with gzip.open(source / f"{stem}.gz", "rb") as src, replacing(target, sync=False) as dst:
                 shutil.copyfileobj(src, dst)
-            partial.replace(target)
     return root
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
@@ -46,7 +46,6 @@ from fedguard.wire.records import (
     ARRAYS,
     CONFIG,
     FINDING_PREFIX,
-    NUM_EXAMPLES,
     PARTITION_KEY,
     array_record,
     cannot_train_reason,
@@ -170,17 +169,6 @@ def make_client_app(config: Config | None = None) -> ClientApp:
         except ModelDeclined as declined:
             return declined_reply(msg, declined)
         return upload_reply(msg, *fitted)
-
-    @client_app.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        arrays = cast(ArrayRecord, msg.content[ARRAYS]).to_numpy_ndarrays()
-        instruction = cast(ConfigRecord, msg.content[CONFIG])
-        loss, num_examples, metrics = client(context, instruction).evaluate(arrays, dict(instruction))
-        record = MetricRecord({NUM_EXAMPLES: num_examples, "loss": loss, "accuracy": float(metrics["accuracy"])})
-        return Message(
-            content=RecordDict({"metrics": record, "declared": ConfigRecord({"client": metrics["client"]})}),
-            reply_to=msg,
-        )
 
     return client_app
 

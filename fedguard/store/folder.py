@@ -46,7 +46,6 @@ import errno
 import json
 import math
 import os
-import secrets
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -54,7 +53,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
 
-from fedguard import limits
+from fedguard import atomic, limits
 
 CONFIG_FILE = "config.toml"
 ROUNDS_FILE = "rounds.jsonl"
@@ -229,25 +228,14 @@ def _restore(row: dict[str, Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def replacing(path: Path, sync: bool = True) -> Iterator[BinaryIO]:
-    """A file for the new content of ``path``: a temporary in the same folder that replaces ``path`` when the
-    block ends (flushed and, with ``sync``, synced first); creates the folder. A failure leaves the previous file
-    (or none) and no temporary; a full disk (``UNWRITABLE``) raises ``RunFileUnwritable`` naming ``path``."""
-    path = Path(path)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    """``fedguard.atomic.replacing`` for a run file: a temporary in the same folder that replaces ``path`` when
+    the block ends; a failure leaves the previous file (or none) and no temporary; a full disk (``UNWRITABLE``)
+    raises ``RunFileUnwritable`` naming ``path``."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(temp, "xb") as out:
+        with atomic.replacing(path, sync) as out:
             yield out
-            out.flush()
-            if sync:
-                os.fsync(out.fileno())
-        os.replace(temp, path)
     except OSError as error:
-        temp.unlink(missing_ok=True)
-        raise unwritable(path, error) from error
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+        raise unwritable(Path(path), error) from error
 
 
 def write_atomic(path: Path, data: bytes | str) -> Path:

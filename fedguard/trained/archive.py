@@ -7,7 +7,6 @@ each module keeps its own ``meta``; ``fedguard.trained.files`` checks what they 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from fedguard.atomic import replacing
 from fedguard.trained.files import FileKind, check_arrays
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -25,13 +25,10 @@ def save_archive(
 ) -> Path:
     """Write ``arrays`` and ``meta`` (as JSON) to ``path`` atomically, creating its folder; returns the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.part")
     write = np.savez_compressed if compressed else np.savez
-    with open(partial, "wb") as handle:
+    with replacing(path) as handle:
         # mypy takes **arrays for a value of the keyword-only allow_pickle (a bool)
         write(handle, meta=np.array(json.dumps(meta)), **arrays)  # type: ignore[arg-type]
-    os.replace(partial, path)
     return path
 
 
