@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,7 @@ import numpy as np
 from fedguard.config import Config, ConfigError, load_config
 from fedguard.report.run_dir import config_toml, resolve_run_dir
 from fedguard.report.run_status import read_status
+from fedguard.runtime import lifeline
 from fedguard.runtime.simulation import joins_cluster
 from fedguard.store.folder import (
     CONFIG_FILE,
@@ -246,10 +248,19 @@ def as_config(config: ConfigLike, overrides: Iterable[str] = ()) -> Config:
 
 
 def _follow(command: list[str], progress: Callable[[str], None] | None) -> tuple[int, str]:
-    """Run ``command``, each line of its output to ``progress`` (None: kept quiet); its exit code and last
+    """Run ``command`` tied to this process (``fedguard.runtime.lifeline``: should it die, the run is stopped and
+    recorded as interrupted), each line of its output to ``progress`` (None: kept quiet); its exit code and last
     lines."""
     tail: list[str] = []
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
+    with subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env={**os.environ, **lifeline.tied()},
+    ) as process:
         assert process.stdout is not None
         try:
             for line in process.stdout:

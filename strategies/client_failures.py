@@ -13,6 +13,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)): ?(.*)$")
 FRAME_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
 WRAPPERS = ("ClientAppException", "RayTaskError", "RayActorError")  # what the simulation wraps an exception in
+DEATHS = re.compile(r"\b(ActorDiedError|ActorUnavailableError)\b")  # Ray's word for a client process that died
 
 
 def reason_line(reason: str | None) -> str:
@@ -20,6 +21,8 @@ def reason_line(reason: str | None) -> str:
     defense.py:13 in defend)``); the reason as sent, without colour codes, where it holds no traceback; at most
     ``FAILURE_CHARS`` characters (its end)."""
     text = ANSI.sub("", reason or "").strip() or "no reason given"
+    if death := DEATHS.search(text):  # a simulated client's process is started again (fedguard.runtime.actor_restarts)
+        return f"the client's process died ({death.group(1)}); it is started again for its next round"
     lines = text.splitlines()
     raised = [i for i, line in enumerate(lines) if (m := EXCEPTION_LINE.match(line)) and not _wrapper(m.group(1))]
     if raised:

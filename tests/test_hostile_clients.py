@@ -509,6 +509,21 @@ def test_a_client_failing_in_a_real_simulation_is_named_with_its_reason(tmp_path
 
 
 @pytest.mark.slow
+def test_a_client_process_that_dies_is_replaced_and_its_round_names_it(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = hostile_run(out, "dying-client-1", "train.rounds=6")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    by_round = {row["round"]: row for row in rows(out)}
+    [failed] = by_round[2]["failed"]
+    assert failed["client"] == 1 and by_round[2]["clients"] == 2, by_round[2]
+    assert failed["reason"].startswith("the client's process died (Actor"), failed
+    for round_ in (1, 3, 4, 5, 6):
+        assert by_round[round_]["clients"] == 3 and not by_round[round_].get("failures"), by_round[round_]
+    page = html.unescape((out / "report.html").read_text())
+    assert "Clients left out of a round" in page and failed["reason"] in page
+
+
+@pytest.mark.slow
 def test_a_client_past_the_round_timeout_is_a_straggler_and_the_round_goes_on(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = hostile_run(out, "slow-client-1", "server.round-timeout=25")  # round 1 starts the clients: ~5 s

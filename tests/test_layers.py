@@ -16,6 +16,7 @@ LAYERS: list[set[str]] = [
         "fedguard.limits",
         "fedguard.run_plan",
         "fedguard.atomic",
+        "fedguard.run_owner",
         "fedguard.selection",
         "fedguard.seeding",
         "fedguard.app_code",

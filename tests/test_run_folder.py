@@ -25,6 +25,7 @@ from fedguard.report.html import build_report
 from fedguard.report.images import save_grid
 from fedguard.report.rounds import RoundRecorder
 from fedguard.report.run_dir import prepare_run_dir
+from fedguard.report.run_status import write_status
 from fedguard.store.folder import (
     ATTACKS_FILE,
     COMPARISON_FILE,
@@ -348,6 +349,7 @@ def test_sweep_skips_a_torn_last_line(tmp_path: Path, log: str) -> None:
     write_jsonl(
         run.folder / ROUNDS_FILE, [{"round": r, "accuracy": 0.25 * r, "loss": 1.0, "seconds": 1.0} for r in range(3)]
     )
+    write_status(run.folder, "completed", 2)
     write_jsonl(
         run.folder / ATTACKS_FILE,
         [

@@ -1,5 +1,6 @@
-"""Whatever ends ``fedguard run`` ends its run: a SIGKILL leaves no process of the run within seconds and
-``status.json`` saying ``interrupted``; a run folder held by a live run refuses a second writer, naming the
+"""Whatever ends ``fedguard run`` ends its run: a SIGKILL leaves no process of the run within seconds, nor its
+temporary Flower home, and ``status.json`` saying ``interrupted``; a killed ``fedguard sweep`` takes its run
+with it, and resumes it when started again; a run folder held by a live run refuses a second writer, naming the
 holder's process id, and one whose holder died blocks nothing."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 from fedguard.commands.cli import main
 from fedguard.report.run_status import read_status
+from fedguard.runtime.processes import Process, running_programs, signal_all
 from fedguard.store.lock import RunFolderBusy, hold
 from tests.test_clean_stop import QUICKSTART, TAG, kill_all, tagged, wait_for_rounds
 
@@ -32,7 +34,7 @@ def run(plan, env):
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
     subprocess.Popen(sleeper, env=env, start_new_session=True)
     subprocess.Popen(sleeper, env=env)
-    print("running", flush=True)
+    print("running", plan.home, flush=True)
     time.sleep(120)
 
 launcher._run = run
@@ -74,7 +76,9 @@ def test_a_killed_launcher_leaves_no_process_and_an_interrupted_run(tmp_path: Pa
         cwd=ROOT,
     )
     try:
-        assert fake.stdout is not None and fake.stdout.readline() == "running\n"
+        assert fake.stdout is not None
+        running, home = fake.stdout.readline().split()
+        assert running == "running" and Path(home).is_dir()
         started = time.monotonic()
         while len(tagged(tag)) < 4 and time.monotonic() - started < LIMIT:  # the watcher may start after
             time.sleep(0.05)
@@ -93,6 +97,7 @@ def test_a_killed_launcher_leaves_no_process_and_an_interrupted_run(tmp_path: Pa
         "error": f"fedguard run (process {fake.pid}) ended without stopping the run",
     }
     os.close(hold(folder))  # the dead holder left nothing that blocks
+    assert not Path(home).exists(), "the watcher removed the run's temporary Flower home"
 
 
 def test_a_second_writer_is_refused_until_the_holder_dies(tmp_path: Path) -> None:
@@ -201,7 +206,7 @@ def test_a_terminated_sweep_stops_its_run_cleanly(tmp_path: Path) -> None:
 def test_the_supervisor_finds_a_process_of_the_run_that_lost_the_token_from_its_environment() -> None:
     """A child whose environment no longer holds the run's token (as Ray's agents, which rename themselves over
     it) is found below its marked parent, and stopped with it."""
-    from fedguard.runtime.processes import Process, is_running
+    from fedguard.runtime.processes import is_running
     from fedguard.runtime.supervisor import RUN_TOKEN_ENV, run_processes, stop_run
 
     token = uuid.uuid4().hex
@@ -217,7 +222,62 @@ def test_the_supervisor_finds_a_process_of_the_run_that_lost_the_token_from_its_
             found = run_processes(token)
             time.sleep(0.1)
         assert {p.pid for p in found} > {parent.pid} and len(found) == 2, found
-        assert stop_run(token, grace=1.0) == 2
+        assert stop_run(token) == 2
         assert not any(is_running(p) for p in found)
     finally:
         parent.kill()
+
+
+def left_after(before: set[Process], limit: float) -> tuple[float, dict[int, str]]:
+    """Seconds until no Python process started since ``before`` is left, and those left after ``limit``."""
+    start = time.monotonic()
+    while True:
+        left = running_programs() - before
+        if not left or time.monotonic() - start >= limit:
+            return time.monotonic() - start, {p.pid: describe(p.pid) for p in left}
+        time.sleep(0.1)
+
+
+STOPPED_SWEEP = (
+    'name = "killed"\n[data]\nname = "digits"\n[partition]\nnum-clients = 3\n[train]\n'
+    'rounds = 6\nclients-per-round = 3\n[capture]\nrounds = "none"\n'
+    '[sweep.variants.none]\n"defense.name" = "none"\n'
+    '[sweep.variants.prune]\n"defense.name" = "prune"\n'
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cold", [False, pytest.param(True, marks=pytest.mark.heavy)], ids=["warm", "cold"])
+def test_a_killed_sweep_takes_its_run_with_it_and_resumes_it_when_started_again(tmp_path: Path, cold: bool) -> None:
+    preset = tmp_path / "sweep.toml"
+    preset.write_text(STOPPED_SWEEP)
+    command = [sys.executable, "-m", "fedguard", "sweep", str(preset), "--out", str(tmp_path / "sweep")]
+    out = tmp_path / "sweep" / "run" / "none"
+    before = running_programs()
+    with open(tmp_path / "output.log", "w") as output:
+        process = subprocess.Popen(
+            command + (["--cold"] if cold else []), stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_for_rounds(out, 2, process)
+        process.send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        took, left = left_after(before, LIMIT)
+    finally:
+        signal_all(running_programs() - before, signal.SIGKILL)
+    print(f"every process of the sweep gone {took:.1f} s after SIGKILL")
+    assert left == {}, left
+    status = read_status(out)
+    assert status is not None and status["status"] == "interrupted", status
+    assert (out / "rounds.jsonl").stat().st_mtime <= killed_at + 1.0, "no round written once the sweep was dead"
+    stopped_after = status["rounds"]
+
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"stopped after round {stopped_after} of 6; resuming it" in again.stdout, again.stdout[-3000:]
+    assert "finished earlier" not in again.stdout, "no run it did not see finish is kept"
+    rows = [json.loads(line) for line in (tmp_path / "sweep" / "runs.jsonl").read_text().splitlines()]
+    assert [(row["variant"], row.get("status")) for row in rows] == [("none", "ok"), ("prune", "ok")], rows
+    rounds = [json.loads(line)["round"] for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert rounds == list(range(7)), rounds
+    assert read_status(out) == {"status": "completed", "rounds": 6}

@@ -5,15 +5,20 @@ from __future__ import annotations
 import hashlib
 import html
 import json
+import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedguard.commands.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summarize_runs, summary_table
 from fedguard.config import ConfigError, load_config
 from fedguard.report.paper_table import render_paper_table
 from fedguard.report.run_dir import config_toml
+from fedguard.report.run_status import read_status, write_status
+from fedguard.store.checkpoint import RoundCheckpoint, write_checkpoint
+from fedguard.store.lock import hold
 from tests.test_report_html import CHROMIUM, chromium, img_count
 
 SMALL = """
@@ -523,6 +528,7 @@ def finished_run(folder: Path, accuracy: float, ssims: list[float], seed: int, a
     ]
     (folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     (folder / "attacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in attacks))
+    write_status(folder, "completed", 2)
 
 
 def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(
@@ -536,7 +542,9 @@ def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(
     for seed in (0, 1):
         finished_run(folders["dp", seed], 0.4, [0.1, 0.2], seed)
 
-    def fail(command: list[str], log: Path, timeout: float | None, env: dict[str, str] | None = None) -> int:
+    def fail(
+        command: list[str], log: Path, timeout: float | None, env: dict[str, str] | None = None, append: bool = False
+    ) -> int:
         log.write_text("Traceback ...\nRuntimeError: out of memory\n")
         return 1
 
@@ -589,7 +597,7 @@ def test_a_cell_holds_its_seeds_statistics_and_leaves_a_failed_seed_out(
 
 def test_a_cell_whose_every_seed_failed_is_a_failed_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sweep = load_sweep(write(tmp_path, SEEDED.replace("[0, 1, 2]", "[0, 1]")), tmp_path / "out", [], ["privacy/dp"])
-    monkeypatch.setattr("fedguard.commands.sweep.run_one", lambda command, log, timeout, env=None: 1)
+    monkeypatch.setattr("fedguard.commands.sweep.run_one", lambda command, log, timeout, env=None, append=False: 1)
     [row] = run_sweep(sweep, lambda line: None, share_ray=False)
     assert (row["status"], row["seeds"], row["failed_seeds"], row["accuracy"]) == ("failed", [], [0, 1], None)
     assert row["error"] == "seed 0: fedguard run exited with code 1; seed 1: fedguard run exited with code 1"
@@ -622,3 +630,71 @@ def test_a_malicious_cell_shows_the_manipulated_client_rounds_its_detectors_flag
         [load_sweep(write(tmp_path, SMALL + "[sweep]\n[sweep.variants.a]\n"), tmp_path / "b").runs[0]]
     )
     assert honest["detected"] is None and "detected" not in summary_table([honest], "a")
+
+
+def stopped_run(folder: Path, rounds: int, status: str | None, checkpoint: int | None) -> None:
+    """A run folder as a killed run leaves it: ``rounds`` rounds logged, ``status`` (None: none written) and a
+    checkpoint after round ``checkpoint`` (None: none)."""
+    folder.mkdir(parents=True)
+    rows = [{"round": r, "accuracy": 0.1, "loss": 1.0, "seconds": 1.0} for r in range(rounds + 1)]
+    (folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folder.with_suffix(".log").write_text("the first lines\n")
+    if status is not None:
+        write_status(folder, status, rounds)
+    if checkpoint is not None:
+        write_checkpoint(folder, RoundCheckpoint(checkpoint, ("w",), [np.zeros(2)]))
+
+
+def test_a_stopped_sweep_resumes_a_checkpointed_run_and_sets_aside_one_it_cannot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    preset = write(tmp_path, SMALL + "[sweep]\n[sweep.variants.a]\n[sweep.variants.b]\n[sweep.variants.c]\n")
+    sweep = load_sweep(preset, tmp_path / "out", ["train.rounds=3"])
+    folders = {run.variant: run.folder for run in sweep.runs}
+    stopped_run(folders["a"], 2, "interrupted", 2)  # killed in round 3: goes on after round 2
+    stopped_run(folders["b"], 0, None, None)  # killed in round 1, so hard that no status was written
+    stopped_run(folders["c"], 3, "interrupted", 3)  # killed while attacking after its last round: not finished
+    commands: list[list[str]] = []
+
+    def run(
+        command: list[str], log: Path, timeout: float | None, env: dict[str, str] | None = None, append: bool = False
+    ) -> int:
+        commands.append(command)
+        assert append == ("--resume" in command), "a resumed run's log goes on after its first lines"
+        folder = Path(command[command.index("--resume" if append else "--out") + 1])
+        rows = [{"round": r, "accuracy": 0.5, "loss": 1.0, "seconds": 1.0} for r in range(4)]
+        (folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_status(folder, "completed", 3)
+        return 0
+
+    monkeypatch.setattr("fedguard.commands.sweep.run_one", run)
+    lines: list[str] = []
+    rows = run_sweep(sweep, lines.append, share_ray=False)
+    assert [command[3:] for command in commands] == [
+        ["run", "--resume", str(folders["a"])],
+        ["run", str(folders["b"].with_suffix(".toml")), "--out", str(folders["b"])],
+        ["run", str(folders["c"].with_suffix(".toml")), "--out", str(folders["c"])],
+    ]
+    assert "fedguard: [1/3] run/a: stopped after round 2 of 3; resuming it" in lines
+    for variant in ("b", "c"):
+        aside = folders[variant].with_name(f"{variant}.stopped-1")
+        moved = f"an unfinished run was in its folder; moved to {aside}, run again"
+        assert f"fedguard: [{'abc'.index(variant) + 1}/3] run/{variant}: {moved}" in lines
+        assert (aside / "rounds.jsonl").is_file() and aside.with_suffix(".log").read_text() == "the first lines\n"
+    assert not any("finished earlier" in line for line in lines), lines
+    assert [row["accuracy"] for row in rows] == [0.5, 0.5, 0.5]
+
+
+def test_a_run_still_written_by_another_process_is_not_raced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sweep = load_sweep(write(tmp_path, SMALL + "[sweep]\n[sweep.variants.a]\n"), tmp_path / "out", ["train.rounds=3"])
+    [run] = sweep.runs
+    stopped_run(run.folder, 1, None, 1)
+    monkeypatch.setattr("fedguard.commands.sweep.STOPPED_WAIT", 0.3)
+    monkeypatch.setattr("fedguard.commands.sweep.run_one", lambda *args, **kwargs: pytest.fail("raced the writer"))
+    lock = hold(run.folder)  # the watcher of a killed run, still stopping it
+    try:
+        [row] = run_sweep(sweep, lambda line: None, share_ray=False)
+    finally:
+        os.close(lock)
+    assert row["status"] == "failed" and row["error"] == f"{run.folder} is still written by another process after 0 s"
+    assert read_status(run.folder) is None and (run.folder / "rounds.jsonl").is_file(), "left as it was"

@@ -173,33 +173,17 @@ def _resolve(args: argparse.Namespace) -> Config:
     return config
 
 
-RESUME_KEYS = ("train.rounds", "sim.", "pool.")
-"""What ``--set`` may change when a run resumes: how many rounds in all, and resources; nothing that changes
-what the rounds compute."""
-
-
 def _resumed(args: argparse.Namespace) -> Config:
-    """The configuration of the run in ``args.resume`` (its ``config.toml`` with the allowed ``--set``), set to
-    go on from its checkpoint; ``ValueError`` saying why it cannot."""
+    """The configuration of the run in ``args.resume``, set to go on from its checkpoint
+    (``fedguard.runtime.preflight.resumed``); ``ValueError`` saying why it cannot."""
+    from fedguard.runtime.preflight import resumed
     from fedguard.store.folder import CONFIG_FILE
-    from fedguard.store.resume import resume_point
 
-    folder: Path = args.resume.resolve()
     if args.preset is not None or args.out is not None:
         raise ValueError(
             f"--resume {args.resume}: the run's own {CONFIG_FILE} and folder are used; drop the preset and --out"
         )
-    refused = [text for text in args.overrides if not text.partition("=")[0].strip().startswith(RESUME_KEYS)]
-    if refused:
-        raise ValueError(
-            f"--resume: {', '.join(refused)} would change what the rounds compute; a resumed run may "
-            f"only set {', '.join(k + '*' if k.endswith('.') else k for k in RESUME_KEYS)}"
-        )
-    if not (folder / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"--resume {args.resume}: no {CONFIG_FILE} there; give the folder of a run")
-    config = load_config(folder / CONFIG_FILE, args.overrides)
-    resume_point(folder, config.train.rounds)
-    return dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder), resume=True))
+    return resumed(args.resume, args.overrides)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

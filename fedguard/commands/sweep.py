@@ -20,8 +20,11 @@ in ``<sweep folder>/<setting>/<variant>`` (``.../<variant>/seed-<n>`` when the p
 run that fails is reported and the others go on; the runs join one Ray cluster started for the sweep where they
 would each have started the same (``fedguard.runtime.ray_head``), and run one after another in one warm runner
 on it (``fedguard.runtime.warm``: no process, SuperLink or Ray start per run), or each as its own ``fedguard
-run`` process where they cannot share the cluster or ``warm`` is off; a run folder that already holds
-``rounds.jsonl`` with every round is kept, not run again (a stopped sweep resumes). ``runs.jsonl``
+run`` process where they cannot share the cluster or ``warm`` is off. Every run is tied to the sweep's process
+(``fedguard.runtime.lifeline``): a sweep that is killed takes its current run with it, recorded as
+interrupted. A stopped sweep resumes when started again: a run that completed is kept, not run again; one that
+was stopped is waited for until nothing writes its folder, then resumed from its last checkpoint (``fedguard
+run --resume``), or, where it has none, set aside as ``<folder>.stopped-<k>`` and run again. ``runs.jsonl``
 holds one row per run, ``sweep.jsonl`` one row per cell over its seeds (``summarize_runs``: means, the
 ``privacy`` object of ``fedguard.report.leakage``, accuracy with its interval over seeds; a failed run is
 left out and counted in ``failed_seeds``) and ``summary.md`` the table per variant; a reproduction
@@ -65,9 +68,12 @@ from fedguard.report.run_dir import config_toml
 from fedguard.report.run_status import read_status
 from fedguard.report.statistics import over_seeds
 from fedguard.report.sweep_html import build_sweep_page
+from fedguard.runtime import lifeline
 from fedguard.runtime.ray_head import shared_ray
 from fedguard.runtime.warm import WarmRuntime
+from fedguard.store.checkpoint import CheckpointError, read_checkpoint
 from fedguard.store.folder import (
+    LOCK_FILE,
     RUNS_FILE,
     SUMMARY_FILE,
     SWEEP_FILE,
@@ -75,6 +81,7 @@ from fedguard.store.folder import (
     write_jsonl,
 )
 from fedguard.store.invocations import own_rows
+from fedguard.store.lock import wait_free
 from fedguard.store.rows import AttackRow, RoundRow, read_attacks, read_rounds
 from fedguard.tracking.mlflow_sweep import sweep_parent
 
@@ -323,9 +330,48 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 def finished(run: SweepRun) -> bool:
-    """Whether ``run.folder`` holds a rounds log with every round."""
+    """Whether ``run.folder`` holds a run that completed: its ``status.json`` says so (a run stopped after its
+    last round, while attacking or reporting, did not) and its rounds log has every round."""
+    status = read_status(run.folder)
+    if status is None or status.get("status") != "completed":
+        return False
     rounds = read_rounds(run.folder)
     return bool(rounds) and rounds[-1]["round"] == run.config.train.rounds
+
+
+STOPPED_WAIT = 120.0  # seconds a sweep waits for the watcher of a run killed in a cell's folder to end it (<= 60 s)
+
+
+def resumable_round(run: SweepRun) -> int | None:
+    """The round a stopped, unfinished run in ``run.folder`` goes on after (its checkpoint's), or None when it
+    starts again instead: it failed, finished no round, or finished every round (stopped while attacking)."""
+    status = read_status(run.folder) or {}
+    if status.get("status") == "failed":
+        return None
+    try:
+        round_ = read_checkpoint(run.folder).round
+    except CheckpointError:
+        return None
+    return round_ if 0 < round_ < run.config.train.rounds else None
+
+
+def set_aside(run: SweepRun) -> Path:
+    """Move the stopped run in ``run.folder`` (and its log) to ``<folder>.stopped-<k>``, the first ``k`` free, so
+    that the cell starts again in an empty folder and nothing the stopped run wrote is lost; returns the new
+    folder."""
+    number = 1
+    while (aside := run.folder.with_name(f"{run.folder.name}.stopped-{number}")).exists():
+        number += 1
+    run.folder.rename(aside)
+    log = run.folder.with_suffix(".log")
+    if log.is_file():
+        log.rename(aside.with_suffix(".log"))
+    return aside
+
+
+def _holds_a_run(folder: Path) -> bool:
+    """Whether ``folder`` holds anything of a run (more than the lock a run takes first)."""
+    return folder.is_dir() and any(entry.name != LOCK_FILE for entry in folder.iterdir())
 
 
 def attack_scores(rows: list[AttackRow]) -> dict[str, Any]:
@@ -643,16 +689,27 @@ def failures_note(rows: list[dict[str, Any]]) -> str:
 STOP_WAIT = 90.0  # seconds a stopped run gets to record its attacks and stop its processes (it takes 60 at most)
 
 
-def run_one(command: list[str], log: Path, timeout: float | None, env: dict[str, str] | None = None) -> int:
-    """Run one ``fedguard run`` in a session of its own, its output in ``log``, with ``env`` added to this
-    process's environment; its exit code, -1 when it ran past ``timeout``. A timeout or Ctrl-C reaches it as one
-    SIGTERM or SIGINT and it gets ``STOP_WAIT`` seconds to stop cleanly (results and report kept, its processes
-    ended); the Ctrl-C then goes on up."""
-    environment = {**os.environ, **env} if env else None
-    with open(log, "w", encoding="utf-8") as handle:
-        process = subprocess.Popen(
-            command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, env=environment
-        )
+def run_one(
+    command: list[str], log: Path, timeout: float | None, env: dict[str, str] | None = None, append: bool = False
+) -> int:
+    """Run one ``fedguard run`` in a session of its own, its output in ``log`` (after what it holds when
+    ``append``), with ``env`` added to this process's environment, tied to this process
+    (``fedguard.runtime.lifeline``: should this one die, the run is stopped and recorded as interrupted); its
+    exit code, -1 when it ran past ``timeout``. A timeout or Ctrl-C reaches it as one SIGTERM or SIGINT and it
+    gets ``STOP_WAIT`` seconds to stop cleanly (results and report kept, its processes ended); the Ctrl-C then
+    goes on up."""
+    environment = {**os.environ, **(env or {}), **lifeline.tied()}
+    with (
+        open(log, "a" if append else "w", encoding="utf-8") as handle,
+        subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=environment,
+        ) as process,
+    ):
         try:
             return process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -750,16 +807,28 @@ def _run_once(
     runtime: WarmRuntime | None = None,
 ) -> dict[str, Any]:
     """Run ``run`` in ``runtime``, else as its own ``fedguard run`` (``env`` added to its environment); its
-    ``runs.jsonl`` row."""
-    run.folder.mkdir(parents=True, exist_ok=True)
+    ``runs.jsonl`` row. A run an earlier sweep left unfinished in the folder (killed, or stopped) is waited for
+    until nothing writes it, then resumed from its checkpoint (``resumable_round``), else set aside
+    (``set_aside``) and run again."""
     preset, log = run.folder.with_suffix(".toml"), run.folder.with_suffix(".log")
+    resume = False
+    if _holds_a_run(run.folder):
+        if not wait_free(run.folder, STOPPED_WAIT):
+            return failed_row(run, f"{run.folder} is still written by another process after {STOPPED_WAIT:.0f} s", log)
+        after = resumable_round(run)
+        if after is None:
+            progress(f"fedguard: {label}: an unfinished run was in its folder; moved to {set_aside(run)}, run again")
+        else:
+            progress(f"fedguard: {label}: stopped after round {after} of {run.config.train.rounds}; resuming it")
+            resume = True
+    run.folder.mkdir(parents=True, exist_ok=True)
     write_atomic(preset, config_toml(run.config))
     progress(f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}")
     if runtime is not None:
-        code = runtime.run(preset, run.folder, log, timeout)
+        code = runtime.run(preset, run.folder, log, timeout, resume=resume)
     else:
-        command = [sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(run.folder)]
-        code = run_one(command, log, timeout, env)
+        where = ["--resume", str(run.folder)] if resume else [str(preset), "--out", str(run.folder)]
+        code = run_one([sys.executable, "-m", "fedguard", "run", *where], log, timeout, env, append=resume)
     if code != 0:
         failed = failed_row(run, failure_reason(run, code, log), log)
         progress(f"fedguard: {label}: failed: {failed['error']} (log {log})")

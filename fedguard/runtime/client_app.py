@@ -17,7 +17,8 @@ A client whose detectors flag the model it received declines the round as ``dete
 error whose reason holds them (``fedguard.wire.records``).
 
 A client's defense state (``clients.state``) lives in files under the simulated run's folder, on a SuperNode in
-its ``Context.state``.
+its ``Context.state``; a simulated client whose process dies is started again with it
+(``fedguard.runtime.actor_restarts``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from fedguard.config import Config, ConfigError
 from fedguard.data import DatasetNotFoundError
 from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.registry import TrainedFileError
+from fedguard.runtime.actor_restarts import restart_dead_clients
 from fedguard.store.client_state import FileState
 from fedguard.store.folder import CLIENT_STATE_DIR, VAULT_DIR, flwr_run_dir
 from fedguard.wire.declared import wire_key
@@ -150,7 +152,9 @@ class ShippedClientApp(AppCode, ClientApp):
 
 
 def make_client_app(config: Config | None = None) -> ClientApp:
-    """A ClientApp bound to ``config``, or reading Flower's run config when None."""
+    """A ClientApp bound to ``config``, or reading Flower's run config when None. In a process that runs Flower's
+    simulation engine, its client actors are from then on restarted when they die (``restart_dead_clients``)."""
+    restart_dead_clients()
     client_app = ShippedClientApp()
 
     def client(context: Context, instruction: ConfigRecord) -> DefendedClient:

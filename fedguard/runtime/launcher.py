@@ -41,7 +41,9 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from fedguard import run_owner
 from fedguard.report.run_status import read_status
+from fedguard.runtime import lifeline
 from fedguard.runtime.processes import ProcessTracker
 from fedguard.runtime.supervisor import DONE, RUN_TOKEN_ENV
 from fedguard.store.folder import write_atomic
@@ -194,18 +196,18 @@ def launch(plan: Launch) -> Path:
 def _supervised(plan: Launch, lock: int) -> int | None:
     """Run ``plan`` under a watcher (``fedguard.runtime.supervisor``) that holds ``lock`` too and stops the run should
     this process die; returns the signal that stopped the run, or None."""
-    with watched(plan.out_dir, lock, plan.env) as token:
-        return _run(plan, {**plan.env, RUN_TOKEN_ENV: token})
+    with watched(plan.out_dir, lock, plan.env, plan.home) as token:
+        return _run(plan, {**plan.env, RUN_TOKEN_ENV: token, **run_owner.owner_entry()})
 
 
 @contextlib.contextmanager
-def watched(out_dir: str, lock: int, env: dict[str, str]) -> Iterator[str]:
+def watched(out_dir: str, lock: int, env: dict[str, str], home: str | None = None) -> Iterator[str]:
     """A watcher (``fedguard.runtime.supervisor``) of the run writing ``out_dir`` while the block runs: it holds
     ``lock`` too, and should this process die before the block ends, it stops the processes carrying the token
-    yielded (``RUN_TOKEN_ENV``) and records the run as interrupted."""
+    yielded (``RUN_TOKEN_ENV``), records the run as interrupted and removes the run's temporary ``home``."""
     token = secrets.token_hex(16)
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "fedguard.runtime.supervisor", out_dir, token, str(os.getpid())],
+        [sys.executable, "-m", "fedguard.runtime.supervisor", out_dir, token, str(os.getpid()), *filter(None, [home])],
         stdin=subprocess.PIPE,
         env=env,
         pass_fds=(lock,),
@@ -374,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m fedguard.runtime.launcher LAUNCH_JSON (written by fedguard run)", file=sys.stderr)
         return 2
+    lifeline.hold()  # a fedguard sweep or fedguard.run that started this run: it ends with them
     plan = Launch.load(Path(args[0]))
     return exit_code(lambda: launch(plan), plan.asked_at)
 

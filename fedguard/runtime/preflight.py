@@ -8,9 +8,10 @@ runs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
-from fedguard.config import Config, ConfigError
+from fedguard.config import Config, ConfigError, load_config
 from fedguard.limits import writable_problem
 
 
@@ -41,6 +42,32 @@ def ready(config: Config, out: Path | None = None) -> tuple[Config, str]:
         f"{config.train.protocol} for {config.train.rounds} rounds, defense {config.defense.name}"
     )
     return config, line
+
+
+RESUME_KEYS = ("train.rounds", "sim.", "pool.")
+"""What ``--set`` may change when a run resumes: how many rounds in all, and resources; nothing that changes
+what the rounds compute."""
+
+
+def resumed(folder: Path, overrides: Sequence[str] = ()) -> Config:
+    """The configuration of the run in ``folder`` (its ``config.toml`` with the allowed ``overrides``,
+    ``RESUME_KEYS``), set to go on from its checkpoint (``fedguard run --resume``); ``ValueError`` saying why it
+    cannot (``CheckpointError`` when it has no checkpoint)."""
+    from fedguard.store.folder import CONFIG_FILE
+    from fedguard.store.resume import resume_point
+
+    folder = Path(folder).resolve()
+    refused = [text for text in overrides if not text.partition("=")[0].strip().startswith(RESUME_KEYS)]
+    if refused:
+        raise ValueError(
+            f"--resume: {', '.join(refused)} would change what the rounds compute; a resumed run may "
+            f"only set {', '.join(k + '*' if k.endswith('.') else k for k in RESUME_KEYS)}"
+        )
+    if not (folder / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"--resume {folder}: no {CONFIG_FILE} there; give the folder of a run")
+    config = load_config(folder / CONFIG_FILE, list(overrides))
+    resume_point(folder, config.train.rounds)
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(folder), resume=True))
 
 
 def machine_problems(runs: list[tuple[str, Config]]) -> list[str]:

@@ -13,9 +13,8 @@ import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
-PROC = Path("/proc")
+from fedguard.run_owner import PROC, process_stat
 
 
 @dataclass(frozen=True)
@@ -26,21 +25,11 @@ class Process:
     started: int
 
 
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, start time) of ``pid`` from ``/proc/<pid>/stat``, or None when it is gone."""
-    try:
-        text = (PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()  # after "pid (name)", which may hold spaces and parentheses
-    return fields[0], int(fields[1]), int(fields[19])
-
-
 def descendants(root: int) -> set[Process]:
     """Every process below ``root`` in the process tree now."""
     children: dict[int, list[Process]] = defaultdict(list)
     for entry in PROC.glob("[0-9]*"):
-        stat = _stat(int(entry.name))
+        stat = process_stat(int(entry.name))
         if stat is not None:
             children[stat[1]].append(Process(int(entry.name), stat[2]))
     found: set[Process] = set()
@@ -63,15 +52,31 @@ def marked(marker: str) -> set[Process]:
             environ = (path / "environ").read_bytes()
         except OSError:
             continue
-        stat = _stat(pid)
+        stat = process_stat(pid)
         if pid != os.getpid() and stat is not None and entry in environ.split(b"\0"):
+            found.add(Process(pid, stat[2]))
+    return found
+
+
+def running_programs(word: bytes = b"python") -> set[Process]:
+    """Every live process now whose command line holds ``word``, but this one: fedguard's, Flower's and Ray's
+    processes all run Python, so what a run left behind is what this finds after it and not before it."""
+    found: set[Process] = set()
+    for path in PROC.glob("[0-9]*"):
+        pid = int(path.name)
+        try:
+            command = (path / "cmdline").read_bytes()
+        except OSError:
+            continue
+        stat = process_stat(pid)
+        if pid != os.getpid() and stat is not None and stat[0] != "Z" and word in command:
             found.add(Process(pid, stat[2]))
     return found
 
 
 def is_running(process: Process) -> bool:
     """Whether ``process`` (that very one, not a later holder of its pid) still runs; a zombie does not."""
-    stat = _stat(process.pid)
+    stat = process_stat(process.pid)
     return stat is not None and stat[2] == process.started and stat[0] != "Z"
 
 
@@ -104,7 +109,7 @@ class ProcessTracker:
 
     def watch(self, pid: int) -> None:
         """Track process ``pid`` and what it starts."""
-        stat = _stat(pid)
+        stat = process_stat(pid)
         if stat is not None:
             self.roots.add(Process(pid, stat[2]))
             self.seen.add(Process(pid, stat[2]))

@@ -31,6 +31,7 @@ from fedguard.report.run_dir import unflatten
 from fedguard.run_plan import PLAN_KEY
 from fedguard.runtime.app_bundle import stage_app
 from fedguard.runtime.launcher import CONNECTION, STOP_FILE_ENV, Interrupted, Launch, LaunchError, launch
+from fedguard.runtime.lifeline import LIFELINE_ENV
 
 APP_DIR = Path(__file__).resolve().parents[2]
 PROBE_SECONDS = 5.0  # how long a Ray cluster's address may take to answer
@@ -167,7 +168,7 @@ def ray_environment() -> dict[str, str]:
     simulation's processes too), Ray on loopback only, no idle workers started ahead for the first driver (the
     clients' actors never use them: 0.1 GB), and accelerators left visible to workers that reserve none."""
     env = {
-        **os.environ,
+        **{name: value for name, value in os.environ.items() if name != LIFELINE_ENV},  # tied by its starter alone
         "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
         "RAY_prestart_worker_first_driver": "0",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -7,14 +7,15 @@ the launcher holds. The watcher also holds the run folder's lock (``fedguard.sto
 the run inherits ``RUN_TOKEN_ENV`` in its environment (SuperLink, SuperExec, the simulation and its Ray
 cluster alike). When the launcher ends its run it writes ``DONE`` and the watcher exits. When the pipe closes
 without it (the launcher died), the watcher stops every process whose environment holds the run's token
-(SIGTERM, then SIGKILL ``GRACE`` seconds later, until none is left), writes ``interrupted`` to ``status.json``
-unless the run wrote its ending since the watcher started, and exits, which releases the lock. Standard library
-only.
+(each frozen with SIGSTOP when found, so that none writes anything more, then all killed with SIGKILL, until
+none is left), writes ``interrupted`` to ``status.json`` unless the run wrote its ending since the watcher
+started, removes the run's temporary Flower home, and exits, which releases the lock. Standard library only.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -27,8 +28,6 @@ from fedguard.store.rows import read_rounds
 
 RUN_TOKEN_ENV = "FEDGUARD_RUN_TOKEN"
 DONE = b"done"  # what the launcher writes on the lifeline when it ended its run itself
-GRACE = 3.0  # seconds the run's processes get between SIGTERM and SIGKILL
-LATE_GRACE = 0.5  # seconds a process found on a later pass gets (one started while the others stopped)
 QUIET = 0.5  # seconds with no process of the run left that end the stop
 GIVE_UP = 60.0  # seconds after which the stop returns even if a process of the run still runs (one in state D)
 
@@ -52,28 +51,28 @@ def run_processes(token: str) -> set[Process]:
     return {p for p in found if p.pid != os.getpid()}
 
 
-def stop_run(token: str, grace: float = GRACE) -> int:
-    """Stop every process of the run (``run_processes``; one found once is followed until it ends): SIGTERM when
-    first found, SIGKILL ``grace`` seconds later (``LATE_GRACE`` for those found after the first pass: Ray may
-    start workers while it stops), SIGKILL again each pass while one still runs. Returns how many there were, once
-    none has run for ``QUIET`` seconds (or after ``GIVE_UP`` seconds)."""
-    termed: dict[Process, float] = {}  # process -> monotonic time of its SIGKILL deadline
+def stop_run(token: str) -> int:
+    """Stop every process of the run (``run_processes``) without letting one write anything more: each is frozen
+    (SIGSTOP) as soon as it is found, so that none writes a row or starts a process while the others are looked
+    for, and once a pass finds no new one, all are killed (SIGKILL; a frozen process dies of it too). Returns
+    how many there were, once none has run for ``QUIET`` seconds (or after ``GIVE_UP`` seconds)."""
+    frozen: set[Process] = set()
     start = time.monotonic()
     last_seen = start
     while time.monotonic() - start < GIVE_UP:
         now = time.monotonic()
-        running = {p for p in run_processes(token) | termed.keys() if is_running(p)}
-        found = running - termed.keys()
-        signal_all(found, signal.SIGTERM)
-        signal_all({p for p in running - found if now >= termed[p]}, signal.SIGKILL)
-        patience = min(grace, LATE_GRACE) if termed else grace
-        termed.update(dict.fromkeys(found, now + patience))
+        found = {p for p in run_processes(token) if is_running(p)} - frozen
+        signal_all(found, signal.SIGSTOP)
+        frozen |= found
+        running = {p for p in frozen if is_running(p)}
+        if not found:  # the whole run frozen: nothing of it can start anything now
+            signal_all(running, signal.SIGKILL)
         if running:
             last_seen = now
         elif now - last_seen >= QUIET:
             break
-        time.sleep(0.1)
-    return len(termed)
+        time.sleep(0.05)
+    return len(frozen)
 
 
 def rounds_done(folder: Path) -> int:
@@ -85,15 +84,18 @@ def rounds_done(folder: Path) -> int:
     return max((row["round"] for row in rows if isinstance(row.get("round"), int)), default=0)
 
 
-def watch(folder: Path, token: str, launcher: int) -> int:
+def watch(folder: Path, token: str, launcher: int, home: Path | None = None) -> int:
     """Wait for the lifeline on standard input to close; when the launcher (process ``launcher``) died without
-    ending its run, stop the run and record it as interrupted. Returns the exit code."""
+    ending its run, stop the run, record it as interrupted and remove the run's temporary ``home`` (its private
+    Flower home), which the launcher would have removed. Returns the exit code."""
     status = folder / STATUS_FILE
     before = _identity(status)
     if sys.stdin.buffer.read() == DONE:
         return 0
     start = time.monotonic()
     count = stop_run(token)
+    if home is not None:
+        shutil.rmtree(home, ignore_errors=True)
     ending = ""
     if _identity(status) == before:
         write_status(
@@ -116,16 +118,16 @@ def watch(folder: Path, token: str, launcher: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fedguard.runtime.supervisor RUN_DIR TOKEN LAUNCHER_PID`` (started by
+    """``python -m fedguard.runtime.supervisor RUN_DIR TOKEN LAUNCHER_PID [HOME]`` (started by
     ``fedguard.runtime.launcher``)."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 3 or not args[2].isdigit():
+    if len(args) not in (3, 4) or not args[2].isdigit():
         print(
-            "usage: python -m fedguard.runtime.supervisor RUN_DIR TOKEN LAUNCHER_PID (started by fedguard run)",
+            "usage: python -m fedguard.runtime.supervisor RUN_DIR TOKEN LAUNCHER_PID [HOME] (started by fedguard run)",
             file=sys.stderr,
         )
         return 2
-    return watch(Path(args[0]), args[1], int(args[2]))
+    return watch(Path(args[0]), args[1], int(args[2]), Path(args[3]) if len(args) == 4 else None)
 
 
 if __name__ == "__main__":

@@ -35,12 +35,12 @@ FLOWER_QUIET = {"FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISAB
 
 
 class LogFollower:
-    """The lines a run appends to its log, each passed on as it comes (Flower's own INFO lines only when
-    ``verbose``)."""
+    """The lines a run appends to its log (from byte ``start`` on), each passed on as it comes (Flower's own INFO
+    lines only when ``verbose``)."""
 
-    def __init__(self, log: Path, progress: Callable[[str], None], verbose: bool = False) -> None:
+    def __init__(self, log: Path, progress: Callable[[str], None], verbose: bool = False, start: int = 0) -> None:
         self.log, self.progress, self.verbose = log, progress, verbose
-        self.offset, self.partial = 0, ""
+        self.offset, self.partial = start, ""  # start: the byte the lines to pass on begin at
 
     def poll(self) -> None:
         """Pass on the lines written since the last call."""
@@ -105,15 +105,22 @@ class WarmRuntime:
         timeout: float | None = None,
         progress: Callable[[str], None] | None = None,
         verbose: bool = False,
+        resume: bool = False,
     ) -> int:
-        """Run the configuration in ``preset`` (a TOML file) into ``out``, its output to ``log`` (and each line
-        to ``progress``); its exit code as ``fedguard run``'s, -1 when it ran past ``timeout`` seconds. A Ctrl-C
-        stops the run cleanly, then goes on up."""
+        """Run the configuration in ``preset`` (a TOML file) into ``out``, or with ``resume`` go on with the
+        stopped run in ``out`` from its checkpoint (``preset`` unused), its output to ``log`` (appended when it
+        resumes; each new line to ``progress``); its exit code as ``fedguard run``'s, -1 when it ran past
+        ``timeout`` seconds. A Ctrl-C stops the run cleanly, then goes on up."""
         runner = self._started_runner()
-        log.write_bytes(b"")
-        follower = LogFollower(log, progress, verbose) if progress else None
+        if not resume or not log.exists():
+            log.write_bytes(b"")
+        follower = LogFollower(log, progress, verbose, start=log.stat().st_size) if progress else None
         assert runner.stdin is not None
-        request = {"preset": str(Path(preset).absolute()), "out": str(Path(out).absolute()), "log": str(log)}
+        request = {"log": str(log)}
+        if resume:
+            request["resume"] = str(Path(out).absolute())
+        else:
+            request.update(preset=str(Path(preset).absolute()), out=str(Path(out).absolute()))
         runner.stdin.write(json.dumps(request) + "\n")
         runner.stdin.flush()
         deadline = None if timeout is None else time.monotonic() + timeout

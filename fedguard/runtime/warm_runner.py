@@ -2,7 +2,8 @@
 simulation engine and a Ray cluster that outlive the runs.
 
 ``python -m fedguard.runtime.warm_runner`` reads one request a line on standard input (JSON: ``preset``, a
-configuration's TOML; ``out``, the run folder; ``log``, the file its output goes to) and answers each with one
+configuration's TOML, and ``out``, the run folder; or ``resume``, the folder of a stopped run to go on from its
+checkpoint, as ``fedguard run --resume``; and ``log``, the file its output goes to) and answers each with one
 line on standard output, ``{"code": N}``: 0 (completed), 1 (failed), 2 (another run writes the folder) or 128 +
 the signal that stopped it, as ``fedguard run`` exits. It ends when standard input closes.
 
@@ -15,6 +16,9 @@ which the parent sets). The in-process entry of Flower's simulation engine it ca
 engine under Flower's own ``run_simulation`` that also takes the ServerApp's context) is private to Flower 1.41,
 which the project pins.
 
+Standard input is also the lifeline (``fedguard.runtime.lifeline``): when it closes while a run is served, the
+parent died, and this process kills itself, so that the run's watcher records it as interrupted (``Requests``).
+
 Signals: the first SIGINT during a run asks it to stop as ``fedguard run``'s do (the stop file the
 ServerApp watches: attacks left are recorded as interrupted, the report is written); the parent sends SIGINT,
 since Ray's driver, which this process becomes, ends itself on SIGTERM; it kills this process when a stopped run
@@ -26,16 +30,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
 from fedguard.config import Config, load_config
+from fedguard.runtime import lifeline
 from fedguard.runtime.launcher import STOP_FILE_ENV, SignalStop, ending, exit_code, watched
-from fedguard.runtime.preflight import ready
+from fedguard.runtime.preflight import ready, resumed
 from fedguard.store.lock import hold
 
 
@@ -80,7 +87,10 @@ def run_warm(config: Config) -> Path:
     folder = Path(config.run.out_dir)
     lock = hold(folder)
     try:
-        with watched(str(folder), lock, dict(os.environ)), tempfile.TemporaryDirectory(prefix="fedguard-") as home:
+        with (
+            tempfile.TemporaryDirectory(prefix="fedguard-") as home,
+            watched(str(folder), lock, dict(os.environ), home),
+        ):
             stop_file = Path(home) / "stop-request"
             os.environ[STOP_FILE_ENV] = str(stop_file)
             with SignalStop(stop_file) as stop:
@@ -115,13 +125,16 @@ def output_to(log: Path) -> Iterator[None]:
                 os.close(descriptor)
 
 
-def serve_one(preset: Path, out: Path) -> int:
-    """Check and run the configuration in ``preset`` into ``out``, printing as ``fedguard run`` does; its exit
-    code."""
+def serve_one(request: dict[str, str]) -> int:
+    """Check and run the configuration in ``request["preset"]`` into ``request["out"]``, or resume the run in
+    ``request["resume"]`` from its checkpoint, printing as ``fedguard run`` does; its exit code."""
     asked_at = time.time()
 
     def checked_and_run() -> Path:
-        config, line = ready(load_config(preset), out)
+        if "resume" in request:
+            config, line = ready(resumed(Path(request["resume"])))
+        else:
+            config, line = ready(load_config(Path(request["preset"])), Path(request["out"]))
         print(line, flush=True)
         return run_warm(config)
 
@@ -129,15 +142,47 @@ def serve_one(preset: Path, out: Path) -> int:
     return exit_code(checked_and_run, asked_at, failures=(Exception,))
 
 
+class Requests:
+    """The request lines on standard input, read by a thread of their own: standard input is also this process's
+    lifeline (``fedguard.runtime.lifeline``). Its end while a run is served means the parent died (it closes it
+    only between runs), and this process then ends at once (``lifeline.cut``: the run's watcher records it as
+    interrupted and Ray ends the run's actors with their driver); between runs it ends the loop."""
+
+    def __init__(self) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.serving, self.ended = threading.Event(), threading.Event()
+        threading.Thread(target=self._read, name="fedguard-requests", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in sys.stdin:
+            if line.strip():
+                self.lines.put(line)
+        self.ended.set()
+        if self.serving.is_set():
+            lifeline.cut()
+        self.lines.put(None)
+
+    def next(self) -> dict[str, str] | None:
+        """The next request, or None once standard input closed; the request is served until ``done``."""
+        line = self.lines.get()
+        self.serving.set()
+        if line is None or self.ended.is_set():  # a request its parent did not live to see answered
+            return None
+        return dict(json.loads(line))
+
+    def done(self) -> None:
+        """The request is served (before its reply goes out: the parent may close the pipe once it has it)."""
+        self.serving.clear()
+
+
 def main() -> int:
     """Answer each request on standard input until it closes."""
     replies = os.dup(1)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = json.loads(line)
+    requests = Requests()
+    while (request := requests.next()) is not None:
         with output_to(Path(request["log"])):
-            code = serve_one(Path(request["preset"]), Path(request["out"]))
+            code = serve_one(request)
+        requests.done()
         os.write(replies, (json.dumps({"code": code}) + "\n").encode())
     return 0
 

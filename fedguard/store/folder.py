@@ -53,7 +53,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
 
-from fedguard import atomic, limits
+from fedguard import atomic, limits, run_owner
 
 CONFIG_FILE = "config.toml"
 ROUNDS_FILE = "rounds.jsonl"
@@ -277,7 +277,8 @@ def _last_line_start(fd: int, size: int) -> int:
 
 
 class JsonlAppender:
-    """Appends rows to a ``.jsonl`` file, each as one write of one line (no buffer to flush).
+    """Appends rows to a ``.jsonl`` file, each as one write of one line (no buffer to flush); none once the run's
+    owner died (``fedguard.run_owner``).
 
     Opening mends what a killed writer left: a last row missing only its newline gets it, a torn last
     line is cut off with a warning, so the next row starts a line of its own.
@@ -314,6 +315,8 @@ class JsonlAppender:
         """Write ``row`` as one strict JSON line. A write that fails (a full disk: ``RunFileUnwritable``) takes
         back what it wrote of the line, so the file holds whole rows only."""
         data = (encode_row(row) + "\n").encode("utf-8")
+        if run_owner.gone():  # the run's fedguard run died: its watcher is stopping this process
+            run_owner.stop_here()
         end = os.lseek(self._fd, 0, os.SEEK_END)
         try:
             while data:  # a regular file takes it in one write; the loop only finishes a short one

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 
 from fedguard.store.folder import LOCK_FILE
@@ -42,3 +43,27 @@ def hold(folder: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def wait_free(folder: Path, seconds: float, poll: float = 0.2) -> bool:
+    """Whether ``folder``'s lock is free, waiting up to ``seconds`` for a process that holds it (a run's watcher
+    still stopping it) to end; the lock is not kept. True when the folder has no lock file."""
+    path = Path(folder) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True
+    try:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(poll)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return True
+    finally:
+        os.close(fd)

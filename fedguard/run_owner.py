@@ -1,0 +1,49 @@
+"""The process a run belongs to, as each process of the run knows it: no row is written once it is gone.
+
+``fedguard run``'s launcher puts ``OWNER_ENV`` (its process id and start time) in the environment of every
+process of its run. Should the launcher die (SIGKILL), its watcher (``fedguard.runtime.supervisor``) freezes and
+kills the run's processes, which takes a moment; a process that would write a row meanwhile checks ``gone``
+first (``fedguard.store.folder.JsonlAppender``) and ends itself instead (``stop_here``), so that no row is
+written after the run's ``fedguard run`` died. Standard library only; reads ``/proc``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+OWNER_ENV = "FEDGUARD_RUN_OWNER"
+PROC = Path("/proc")
+
+
+def process_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time in clock ticks after boot) of ``pid`` from ``/proc/<pid>/stat``, or None
+    when it is gone."""
+    try:
+        text = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # after "pid (name)", which may hold spaces and parentheses
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def owner_entry() -> dict[str, str]:
+    """The environment entry naming this process as the owner of the run its children run (empty where there is
+    no ``/proc``)."""
+    stat = process_stat(os.getpid())
+    return {OWNER_ENV: f"{os.getpid()}:{stat[2]}"} if stat else {}
+
+
+def gone() -> bool:
+    """Whether this process belongs to a run whose owner has died (False for one that belongs to none)."""
+    pid, _, started = os.environ.get(OWNER_ENV, "").partition(":")
+    if not (pid.isdigit() and started.isdigit()):
+        return False
+    stat = process_stat(int(pid))
+    return stat is None or stat[2] != int(started) or stat[0] == "Z"
+
+
+def stop_here() -> None:
+    """End this process at once (SIGKILL): its run's owner died and the watcher is stopping the run."""
+    os.kill(os.getpid(), signal.SIGKILL)
