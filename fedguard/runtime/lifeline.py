@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 
 LIFELINE_ENV = "FEDGUARD_LIFELINE"
 STDIN = "stdin"  # its value: standard input is the lifeline
+STDIN_FD = 0
 
 
 def tied() -> dict[str, str]:
@@ -38,12 +38,12 @@ def cut() -> None:
 
 
 def _wait_for_end() -> None:
-    """Read standard input to its end (nothing is sent on it), then ``cut``."""
-    stream = sys.stdin.buffer
+    """Read standard input to its end (nothing is sent on it), then ``cut``. It reads the descriptor itself, not
+    ``sys.stdin``, whose buffer lock a thread blocked in it would hold while the interpreter shuts down."""
     try:
-        while stream.read(4096):
+        while os.read(STDIN_FD, 4096):
             pass
-    except (OSError, ValueError):  # closed or unreadable: the pipe is gone either way
+    except OSError:  # closed or unreadable: the pipe is gone either way
         pass
     cut()
 
