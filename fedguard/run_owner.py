@@ -28,6 +28,13 @@ def process_stat(pid: int) -> tuple[str, int, int] | None:
     return fields[0], int(fields[1]), int(fields[19])
 
 
+def alive(pid: int, started: int) -> bool:
+    """Whether the process ``pid`` that started at ``started`` (clock ticks after boot) runs: that very one, not a
+    later holder of its pid; a zombie does not."""
+    stat = process_stat(pid)
+    return stat is not None and stat[2] == started and stat[0] != "Z"
+
+
 def owner_entry() -> dict[str, str]:
     """The environment entry naming this process as the owner of the run its children run (empty where there is
     no ``/proc``)."""
@@ -38,10 +45,7 @@ def owner_entry() -> dict[str, str]:
 def gone() -> bool:
     """Whether this process belongs to a run whose owner has died (False for one that belongs to none)."""
     pid, _, started = os.environ.get(OWNER_ENV, "").partition(":")
-    if not (pid.isdigit() and started.isdigit()):
-        return False
-    stat = process_stat(int(pid))
-    return stat is None or stat[2] != int(started) or stat[0] == "Z"
+    return pid.isdigit() and started.isdigit() and not alive(int(pid), int(started))
 
 
 def stop_here() -> None:

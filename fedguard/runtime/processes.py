@@ -12,9 +12,10 @@ import os
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fedguard.run_owner import PROC, process_stat
+from fedguard.run_owner import PROC, alive, process_stat
 
 
 @dataclass(frozen=True)
@@ -41,43 +42,38 @@ def descendants(root: int) -> set[Process]:
     return found
 
 
-def marked(marker: str) -> set[Process]:
-    """Every process now whose environment holds the entry ``marker`` (``NAME=value``), but this one; one whose
-    environment cannot be read (another user's, a zombie's) is not."""
-    entry = marker.encode()
+def _having(name: str, matches: Callable[[bytes], bool]) -> set[Process]:
+    """Every process now, but this one, whose ``/proc/<pid>/<name>`` ``matches``; one whose file cannot be read
+    (another user's, one gone meanwhile) is not."""
     found: set[Process] = set()
     for path in PROC.glob("[0-9]*"):
         pid = int(path.name)
         try:
-            environ = (path / "environ").read_bytes()
+            content = (path / name).read_bytes()
         except OSError:
             continue
         stat = process_stat(pid)
-        if pid != os.getpid() and stat is not None and entry in environ.split(b"\0"):
+        if pid != os.getpid() and stat is not None and matches(content):
             found.add(Process(pid, stat[2]))
     return found
+
+
+def marked(marker: str) -> set[Process]:
+    """Every process now whose environment holds the entry ``marker`` (``NAME=value``), but this one; one whose
+    environment cannot be read (another user's, a zombie's) is not."""
+    entry = marker.encode()
+    return _having("environ", lambda environ: entry in environ.split(b"\0"))
 
 
 def running_programs(word: bytes = b"python") -> set[Process]:
     """Every live process now whose command line holds ``word``, but this one: fedguard's, Flower's and Ray's
     processes all run Python, so what a run left behind is what this finds after it and not before it."""
-    found: set[Process] = set()
-    for path in PROC.glob("[0-9]*"):
-        pid = int(path.name)
-        try:
-            command = (path / "cmdline").read_bytes()
-        except OSError:
-            continue
-        stat = process_stat(pid)
-        if pid != os.getpid() and stat is not None and stat[0] != "Z" and word in command:
-            found.add(Process(pid, stat[2]))
-    return found
+    return {p for p in _having("cmdline", lambda command: word in command) if is_running(p)}
 
 
 def is_running(process: Process) -> bool:
     """Whether ``process`` (that very one, not a later holder of its pid) still runs; a zombie does not."""
-    stat = process_stat(process.pid)
-    return stat is not None and stat[2] == process.started and stat[0] != "Z"
+    return alive(process.pid, process.started)
 
 
 def signal_all(processes: set[Process], signum: int) -> None:
