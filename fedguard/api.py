@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedguard.config import Config, ConfigError, load_config
-from fedguard.report.run_dir import config_toml, resolve_run_dir
+from fedguard.report.run_dir import resolve_run_dir
 from fedguard.report.run_status import read_status
 from fedguard.runtime import lifeline
 from fedguard.runtime.simulation import joins_cluster
@@ -325,15 +325,15 @@ def run(
         )
     folder = resolve_run_dir(resolved)
     folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        preset = Path(scratch, "preset.toml")
-        preset.write_text(config_toml(resolved))
+    with tempfile.TemporaryDirectory() as scratch:  # the run's processes rebuild ``resolved`` from its plan
         if warm and joins_cluster(resolved) is None:
             log = Path(scratch, "run.log")
-            code = _warm_runtime(resolved.sim.num_cpus).run(preset, folder, log, progress=progress)
+            code = _warm_runtime(resolved.sim.num_cpus).run(resolved, folder, log, progress=progress)
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
         else:
-            command = [sys.executable, "-m", "fedguard", "run", str(preset), "--out", str(folder)]
+            plan = Path(scratch, "plan.json")
+            plan.write_text(resolved.plan(), encoding="utf-8")
+            command = [sys.executable, "-m", "fedguard", "run", "--plan", str(plan), "--out", str(folder)]
             code, tail = _follow(command, progress)
     if code != 0:
         status = read_status(folder) or {}

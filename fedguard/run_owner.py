@@ -1,10 +1,12 @@
 """The process a run belongs to, as each process of the run knows it: no row is written once it is gone.
 
 ``fedguard run``'s launcher puts ``OWNER_ENV`` (its process id and start time) in the environment of every
-process of its run. Should the launcher die (SIGKILL), its watcher (``fedguard.runtime.supervisor``) freezes and
-kills the run's processes, which takes a moment; a process that would write a row meanwhile checks ``gone``
-first (``fedguard.store.folder.JsonlAppender``) and ends itself instead (``stop_here``), so that no row is
-written after the run's ``fedguard run`` died. Standard library only; reads ``/proc``.
+process of its run, after the owners it belongs to itself: the ``fedguard sweep``, warm runner or Python
+process that started it (``fedguard.runtime.lifeline.tied``), so the entry is a chain, ``pid:start,pid:start``.
+Should one of them die (SIGKILL), the run's watcher (``fedguard.runtime.supervisor``) freezes and kills the
+run's processes, which takes a moment; a process that would write a row meanwhile checks ``gone`` first
+(``fedguard.store.folder.JsonlAppender``) and ends itself instead (``stop_here``), so that no row is written
+after any process the run belongs to died. Standard library only; reads ``/proc``.
 """
 
 from __future__ import annotations
@@ -36,16 +38,22 @@ def alive(pid: int, started: int) -> bool:
 
 
 def owner_entry() -> dict[str, str]:
-    """The environment entry naming this process as the owner of the run its children run (empty where there is
-    no ``/proc``)."""
+    """The environment entry naming this process, after the owners it belongs to itself, as an owner of what its
+    children run (empty where there is no ``/proc``)."""
     stat = process_stat(os.getpid())
-    return {OWNER_ENV: f"{os.getpid()}:{stat[2]}"} if stat else {}
+    if stat is None:
+        return {}
+    chain = [entry for entry in os.environ.get(OWNER_ENV, "").split(",") if entry]
+    return {OWNER_ENV: ",".join([*chain, f"{os.getpid()}:{stat[2]}"])}
 
 
 def gone() -> bool:
-    """Whether this process belongs to a run whose owner has died (False for one that belongs to none)."""
-    pid, _, started = os.environ.get(OWNER_ENV, "").partition(":")
-    return pid.isdigit() and started.isdigit() and not alive(int(pid), int(started))
+    """Whether this process belongs to an owner that has died (False for one that belongs to none)."""
+    for entry in os.environ.get(OWNER_ENV, "").split(","):
+        pid, _, started = entry.partition(":")
+        if pid.isdigit() and started.isdigit() and not alive(int(pid), int(started)):
+            return True
+    return False
 
 
 def stop_here() -> None:

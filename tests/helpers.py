@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from clients import DefendedClient
 from fedguard.config import Config, load_config
+from fedguard.data import DataSpec
 from fedguard.data.local import DEBIAN_FASHION_MNIST
-from fedguard.observation import Observation
+from fedguard.observation import ModelCard, Observation
 from fedguard.runtime.client_app import upload_reply
+from fedguard.training import trainable_mask
 from fedguard.wire.records import ROUND_KEY, array_record
+from tests.commands import SMALL_RUN
 
 FASHION_MNIST = (DEBIAN_FASHION_MNIST / "t10k-images-idx3-ubyte.gz").is_file()
 needs_fashion_mnist = pytest.mark.skipif(
@@ -28,18 +33,33 @@ needs_fashion_mnist = pytest.mark.skipif(
 
 def config(*overrides: str) -> Config:
     """A small config on scikit-learn digits with an MLP, plus ``key=value`` overrides."""
-    return load_config(
-        None,
-        [
-            "data.name=digits",
-            "model.name=mlp",
-            "model.mlp.hidden=16",
-            "partition.num-clients=4",
-            "train.clients-per-round=3",
-            "train.batch-size=8",
-            *overrides,
-        ],
+    return load_config(None, [*SMALL_RUN, *overrides])
+
+
+@contextmanager
+def attacker_ray_cluster() -> Iterator[None]:
+    """A local Ray cluster of 2 CPUs with the ``attacker`` resource, shut down after the block (one left by an
+    earlier test is shut down first)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        resources={"attacker": 2},
+        object_store_memory=256 * 1024 * 1024,
+        log_to_driver=False,
     )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def card_of(model: torch.nn.Module, name: str, spec: DataSpec, params: dict[str, Any] | None = None) -> ModelCard:
+    """The model card of ``model``, registered as ``name`` with ``params``, on data of ``spec``."""
+    return ModelCard(name, params or {}, spec, tuple(model.state_dict()), tuple(trainable_mask(model)))
 
 
 def context(partition_id: int, num_partitions: int) -> Context:

@@ -21,9 +21,8 @@ from fedguard.runtime.launcher import free_port
 from fedguard.runtime.processes import ProcessTracker, is_running
 from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest
 from fedguard.store.folder import write_atomic
+from tests.commands import ENDLESS_RUN, QUICKSTART, quickstart_run
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = str(ROOT / "experiments" / "quickstart.toml")
 TAG = "FEDGUARD_TEST_RUN_TAG"  # every process of a run inherits the environment, so this marks them all
 
 
@@ -65,19 +64,7 @@ def wait_for_rounds(out: Path, rounds: int, process: subprocess.Popen, timeout: 
 )
 def test_one_signal_stops_the_run_with_every_result_kept(tmp_path: Path, signum: int, to_group: bool) -> None:
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    command = [sys.executable, "-m", "fedguard", "run", QUICKSTART, "--out", str(out)] + [
-        arg
-        for override in (
-            "train.rounds=500",
-            "partition.num-clients=3",
-            "train.clients-per-round=3",
-            "capture.rounds=1-2",
-            "capture.clients=0-2",
-            "attack.ig.iterations=1000000",
-            "attack.ig.restarts=1",
-        )
-        for arg in ("--set", override)
-    ]
+    command = quickstart_run(out, [*ENDLESS_RUN, "attack.ig.restarts=1"])
     with open(tmp_path / "output.log", "w") as output:
         process = subprocess.Popen(
             command, env={**os.environ, TAG: tag}, stdout=output, stderr=subprocess.STDOUT, start_new_session=True

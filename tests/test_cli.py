@@ -78,3 +78,21 @@ def test_train_mjolnir_refuses_cuda_where_there_is_none(capsys: pytest.CaptureFi
     )
     assert code == 2 and "device 'cuda' asked for, but CUDA is not available here" in capsys.readouterr().err
     assert not (tmp_path / "d.npz").exists()
+
+
+def test_a_plan_that_is_not_the_one_written_is_refused_by_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from tests.helpers import config
+
+    plan = tmp_path / "plan.json"
+    text = config().plan()
+    assert '"train.rounds": 20' in text
+    plan.write_text(text.replace('"train.rounds": 20', '"train.rounds": 200'))
+    assert main(["run", "--plan", str(plan), "--out", str(tmp_path / "run")]) == 2
+    assert "its keys do not match their sha256 digest" in capsys.readouterr().err
+    assert main(["run", "--plan", str(tmp_path / "absent.json")]) == 2
+    assert f"--plan {tmp_path / 'absent.json'}: cannot be read" in capsys.readouterr().err
+    assert main(["run", str(ROOT / "experiments" / "quickstart.toml"), "--plan", str(plan)]) == 2
+    assert "drop the preset, --set and --resume" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists(), "nothing was started"

@@ -23,18 +23,10 @@ from fedguard.config import load_config
 from fedguard.limits import MAX_META_BYTES
 from fedguard.store.folder import ATTACKS_FILE, OBSERVATIONS_DIR, REPORT_FILE, read_jsonl, upload_file_name
 from fedguard.store.observations import ObservationRefused, RunExpectations, read_observation
+from tests.commands import QUICK_IG, settings
 from tests.test_evaluation import make_run
 
-IG = [
-    "--set",
-    "attack.name=ig",
-    "--set",
-    "attack.ig.iterations=5",
-    "--set",
-    "attack.ig.restarts=1",
-    "--set",
-    "attack.ig.device=cpu",
-]
+IG = settings(QUICK_IG)
 BOMB_BYTES = 256 * 2**20  # what the deflated meta of the zip bomb declares (about 0.25 MB on disk)
 
 

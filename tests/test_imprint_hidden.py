@@ -23,8 +23,9 @@ from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import ModelCard, Observation
 from fedguard.training import get_arrays, loss_fn, set_arrays
+from tests.helpers import card_of
 from tests.test_detect import trained
-from tests.test_malicious_attacks import card_of, paired_psnr, upload
+from tests.test_malicious_attacks import paired_psnr, upload
 
 DATA = load_dataset("mnist-5k")
 PARAMS = HiddenImprintParams(bins=32, edges="normal", mean=0.13, std=0.04)

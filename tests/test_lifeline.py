@@ -61,7 +61,7 @@ def test_a_tied_child_dies_with_its_parent_killed_by_sigkill() -> None:
 def test_an_untied_process_holds_no_lifeline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(lifeline.LIFELINE_ENV, raising=False)
     assert not lifeline.is_tied() and lifeline.hold() is False
-    assert lifeline.tied() == {lifeline.LIFELINE_ENV: lifeline.STDIN}
+    assert lifeline.tied()[lifeline.LIFELINE_ENV] == lifeline.STDIN
 
 
 # The warm runner's request loop with a run that takes a minute in place of a real one.

@@ -25,8 +25,8 @@ from fedguard.training import (
     get_arrays,
     gradient_upload,
     set_arrays,
-    trainable_mask,
 )
+from tests.helpers import card_of
 
 EXACT_DB = 40.0  # dB: PSNR above which an image counts as recovered exactly
 IMPRINT_BATCH = [177, 16, 3, 107, 65, 57, 8, 133]  # test tiles; 3 and 8 share one of 64 brightness bins
@@ -36,10 +36,6 @@ TRAP_BATCH = [13, 52, 88, 120, 141, 160, 190, 205]
 @pytest.fixture(scope="module")
 def photos():
     return load_dataset("photos")
-
-
-def card_of(model: torch.nn.Module, name: str, spec) -> ModelCard:
-    return ModelCard(name, {}, spec, tuple(model.state_dict()), tuple(trainable_mask(model)))
 
 
 def manipulated(spec, manipulation, hidden: int, depth: int = 2, seed: int = 0):

@@ -24,11 +24,10 @@ from fedguard.mjolnir.packing import pack, unpack
 from fedguard.mjolnir.pipeline import packing_of
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
-from fedguard.observation import ModelCard
 from fedguard.runtime.server_app import initial_model
 from fedguard.store.observation_files import save_observation
-from fedguard.training import compute_gradients, get_arrays, loss_fn, set_arrays, trainable_mask
-from tests.helpers import needs_fashion_mnist
+from fedguard.training import compute_gradients, get_arrays, loss_fn, set_arrays
+from tests.helpers import card_of, needs_fashion_mnist
 
 SMALL = ["data.name=digits", "model.name=mlp", "model.mlp.hidden=16", "train.batch-size=1"]
 
@@ -54,13 +53,7 @@ def upload(defense: str = "none", params=None, image: int = 0):
     data = load_dataset("digits")
     torch.manual_seed(0)
     model = build_model("mlp", data.spec, MLPParams(hidden=16))
-    card = ModelCard(
-        "mlp",
-        {"hidden": 16, "depth": 2, "batch_norm": False},
-        data.spec,
-        tuple(model.state_dict()),
-        tuple(trainable_mask(model)),
-    )
+    card = card_of(model, "mlp", data.spec, {"hidden": 16, "depth": 2, "batch_norm": False})
     x, y = data.test.batch([image])
     grads, _ = compute_gradients(model, x, y)
     sent = build_defense(defense, params)(LocalStep(model, x, y, grads, loss_fn, torch.Generator().manual_seed(0)), {})
@@ -337,13 +330,7 @@ def test_mjolnir_with_nothing_to_denoise_is_its_inner_attack_on_the_same_upload(
 def test_a_denoiser_for_another_model_is_refused(denoiser: Path) -> None:
     data = load_dataset("digits")
     model = build_model("mlp", data.spec, MLPParams(hidden=8))
-    card = ModelCard(
-        "mlp",
-        {"hidden": 8, "depth": 2, "batch_norm": False},
-        data.spec,
-        tuple(model.state_dict()),
-        tuple(trainable_mask(model)),
-    )
+    card = card_of(model, "mlp", data.spec, {"hidden": 8, "depth": 2, "batch_norm": False})
     x, y = data.test.batch([0])
     grads, _ = compute_gradients(model, x, y)
     obs = card.observe(1, 0, "gradient", get_arrays(model), [g.numpy() for g in grads], 1, {"batch-size": 1})

@@ -39,8 +39,8 @@ from fedguard.mjolnir.store import TrainedDDPM
 from fedguard.mjolnir.unet import UNet, UNetConfig
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
-from fedguard.observation import ModelCard
-from fedguard.training import compute_gradients, get_arrays, loss_fn, trainable_mask
+from fedguard.training import compute_gradients, get_arrays, loss_fn
+from tests.helpers import card_of
 
 TINY = UNetConfig(base_channels=4, channel_mults=(1, 2), groups=2)
 SCHEDULE = Schedule(steps=40, beta_end=0.2)
@@ -238,13 +238,7 @@ def upload(params: UpdateDPParams):
     data = load_dataset("digits")
     torch.manual_seed(0)
     model = build_model("mlp", data.spec, MLPParams(hidden=16))
-    card = ModelCard(
-        "mlp",
-        {"hidden": 16, "depth": 2, "batch_norm": False},
-        data.spec,
-        tuple(model.state_dict()),
-        tuple(trainable_mask(model)),
-    )
+    card = card_of(model, "mlp", data.spec, {"hidden": 16, "depth": 2, "batch_norm": False})
     x, y = data.test.batch([0])
     grads, _ = compute_gradients(model, x, y)
     sent = build_defense("dp", params)(LocalStep(model, x, y, grads, loss_fn, torch.Generator().manual_seed(0)), {})

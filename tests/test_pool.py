@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from attackers.base import AttackOutcome, Reconstruction
 from attackers.pool import AttackPool, AttackSpec
 from fedguard.data import DataSpec
 from fedguard.observation import ModelCard, Observation
+from tests.helpers import attacker_ray_cluster
 
 pytestmark = pytest.mark.slow  # starts Ray and attacker processes
 
@@ -144,18 +146,9 @@ def assert_one_outcome_each(pool: AttackPool, outcomes: Outcomes, submitted: lis
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    if ray.is_initialized():  # left by an earlier test: start a cluster with the attacker resource instead
-        ray.shutdown()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        resources={"attacker": 2},
-        object_store_memory=256 * 1024 * 1024,
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
+def ray_cluster() -> Iterator[None]:
+    with attacker_ray_cluster():
+        yield
 
 
 def process_ends(pid: int, timeout: float = 15.0) -> bool:

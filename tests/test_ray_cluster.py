@@ -28,6 +28,7 @@ import pytest
 
 from fedguard.report.run_status import read_status
 from fedguard.runtime.launcher import free_port
+from tests.commands import quickstart_run
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")
@@ -193,15 +194,7 @@ def test_the_simulation_runs_its_clients_on_every_node_of_a_cluster(tmp_path: Pa
         "capture.clients=all",
         "attack.name=none",
     ]
-    command = [
-        sys.executable,
-        "-m",
-        "fedguard",
-        "run",
-        str(ROOT / "experiments" / "quickstart.toml"),
-        "--out",
-        str(out),
-    ] + [arg for override in overrides for arg in ("--set", override)]
+    command = quickstart_run(out, overrides)
     run_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=run_env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

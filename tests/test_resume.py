@@ -32,6 +32,7 @@ from fedguard.store.client_state import FileState, discard_after
 from fedguard.store.folder import read_jsonl
 from fedguard.store.resume import resume_point, rewind
 from strategies.state import restore_strategy_state, strategy_state
+from tests.commands import SMALL_RUN, settings
 from tests.helpers import config
 from tests.local_grid import LocalGrid
 from tests.test_clean_stop import TAG, kill_all, wait_for_rounds
@@ -279,24 +280,16 @@ def test_cli_resume_refuses_changes_to_what_the_rounds_compute(tmp_path: Path) -
 def test_fedguard_run_stopped_by_sigterm_and_resumed_equals_an_uninterrupted_run(tmp_path: Path, as_simulated) -> None:
     """The real thing: a Flower simulation stopped after round 2 by SIGTERM, resumed by ``fedguard run --resume``,
     against the same rounds run without a stop (in process: the same server and clients, one grid)."""
-    overrides = [
-        "data.name=digits",
-        "model.name=mlp",
-        "model.mlp.hidden=16",
-        "partition.num-clients=4",
-        "train.clients-per-round=3",
-        "train.batch-size=8",
+    setting = [
         "defense.name=dgp",
         "server.strategy=fedadam",
         "train.rounds=6",
         "capture.rounds=all",
         "capture.clients=0,1",
     ]
-    reference = run(config(*overrides[6:], f"out-dir={tmp_path / 'whole'}"))
+    reference = run(config(*setting, f"out-dir={tmp_path / 'whole'}"))
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    command = [sys.executable, "-m", "fedguard", "run", "--out", str(out)] + [
-        arg for override in overrides for arg in ("--set", override)
-    ]
+    command = [sys.executable, "-m", "fedguard", "run", "--out", str(out), *settings([*SMALL_RUN, *setting])]
     env = {**os.environ, TAG: tag}
     try:
         with open(tmp_path / "first.log", "w") as output:

@@ -11,6 +11,7 @@ import functools
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from fedguard.runtime.stopping import StopRequest
 from fedguard.store.folder import ATTACKS_FILE, STATUS_FILE, read_json
 from fedguard.store.observation_files import DiskSink, load_observations
 from fedguard.tracking import Trackers
+from tests.helpers import attacker_ray_cluster
 from tests.test_evaluation import make_run
 from tests.test_pool import ERROR_TEXT, FakeAttack, Outcomes, observation
 
@@ -144,18 +146,9 @@ def test_the_report_shows_each_status_with_its_colour_and_the_runs_ending(tmp_pa
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        resources={"attacker": 2},
-        object_store_memory=256 * 1024 * 1024,
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
+def ray_cluster() -> Iterator[None]:
+    with attacker_ray_cluster():
+        yield
 
 
 def fake_pool(outcomes: Outcomes, **options) -> AttackPool:

@@ -47,6 +47,7 @@ from fedguard.store.folder import (
     write_jsonl,
 )
 from fedguard.store.rows import busy_span
+from tests.commands import QUICK_IG, settings
 from tests.test_evaluation import make_run as make_captured_run
 from tests.test_sweep import SMALL
 
@@ -376,16 +377,7 @@ def test_sweep_skips_a_torn_last_line(tmp_path: Path, log: str) -> None:
     assert "`ig`" in (tmp_path / "out" / SUMMARY_FILE).read_text()
 
 
-IG = [
-    "--set",
-    "attack.name=ig",
-    "--set",
-    "attack.ig.iterations=5",
-    "--set",
-    "attack.ig.restarts=1",
-    "--set",
-    "attack.ig.device=cpu",
-]
+IG = settings(QUICK_IG)
 
 
 @pytest.mark.parametrize("log", LOGS)

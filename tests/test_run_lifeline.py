@@ -20,7 +20,8 @@ from fedguard.commands.cli import main
 from fedguard.report.run_status import read_status
 from fedguard.runtime.processes import Process, running_programs, signal_all
 from fedguard.store.lock import RunFolderBusy, hold
-from tests.test_clean_stop import QUICKSTART, TAG, kill_all, tagged, wait_for_rounds
+from tests.commands import ENDLESS_RUN, QUICKSTART, quickstart_run
+from tests.test_clean_stop import TAG, kill_all, tagged, wait_for_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 10.0  # seconds within which a killed run must be gone and recorded
@@ -131,18 +132,7 @@ def test_sigkill_of_fedguard_run_ends_its_run_and_a_live_run_refuses_a_second_wr
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    command = [sys.executable, "-m", "fedguard", "run", QUICKSTART, "--out", str(out)] + [
-        arg
-        for override in (
-            "train.rounds=500",
-            "partition.num-clients=3",
-            "train.clients-per-round=3",
-            "capture.rounds=1-2",
-            "capture.clients=0-2",
-            "attack.ig.iterations=1000000",
-        )
-        for arg in ("--set", override)
-    ]
+    command = quickstart_run(out, ENDLESS_RUN)
     with open(tmp_path / "output.log", "w") as output:
         process = subprocess.Popen(
             command, env={**os.environ, TAG: tag}, stdout=output, stderr=subprocess.STDOUT, start_new_session=True

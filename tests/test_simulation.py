@@ -20,23 +20,13 @@ from fedguard.config import load_config
 from fedguard.runtime.server_app import initial_model
 from fedguard.store.observation_files import load_observations
 from fedguard.training import get_arrays
+from tests.commands import quickstart_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_quickstart(out: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "fedguard",
-        "run",
-        str(ROOT / "experiments" / "quickstart.toml"),
-        "--out",
-        str(out),
-    ]
-    for override in overrides:
-        command += ["--set", override]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    result = subprocess.run(quickstart_run(out, overrides), capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -325,3 +315,33 @@ def test_one_run_builds_each_attack_once_per_worker_and_validates_once_per_proce
     validations = [pid for what, pid in events if what == "validate"]
     assert 1 <= len(builds) <= 2 and len(set(builds)) == len(builds), events  # one per worker, two workers
     assert len(validations) == 1, events  # the CLI validates; the ServerApp and the ClientApps rebuild its plan
+
+
+# The Python API in a process of its own (the counting plugin patches the validation of the process it is in).
+API_RUN = """
+import sys
+import fedguard
+fedguard.run(sys.argv[1], out=sys.argv[2], overrides=sys.argv[3:], progress=None)
+"""
+
+
+@pytest.mark.slow
+def test_a_run_started_from_python_validates_once_across_its_processes(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "counting_plugin.py").write_text(COUNTING_PLUGIN)
+    count_log = tmp_path / "counts.log"
+    monkeypatch.setenv("FEDGUARD_COUNT_LOG", str(count_log))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(ROOT)]))
+    overrides = ["server.plugins=counting_plugin", "attack.name=counted-idlg", "attack.counted-idlg.iterations=3"]
+    overrides += ["train.rounds=1", "partition.num-clients=2", "train.clients-per-round=2", "capture.clients=0-1"]
+    started = subprocess.run(
+        [sys.executable, "-c", API_RUN, str(ROOT / "experiments" / "quickstart.toml"), str(tmp_path / "run")]
+        + overrides,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=tmp_path,
+    )
+    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+    events = [line.split() for line in count_log.read_text().splitlines()]
+    assert [what for what, _ in events].count("validate") == 1, events  # fedguard.run's; the rest rebuild its plan
+    assert "build" in [what for what, _ in events], "the attack ran"

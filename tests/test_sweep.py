@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fedguard.commands.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summarize_runs, summary_table
-from fedguard.config import ConfigError, load_config
+from fedguard.config import Config, ConfigError, load_config
 from fedguard.report.paper_table import render_paper_table
 from fedguard.report.run_dir import config_toml
 from fedguard.report.run_status import read_status, write_status
@@ -672,9 +672,12 @@ def test_a_stopped_sweep_resumes_a_checkpointed_run_and_sets_aside_one_it_cannot
     rows = run_sweep(sweep, lines.append, share_ray=False)
     assert [command[3:] for command in commands] == [
         ["run", "--resume", str(folders["a"])],
-        ["run", str(folders["b"].with_suffix(".toml")), "--out", str(folders["b"])],
-        ["run", str(folders["c"].with_suffix(".toml")), "--out", str(folders["c"])],
+        ["run", "--plan", str(folders["b"].with_suffix(".plan.json")), "--out", str(folders["b"])],
+        ["run", "--plan", str(folders["c"].with_suffix(".plan.json")), "--out", str(folders["c"])],
     ]
+    for variant in ("b", "c"):  # each run is the configuration the sweep validated
+        plan = folders[variant].with_suffix(".plan.json").read_text()
+        assert Config.from_plan(plan) == next(r.config for r in sweep.runs if r.folder == folders[variant])
     assert "fedguard: [1/3] run/a: stopped after round 2 of 3; resuming it" in lines
     for variant in ("b", "c"):
         aside = folders[variant].with_name(f"{variant}.stopped-1")

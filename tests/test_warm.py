@@ -14,6 +14,7 @@ import pytest
 
 import fedguard
 from fedguard.api import _WARM
+from fedguard.config import load_config
 from fedguard.report.run_status import read_status
 from fedguard.runtime.warm import WarmRuntime
 from fedguard.store.folder import REPORT_FILE
@@ -54,10 +55,9 @@ def test_warm_runs_compute_what_a_cold_run_does_in_one_runner_until_close(tmp_pa
 
 
 def test_a_warm_run_past_its_limit_stops_cleanly_and_a_killed_runner_is_replaced(tmp_path: Path) -> None:
-    long_run = tmp_path / "long.toml"
-    long_run.write_text(SMALL.replace("rounds = 2", "rounds = 5000"))
-    short_run = tmp_path / "short.toml"
-    short_run.write_text(SMALL)
+    (tmp_path / "long.toml").write_text(SMALL.replace("rounds = 2", "rounds = 5000"))
+    (tmp_path / "short.toml").write_text(SMALL)
+    long_run, short_run = load_config(tmp_path / "long.toml"), load_config(tmp_path / "short.toml")
     with WarmRuntime(2) as runtime:
         code = runtime.run(long_run, tmp_path / "timed-out", tmp_path / "timed-out.log", timeout=20)
         assert code == -1

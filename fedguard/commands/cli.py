@@ -173,6 +173,23 @@ def _resolve(args: argparse.Namespace) -> Config:
     return config
 
 
+def _planned(args: argparse.Namespace) -> Config:
+    """The configuration of the run plan in ``args.plan`` (``fedguard.run_plan``), rebuilt without validating it
+    again, into ``args.out`` when given; ``ValueError`` or ``ConfigError`` saying why it cannot be read."""
+    if args.preset is not None or args.overrides or args.resume is not None:
+        raise ValueError(
+            f"--plan {args.plan}: the plan holds the whole configuration; drop the preset, --set and --resume"
+        )
+    try:
+        text = args.plan.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--plan {args.plan}: cannot be read ({error})") from None
+    config = Config.from_plan(text)
+    if args.out:
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run, out_dir=str(args.out)))
+    return config
+
+
 def _resumed(args: argparse.Namespace) -> Config:
     """The configuration of the run in ``args.resume``, set to go on from its checkpoint
     (``fedguard.runtime.preflight.resumed``); ``ValueError`` saying why it cannot."""
@@ -186,6 +203,16 @@ def _resumed(args: argparse.Namespace) -> Config:
     return resumed(args.resume, args.overrides)
 
 
+def _run_config(args: argparse.Namespace) -> Config:
+    """The configuration ``fedguard run`` was given: a plan (``--plan``), a stopped run (``--resume``), or a preset
+    and ``--set``."""
+    if args.plan is not None:
+        return _planned(args)
+    if args.resume is not None:
+        return _resumed(args)
+    return _resolve(args)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a Flower simulation of the configured federation: check the configuration, data and files first,
     then follow the run to its end (rounds, attacks, report). Exits 0 when the run completed, 1 when it failed,
@@ -195,7 +222,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedguard.runtime.preflight import ready
     from fedguard.runtime.simulation import prepare
 
-    config, line = ready(_resumed(args) if args.resume is not None else _resolve(args), args.out)
+    config, line = ready(_run_config(args), args.out)
     plan = prepare(config, verbose=args.verbose)
     print(line, flush=True)
     sys.stderr.flush()
@@ -416,6 +443,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="go on with a stopped run from its last completed round (its own config.toml; --set "
         "only train.rounds, sim.* or pool.*): the rounds equal one uninterrupted run's",
+    )
+    run.add_argument(
+        "--plan",
+        type=Path,
+        metavar="PLAN_FILE",
+        help="run a configuration validated already: the run plan (JSON) that the Python API and fedguard sweep "
+        "write, in place of a preset and --set",
     )
     run.set_defaults(handler=cmd_run)
 

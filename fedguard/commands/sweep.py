@@ -825,9 +825,11 @@ def _run_once(
     write_atomic(preset, config_toml(run.config))
     progress(f"fedguard: {label}: defense {run.config.defense.name}, {run.config.train.rounds} rounds -> {run.folder}")
     if runtime is not None:
-        code = runtime.run(preset, run.folder, log, timeout, resume=resume)
+        code = runtime.run(run.config, run.folder, log, timeout, resume=resume)
     else:
-        where = ["--resume", str(run.folder)] if resume else [str(preset), "--out", str(run.folder)]
+        plan = run.folder.with_suffix(".plan.json")  # the sweep validated it: the run rebuilds it from its plan
+        write_atomic(plan, run.config.plan())
+        where = ["--resume", str(run.folder)] if resume else ["--plan", str(plan), "--out", str(run.folder)]
         code = run_one([sys.executable, "-m", "fedguard", "run", *where], log, timeout, env, append=resume)
     if code != 0:
         failed = failed_row(run, failure_reason(run, code, log), log)

@@ -16,14 +16,18 @@ import os
 import signal
 import threading
 
+from fedguard import run_owner
+
 LIFELINE_ENV = "FEDGUARD_LIFELINE"
 STDIN = "stdin"  # its value: standard input is the lifeline
 STDIN_FD = 0
 
 
 def tied() -> dict[str, str]:
-    """The environment entry that makes a child ``hold`` its standard input as its lifeline."""
-    return {LIFELINE_ENV: STDIN}
+    """The environment entries that make a child ``hold`` its standard input as its lifeline and name this
+    process among its run's owners (``fedguard.run_owner``), so that no row of its run is written once this
+    process is gone, even before the child has seen its lifeline end."""
+    return {LIFELINE_ENV: STDIN, **run_owner.owner_entry()}
 
 
 def is_tied() -> bool:

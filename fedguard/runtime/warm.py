@@ -2,7 +2,7 @@
 another, so that a run pays for neither's start.
 
     with WarmRuntime(cpus=2) as runtime:
-        code = runtime.run(preset, folder, log)      # the exit code `fedguard run preset --out folder` would have
+        code = runtime.run(config, folder, log)      # the exit code `fedguard run preset --out folder` would have
 
 Each run is still its own Flower run with its own folder, lock, watcher, seeds and report; what it computes
 equals a ``fedguard run`` of the same configuration. ``fedguard sweep`` runs its runs in one
@@ -24,10 +24,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
+from fedguard import run_owner
 from fedguard.runtime.launcher import LaunchError, is_flower_chatter
 from fedguard.runtime.ray_head import RayHead
 from fedguard.runtime.simulation import ray_environment
+
+if TYPE_CHECKING:
+    from fedguard.config import Config
 
 STOP_WAIT = 90.0  # seconds a stopped run gets to record its attacks and write its report (it takes 60 at most)
 POLL_SECONDS = 0.2
@@ -85,6 +90,7 @@ class WarmRuntime:
                 **FLOWER_QUIET,
                 "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
                 "RAY_ADDRESS": str(self.address),
+                **run_owner.owner_entry(),  # no row of its runs is written once this process is gone
             }
             self.runner = subprocess.Popen(
                 [sys.executable, "-m", "fedguard.runtime.warm_runner"],
@@ -99,7 +105,7 @@ class WarmRuntime:
 
     def run(
         self,
-        preset: Path,
+        config: Config | None,
         out: Path,
         log: Path,
         timeout: float | None = None,
@@ -107,8 +113,8 @@ class WarmRuntime:
         verbose: bool = False,
         resume: bool = False,
     ) -> int:
-        """Run the configuration in ``preset`` (a TOML file) into ``out``, or with ``resume`` go on with the
-        stopped run in ``out`` from its checkpoint (``preset`` unused), its output to ``log`` (appended when it
+        """Run ``config`` (validated: the runner rebuilds it from its plan) into ``out``, or with ``resume`` go on
+        with the stopped run in ``out`` from its checkpoint (``config`` unused), its output to ``log`` (appended when it
         resumes; each new line to ``progress``); its exit code as ``fedguard run``'s, -1 when it ran past
         ``timeout`` seconds. A Ctrl-C stops the run cleanly, then goes on up."""
         runner = self._started_runner()
@@ -119,8 +125,10 @@ class WarmRuntime:
         request = {"log": str(log)}
         if resume:
             request["resume"] = str(Path(out).absolute())
+        elif config is None:
+            raise ValueError("WarmRuntime.run: give the configuration to run, or resume=True")
         else:
-            request.update(preset=str(Path(preset).absolute()), out=str(Path(out).absolute()))
+            request.update(plan=config.plan(), out=str(Path(out).absolute()))
         runner.stdin.write(json.dumps(request) + "\n")
         runner.stdin.flush()
         deadline = None if timeout is None else time.monotonic() + timeout

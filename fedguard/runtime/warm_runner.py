@@ -1,8 +1,9 @@
 """The process of a warm runtime (``fedguard.runtime.warm``): it runs one run after another in itself, on Flower's
 simulation engine and a Ray cluster that outlive the runs.
 
-``python -m fedguard.runtime.warm_runner`` reads one request a line on standard input (JSON: ``preset``, a
-configuration's TOML, and ``out``, the run folder; or ``resume``, the folder of a stopped run to go on from its
+``python -m fedguard.runtime.warm_runner`` reads one request a line on standard input (JSON: ``plan``, the run
+plan of a validated configuration (``fedguard.run_plan``, rebuilt here without validating it again), and
+``out``, the run folder; or ``resume``, the folder of a stopped run to go on from its
 checkpoint, as ``fedguard run --resume``; and ``log``, the file its output goes to) and answers each with one
 line on standard output, ``{"code": N}``: 0 (completed), 1 (failed), 2 (another run writes the folder) or 128 +
 the signal that stopped it, as ``fedguard run`` exits. It ends when standard input closes.
@@ -39,7 +40,7 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-from fedguard.config import Config, load_config
+from fedguard.config import Config
 from fedguard.runtime import lifeline
 from fedguard.runtime.launcher import STOP_FILE_ENV, SignalStop, ending, exit_code, watched
 from fedguard.runtime.preflight import ready, resumed
@@ -126,7 +127,7 @@ def output_to(log: Path) -> Iterator[None]:
 
 
 def serve_one(request: dict[str, str]) -> int:
-    """Check and run the configuration in ``request["preset"]`` into ``request["out"]``, or resume the run in
+    """Check and run the configuration of the plan ``request["plan"]`` into ``request["out"]``, or resume the run in
     ``request["resume"]`` from its checkpoint, printing as ``fedguard run`` does; its exit code."""
     asked_at = time.time()
 
@@ -134,7 +135,7 @@ def serve_one(request: dict[str, str]) -> int:
         if "resume" in request:
             config, line = ready(resumed(Path(request["resume"])))
         else:
-            config, line = ready(load_config(Path(request["preset"])), Path(request["out"]))
+            config, line = ready(Config.from_plan(request["plan"]), Path(request["out"]))
         print(line, flush=True)
         return run_warm(config)
 
