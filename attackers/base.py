@@ -156,7 +156,7 @@ def images_per_upload(obs: Observation) -> int:
     """How many images an upload came from: the declared batch (a gradient) or every example (weights)."""
     if obs.kind == "weights":
         return int(obs.num_examples)
-    return obs.declaration.batch(obs.num_examples)
+    return obs.declared.batch(obs.num_examples)
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -186,7 +186,7 @@ on it can be replayed together."""
 def shape_key(obs: Observation) -> tuple[Any, ...]:
     """Observations with equal keys (model, data shape, image count, upload kind, local schedule) can be
     attacked as one batch."""
-    declared = obs.declaration
+    declared = obs.declared
     schedule = tuple((name, getattr(declared, name)) for name in LOCAL_SCHEDULE) if obs.kind == "weights" else ()
     return (obs.model, tuple(sorted(obs.model_params.items())), obs.spec, images_per_upload(obs), obs.kind, schedule)
 

@@ -162,12 +162,13 @@ ISOLATED = "isolated"  # key of ``declared`` that describes an upload ``isolated
 def isolated(a: Observation, b: Observation) -> Observation:
     """The difference of two uploads of one batch at two thresholds: the gradient of the one example between them,
     divided by the batch ``B``, kept as the upload of the client's batch (round: the later upload's). The lower
-    threshold's model is sent with it and ``declared[ISOLATED]`` holds the fished row, the surrogate's label
+    threshold's model is sent with it and ``declared.extra[ISOLATED]`` holds the fished row, the surrogate's label
     ``k = (c + 1) mod K`` and the two rounds; ``one_example`` makes it the upload of that one example."""
     low, high, target, _, _ = ordered(a, b)
     label = (target + 1) % low.spec.num_classes
     upload = [x - y if t else x.copy() for x, y, t in zip(low.upload, high.upload, low.trainable)]
-    declared = {**low.declared, ISOLATED: {"row": target, "label": label, "rounds": sorted([a.round, b.round])}}
+    about = {"row": target, "label": label, "rounds": sorted([a.round, b.round])}
+    declared = low.declared.with_fields(extra={**low.declared.extra, ISOLATED: about})
     return dataclasses.replace(low, round=max(a.round, b.round), upload=upload, declared=declared)
 
 
@@ -177,7 +178,7 @@ def one_example(obs: Observation) -> Observation:
     gradient over ``B``; of the last layer, row ``c`` is kept, row ``k`` is its negative and the other rows zero
     (what the surrogate gives; the difference's, ``-(row c) / (K - 1)`` each, would need a soft label). Raises
     ``ValueError`` for an upload ``isolated`` did not make."""
-    about = obs.declaration.extra.get(ISOLATED)
+    about = obs.declared.extra.get(ISOLATED)
     if not isinstance(about, dict):
         raise ValueError(
             f"the upload of round {obs.round}, client {obs.client} is not the difference of two feature-fishing "
@@ -192,7 +193,7 @@ def one_example(obs: Observation) -> Observation:
         upload[i][target], upload[i][label] = row, -row
     surrogate = [x.copy() for x in obs.global_arrays]
     surrogate[bias][target] += SURE
-    declared = Declared(batch_size=1, labels=(label,)).record()
+    declared = Declared(batch_size=1, labels=(label,))
     return dataclasses.replace(obs, global_arrays=surrogate, upload=upload, num_examples=1, declared=declared)
 
 
@@ -390,7 +391,7 @@ class FeatureFishingAttack:
         results = []
         for obs, recon in zip(observations, found):
             batch = images_per_upload(obs)
-            about = obs.declared[ISOLATED]
+            about = obs.declared.extra[ISOLATED]
             stats = {**recon.stats, "row": about["row"], "rounds": about["rounds"], "seconds": seconds}
             images = recon.images[:1].expand(batch, *recon.images.shape[1:]).clone()
             results.append(Reconstruction(images, torch.full((batch,), -1, dtype=torch.long), stats))

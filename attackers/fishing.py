@@ -141,7 +141,7 @@ def as_target_examples(obs: Observation, examples: int) -> tuple[Observation, in
     share = 1.0 / (obs.spec.num_classes - 1)
     upload[weight][others] = -share * upload[weight][target]
     upload[bias][others] = -share * upload[bias][target]
-    declared = Declared(batch_size=examples, labels=(target,) * examples).record()
+    declared = Declared(batch_size=examples, labels=(target,) * examples)
     return dataclasses.replace(obs, upload=upload, num_examples=examples, declared=declared), target
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from attackers.base import AttackTraits, check_search_params, register_attack
 from attackers.engine import OptimizationAttack, OptimizerSpec, SearchSpec, Term
-from fedguard.generators.store import load_generator, missing_generator
+from attackers.generators.store import load_generator, missing_generator
 from fedguard.registry import RequiredFile
 
 DISTANCES = ("cosine", "l2")

@@ -22,7 +22,7 @@ RANK_TOLERANCE = 1e-3
 def samples_mixed(obs: Observation) -> int | None:
     """How many samples the upload's weights mix: the batch of a FedSGD gradient; for a FedAvg upload the
     declared local steps times the batch size (None when the client declared neither steps nor epochs)."""
-    declared = obs.declaration
+    declared = obs.declared
     batch = declared.batch(obs.num_examples)
     if obs.kind == "gradient":
         return batch

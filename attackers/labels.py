@@ -46,7 +46,7 @@ without any bias entry sent the weight rows' sums over their sent entries are th
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import torch
 
@@ -279,10 +279,9 @@ def upload_labels_inferred(
     )
 
 
-def declared_labels(declared: dict[str, Any]) -> torch.Tensor | None:
-    """The labels a client declared with its upload (a list; only when the threat model grants them), or None.
-    Observation files written before labels travelled as a list hold them as text, '3,1,4'."""
-    labels = Declared.read(declared).labels
+def declared_labels(declared: Declared) -> torch.Tensor | None:
+    """The labels a client declared with its upload (only when the threat model grants them), or None."""
+    labels = declared.labels
     if not labels:
         return None
     return torch.tensor(labels, dtype=torch.long)

@@ -3,7 +3,7 @@
 Threat model: the server of the inner attack, which also trained a gradient diffusion model on a
 surrogate's clean gradients (``fedguard train-mjolnir``) and knows, or estimates, the noise level of the
 perturbation the clients add. For each FedSGD upload it packs the trainable gradient with the model's
-packing (``fedguard.mjolnir.packing``), denoises it with Algorithm 3 (``fedguard.mjolnir.denoise``) at
+packing (``attackers.diffusion.packing``), denoises it with Algorithm 3 (``attackers.diffusion.denoise``) at
 noise level M (the per-entry noise standard deviation divided by the packing scale), unpacks it, and hands
 the upload with the denoised gradient to the inner attack. Where M comes from (``noise_source``):
 
@@ -20,7 +20,7 @@ The denoiser file says which model it holds: the unconditional one (trained on c
 the conditional one ("Mjölnir (Condition)", ``fedguard train-mjolnir --conditional``), which is also given
 the upload itself, rescaled by 1/sqrt(1 + M^2) with the same M, as its condition at every step of the same
 chain. The sampler is Algorithm 3's chain (``chained``) or, for an unconditional model, the released code's
-single reverse step (``single-step``; ``fedguard.mjolnir.denoise``). Clipping is not undone: the paper's
+single reverse step (``single-step``; ``attackers.diffusion.denoise``). Clipping is not undone: the paper's
 setting, whose clean gradients the model learned, is the same. Parameters of the inner attack keep their names
 (``attack.mjolnir+ig.iterations``). The identity baseline of ``mjolnir+<attack>`` is ``<attack>`` with the
 same parameters in the same run: it inverts the same noisy upload (same round and client) from the same
@@ -38,12 +38,12 @@ from typing import Any
 import torch
 
 from attackers.base import ATTACKS, AttackTraits, Reconstruction, attack_traits, register_attack
+from attackers.diffusion.denoise import SAMPLERS, VARIANCES, denoise_many, start_step
+from attackers.diffusion.noise import estimate_noise_level
+from attackers.diffusion.packing import pack_many, unpack_many, valid_mask
+from attackers.diffusion.pipeline import check_shapes
+from attackers.diffusion.store import load_ddpm, missing_ddpm
 from fedguard.defenses.revealed import ClippedNoise, revealed_by
-from fedguard.mjolnir.denoise import SAMPLERS, VARIANCES, denoise_many, start_step
-from fedguard.mjolnir.noise import estimate_noise_level
-from fedguard.mjolnir.packing import pack_many, unpack_many, valid_mask
-from fedguard.mjolnir.pipeline import check_shapes
-from fedguard.mjolnir.store import load_ddpm, missing_ddpm
 from fedguard.observation import Observation
 from fedguard.registry import RequiredFile, field_help
 
@@ -131,7 +131,7 @@ class Mjolnir:
         if self.params.noise_source == "given":
             return self.params.noise_std
         if self.params.noise_source == "defense":
-            return defense_noise_std(self.defense, obs.declaration.batch(obs.num_examples))
+            return defense_noise_std(self.defense, obs.declared.batch(obs.num_examples))
         return None
 
     def denoised(self, observations: list[Observation]) -> tuple[list[Observation], list[float], list[int]]:

@@ -103,7 +103,7 @@ def study_generator(path: str | None) -> str:
     folder."""
     if path:
         return path
-    from fedguard.generators import save_generator, train_generator
+    from attackers.generators import save_generator, train_generator
 
     folder = Path(tempfile.mkdtemp(prefix="attack-defaults-"))
     print("training the generator on mnist-5k's held-out split (fedguard train-generator's defaults)", flush=True)

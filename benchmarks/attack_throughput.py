@@ -81,8 +81,8 @@ def timed(fn: Any) -> float:
 
 def default_generator(folder: Path) -> str:
     """A one-epoch generator on mnist-5k's test split, for timing only."""
-    from fedguard.generators import save_generator, train_generator
-    from fedguard.generators.train import TrainOptions
+    from attackers.generators import save_generator, train_generator
+    from attackers.generators.train import TrainOptions
 
     trained = train_generator("mnist-5k", "test", TrainOptions(epochs=1))
     return str(save_generator(trained, folder / "mnist-5k.npz"))

@@ -22,7 +22,7 @@ import torch
 
 from fedguard.data import load_dataset
 from fedguard.defenses import DEFENSES, LocalStep, build_defense
-from fedguard.evalnet import EvalNetOptions, save_evalnet, train_evalnet
+from fedguard.defenses.evalnet import EvalNetOptions, save_evalnet, train_evalnet
 from fedguard.models import build_model
 from fedguard.training import compute_gradients, loss_fn
 

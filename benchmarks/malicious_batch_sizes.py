@@ -125,7 +125,7 @@ def run_once(case: Case, data: ImageData, hidden: int, seed: int) -> tuple[dict[
         manipulation, case.attack, local, data.spec, data.name, case.protocol, schedule, hidden, seed
     )
     recon: Reconstruction = build_attack(case.attack).reconstruct_many([obs], seed)[0]
-    return recovered(recon.images, truth), obs.declaration.local_steps or 1, int(recon.stats["recovered"])
+    return recovered(recon.images, truth), obs.declared.local_steps or 1, int(recon.stats["recovered"])
 
 
 def run_case(case: Case, data: ImageData, hidden: int, seeds: int) -> dict[str, Any]:

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from fedguard.mjolnir import Schedule, denoise, denoise_many, start_step
-from fedguard.mjolnir.unet import UNet, preset
+from attackers.diffusion import Schedule, denoise, denoise_many, start_step
+from attackers.diffusion.unet import UNet, preset
 
 
 def main() -> None:

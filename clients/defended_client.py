@@ -28,7 +28,7 @@ from fedguard.protocols import protocol as run_protocol
 from fedguard.seeding import client_generators
 from fedguard.store.vault import write_truth
 from fedguard.training import get_arrays, loss_fn, merge_by_mask, set_arrays, split_by_mask, trainable_mask
-from fedguard.wire.records import FINDING_PREFIX, PROXIMAL_MU_KEY, ROUND_KEY
+from fedguard.wire.records import PROXIMAL_MU_KEY, ROUND_KEY, ClientReply
 from fedguard.wire.sparse import SPARSE, byte_counts, encode_arrays
 
 
@@ -119,6 +119,12 @@ class DefendedClient(NumPyClient):
     def fit(
         self, parameters_in: list[np.ndarray], config: dict[str, Any]
     ) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+        """Flower's ``NumPyClient.fit``: the round's ``round_reply`` as (upload, number of examples, one flat
+        mapping of what the client declares, its ``defense.*`` reports and its detectors' ``detect.*`` findings)."""
+        reply = self.round_reply(parameters_in, config)
+        return reply.upload, reply.num_examples, reply.metrics()
+
+    def round_reply(self, parameters_in: list[np.ndarray], config: dict[str, Any]) -> ClientReply:
         """One round: detectors, local step, defense, upload.
 
         The configured detectors check the model received first; when they flag it and ``detect.action`` is
@@ -131,9 +137,9 @@ class DefendedClient(NumPyClient):
         server sent them.
         A defense that ``defends_steps`` (DP-SGD) under a protocol that uploads models is followed by every local
         step instead of applied to the round's change.
-        Returns the upload (coordinate-encoded when that halves it at least, marked by ``encoding``), the number of
-        examples, and what the client declares: hyper-parameters, ``labels`` (a list, where the threat model
-        grants them), sizes, the defense's ``defense.*`` reports and the detectors' findings (``detect.*``).
+        Returns the reply: the upload (coordinate-encoded when that halves it at least, marked by ``encoding``),
+        the number of examples, what the client declares (hyper-parameters, ``labels`` where the threat model
+        grants them, sizes), the defense's reports and the detectors' findings.
         """
         round_ = int(config[ROUND_KEY])
         cfg = self.config
@@ -144,13 +150,13 @@ class DefendedClient(NumPyClient):
         if cfg.train.fedbn:
             load_local(model, state)
         start = get_arrays(model) if cfg.train.fedbn else parameters_in
-        findings: dict[str, Any] = {}
+        findings: dict[str, float | str] = {}
         if cfg.detectors:
             verdict = self._inspect(model, local, state, round_)
             if verdict.declines:
                 self.state.store(round_, state)
                 raise ModelDeclined(self.client_id, verdict)
-            findings = {f"{FINDING_PREFIX}{k}": v for k, v in verdict.row().items()}
+            findings = verdict.row()
         mask = trainable_mask(model)
         protocol = run_protocol(cfg.train.protocol)
         mu = float(config.get(PROXIMAL_MU_KEY, 0.0))
@@ -200,4 +206,4 @@ class DefendedClient(NumPyClient):
             dense_bytes=size.dense,
         )
         sent_arrays = encode_arrays(upload) if encoded else upload
-        return sent_arrays, len(y), {**declared.record(), **reports, **findings}
+        return ClientReply(sent_arrays, len(y), declared, reports, findings)

@@ -15,19 +15,20 @@ total. Its ground truth is the clients' batches in that order (``fedguard.evalua
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from fedguard.limits import MAX_CLIENTS
+from fedguard.wire.declared import Declared
 
 AGGREGATE_CLIENT = MAX_CLIENTS
 """The client id of an aggregate: above every real one (client ids are below ``partition.num-clients``)."""
 AGGREGATE_KEY = "aggregate-of"
 AGGREGATIONS = ("plain", "secure")
-SHARED_KEYS = ("protocol", "lr", "local-epochs", "batch-size", "proximal-mu")
-"""Declared keys an aggregate keeps when every client declared the same value."""
+SHARED_FIELDS = ("protocol", "lr", "local_epochs", "batch_size", "proximal_mu")
+"""Declared fields an aggregate keeps when every client declared the same value."""
 
 
 def weighted_mean(uploads: Sequence[Sequence[np.ndarray]], counts: Sequence[int]) -> list[np.ndarray]:
@@ -43,21 +44,22 @@ def weighted_mean(uploads: Sequence[Sequence[np.ndarray]], counts: Sequence[int]
 
 
 def aggregate_declaration(
-    clients: Sequence[int], declared: Sequence[Mapping[str, Any]], counts: Sequence[int], one_batch: bool
-) -> dict[str, Any]:
-    """What an aggregate of ``clients`` declares: the clients (``AGGREGATE_KEY``), each key of ``SHARED_KEYS`` that
-    every client declared alike, and for a one-batch protocol (FedSGD) the batch of the union, ``sum(counts)``."""
-    shared = {
-        key: declared[0][key]
-        for key in SHARED_KEYS
-        if all(key in d for d in declared) and all(d[key] == declared[0][key] for d in declared)
+    clients: Sequence[int], declared: Sequence[Declared], counts: Sequence[int], one_batch: bool
+) -> Declared:
+    """What an aggregate of ``clients`` declares: the clients (``AGGREGATE_KEY``, in its ``extra``), each field of
+    ``SHARED_FIELDS`` that every client declared alike, and for a one-batch protocol (FedSGD) the batch of the
+    union, ``sum(counts)``."""
+    shared: dict[str, Any] = {
+        name: getattr(declared[0], name)
+        for name in SHARED_FIELDS
+        if all(getattr(d, name) == getattr(declared[0], name) for d in declared)
     }
     if one_batch:
-        shared["batch-size"] = int(sum(counts))
-    return {AGGREGATE_KEY: [int(c) for c in clients], **shared}
+        shared["batch_size"] = int(sum(counts))
+    return Declared(**shared, extra={AGGREGATE_KEY: [int(c) for c in clients]})
 
 
-def aggregated_clients(declared: Mapping[str, Any]) -> list[int] | None:
+def aggregated_clients(declared: Declared) -> list[int] | None:
     """The clients an observation's declaration says it aggregates, or None for a single client's upload."""
-    clients = declared.get(AGGREGATE_KEY)
+    clients = declared.extra.get(AGGREGATE_KEY)
     return None if clients is None else [int(c) for c in clients]

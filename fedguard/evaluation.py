@@ -166,7 +166,7 @@ class Evaluator:
             "manipulation": obs.manipulation,
             "batch_size": obs.num_examples
             if aggregated_clients(obs.declared)
-            else obs.declaration.batch(obs.num_examples),
+            else obs.declared.batch(obs.num_examples),
             "status": outcome.status,
             "error": outcome.error,
             "seconds": round(outcome.seconds, 3),

@@ -11,6 +11,7 @@ files).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,8 @@ class Observation:
     ``upload``: one array per entry; for kind 'gradient' the parameter entries
     are batch gradients and the buffer entries the client's buffers after its
     step; for kind 'weights' all entries are the client's new state.
+    ``declared``: what the client declared (and the server derived, in its ``extra``), typed; a mapping given
+    here is read as one (``Declared.read``: ``ValueError`` for a value of the wrong type).
     ``manipulation``: what a malicious server did to the model it sent
     ('none' for an honest server; see ``attackers.manipulation``).
     """
@@ -47,20 +50,17 @@ class Observation:
     global_arrays: list[np.ndarray]
     upload: list[np.ndarray]
     num_examples: int
-    declared: dict[str, Any] = field(default_factory=dict)
+    declared: Declared = field(default_factory=Declared)
     manipulation: str = "none"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.declared, Declared):  # a mapping, as a file or a test gives it
+            object.__setattr__(self, "declared", Declared.read(self.declared))
         if self.kind not in UPLOAD_KINDS:
             raise ValueError(f"kind {self.kind!r}: choose one of {', '.join(UPLOAD_KINDS)}")
         lengths = {len(self.names), len(self.trainable), len(self.global_arrays), len(self.upload)}
         if len(lengths) != 1:
             raise ValueError(f"names, trainable, global_arrays and upload differ in length: {sorted(lengths)}")
-
-    @property
-    def declaration(self) -> Declared:
-        """What the client declared (and the server derived), typed; ``ValueError`` for a value of the wrong type."""
-        return Declared.read(self.declared)
 
     def meta(self) -> dict[str, Any]:
         """Every field but the arrays, JSON-ready."""
@@ -74,7 +74,7 @@ class Observation:
             "names": list(self.names),
             "trainable": list(self.trainable),
             "num_examples": self.num_examples,
-            "declared": self.declared,
+            "declared": self.declared.record(),
             "manipulation": self.manipulation,
         }
 
@@ -101,7 +101,7 @@ class ModelCard:
         global_arrays: list[np.ndarray],
         upload: list[np.ndarray],
         num_examples: int,
-        declared: dict[str, Any],
+        declared: Declared | Mapping[str, Any],
         manipulation: str = "none",
     ) -> Observation:
         """An ``Observation`` of one upload of this model."""
@@ -117,6 +117,6 @@ class ModelCard:
             global_arrays=global_arrays,
             upload=upload,
             num_examples=num_examples,
-            declared=declared,
+            declared=declared if isinstance(declared, Declared) else Declared.read(declared),
             manipulation=manipulation,
         )

@@ -186,7 +186,7 @@ class HonestButCurious(StrategyWrapper):
                 "round %d: an upload from node %d declares no %r; not captured", server_round, upload.node, CLIENT_KEY
             )
             return None
-        declared = {k: v for k, v in upload.declared.items() if k != CLIENT_KEY}
+        declared = upload.declared.with_fields(client=None)
         return self.card.observe(
             server_round,
             upload.client,

@@ -48,6 +48,7 @@ from fedguard.wire.records import (
     array_record,
     cannot_train,
     declined,
+    densify,
     read_findings,
     read_upload,
 )
@@ -164,6 +165,8 @@ class RoundGuard(StrategyWrapper):
         skips, skip_rejections = self.skips([m for m in replies if not m.has_error() and declined(m)])
         accepted, rejected = self.screen([m for m in replies if not m.has_error() and not declined(m)])
         accepted.sort(key=lambda m: self.clients[m.metadata.src_node_id])
+        for reply in accepted:  # checked: decoded once here, so that nothing after it decodes again
+            densify(reply, self._layout.names)
         rejected += skip_rejections
         for reply in accepted + skips:
             findings[reply] = read_findings(reply)

@@ -10,13 +10,11 @@ they sent (``upload-bytes``) and the dense size (``dense-bytes``) either way.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
-from fedguard.wire.records import ARRAYS, DECLARED, array_record
-from fedguard.wire.sparse import ENCODING_KEY, SPARSE, decode_arrays
+from fedguard.wire.records import densify
 from strategies.wrapper import StrategyWrapper
 
 
@@ -37,12 +35,6 @@ class SparseUploads(StrategyWrapper):
         """Decode the sparse uploads, then aggregate as ``strategy`` does."""
         replies = list(replies)
         for reply in replies:
-            if reply.has_error():
-                continue
-            declared = reply.content.get(DECLARED)
-            if not isinstance(declared, ConfigRecord) or declared.get(ENCODING_KEY) != SPARSE:
-                continue
-            dense = decode_arrays(cast(ArrayRecord, reply.content[ARRAYS]).to_numpy_ndarrays())
-            reply.content[ARRAYS] = array_record(self._names, dense)
-            del declared[ENCODING_KEY]
+            if not reply.has_error():
+                densify(reply, self._names)
         return self.strategy.aggregate_train(server_round, replies)

@@ -18,10 +18,11 @@ from clients import DefendedClient
 from fedguard.config import Config, load_config
 from fedguard.data import DataSpec
 from fedguard.data.local import DEBIAN_FASHION_MNIST
+from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.observation import ModelCard, Observation
-from fedguard.runtime.client_app import upload_reply
 from fedguard.training import trainable_mask
-from fedguard.wire.records import ROUND_KEY, array_record
+from fedguard.wire.records import ARRAYS, ROUND_KEY, array_record, encoded_names, reply_content
+from fedguard.wire.sparse import ENCODING_KEY, SPARSE
 from tests.commands import SMALL_RUN
 
 FASHION_MNIST = (DEBIAN_FASHION_MNIST / "t10k-images-idx3-ubyte.gz").is_file()
@@ -103,10 +104,16 @@ class Nodes(Grid):
 
 
 def reply(to: Message, arrays: list[np.ndarray], num_examples: int, declared: dict[str, Any]) -> Message:
-    """The reply of node ``to.dst_node_id`` carrying an upload and what its client declares (``defense.*``
-    reports included), as the ClientApp builds it."""
+    """The reply of node ``to.dst_node_id`` carrying an upload and what its client declares, laid out as the
+    ClientApp lays it out: the ``defense.*`` keys of ``declared`` as its reports, the rest as sent (any value,
+    for the server's checks to judge)."""
     to.metadata.__dict__["_message_id"] = to.metadata.message_id or uuid.uuid4().hex
-    message = upload_reply(to, arrays, num_examples, {"loss": 0.5, **declared})
+    reports = {k: v for k, v in declared.items() if k.startswith(REPORT_PREFIX)}
+    sent = {"loss": 0.5, **{k: v for k, v in declared.items() if k not in reports}}
+    sparse = sent.get(ENCODING_KEY) == SPARSE
+    names = encoded_names(len(arrays)) if sparse else list(to.content[ARRAYS].keys())
+    content = reply_content(array_record(names, arrays), num_examples, 0.5, sent, reports)
+    message = Message(content=content, reply_to=to)
     message.metadata.__dict__["_src_node_id"] = to.metadata.dst_node_id
     return message
 

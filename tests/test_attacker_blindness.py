@@ -59,7 +59,7 @@ def observation_arrays(obs: Observation) -> Iterator[tuple[str, np.ndarray]]:
     """Every array an observation holds, named by field: global and uploaded arrays, declared numbers."""
     yield from ((f"global_arrays[{i}]", np.asarray(a)) for i, a in enumerate(obs.global_arrays))
     yield from ((f"upload[{i}]", np.asarray(a)) for i, a in enumerate(obs.upload))
-    for key, value in obs.declared.items():
+    for key, value in obs.declared.record().items():
         array = np.asarray(value)
         if array.dtype.kind in "biuf":
             yield f"declared[{key!r}]", array
@@ -181,8 +181,10 @@ def test_a_truth_put_in_an_observation_is_caught(captured: tuple[Path, list[Obse
             obs, upload=[images.astype(np.float64).reshape(len(images), -1), *obs.upload[1:]]
         ),
         "image bytes inside an array": dataclasses.replace(obs, global_arrays=[padded, *obs.global_arrays[1:]]),
-        "labels declared": dataclasses.replace(obs, declared={**obs.declared, "batch": labels.tolist()}),
-        "the vault's path": dataclasses.replace(obs, declared={**obs.declared, "from": str(vault)}),
+        "labels declared": dataclasses.replace(
+            obs, declared=obs.declared.with_fields(extra={"batch": labels.tolist()})
+        ),
+        "the vault's path": dataclasses.replace(obs, declared=obs.declared.with_fields(extra={"from": str(vault)})),
     }
     for how, leaky in planted.items():
         assert leaks(leaky, vault_truths(vault), vault), how

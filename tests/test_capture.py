@@ -68,7 +68,10 @@ def test_captures_exactly_the_targets_and_keeps_aggregation(make_inner) -> None:
     first = sink.items[0]
     assert all(np.array_equal(a, b) for a, b in zip(first.global_arrays, global_arrays(1)))
     assert all(np.array_equal(a, b) for a, b in zip(first.upload, uploads(1)[0][0]))
-    assert first.declared == {"batch-size": 8, "lr": 0.1, "labels": [0, 1], "loss": 0.5} and first.num_examples == 8
+    assert (
+        first.declared.record() == {"batch-size": 8, "lr": 0.1, "labels": [0, 1], "loss": 0.5}
+        and first.num_examples == 8
+    )
     assert first.kind == "gradient" and first.names == CARD.names
 
 
@@ -76,7 +79,7 @@ class LargestBatches(HonestButCurious):
     """A capture rule of one's own: only uploads declaring the largest batch of the round's clients so far."""
 
     def should_capture(self, server_round: int, upload: Upload) -> bool:
-        return upload.declared["labels"][0] >= 2
+        return upload.declared.labels is not None and upload.declared.labels[0] >= 2
 
 
 def test_the_capture_hook_chooses_what_is_captured() -> None:

@@ -181,6 +181,23 @@ def test_the_client_app_replies_with_typed_records_read_from_the_run_config() ->
     assert content["defense"] and all(k.startswith("defense.") for k in content["defense"])
 
 
+def test_the_reply_holds_the_clients_typed_reply_and_fit_returns_its_flat_form() -> None:
+    cfg = config("defense.name=dp", "detect.name=structure", "threat.labels=true")
+    arrays = start_arrays(cfg)
+    names = [f"entry-{i}" for i in range(len(arrays))]
+    answer = DefendedClient(cfg, 1, RecordDict()).round_reply(arrays, {"server-round": 1})
+    assert answer.declared.client == 1 and answer.declared.labels is not None
+    assert answer.reports and all(k.startswith("defense.") for k in answer.reports)
+    assert answer.findings and answer.findings["flagged"] == 0.0  # a fresh model: nothing to act on
+    content = answer.content(names)
+    assert list(content["arrays"].keys()) == names
+    assert dict(content["declared"]) == answer.declared.record()
+    assert dict(content["defense"]) == dict(answer.reports) and dict(content["detect"]) == dict(answer.findings)
+    upload, examples, metrics = DefendedClient(cfg, 1, RecordDict()).fit(arrays, {"server-round": 1})
+    assert all(np.array_equal(a, b) for a, b in zip(upload, answer.upload)) and examples == answer.num_examples
+    assert metrics == answer.metrics() and metrics["detect.flagged"] == 0.0
+
+
 def test_fedprox_proximal_term_reaches_the_clients_local_training() -> None:
     cfg = config("train.protocol=fedavg", "train.local-epochs=3", "train.lr=0.5")
     arrays = start_arrays(cfg)

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from attackers.diffusion import DDPMTrainOptions, SurrogateOptions, save_ddpm
+from attackers.diffusion.pipeline import train_mjolnir
+from attackers.generators import TrainedGenerator, TrainOptions, save_generator, train_vae
 from fedguard.commands.sweep import load_preset
 from fedguard.config import Config, ConfigError, flatten, load_config, parse_override, schema, split_names
 from fedguard.data.spec import DataSpec
-from fedguard.evalnet import EvalNetOptions, default_evalnet_path, save_evalnet, train_evalnet
-from fedguard.generators import TrainedGenerator, TrainOptions, save_generator, train_vae
-from fedguard.mjolnir import DDPMTrainOptions, SurrogateOptions, save_ddpm
-from fedguard.mjolnir.pipeline import train_mjolnir
+from fedguard.defenses.evalnet import EvalNetOptions, default_evalnet_path, save_evalnet, train_evalnet
 from fedguard.registry import field_help
 from fedguard.report.run_dir import CONFIG_FILE, prepare_run_dir, resolve_run_dir, unflatten
 from fedguard.run_plan import PLAN_KEY

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attackers.diffusion.noise import classical_gaussian_sigma
 from fedguard.config import ConfigError, load_config
 from fedguard.defenses import DEFENSES, build_defense
 from fedguard.defenses.dp_update import (
@@ -34,7 +35,6 @@ from fedguard.defenses.dp_update import (
     mjolnir_code_sigma,
 )
 from fedguard.defenses.gaussian_mechanism import epsilon_after, gaussian_sigma
-from fedguard.mjolnir.noise import classical_gaussian_sigma
 from tests.steps import update_only as step_of
 
 LARGE = 200_000  # entries of the update whose noise is measured

@@ -54,7 +54,7 @@ def fedavg_uploads() -> list:
 
 def test_fedavg_uploads_of_one_round_batch_together() -> None:
     observations = fedavg_uploads()
-    assert observations[0].declared["loss"] != observations[1].declared["loss"]
+    assert observations[0].declared.loss != observations[1].declared.loss
     assert shape_key(observations[0]) == shape_key(observations[1])
     params = InvertingGradientsParams(iterations=2, restarts=2, device=ATTACK_DEVICE)
     recons = InvertingGradients(params).reconstruct_many(observations, 0)

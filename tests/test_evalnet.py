@@ -12,7 +12,7 @@ import torch
 
 from fedguard.commands.cli import build_parser, main
 from fedguard.data import DataSpec, load_dataset
-from fedguard.evalnet import (
+from fedguard.defenses.evalnet import (
     EvalNet,
     EvalNetOptions,
     TrainedEvalNet,

@@ -164,14 +164,14 @@ def test_the_isolated_upload_is_the_one_examples_surrogate_gradient(tiles: Image
     t1, t2 = between(ordered, 15), between(ordered, 16)
     low, high = upload(lenet, t1, x, y), upload(lenet, t2, x, y)
     difference = isolated(high, low)
-    assert difference.num_examples == len(y) and difference.declared[ISOLATED] == {
+    assert difference.num_examples == len(y) and difference.declared.extra[ISOLATED] == {
         "row": TARGET,
         "label": TARGET + 1,
         "rounds": [1, 1],
     }
     single = one_example(difference)
     one = int(np.flatnonzero((s > t1) & (s <= t2))[0])
-    assert single.num_examples == 1 and single.declared == {"batch-size": 1, "labels": [TARGET + 1]}
+    assert single.num_examples == 1 and single.declared.record() == {"batch-size": 1, "labels": [TARGET + 1]}
     model, _, _ = lenet
     set_arrays(model, single.global_arrays)  # the surrogate the search differentiates
     with torch.no_grad():
@@ -312,7 +312,7 @@ def test_a_run_isolates_one_tile_of_each_client_and_the_attack_inverts_it(
         x, _ = truth
         single = one_example(obs)
         model = global_model(single)
-        label = torch.tensor(single.declared["labels"])
+        label = torch.tensor(single.declared.labels)
         matches = [
             i
             for i in range(len(x))
@@ -325,5 +325,12 @@ def test_a_run_isolates_one_tile_of_each_client_and_the_attack_inverts_it(
         ]
         assert len(matches) == 1, (obs.client, matches)
         scores = ssim(recon.images, x)
-        print("client", obs.client, "rounds", obs.declared[ISOLATED]["rounds"], "ssim", round(float(scores.max()), 3))
+        print(
+            "client",
+            obs.client,
+            "rounds",
+            obs.declared.extra[ISOLATED]["rounds"],
+            "ssim",
+            round(float(scores.max()), 3),
+        )
         assert recon.images.shape == x.shape and int(scores.argmax()) == matches[0] and scores.max() > 0.6

@@ -123,7 +123,7 @@ def test_the_attack_counts_the_target_examples_and_reads_the_class_back(tiles) -
     fished_upload = upload(model, card, sent, x, y)
     (single, target), count = as_target_examples(fished_upload, 1), target_examples(fished_upload)
     assert target == TARGET and count == pytest.approx(int((y == TARGET).sum()), abs=1e-4)
-    assert single.declared == {"batch-size": 1, "labels": [TARGET]} and single.num_examples == 1
+    assert single.declared.record() == {"batch-size": 1, "labels": [TARGET]} and single.num_examples == 1
 
 
 def relabelled(tiles, copies: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +142,7 @@ def test_the_sub_batch_is_the_target_examples_own_gradient_scaled_by_their_share
     examples = int(mine.sum())
     sub, target = as_target_examples(upload(model, card, sent, x, y), examples)
     assert target == TARGET and sub.num_examples == examples == 3
-    assert sub.declared == {"batch-size": examples, "labels": [TARGET] * examples}
+    assert sub.declared.record() == {"batch-size": examples, "labels": [TARGET] * examples}
     alone, _ = compute_gradients(model, x[mine], y[mine])
     trained = [a for a, t in zip(sub.upload, sub.trainable) if t]
     for name, scaled, own in zip(card.names, trained, alone):

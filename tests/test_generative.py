@@ -18,9 +18,7 @@ import torch
 from attackers.base import build_attack
 from attackers.engine.terms import latent_kl
 from attackers.generative import GenerativeAttack, GenerativeParams
-from fedguard.commands.cli import main
-from fedguard.data import DataSpec, load_dataset
-from fedguard.generators import (
+from attackers.generators import (
     Decoder,
     TrainedGenerator,
     TrainOptions,
@@ -29,6 +27,8 @@ from fedguard.generators import (
     train_generator,
     train_vae,
 )
+from fedguard.commands.cli import main
+from fedguard.data import DataSpec, load_dataset
 from fedguard.metrics import psnr, ssim
 from fedguard.metrics.matching import match
 from fedguard.observation import Observation

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+import fedguard.wire.records
 from fedguard.config import Config
 from fedguard.data import DataSpec
 from fedguard.observation import ModelCard
@@ -35,7 +36,7 @@ from fedguard.store.checkpoint import read_checkpoint
 from fedguard.store.folder import CHECKPOINT_FILE, ROUNDS_FILE, RunFileUnwritable
 from fedguard.store.rows import read_rounds
 from fedguard.wire.records import ARRAYS, array_record
-from fedguard.wire.sparse import ENCODING_KEY, SPARSE, encode_arrays
+from fedguard.wire.sparse import ENCODING_KEY, SPARSE, decode_arrays, encode_arrays
 from strategies import FedSGD, HonestButCurious, RoundGuard, SparseUploads
 from strategies.round_guard import assign_clients
 from strategies.upload_checks import (
@@ -237,6 +238,22 @@ def test_a_sparse_upload_is_checked_against_the_formats_invariants() -> None:
     ]:
         _, row, _ = play([upload(0), (bad, n, {**declared, ENCODING_KEY: SPARSE})])
         assert row["rejected"] == [{"client": 1, "reason": reason}]
+
+
+def test_a_sparse_upload_is_decoded_once_on_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    decoded: list[int] = []
+
+    def counted(parts: list[np.ndarray]) -> list[np.ndarray]:
+        decoded.append(len(parts))
+        return decode_arrays(parts)
+
+    monkeypatch.setattr(fedguard.wire.records, "decode_arrays", counted)
+    arrays, n, declared = upload(1)
+    arrays[0][0] = 0.0
+    new, row, observations = play([upload(0), (encode_arrays(arrays), n, {**declared, ENCODING_KEY: SPARSE})])
+    assert decoded == [3 * len(NAMES)], "the guard decodes it; the capture and the aggregation read it dense"
+    assert np.array_equal(observations[1].upload[0], arrays[0]) and observations[1].declared.encoding is None
+    assert "rejected" not in row and np.allclose(new[0], -0.1 * (1.0 + arrays[0]) / 2)
 
 
 def claimed(shape: tuple[int, ...], dtype: str = "<f4") -> Array:

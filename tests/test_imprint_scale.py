@@ -70,7 +70,7 @@ def test_imprint_with_its_defaults_reads_a_fedavg_update_of_two_local_steps(
     params = ImprintParams(bins=1024)
     share, recon, obs = recovered_share(bench, params, digits, "fedavg", Schedule(0.1, 32, 1), 64)
     print("fedavg 2 x 32:", share, recon.stats, obs.declared)
-    assert obs.kind == "weights" and obs.declared["local-steps"] == 2
+    assert obs.kind == "weights" and obs.declared.local_steps == 2
     assert recon.images.shape == (64, 1, 28, 28)
     assert share >= 0.5, (share, recon.stats)
 

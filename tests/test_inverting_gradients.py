@@ -170,7 +170,11 @@ def test_skipping_the_layers_a_defense_altered_restores_the_attack() -> None:
         # the noisy last layer hides the labels: grant them to both attacks
         altered.append(
             Observation(
-                **{**obs.__dict__, "upload": upload, "declared": {**obs.declared, "labels": [int(y[len(altered)])]}}
+                **{
+                    **obs.__dict__,
+                    "upload": upload,
+                    "declared": obs.declared.with_fields(labels=(int(y[len(altered)]),)),
+                }
             )
         )
     plain = InvertingGradients(PARAMS).reconstruct_many(altered[:2], 0)

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from attackers.base import ATTACKS, build_attack, check_attack_files
+from attackers.diffusion import denoise_many, load_checkpoint, load_ddpm, load_gradient_set, start_step
+from attackers.diffusion.packing import pack, unpack
+from attackers.diffusion.pipeline import packing_of
 from attackers.mjolnir import INNER_ATTACKS, Mjolnir, MjolnirParams, defense_noise_std
 from fedguard.commands.cli import main
 from fedguard.config import ConfigError, load_config
@@ -19,9 +22,6 @@ from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_sgd import DPSGDParams
 from fedguard.defenses.dp_update import UpdateDPParams, mjolnir_code_sigma
 from fedguard.evaluation import gradient_scores
-from fedguard.mjolnir import denoise_many, load_checkpoint, load_ddpm, load_gradient_set, start_step
-from fedguard.mjolnir.packing import pack, unpack
-from fedguard.mjolnir.pipeline import packing_of
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.runtime.server_app import initial_model

@@ -17,26 +17,26 @@ import pytest
 import torch
 
 from attackers.base import ATTACKS, build_attack
-from attackers.mjolnir import Mjolnir, MjolnirParams
-from fedguard.commands.cli import main
-from fedguard.data import load_dataset
-from fedguard.defenses import LocalStep, build_defense
-from fedguard.defenses.dp_update import UpdateDPParams
-from fedguard.mjolnir import load_ddpm, save_ddpm
-from fedguard.mjolnir.checkpoint import Checkpoint, check_resumable, grids_digest, options_from_dict, options_to_dict
-from fedguard.mjolnir.condition import (
+from attackers.diffusion import load_ddpm, save_ddpm
+from attackers.diffusion.checkpoint import Checkpoint, check_resumable, grids_digest, options_from_dict, options_to_dict
+from attackers.diffusion.condition import (
     DEFAULT_NOISE_RANGE,
     condition_of,
     draw_noise_levels,
     noisy_condition,
     parse_noise_range,
 )
-from fedguard.mjolnir.ddpm import DDPMTrainOptions, Schedule, diffusion_loss, q_sample, train_ddpm
-from fedguard.mjolnir.denoise import denoise_many, start_step
-from fedguard.mjolnir.packing import pack, unpack
-from fedguard.mjolnir.pipeline import packing_of
-from fedguard.mjolnir.store import TrainedDDPM
-from fedguard.mjolnir.unet import UNet, UNetConfig
+from attackers.diffusion.ddpm import DDPMTrainOptions, Schedule, diffusion_loss, q_sample, train_ddpm
+from attackers.diffusion.denoise import denoise_many, start_step
+from attackers.diffusion.packing import pack, unpack
+from attackers.diffusion.pipeline import packing_of
+from attackers.diffusion.store import TrainedDDPM
+from attackers.diffusion.unet import UNet, UNetConfig
+from attackers.mjolnir import Mjolnir, MjolnirParams
+from fedguard.commands.cli import main
+from fedguard.data import load_dataset
+from fedguard.defenses import LocalStep, build_defense
+from fedguard.defenses.dp_update import UpdateDPParams
 from fedguard.models import build_model
 from fedguard.models.mlp import MLPParams
 from fedguard.training import compute_gradients, get_arrays, loss_fn

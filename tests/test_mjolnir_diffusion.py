@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedguard.mjolnir.checkpoint import Checkpoint, check_resumable, grids_digest, load_checkpoint, save_checkpoint
-from fedguard.mjolnir.ddpm import DDPMTrainOptions, Schedule, TrainState, diffusion_loss, q_sample, train_ddpm
-from fedguard.mjolnir.denoise import (
+from attackers.diffusion.checkpoint import Checkpoint, check_resumable, grids_digest, load_checkpoint, save_checkpoint
+from attackers.diffusion.ddpm import DDPMTrainOptions, Schedule, TrainState, diffusion_loss, q_sample, train_ddpm
+from attackers.diffusion.denoise import (
     _reverse_step,
     denoise,
     denoise_many,
@@ -27,7 +27,7 @@ from fedguard.mjolnir.denoise import (
     start_step,
     target_alpha_bar,
 )
-from fedguard.mjolnir.noise import (
+from attackers.diffusion.noise import (
     classical_gaussian_sigma,
     estimate_noise_level,
     noise_level,
@@ -36,8 +36,8 @@ from fedguard.mjolnir.noise import (
     noise_level_from_c,
     noise_level_laplace,
 )
-from fedguard.mjolnir.store import TrainedDDPM, load_ddpm, save_ddpm
-from fedguard.mjolnir.unet import UNet, UNetConfig, check_side, preset
+from attackers.diffusion.store import TrainedDDPM, load_ddpm, save_ddpm
+from attackers.diffusion.unet import UNet, UNetConfig, check_side, preset
 
 SCHEDULE = Schedule()
 TINY = UNetConfig(base_channels=4, channel_mults=(1, 2), groups=2)

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedguard.data import load_dataset
-from fedguard.mjolnir.packing import (
+from attackers.diffusion.packing import (
     PackingSpec,
     fit_scale,
     fitting_side,
@@ -24,7 +23,7 @@ from fedguard.mjolnir.packing import (
     unpack_many,
     valid_mask,
 )
-from fedguard.mjolnir.surrogate import (
+from attackers.diffusion.surrogate import (
     GradientSet,
     SurrogateOptions,
     build_surrogate,
@@ -34,6 +33,7 @@ from fedguard.mjolnir.surrogate import (
     save_gradient_set,
     trajectory,
 )
+from fedguard.data import load_dataset
 from fedguard.models.mlp import MLPParams
 from fedguard.training import compute_gradients, evaluate, get_arrays, parameters
 

@@ -33,14 +33,14 @@ import pytest
 import torch
 
 from attackers.base import ATTACKS, build_attack
+from attackers.diffusion import DDPMTrainOptions, Schedule, TrainedDDPM, preset, save_ddpm, train_ddpm
+from attackers.diffusion.packing import fit_scale, pack, packing_spec, spec_to_dict, valid_mask
 from fedguard.config import load_config
 from fedguard.data import load_dataset
 from fedguard.defenses import LocalStep, build_defense
 from fedguard.defenses.dp_update import UpdateDPParams, mjolnir_code_sigma
 from fedguard.metrics.image import psnr
 from fedguard.metrics.scoring import floor_scores
-from fedguard.mjolnir import DDPMTrainOptions, Schedule, TrainedDDPM, preset, save_ddpm, train_ddpm
-from fedguard.mjolnir.packing import fit_scale, pack, packing_spec, spec_to_dict, valid_mask
 from fedguard.observation import Observation
 from fedguard.runtime.server_app import initial_model, model_card
 from fedguard.training import compute_gradients, get_arrays, loss_fn, parameters

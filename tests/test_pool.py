@@ -24,7 +24,8 @@ import ray
 import torch
 
 from attackers.base import AttackOutcome, Reconstruction
-from attackers.pool import AttackPool, AttackSpec
+from attackers.pool import AttackPool
+from attackers.runner import AttackSpec
 from fedguard.data import DataSpec
 from fedguard.observation import ModelCard, Observation
 from tests.helpers import attacker_ray_cluster
@@ -56,15 +57,15 @@ class FakeAttack:
     def reconstruct_many(self, observations: list[Observation], seed: int) -> list[Reconstruction]:
         call = tuple(obs.client for obs in observations)
         for obs in observations:
-            behaviour = obs.declared["behaviour"]
+            behaviour = obs.declared.extra["behaviour"]
             if behaviour == "raise":
                 raise ValueError(ERROR_TEXT)
             if behaviour == "hang":
-                if obs.declared["pid-file"]:
-                    Path(obs.declared["pid-file"]).write_text(str(os.getpid()))
+                if obs.declared.extra["pid-file"]:
+                    Path(obs.declared.extra["pid-file"]).write_text(str(os.getpid()))
                 time.sleep(1000)
             if behaviour == "sleep":
-                time.sleep(obs.declared["seconds"])
+                time.sleep(obs.declared.extra["seconds"])
         return [
             Reconstruction(
                 images=torch.full((obs.num_examples, *obs.spec.shape), 0.5),
@@ -167,7 +168,7 @@ def process_ends(pid: int, timeout: float = 15.0) -> bool:
 
 def wait_until_started(pool: AttackPool, timeout: float = 60.0) -> None:
     """Block until every worker actor of ``pool`` has run its constructor (Ray's built-in ready probe)."""
-    ray.get([worker.__ray_ready__.remote() for worker in pool._workers], timeout=timeout)
+    ray.get([worker.__ray_ready__.remote() for worker in pool.ray_workers.workers], timeout=timeout)
 
 
 @pytest.fixture
@@ -200,7 +201,7 @@ def test_submit_returns_at_once_and_every_observation_is_attacked(make_pool) -> 
     pool.close(timeout=10)
 
     assert_one_outcome_each(pool, outcomes, submitted)
-    assert outcomes.threads == {"attack-pool"}, "on_outcome must be called on the pool's thread"
+    assert outcomes.threads == {"attack-runner"}, "on_outcome must be called on the pool's thread"
     for obs in submitted:
         (outcome,) = outcomes.of(obs)
         assert outcome.status == "ok" and outcome.error is None
@@ -287,7 +288,7 @@ def test_close_reports_what_is_left_as_timeout_within_its_timeout(make_pool) -> 
         pool.submit(obs)
     time.sleep(0.3)
     assert pool.pending() == 2
-    workers = list(pool._workers)
+    workers = list(pool.ray_workers.workers)
     start = time.monotonic()
     pool.close(timeout=2.0)
     took = time.monotonic() - start
@@ -406,7 +407,7 @@ def test_a_warmed_up_pool_has_its_workers_up_before_the_first_submit_and_groups_
     pool = make_pool(outcomes, group=4)
     pool.warm_up()  # Ray is up (the fixture's cluster), as inside a simulation
     deadline = time.monotonic() + 60
-    while not (pool._workers and all(pool._workers)) and time.monotonic() < deadline:
+    while not (pool.ray_workers.workers and all(pool.ray_workers.workers)) and time.monotonic() < deadline:
         time.sleep(0.05)  # the pool's thread creates the workers
     wait_until_started(pool)  # the workers exist and ran their constructor, with nothing submitted
     assert pool.stats.submitted == 0

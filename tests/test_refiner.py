@@ -24,9 +24,9 @@ from attackers.inverting_gradients import InvertingGradients, InvertingGradients
 from fedguard.config import ConfigError, load_config
 from fedguard.data import load_dataset
 from fedguard.defenses import LocalStep, aggregate_reports, build_defense, defense_report
+from fedguard.defenses.evalnet import EvalNetOptions, save_evalnet, train_evalnet
 from fedguard.defenses.refiner import Refiner, RefinerParams, distance_of, layer_indices, project  # registers it
 from fedguard.defenses.revealed import TowardsRobustData
-from fedguard.evalnet import EvalNetOptions, save_evalnet, train_evalnet
 from fedguard.metrics import psnr, ssim
 from fedguard.metrics.matching import match
 from fedguard.models import build_model

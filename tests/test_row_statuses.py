@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -20,9 +21,9 @@ import torch
 
 import fedguard.evaluation
 from attackers.base import AttackOutcome, Reconstruction
-from attackers.pool import AttackPool, AttackSpec
+from attackers.pool import AttackPool
+from attackers.runner import AttackRunner, AttackSpec, LocalWorkers
 from attackers.sinks import FanOut
-from fedguard.commands.attack import _attack_group
 from fedguard.config import ConfigError, load_config
 from fedguard.evaluation import ROW_STATUSES, Evaluator, status_counts
 from fedguard.report.html import build_report
@@ -89,10 +90,17 @@ class PickyAttack:
 def test_offline_a_batch_that_raises_fails_only_the_upload_it_fails_on(tmp_path: Path) -> None:
     folder = make_run(tmp_path, batch=1, clients=3)
     group = load_observations(folder / OBSERVATIONS_DIR)
-    rows = _attack_group("ig", PickyAttack(), group, Evaluator(folder, CONTEXTS), 0, lambda line: None)
+    evaluator = Evaluator(folder, CONTEXTS)
+    rows: list[dict] = []
+    specs = [AttackSpec("ig", PickyAttack)]
+    runner = AttackRunner(specs, lambda o: rows.append(evaluator(o)), LocalWorkers(), math.inf)
+    with runner.held():
+        for obs in group:
+            runner.submit(obs)
+    runner.close()
     assert sorted((r["client"], r["status"]) for r in rows) == [(0, "ok"), (1, "error"), (2, "ok")]
     assert ERROR_TEXT in next(r["error"] for r in rows if r["client"] == 1)
-    assert len(rows_of(folder)) == 3
+    assert len(rows_of(folder)) == 3 and runner.stats.split_batches == 1
 
 
 def test_no_pool_wait_loses_the_end_of_the_run(tmp_path: Path) -> None:

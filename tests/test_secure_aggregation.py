@@ -16,6 +16,7 @@ from fedguard.evaluation import Evaluator
 from fedguard.selection import Selection
 from fedguard.store.folder import VAULT_DIR
 from fedguard.store.vault import read_truth, write_truth
+from fedguard.wire.declared import Declared
 from strategies import HonestButCurious
 from tests.helpers import ListSink, train_round
 from tests.test_capture import CARD, NAMES, global_arrays
@@ -53,20 +54,23 @@ def test_the_server_sees_one_aggregate_a_round_equal_to_fedavgs() -> None:
     assert [(o.round, o.client) for o in sink.items] == [(1, AGGREGATE_CLIENT), (2, AGGREGATE_CLIENT)]
     obs = sink.items[0]
     assert obs.num_examples == sum(COUNTS) and obs.kind == "weights"
-    assert obs.declared == {AGGREGATE_KEY: [0, 2, 4], "lr": 0.1, "local-epochs": 2, "batch-size": 8}
+    assert obs.declared.record() == {AGGREGATE_KEY: [0, 2, 4], "lr": 0.1, "local-epochs": 2, "batch-size": 8}
     weights = np.array(COUNTS) / sum(COUNTS)
     assert np.allclose(obs.upload[0], sum(w * u[0][0].astype(np.float64) for w, u in zip(weights, uploads(1))))
     assert obs.upload[2] == round(sum(w * (1 + c) for c, w in enumerate(weights))) and obs.upload[2].dtype == np.int64
 
 
 def test_a_fedsgd_aggregate_declares_the_union_batch_and_keeps_only_shared_values() -> None:
-    declared = [{"batch-size": 4, "lr": 0.5, "loss": 1.0}, {"batch-size": 2, "lr": 0.5}]
-    assert aggregate_declaration([3, 1], declared, [4, 2], one_batch=True) == {
+    declared = [Declared(batch_size=4, lr=0.5, loss=1.0), Declared(batch_size=2, lr=0.5)]
+    assert aggregate_declaration([3, 1], declared, [4, 2], one_batch=True).record() == {
         AGGREGATE_KEY: [3, 1],
         "lr": 0.5,
         "batch-size": 6,
     }
-    assert aggregate_declaration([3, 1], declared, [4, 2], one_batch=False) == {AGGREGATE_KEY: [3, 1], "lr": 0.5}
+    assert aggregate_declaration([3, 1], declared, [4, 2], one_batch=False).record() == {
+        AGGREGATE_KEY: [3, 1],
+        "lr": 0.5,
+    }
     mean = weighted_mean([[np.ones(3, np.float32)], [np.zeros(3, np.float32)]], [1, 3])
     assert mean[0].dtype == np.float32 and np.allclose(mean[0], 0.25)
 
@@ -126,7 +130,7 @@ def aggregate_run(tmp_path: Path) -> Path:
         x, y = data.test.batch(list(range(4 * client, 4 * client + 4)))
         grads, _ = compute_gradients(model, x, y)
         uploads.append(merge_by_mask([g.numpy() for g in grads], split_by_mask(arrays, mask)[1], mask))
-        declared.append({"batch-size": 4, "lr": config.train.lr})
+        declared.append(Declared(batch_size=4, lr=config.train.lr))
         write_truth(folder / VAULT_DIR, 1, client, x, y)
     summed = aggregate_declaration([0, 1], declared, [4, 4], one_batch=True)
     obs = card.observe(1, AGGREGATE_CLIENT, "gradient", arrays, weighted_mean(uploads, [4, 4]), 8, summed)
@@ -162,7 +166,7 @@ def test_an_aggregate_naming_clients_the_run_does_not_have_is_skipped_with_the_r
 
     folder = aggregate_run(tmp_path)
     [obs] = load_observations(folder / OBSERVATIONS_DIR)
-    bad = dataclasses.replace(obs, declared={**obs.declared, AGGREGATE_KEY: [0, 0]})
+    bad = dataclasses.replace(obs, declared=obs.declared.with_fields(extra={AGGREGATE_KEY: [0, 0]}))
     save_observation(bad, folder / OBSERVATIONS_DIR)
     assert main(["attack", str(folder), "--set", "attack.name=fc-span"]) == 2
     out = capsys.readouterr().out

@@ -60,7 +60,7 @@ def test_simulation_trains_and_captures(tmp_path: Path) -> None:
     config = load_config(out / "config.toml")
     start = get_arrays(initial_model(config))
     for obs in (o for o in observations if o.round == 1):
-        assert obs.kind == "gradient" and obs.declared["batch-size"] == 32
+        assert obs.kind == "gradient" and obs.declared.batch_size == 32
         assert all(np.array_equal(a, b) for a, b in zip(obs.global_arrays, start))
         assert any(np.abs(u).sum() > 0 for u in obs.upload)
 

@@ -14,16 +14,7 @@ import pytest
 import torch
 
 from attackers.base import check_attack_files
-from attackers.generative import GenerativeParams
-from fedguard.commands.cli import main
-from fedguard.config import Component, load_config
-from fedguard.data.spec import DataSpec
-from fedguard.defenses import build_defense
-from fedguard.defenses.base import check_defense_files
-from fedguard.defenses.refiner import RefinerParams
-from fedguard.evalnet import EvalNet, TrainedEvalNet, load_evalnet, save_evalnet
-from fedguard.generators import Decoder, TrainedGenerator, load_generator, save_generator
-from fedguard.mjolnir import (
+from attackers.diffusion import (
     Checkpoint,
     DDPMTrainOptions,
     GradientSet,
@@ -41,6 +32,15 @@ from fedguard.mjolnir import (
     save_gradient_set,
     train_ddpm,
 )
+from attackers.generative import GenerativeParams
+from attackers.generators import Decoder, TrainedGenerator, load_generator, save_generator
+from fedguard.commands.cli import main
+from fedguard.config import Component, load_config
+from fedguard.data.spec import DataSpec
+from fedguard.defenses import build_defense
+from fedguard.defenses.base import check_defense_files
+from fedguard.defenses.evalnet import EvalNet, TrainedEvalNet, load_evalnet, save_evalnet
+from fedguard.defenses.refiner import RefinerParams
 from fedguard.registry import MissingTrainedFile, TrainedFileError
 from fedguard.report.run_dir import OBSERVATIONS_DIR
 from fedguard.runtime.server_app import run_server

@@ -13,13 +13,13 @@ import pytest
 import fedguard.config as config_module
 from attackers import ATTACKS
 from attackers.base import attack_traits, build_attack, check_attack_files, missing_attack_files
+from attackers.generators import Decoder, TrainedGenerator, save_generator
 from attackers.mjolnir import INNER_ATTACKS
 from fedguard.config import Component, Config, ConfigError
 from fedguard.data import load_dataset
 from fedguard.data.local import DEBIAN_FASHION_MNIST
 from fedguard.data.registry import SourceOptions, dataset_spec
 from fedguard.defenses.dp_update import UpdateDPParams
-from fedguard.generators import Decoder, TrainedGenerator, save_generator
 from fedguard.registry import Registry
 
 FILES = {"generator": "g.npz", "denoiser": "d.npz"}  # never opened: the loaders are replaced by stubs

@@ -41,7 +41,7 @@ class LocalSchedule:
 
     @classmethod
     def of(cls, obs: Observation) -> LocalSchedule:
-        declared = obs.declaration
+        declared = obs.declared
         if declared.lr is None or declared.local_epochs is None or declared.batch_size is None:
             missing = next(name for name in ("lr", "local_epochs", "batch_size") if getattr(declared, name) is None)
             raise ValueError(f"a weights upload without the declared local hyper-parameter {wire_key(missing)!r}")

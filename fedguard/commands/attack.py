@@ -3,20 +3,20 @@
 Observations are untrusted files (``fedguard.store.observations``): one that cannot be read or does not fit the
 run (a truncated or foreign file, a header or member size beyond the model's, a field of the wrong type, a
 symbolic link) is named with the reason and skipped; the others are attacked, and the count of skipped ones is
-said at the end.
+said at the end. The attacks run on the attack runner the live run uses (``attackers.runner``), with one
+worker in this process (``LocalWorkers``): the same batching, and the same retry of a batch that raised.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-import traceback
+import math
 from collections.abc import Callable
-from itertools import groupby
 from pathlib import Path
 from typing import Any
 
-from attackers.base import ATTACKS, AttackOutcome, build_attack, check_attack_files, required_manipulation, shape_key
+from attackers.base import ATTACKS, AttackOutcome, check_attack_files, shape_key
+from attackers.runner import AttackRunner, LocalWorkers, attack_specs
 from fedguard.absent_plugins import without_absent_plugins
 from fedguard.config import Component, Config, ConfigError, load_config, read_preset
 from fedguard.evaluation import Evaluator, attack_contexts, describe_row, status_counts
@@ -94,23 +94,21 @@ def attack_capture(
     invocation = next_invocation(read_attacks(run_dir))
     progress(f"fedguard: invocation {invocation} ({', '.join(describe(c) for c in config.attacks)})")
     evaluator = Evaluator(run_dir, attack_contexts(config, source="offline", invocation=invocation))
+    specs = attack_specs(config.attacks, (config.defense.name, config.defense.params))
+    for spec in specs:
+        targets = sum(o.manipulation == spec.manipulation for o in observations)
+        progress(f"fedguard: {spec.name} on {targets} of {len(observations)} observations from {folder}")
     rows = []
-    for component in config.attacks:
-        attack = build_attack(component.name, component.params, (config.defense.name, config.defense.params))
-        targets = [o for o in observations if o.manipulation == required_manipulation(attack)]
-        progress(f"fedguard: {component.name} on {len(targets)} of {len(observations)} observations from {folder}")
-        ordered = sorted(targets, key=lambda o: (repr(shape_key(o)), o.round, o.client))
-        for _, same_shape in groupby(ordered, key=lambda o: repr(shape_key(o))):
-            batch = list(same_shape)
-            for start in range(0, len(batch), config.pool.group):
-                rows += _attack_group(
-                    component.name,
-                    attack,
-                    batch[start : start + config.pool.group],
-                    evaluator,
-                    config.run.seed,
-                    progress,
-                )
+
+    def score(outcome: AttackOutcome) -> None:
+        rows.append(evaluator(outcome))
+        progress(f"  {describe_row(rows[-1])}")
+
+    runner = AttackRunner(specs, score, LocalWorkers(), math.inf, config.pool.group, config.run.seed, poll_seconds=0.01)
+    with runner.held():  # grouped as one batch, whatever the order they come in
+        for obs in sorted(observations, key=lambda o: (repr(shape_key(o)), o.round, o.client)):
+            runner.submit(obs)
+    runner.close()
     if skipped:
         progress(
             f"fedguard: {skipped} observation{'s' if skipped != 1 else ''} of {skipped + len(observations)} "
@@ -121,35 +119,3 @@ def attack_capture(
         f"report {build_report(run_dir)}"
     )
     return run_dir, rows
-
-
-def _attack_group(
-    name: str, attack: Any, group: list[Observation], evaluator: Evaluator, seed: int, progress: Callable[[str], None]
-) -> list[dict[str, Any]]:
-    """Attack ``group`` as one batch, score and write a row per observation; when the batch raises, each
-    observation is attacked alone, so that only those the attack fails on end as 'error'."""
-    rows = []
-    for outcome in _outcomes(name, attack, group, seed):
-        row = evaluator(outcome)
-        rows.append(row)
-        progress(f"  {describe_row(row)}")
-    return rows
-
-
-def _outcomes(name: str, attack: Any, group: list[Observation], seed: int) -> list[AttackOutcome]:
-    """One outcome per observation of ``group``: the batch's, or, when it raises, each observation's alone."""
-    start = time.perf_counter()
-    try:
-        recons = list(attack.reconstruct_many(group, seed))
-        missing = f"the attack returned {len(recons)} reconstructions for {len(group)} observations"
-        outcomes = [AttackOutcome(obs, "ok", rec, attack=name) for obs, rec in zip(group, recons)]
-        outcomes += [AttackOutcome(obs, "error", error=missing, attack=name) for obs in group[len(recons) :]]
-    except Exception as error:
-        if len(group) > 1:
-            return [outcome for obs in group for outcome in _outcomes(name, attack, [obs], seed)]
-        message = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}"
-        outcomes = [AttackOutcome(group[0], "error", error=message[-2000:], attack=name)]
-    share = (time.perf_counter() - start) / len(group)
-    for outcome in outcomes:
-        outcome.seconds = share
-    return outcomes

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from attackers.diffusion import DEFAULT_NOISE_RANGE, PRESETS, DDPMTrainOptions, SurrogateOptions
+from attackers.generators import SPLITS, TrainOptions
 from fedguard.config import Config, ConfigError, load_config, schema
 from fedguard.data import DatasetNotFoundError
-from fedguard.evalnet import EvalNetOptions
-from fedguard.generators import SPLITS, TrainOptions
+from fedguard.defenses.evalnet import EvalNetOptions
 from fedguard.limits import writable_problem
-from fedguard.mjolnir import DEFAULT_NOISE_RANGE, PRESETS, DDPMTrainOptions, SurrogateOptions
 
 if TYPE_CHECKING:
     import numpy as np
@@ -310,8 +310,8 @@ def cmd_attack(args: argparse.Namespace) -> int:
 
 def cmd_train_generator(args: argparse.Namespace) -> int:
     """Train a generator (a VAE's decoder) on public data for the generative-prior attack 'ggl'."""
+    from attackers.generators import default_generator_path, save_generator, train_generator
     from fedguard.data import SourceOptions
-    from fedguard.generators import default_generator_path, save_generator, train_generator
 
     options = TrainOptions(args.epochs, args.batch_size, args.lr, args.latent_dim, seed=args.seed)
     trained = train_generator(
@@ -342,7 +342,7 @@ def global_weights_of(path: Path, config: Config) -> list[np.ndarray]:
 
 def _training_noise_range(args: argparse.Namespace) -> tuple[float, float] | None:
     """The conditional denoiser's training noise range from --conditional and --noise-range; None: unconditional."""
-    from fedguard.mjolnir.condition import parse_noise_range
+    from attackers.diffusion.condition import parse_noise_range
 
     if args.noise_range is not None and not args.conditional:
         raise ValueError(f"--noise-range {args.noise_range} is for the conditional denoiser: add --conditional")
@@ -353,10 +353,10 @@ def _training_noise_range(args: argparse.Namespace) -> tuple[float, float] | Non
 
 def cmd_train_mjolnir(args: argparse.Namespace) -> int:
     """Train Mjölnir's gradient diffusion model on a surrogate's clean gradients, for the run a preset describes."""
+    from attackers.diffusion import load_checkpoint, save_ddpm, save_gradient_set
+    from attackers.diffusion.pipeline import train_mjolnir
+    from attackers.diffusion.surrogate import check_surrogate_data
     from attackers.jobs import resolve_device
-    from fedguard.mjolnir import load_checkpoint, save_ddpm, save_gradient_set
-    from fedguard.mjolnir.pipeline import train_mjolnir
-    from fedguard.mjolnir.surrogate import check_surrogate_data
 
     if args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every must be >= 0 (0: no checkpoints), got {args.checkpoint_every}")
@@ -411,7 +411,7 @@ def cmd_train_mjolnir(args: argparse.Namespace) -> int:
 def cmd_train_evalnet(args: argparse.Namespace) -> int:
     """Train the evaluation network (a noise-ratio regressor) on public data for the defense 'refiner'."""
     from fedguard.data import SourceOptions
-    from fedguard.evalnet import default_evalnet_path, save_evalnet, train_evalnet
+    from fedguard.defenses.evalnet import default_evalnet_path, save_evalnet, train_evalnet
 
     options = EvalNetOptions(args.epochs, args.batch_size, args.lr, args.width, args.mixes, args.seed)
     trained = train_evalnet(

@@ -11,7 +11,7 @@ ball of radius ``r`` around ``g`` (``r = epsilon * ||g||`` by default, see the d
   of layer i, with ``g* = grad_theta L(F_theta(x*), y)`` and the constant weight
   ``w_ij = |g_ij * theta_ij| * tau^i`` (element-wise |grad * value|, layer-wise decay ``tau^i``).
 - Sec 3.3, privacy: ``PM = mean_b D(x*_b)``, D's predicted noise ratio (0: natural image, 1: uniform noise),
-  see ``fedguard.evalnet``.
+  see ``fedguard.defenses.evalnet``.
 - Sec 3.4, noise-blended start: ``x*_0 = (1 - alpha) * x + alpha * v`` with ``v ~ U(0, 1)`` per pixel;
   then ``iterations`` (iota) plain gradient steps ``x* <- clamp(x* - lr * grad_x* (UM - beta * PM), 0, 1)``.
 - Sec 4.1 and Appendix J, projection: ``g_up = g*`` if ``||g* - g|| <= r``, else
@@ -73,9 +73,9 @@ from torch.func import functional_call
 
 from fedguard.defenses.base import DefenseTraits, LocalStep, register_defense
 from fedguard.defenses.dp_update import global_norm
+from fedguard.defenses.evalnet import TrainedEvalNet, load_evalnet
+from fedguard.defenses.evalnet.store import COMMAND
 from fedguard.defenses.revealed import TowardsRobustData
-from fedguard.evalnet import TrainedEvalNet, load_evalnet
-from fedguard.evalnet.store import COMMAND
 from fedguard.registry import MissingTrainedFile, RequiredFile, TrainedFileError
 
 CACHE_KEY = "x_star"

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.clientapp.typing import ClientAppCallable
 
@@ -51,7 +51,7 @@ from fedguard.seeding import client_generators
 from fedguard.store.vault import write_truth
 from fedguard.training import loss_fn
 from fedguard.wire.declared import Declared
-from fedguard.wire.records import CLIENT_KEY, DECLARED, DEFENSE, DETECT, NUM_EXAMPLES, ROUND_KEY, array_record
+from fedguard.wire.records import CLIENT_KEY, NUM_EXAMPLES, ROUND_KEY, annotate, array_record
 from fedguard.wire.sparse import byte_counts
 
 Examples = Callable[[Context], tuple[torch.Tensor, torch.Tensor]]
@@ -98,12 +98,6 @@ def train_round(msg: Message) -> int:
 def is_trainable(name: str, array: np.ndarray) -> bool:
     """Whether the entry ``name`` is a trainable parameter: floating point and no BatchNorm running statistic."""
     return np.issubdtype(array.dtype, np.floating) and name.rsplit(".", 1)[-1] not in RUNNING_STATISTICS
-
-
-def declare(reply: Message, fields: dict[str, Any]) -> None:
-    """Add ``fields`` to what the reply declares (its ``declared`` record, which the server's capture reads)."""
-    record = reply.content.get(DECLARED)
-    reply.content[DECLARED] = ConfigRecord({**(dict(record) if isinstance(record, ConfigRecord) else {}), **fields})
 
 
 def _check_update_only(config: Config) -> None:
@@ -169,8 +163,7 @@ def write_upload(
     content = reply.content
     content[arrays_key] = array_record(names, upload)
     content[metrics_key] = MetricRecord({**metrics, **reports, "upload-bytes": travels, "dense-bytes": size.dense})
-    declare(reply, declared.record())
-    content[DEFENSE] = ConfigRecord({k: v for k, v in reports.items() if k.startswith(REPORT_PREFIX)})
+    annotate(content, declared.record(), {k: v for k, v in reports.items() if k.startswith(REPORT_PREFIX)})
     return reply
 
 
@@ -257,8 +250,7 @@ def detect_mod(examples: Examples) -> Callable[[Message, Context, ClientAppCalla
             return declined_reply(msg, ModelDeclined(client, verdict))
         reply = call_next(msg, context)
         if not reply.has_error():
-            reply.content[DETECT] = ConfigRecord(dict(verdict.row()))
-            declare(reply, {CLIENT_KEY: client})
+            annotate(reply.content, {CLIENT_KEY: client}, findings=verdict.row())
         return reply
 
     return mod
@@ -280,7 +272,7 @@ def truth_mod(examples: Examples) -> Callable[[Message, Context, ClientAppCallab
                 write_truth(vault, round_, client, x, y)
             reply = call_next(msg, context)
             if not reply.has_error():
-                declare(reply, {CLIENT_KEY: client})
+                annotate(reply.content, {CLIENT_KEY: client})
             return reply
         return call_next(msg, context)
 

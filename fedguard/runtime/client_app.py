@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
@@ -38,24 +37,19 @@ from clients.state import ClientState, RecordState
 from fedguard.app_code import AppCode
 from fedguard.config import Config, ConfigError
 from fedguard.data import DatasetNotFoundError
-from fedguard.defenses.base import REPORT_PREFIX
 from fedguard.registry import TrainedFileError
 from fedguard.runtime.actor_restarts import restart_dead_clients
 from fedguard.store.client_state import FileState
 from fedguard.store.folder import CLIENT_STATE_DIR, VAULT_DIR, flwr_run_dir
-from fedguard.wire.declared import wire_key
 from fedguard.wire.records import (
     ARRAYS,
     CONFIG,
-    FINDING_PREFIX,
     PARTITION_KEY,
-    array_record,
+    ClientReply,
     cannot_train_reason,
     declined_content,
     refusal_reason,
-    reply_content,
 )
-from fedguard.wire.sparse import SPARSE
 
 VAULT_DIR_KEY = "vault-dir"  # node config: the folder under which a SuperNode keeps its ground truth
 PERMANENT_ERRORS = (TrainedFileError, ConfigError, DatasetNotFoundError)
@@ -123,18 +117,10 @@ def client_state(context: Context, config: Config, client: int) -> ClientState:
     return RecordState(context.state)
 
 
-def upload_reply(msg: Message, upload: list[np.ndarray], num_examples: int, metrics: dict[str, Any]) -> Message:
-    """The reply carrying a ``DefendedClient.fit`` result as typed records."""
-    reports = {k: v for k, v in metrics.items() if k.startswith(REPORT_PREFIX)}
-    findings = {k[len(FINDING_PREFIX) :]: v for k, v in metrics.items() if k.startswith(FINDING_PREFIX)}
-    declared = {k: v for k, v in metrics.items() if not k.startswith((REPORT_PREFIX, FINDING_PREFIX))}
-    if declared.get(wire_key("encoding")) == SPARSE:
-        names = [f"encoded-{i}" for i in range(len(upload))]
-    else:
-        names = list(msg.content[ARRAYS].keys())
-    loss = float(declared.get(wire_key("loss"), 0.0))
-    content = reply_content(array_record(names, upload), num_examples, loss, declared, reports, findings)
-    return Message(content=content, reply_to=msg)
+def upload_reply(msg: Message, reply: ClientReply) -> Message:
+    """The message carrying a ``DefendedClient.round_reply`` answer to ``msg`` (the records of
+    ``fedguard.wire.records``)."""
+    return Message(content=reply.content(list(cast(ArrayRecord, msg.content[ARRAYS]).keys())), reply_to=msg)
 
 
 def declined_reply(msg: Message, declined: ModelDeclined) -> Message:
@@ -167,12 +153,12 @@ def make_client_app(config: Config | None = None) -> ClientApp:
         arrays = cast(ArrayRecord, msg.content[ARRAYS]).to_numpy_ndarrays()
         try:
             instruction = cast(ConfigRecord, msg.content[CONFIG])
-            fitted = client(context, instruction).fit(arrays, dict(instruction))
+            answer = client(context, instruction).round_reply(arrays, dict(instruction))
         except PERMANENT_ERRORS as error:
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, cannot_train_reason(error)), reply_to=msg)
         except ModelDeclined as declined:
             return declined_reply(msg, declined)
-        return upload_reply(msg, *fitted)
+        return upload_reply(msg, answer)
 
     return client_app
 

@@ -16,7 +16,6 @@ After every round the global model and the strategy's state are checkpointed in 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 import traceback
@@ -29,9 +28,10 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
-from attackers.base import AttackOutcome, attack_traits, build_attack, check_attack_files, required_manipulation
+from attackers.base import AttackOutcome, check_attack_files
 from attackers.manipulation import build_manipulation
-from attackers.pool import AttackPool, AttackSpec
+from attackers.pool import AttackPool
+from attackers.runner import attack_specs
 from attackers.sinks import FanOut
 from fedguard.config import Config, ConfigError, relative_path_problems, split_names
 from fedguard.data import load_dataset
@@ -58,7 +58,6 @@ from fedguard.store.resume import resume_point, rewind
 from fedguard.store.rows import read_attacks, read_rounds
 from fedguard.tracking import Trackers, open_trackers
 from fedguard.training import evaluate, get_arrays, set_arrays
-from fedguard.wire.declared import Declared
 from fedguard.wire.records import Upload, array_record
 from strategies import (
     AllClientsFailed,
@@ -155,15 +154,7 @@ def resumed_arrays(card: ModelCard, point: RoundCheckpoint, model: torch.nn.Modu
 def build_attack_pool(config: Config, folder: Path, stop: StopRequest, trackers: Trackers) -> AttackPool:
     """The attacker workers running every configured attack, and the evaluator that scores what they return
     (each row also to ``trackers``); they stop taking work once ``stop`` is requested."""
-    defense = (config.defense.name, config.defense.params)
-    specs = [
-        AttackSpec(
-            a.name,
-            functools.partial(build_attack, a.name, a.params, defense),
-            required_manipulation(attack_traits(a.name, a.params)),
-        )
-        for a in config.attacks
-    ]
+    specs = attack_specs(config.attacks, (config.defense.name, config.defense.params))
     evaluator = Evaluator(folder, attack_contexts(config, invocation=RUN_INVOCATION), listeners=[trackers.attack])
 
     def score_and_announce(outcome: AttackOutcome) -> None:
@@ -264,7 +255,7 @@ def round_accounting(recorder_extra: dict[str, Any]) -> OnReplies:
             recorder_extra["defense"] = reports.totals
         if reports.uploads:
             recorder_extra["uploads"] = reports.uploads
-        declared = [Declared.read(u.declared) for u in uploads]
+        declared = [u.declared for u in uploads]
         for name in ("upload_bytes", "dense_bytes"):
             sizes = [size for d in declared if (size := getattr(d, name)) is not None]
             if sizes:

@@ -6,8 +6,8 @@ server assigned to the node, which trains on that partition; and where Flower's 
 e.g. FedProx's ``proximal-mu``). A reply carries, as typed records:
 
 - "arrays" (``ArrayRecord``): the upload, same keys as the model (coordinate-encoded uploads use
-  ``encoded-<i>`` keys; ``read_upload`` decodes them, and ``strategies.SparseUploads`` for strategies that
-  read the records themselves);
+  ``encoded-<i>`` keys; the server decodes each once, in place, ``densify``: ``strategies.RoundGuard``
+  for fedguard's server, ``strategies.SparseUploads`` for a strategy outside it);
 - "metrics" (``MetricRecord``): ``num-examples`` and ``loss``, the same keys from every client, as
   Flower's built-in strategies require;
 - "declared" (``ConfigRecord``): what the client declares with its upload: ``client`` (its partition, which
@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedguard.wire.declared import Declared
 from fedguard.wire.sparse import ENCODING_KEY, SPARSE, decode_arrays
 
 ARRAYS = "arrays"
@@ -150,40 +151,89 @@ def reply_content(
     arrays: ArrayRecord,
     num_examples: int,
     loss: float,
-    declared: dict[str, Any],
-    reports: dict[str, Any],
+    declared: Mapping[str, Any],
+    reports: Mapping[str, Any],
     findings: Mapping[str, float | str] | None = None,
 ) -> RecordDict:
-    """A client's train reply (with its detectors' ``findings`` when it ran any)."""
+    """A train reply's records, from their wire forms (with the detectors' ``findings`` when the client ran
+    any); a client builds them from its ``ClientReply``."""
     content = RecordDict(
-        {
-            ARRAYS: arrays,
-            METRICS: MetricRecord({NUM_EXAMPLES: int(num_examples), LOSS_KEY: float(loss)}),
-            DECLARED: ConfigRecord(declared),
-            DEFENSE: ConfigRecord(reports),
-        }
+        {ARRAYS: arrays, METRICS: MetricRecord({NUM_EXAMPLES: int(num_examples), LOSS_KEY: float(loss)})}
     )
+    annotate(content, declared, reports, findings)
+    return content
+
+
+def annotate(
+    content: RecordDict,
+    declared: Mapping[str, Any] | None = None,
+    reports: Mapping[str, Any] | None = None,
+    findings: Mapping[str, float | str] | None = None,
+) -> None:
+    """Write into a reply's ``content`` what its client declares (merged into the "declared" record it may hold
+    already), its defense's ``reports`` and its detectors' ``findings``: the one writer of these records, for
+    fedguard's ClientApp and for the mods in any app (``fedguard.flower.mods``)."""
+    if declared is not None:
+        held = content.get(DECLARED)
+        content[DECLARED] = ConfigRecord({**(dict(held) if isinstance(held, ConfigRecord) else {}), **declared})
+    if reports is not None:
+        content[DEFENSE] = ConfigRecord(dict(reports))
     if findings:
         content[DETECT] = ConfigRecord(dict(findings))
-    return content
+
+
+def encoded_names(count: int) -> list[str]:
+    """The keys of a coordinate-encoded upload of ``count`` arrays (``fedguard.wire.sparse``)."""
+    return [f"encoded-{i}" for i in range(count)]
+
+
+@dataclass(frozen=True)
+class ClientReply:
+    """One client's answer to a train instruction, typed from the client's step to the wire.
+
+    ``upload``: as sent, one array per model entry, or coordinate-encoded ones when ``declared.encoding`` is
+    ``sparse``; ``num_examples``: the examples it trained on; ``declared``: what it declares; ``reports``: its
+    defense's (``defense.<name>`` numbers, ``fedguard.defenses.defense_report``); ``findings``: its detectors'
+    (``fedguard.detect.Verdict.row``), empty when it runs none."""
+
+    upload: list[np.ndarray]
+    num_examples: int
+    declared: Declared
+    reports: Mapping[str, float] = field(default_factory=dict)
+    findings: Mapping[str, float | str] = field(default_factory=dict)
+
+    def content(self, names: Sequence[str]) -> RecordDict:
+        """The reply's records (this module's layout); ``names``: the model's entries, in order."""
+        keys = encoded_names(len(self.upload)) if self.declared.encoding == SPARSE else list(names)
+        loss = self.declared.loss if self.declared.loss is not None else 0.0
+        arrays = array_record(keys, self.upload)
+        return reply_content(arrays, self.num_examples, loss, self.declared.record(), self.reports, self.findings)
+
+    def metrics(self) -> dict[str, Any]:
+        """The one flat mapping a ``NumPyClient.fit`` returns: the declared fields, the reports, and the findings
+        under ``FINDING_PREFIX``."""
+        findings = {f"{FINDING_PREFIX}{k}": v for k, v in self.findings.items()}
+        return {**self.declared.record(), **self.reports, **findings}
 
 
 @dataclass(frozen=True)
 class Upload:
-    """One client's train reply, read back on the server."""
+    """One client's train reply, read back on the server: what it ``declared`` typed (its ``encoding`` dropped
+    once the upload is dense), its defense's ``reports``."""
 
     node: int
     client: int | None
     arrays: list[np.ndarray]
     num_examples: int
-    declared: dict[str, Any]
+    declared: Declared
     reports: dict[str, Any]
 
 
 def read_upload(reply: Message, arrays: bool = True) -> Upload:
     """The upload carried by a successful reply, dense (a coordinate-encoded one decoded, its ``encoding``
     dropped from what it declares); its ``arrays`` left empty unless ``arrays`` (reading them copies every
-    array). Raises ``ValueError`` naming what is missing."""
+    array). Raises ``ValueError`` naming what is missing, or a declared value of the wrong type (the server's
+    checks, ``strategies.upload_checks``, refuse those before anything reads the reply)."""
     content = reply.content
     for key, kind in ((ARRAYS, ArrayRecord), (METRICS, MetricRecord)):
         if key not in content or not isinstance(content[key], kind):
@@ -193,17 +243,30 @@ def read_upload(reply: Message, arrays: bool = True) -> Upload:
     if encoded:
         del declared[ENCODING_KEY]
     reports = dict(content[DEFENSE]) if DEFENSE in content else {}
-    client = declared.get(CLIENT_KEY)
     record = cast(ArrayRecord, content[ARRAYS])  # the kinds of both are checked above
     metrics: Mapping[str, Any] = cast(MetricRecord, content[METRICS])
+    typed = Declared.read(declared)
     return Upload(
         node=reply.metadata.src_node_id,
-        client=int(client) if isinstance(client, int) and not isinstance(client, bool) else None,
+        client=typed.client,
         arrays=(decode_arrays if encoded else list)(record.to_numpy_ndarrays()) if arrays else [],
         num_examples=int(metrics[NUM_EXAMPLES]),
-        declared=declared,
+        declared=typed,
         reports=reports,
     )
+
+
+def densify(reply: Message, names: Sequence[str]) -> None:
+    """Decode a successful reply's coordinate-encoded upload in place, once: its arrays dense and keyed by
+    ``names`` (the model's entries), its ``encoding`` dropped from what it declares; a dense one is left as it
+    is."""
+    declared = reply.content.get(DECLARED)
+    if not isinstance(declared, ConfigRecord) or declared.get(ENCODING_KEY) != SPARSE:
+        return
+    reply.content[ARRAYS] = array_record(
+        list(names), decode_arrays(cast(ArrayRecord, reply.content[ARRAYS]).to_numpy_ndarrays())
+    )
+    del declared[ENCODING_KEY]
 
 
 def replace_arrays(reply: Message, names: list[str], arrays: list[np.ndarray]) -> None:

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedguard.mjolnir.ddpm import DDPMTrainOptions, Schedule, TrainState
-from fedguard.mjolnir.store import beside_model_command
-from fedguard.mjolnir.unet import UNet, UNetConfig
+from attackers.diffusion.ddpm import DDPMTrainOptions, Schedule, TrainState
+from attackers.diffusion.store import beside_model_command
+from attackers.diffusion.unet import UNet, UNetConfig
 from fedguard.trained.archive import module_layout, save_archive
 from fedguard.trained.files import FileKind, check_arrays, load_trained
 

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from fedguard.data import SourceOptions
 from fedguard.data.spec import DataSpec
-from fedguard.evalnet.model import EvalNet
-from fedguard.evalnet.store import TrainedEvalNet
+from fedguard.defenses.evalnet.model import EvalNet
+from fedguard.defenses.evalnet.store import TrainedEvalNet
 from fedguard.trained.fitting import EpochStats, check_options, public_images
 
 

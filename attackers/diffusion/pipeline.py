@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from attackers.diffusion.checkpoint import Checkpoint, check_resumable, grids_digest, save_checkpoint
+from attackers.diffusion.ddpm import DDPMTrainOptions, TrainState, train_ddpm
+from attackers.diffusion.packing import PackingSpec, spec_from_dict, spec_to_dict, valid_mask
+from attackers.diffusion.store import TrainedDDPM
+from attackers.diffusion.surrogate import GradientSet, RecordStats, SurrogateOptions, collect_gradients
+from attackers.diffusion.unet import preset
 from fedguard.data import SourceOptions
-from fedguard.mjolnir.checkpoint import Checkpoint, check_resumable, grids_digest, save_checkpoint
-from fedguard.mjolnir.ddpm import DDPMTrainOptions, TrainState, train_ddpm
-from fedguard.mjolnir.packing import PackingSpec, spec_from_dict, spec_to_dict, valid_mask
-from fedguard.mjolnir.store import TrainedDDPM
-from fedguard.mjolnir.surrogate import GradientSet, RecordStats, SurrogateOptions, collect_gradients
-from fedguard.mjolnir.unet import preset
 from fedguard.trained.fitting import EpochStats
 
 

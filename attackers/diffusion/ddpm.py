@@ -11,7 +11,7 @@ to the noise with the unweighted loss of Algorithm 2 (mean squared error),
 or a Huber loss as in the released code. The epoch with the lowest mean loss
 is the one kept, as the code does. With a ``noise_range`` the model is the
 conditional one: eps_theta(x_k, k, condition), the condition a fresh noisy
-copy of each clean grid (``fedguard.mjolnir.condition``).
+copy of each clean grid (``attackers.diffusion.condition``).
 
 Resuming. After any epoch the run is a ``TrainState`` (weights, Adam's state,
 the generator's state, the losses and the lowest-loss weights); training from
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fedguard.mjolnir.condition import check_noise_range, noisy_condition
-from fedguard.mjolnir.unet import UNet, UNetConfig
+from attackers.diffusion.condition import check_noise_range, noisy_condition
+from attackers.diffusion.unet import UNet, UNetConfig
 from fedguard.trained.fitting import EpochStats, check_options
 
 LOSSES = ("mse", "huber")
@@ -111,7 +111,7 @@ def diffusion_loss(
 class DDPMTrainOptions:
     """Epochs, minibatch size, Adam step, seed (weights, batches, steps and noise), loss (mse | huber), schedule,
     and ``noise_range``: None for the unconditional model (the default), (M_min, M_max) for the conditional one
-    trained on conditions of noise levels in that range (``fedguard.mjolnir.condition``; M_min == M_max: fixed).
+    trained on conditions of noise levels in that range (``attackers.diffusion.condition``; M_min == M_max: fixed).
 
     Defaults after the released code: 20 epochs, Adam with step 1e-4, seed 1234, the linear 1000-step schedule;
     minibatches of 16 (the code's 8 is slow on a CPU) and the paper's squared error rather than the code's Huber."""

@@ -2,7 +2,7 @@
 
 Noise level. The perturbed gradient is ``y = x + M n`` with n ~ N(0, I) per
 entry (Eq. 14), where x and y are packed gradients in the units the model was
-trained on (raw gradient / scale; ``fedguard.mjolnir.noise`` converts std,
+trained on (raw gradient / scale; ``attackers.diffusion.noise`` converts std,
 DP and Laplace parameters into this M). M is therefore the noise std relative
 to the clean training signal's scale. Then
 ``y / sqrt(1 + M**2) = sqrt(g) x + sqrt(1 - g) n`` with ``g = 1 / (1 + M**2)``
@@ -28,7 +28,7 @@ with z ~ N(0, I) for k > 0 and no noise at k = 0. ``sigma_k**2`` is
 ``betas[k] (1 - alpha_bars[k - 1]) / (1 - alpha_bars[k])`` (the released code).
 Outputs are not clipped: gradients have no fixed range.
 
-Conditional model ("Mjölnir (Condition)", ``fedguard.mjolnir.condition``):
+Conditional model ("Mjölnir (Condition)", ``attackers.diffusion.condition``):
 the same chain from the same start step, eps_theta also given the condition,
 the rescaled noisy grid ``y / sqrt(1 + M**2)`` itself, at every step. SR3
 instead starts its chain at the last step from pure noise. On the pattern
@@ -55,8 +55,8 @@ from collections.abc import Callable
 
 import torch
 
-from fedguard.mjolnir.condition import condition_of
-from fedguard.mjolnir.ddpm import Schedule
+from attackers.diffusion.condition import condition_of
+from attackers.diffusion.ddpm import Schedule
 
 VARIANCES = ("beta", "posterior")
 SAMPLERS = ("chained", "single-step")

@@ -41,9 +41,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from attackers.diffusion.packing import PackingSpec, fit_scale, pack, packing_spec, spec_from_dict, spec_to_dict, unpack
+from attackers.diffusion.store import beside_model_command
 from fedguard.data import DataSpec, SourceOptions, Split, load_dataset
-from fedguard.mjolnir.packing import PackingSpec, fit_scale, pack, packing_spec, spec_from_dict, spec_to_dict, unpack
-from fedguard.mjolnir.store import beside_model_command
 from fedguard.models import MODELS, build_model
 from fedguard.trained.archive import save_archive
 from fedguard.trained.files import FileKind, Layout, check_arrays, load_trained

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from attackers.generators.model import Decoder
 from fedguard.data.spec import DataSpec
-from fedguard.generators.model import Decoder
 from fedguard.trained.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.trained.files import FileKind, load_trained
 from fedguard.trained.fitting import trained_meta

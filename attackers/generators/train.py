@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attackers.generators.model import Decoder, Encoder
+from attackers.generators.store import TrainedGenerator
 from fedguard.data import SourceOptions
 from fedguard.data.spec import DataSpec
-from fedguard.generators.model import Decoder, Encoder
-from fedguard.generators.store import TrainedGenerator
 from fedguard.trained.fitting import EpochStats, check_options, public_images
 
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from fedguard.mjolnir.condition import check_noise_range
-from fedguard.mjolnir.ddpm import Schedule
-from fedguard.mjolnir.packing import spec_from_dict
-from fedguard.mjolnir.unet import UNet, UNetConfig
+from attackers.diffusion.condition import check_noise_range
+from attackers.diffusion.ddpm import Schedule
+from attackers.diffusion.packing import spec_from_dict
+from attackers.diffusion.unet import UNet, UNetConfig
 from fedguard.registry import TrainedFileError
 from fedguard.trained.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.trained.files import FileKind, described, read_archive

@@ -4,9 +4,9 @@ Pure torch. ``fedguard train-evalnet`` trains one on public data and saves it
 as one ``.npz`` (no pickles); the ``refiner`` defense loads it.
 """
 
-from fedguard.evalnet.model import EvalNet
-from fedguard.evalnet.store import TrainedEvalNet, default_evalnet_path, load_evalnet, save_evalnet
-from fedguard.evalnet.train import EvalNetOptions, blend, train_evalnet, train_regressor
+from fedguard.defenses.evalnet.model import EvalNet
+from fedguard.defenses.evalnet.store import TrainedEvalNet, default_evalnet_path, load_evalnet, save_evalnet
+from fedguard.defenses.evalnet.train import EvalNetOptions, blend, train_evalnet, train_regressor
 from fedguard.trained.fitting import SPLITS, EpochStats
 
 __all__ = [

@@ -4,9 +4,9 @@ Pure torch. ``fedguard train-generator`` trains one on public data and saves it
 as one ``.npz`` (no pickles); the ``ggl`` attack loads it.
 """
 
-from fedguard.generators.model import Decoder, Encoder
-from fedguard.generators.store import TrainedGenerator, default_generator_path, load_generator, save_generator
-from fedguard.generators.train import TrainOptions, train_generator, train_vae
+from attackers.generators.model import Decoder, Encoder
+from attackers.generators.store import TrainedGenerator, default_generator_path, load_generator, save_generator
+from attackers.generators.train import TrainOptions, train_generator, train_vae
 from fedguard.trained.fitting import SPLITS, EpochStats
 
 __all__ = [

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from fedguard.data.spec import DataSpec
-from fedguard.evalnet.model import EvalNet
+from fedguard.defenses.evalnet.model import EvalNet
 from fedguard.registry import TrainedFileError
 from fedguard.trained.archive import load_module_arrays, module_arrays, save_archive
 from fedguard.trained.files import FileKind, load_trained

@@ -15,14 +15,14 @@ a surrogate model trained on public data.
 Pure torch.
 """
 
-from fedguard.mjolnir.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedguard.mjolnir.condition import (
+from attackers.diffusion.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from attackers.diffusion.condition import (
     DEFAULT_NOISE_RANGE,
     condition_of,
     draw_noise_levels,
     noisy_condition,
 )
-from fedguard.mjolnir.ddpm import (
+from attackers.diffusion.ddpm import (
     LOSSES,
     DDPMTrainOptions,
     Schedule,
@@ -31,7 +31,7 @@ from fedguard.mjolnir.ddpm import (
     q_sample,
     train_ddpm,
 )
-from fedguard.mjolnir.denoise import (
+from attackers.diffusion.denoise import (
     SAMPLERS,
     VARIANCES,
     denoise,
@@ -42,7 +42,7 @@ from fedguard.mjolnir.denoise import (
     start_step,
     target_alpha_bar,
 )
-from fedguard.mjolnir.noise import (
+from attackers.diffusion.noise import (
     classical_gaussian_sigma,
     estimate_noise_level,
     noise_level,
@@ -51,16 +51,16 @@ from fedguard.mjolnir.noise import (
     noise_level_from_c,
     noise_level_laplace,
 )
-from fedguard.mjolnir.packing import PackingSpec, fit_scale, pack, pack_many, packing_spec, unpack, unpack_many
-from fedguard.mjolnir.store import TrainedDDPM, load_ddpm, save_ddpm
-from fedguard.mjolnir.surrogate import (
+from attackers.diffusion.packing import PackingSpec, fit_scale, pack, pack_many, packing_spec, unpack, unpack_many
+from attackers.diffusion.store import TrainedDDPM, load_ddpm, save_ddpm
+from attackers.diffusion.surrogate import (
     GradientSet,
     SurrogateOptions,
     collect_gradients,
     load_gradient_set,
     save_gradient_set,
 )
-from fedguard.mjolnir.unet import PRESETS, UNet, UNetConfig, check_side, preset
+from attackers.diffusion.unet import PRESETS, UNet, UNetConfig, check_side, preset
 from fedguard.trained.fitting import EpochStats
 
 __all__ = [
