@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,3 +163,11 @@ class ListSink:
 
     def close(self, timeout: float | None = None) -> None:
         pass
+
+
+def rewrite_meta(path: Path, **meta_changes: Any) -> None:
+    """Change the ``meta`` entry of the trained file ``path`` (an ``.npz``) in place, keeping its arrays."""
+    with np.load(path, allow_pickle=False) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    meta = {**json.loads(str(arrays.pop("meta"))), **meta_changes}
+    np.savez(path, meta=np.array(json.dumps(meta)), **arrays)

@@ -101,7 +101,7 @@ def watched(vault: Path) -> Iterator[list[dict[str, Any]]]:
 
 def legitimate(record: dict[str, Any]) -> bool:
     """A vault file opened by the vault's own functions for a client writing its batch, for the evaluator
-    scoring (called back from the attacker pool's thread in the server), or for the run report setting each
+    scoring (called back from the attack runner's thread in the server), or for the run report setting each
     true image beside its reconstruction; no attack code on the stack."""
     stack = record["stack"]
     if writes(record):  # a write goes through the replace-on-success writer, the store's, called by the vault
@@ -109,7 +109,8 @@ def legitimate(record: dict[str, Any]) -> bool:
         users: tuple[str, ...] = ("clients/defended_client.py",)
     else:
         vault_frames, users = ["fedguard/store/vault.py"], ("fedguard/evaluation.py", "fedguard/report/html.py")
-    attack_code = [f for f in stack if f.startswith("attackers/") and f != "attackers/pool.py"]
+    scheduling = ("attackers/runner.py", "attackers/pool.py")  # the thread that hands the outcome to the evaluator
+    attack_code = [f for f in stack if f.startswith("attackers/") and f not in scheduling]
     return stack[: len(vault_frames)] == vault_frames and any(u in stack for u in users) and not attack_code
 
 

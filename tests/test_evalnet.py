@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from fedguard.defenses.evalnet import (
     train_evalnet,
     train_regressor,
 )
+from tests.helpers import rewrite_meta
 
 SMALL = EvalNetOptions(epochs=5, width=8)
 UNIFORM_VARIANCE = 1 / 12  # MSE of always predicting the mean ratio 0.5
@@ -93,14 +93,6 @@ def test_training_is_deterministic_given_the_seed() -> None:
         train_regressor(images, DataSpec(3, 8, 8, 10), options)
 
 
-def rewrite(path: Path, **meta_changes) -> None:
-    """Change ``path``'s meta in place, keeping its arrays."""
-    with np.load(path, allow_pickle=False) as archive:
-        arrays = {name: archive[name] for name in archive.files}
-    meta = {**json.loads(str(arrays.pop("meta"))), **meta_changes}
-    np.savez(path, meta=np.array(json.dumps(meta)), **arrays)
-
-
 def test_missing_mismatched_and_other_shape_files_give_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"none\.npz.*fedguard train-evalnet --data <dataset>"):
         load_evalnet(tmp_path / "none.npz")
@@ -113,10 +105,10 @@ def test_missing_mismatched_and_other_shape_files_give_clear_errors(tmp_path: Pa
     ):
         load_evalnet(path).check_shape((3, 32, 32), path)
     load_evalnet(path).check_shape((1, 8, 8), path)
-    rewrite(path, width=3)
+    rewrite_meta(path, width=3)
     with pytest.raises(ValueError, match=r"d\.npz: network arrays .* do not match its meta"):
         load_evalnet(path)
-    rewrite(path, format="fedguard-generator/1")
+    rewrite_meta(path, format="fedguard-generator/1")
     with pytest.raises(ValueError, match="'fedguard-generator/1', expected 'fedguard-evalnet/1'"):
         load_evalnet(path)
     np.savez(tmp_path / "plain.npz", a=np.zeros(2))

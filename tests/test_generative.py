@@ -8,7 +8,6 @@ SSIM on these digits); latent search of the generator must beat it widely.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +33,7 @@ from fedguard.metrics.matching import match
 from fedguard.observation import Observation
 from fedguard.training import compute_gradients
 from tests.devices import ATTACK_DEVICE
+from tests.helpers import rewrite_meta
 from tests.untrained import untrained_mlp
 
 DIGITS = [0, 7, 100, 2000, 3000, 3999]  # train-split digits: the clients' data
@@ -112,14 +112,6 @@ def test_save_and_load_round_trip_exactly(tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["g.npz"], "no partial file may remain"
 
 
-def rewrite(path: Path, **meta_changes) -> None:
-    """Change ``path``'s meta in place, keeping its arrays."""
-    with np.load(path, allow_pickle=False) as archive:
-        arrays = {name: archive[name] for name in archive.files}
-    meta = {**json.loads(str(arrays.pop("meta"))), **meta_changes}
-    np.savez(path, meta=np.array(json.dumps(meta)), **arrays)
-
-
 def test_missing_and_mismatched_files_give_clear_errors(tmp_path: Path) -> None:
     missing = tmp_path / "none.npz"
     with pytest.raises(FileNotFoundError, match=r"none\.npz.*fedguard train-generator"):
@@ -127,10 +119,10 @@ def test_missing_and_mismatched_files_give_clear_errors(tmp_path: Path) -> None:
     path = save_generator(
         TrainedGenerator(Decoder(DataSpec(1, 8, 8, 10), 4, 4), "digits", "test", (1.0,)), tmp_path / "g.npz"
     )
-    rewrite(path, latent_dim=5)
+    rewrite_meta(path, latent_dim=5)
     with pytest.raises(ValueError, match=r"g\.npz: decoder arrays .* do not match its meta"):
         load_generator(path)
-    rewrite(path, format="other/9")
+    rewrite_meta(path, format="other/9")
     with pytest.raises(ValueError, match="'other/9', expected 'fedguard-generator/1'"):
         load_generator(path)
 
