@@ -5,8 +5,10 @@ A run trial runs the quickstart with 3 clients for 500 rounds and IG attacking r
 ``fedguard run`` (the process alone, SIGKILL) once 2 rounds are logged. A sweep trial runs a sweep of two cells
 (none, prune; 6 rounds each), kills ``fedguard sweep`` the same way in its first cell, then starts the same
 sweep again and lets it finish. Per trial it prints: whether the cores were busy, the seconds until no Python
-process the trial started was left (``fedguard.runtime.processes.running_programs``), the rows written after
-the kill (rounds and attack rows whose ``at`` is later), the killed run's ``status.json``; for a sweep, whether
+process the trial started was left (``fedguard.runtime.processes.running_programs``), how long the killed
+process took to die (the kernel ends a process some milliseconds after SIGKILL, longer on busy cores; until then
+its children see it alive), the rows written in that time and after it died (rounds and attack rows whose ``at``
+is later), the killed run's ``status.json``; for a sweep, whether
 the sweep started again completed every cell from a run it saw (it resumed the killed one, kept nothing as
 "finished earlier", and every row is ``ok``). Then the worst of each.
 
@@ -85,15 +87,24 @@ def killed(command: list[str], folder: Path, log: Path, before: set[Process]) ->
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     wait_for_rounds(folder, 2, process)
     process.send_signal(signal.SIGKILL)
-    killed_at, start = time.time(), time.monotonic()
+    signalled_at, start = time.time(), time.monotonic()
+    process.wait()  # the kernel has ended it: from now on its processes see it dead
+    dead_at = time.time()
     while (left := running_programs() - before) and time.monotonic() - start < LIMIT:
         time.sleep(0.1)
     gone = time.monotonic() - start
     signal_all(left, signal.SIGKILL)
     time.sleep(2.0)  # a late writer would show now
-    rows = [row for row in [*read_rounds(folder), *read_attacks(folder)] if row.get("at", 0) > killed_at]
+    stamps = [row.get("at", 0) for row in [*read_rounds(folder), *read_attacks(folder)]]
     status = read_status(folder) or {}
-    return {"gone_s": gone, "left": len(left), "rows_after": len(rows), "status": status.get("status", "none")}
+    return {
+        "gone_s": gone,
+        "dying_ms": 1000 * (dead_at - signalled_at),
+        "left": len(left),
+        "rows_while_dying": sum(signalled_at < at <= dead_at for at in stamps),
+        "rows_after": sum(at > dead_at for at in stamps),
+        "status": status.get("status", "none"),
+    }
 
 
 def run_trial(out: Path) -> dict[str, Any]:
@@ -126,8 +137,11 @@ def main() -> int:
     args = parser.parse_args()
     results: list[tuple[str, dict[str, Any]]] = []
     plan = [("run", run_trial)] * args.runs + [("sweep", sweep_trial)] * args.sweeps
-    print("| trial | killed | cores | gone after (s) | processes left | rows after the kill | status | again |")
-    print("|---:|---|---|---:|---:|---:|---|---|")
+    print(
+        "| trial | killed | cores | dying (ms) | gone after (s) | processes left | rows while it died "
+        "| rows after its death | status | again |"
+    )
+    print("|---:|---|---|---:|---:|---:|---:|---:|---|---|")
     for number, (kind, trial) in enumerate(plan, 1):
         busy = number % 2 == 0
         out = args.out / f"{number:02d}-{kind}"
@@ -138,8 +152,9 @@ def main() -> int:
         results.append((kind, result))
         again = "-" if "again" not in result else "completed" if result["again"] else "**no**"
         print(
-            f"| {number} | fedguard {kind} | {'busy' if busy else 'idle'} | {result['gone_s']:.1f} | "
-            f"{result['left']} | {result['rows_after']} | {result['status']} | {again} |",
+            f"| {number} | fedguard {kind} | {'busy' if busy else 'idle'} | {result['dying_ms']:.0f} | "
+            f"{result['gone_s']:.1f} | {result['left']} | {result['rows_while_dying']} | {result['rows_after']} | "
+            f"{result['status']} | {again} |",
             flush=True,
         )
     worst = max(r["gone_s"] for _, r in results)

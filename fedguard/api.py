@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedguard.config import Config, ConfigError, load_config
-from fedguard.report.run_dir import resolve_run_dir
 from fedguard.report.run_status import read_status
 from fedguard.runtime import lifeline
 from fedguard.runtime.simulation import joins_cluster
@@ -46,6 +45,7 @@ from fedguard.store.folder import (
 )
 from fedguard.store.invocations import invocation_of
 from fedguard.store.rows import read_attacks, read_cells, read_rounds
+from fedguard.store.run_dir import resolve_run_dir
 from fedguard.store.vault import read_scored_images
 
 if TYPE_CHECKING:

@@ -19,9 +19,9 @@ from fedguard.config import Config, ConfigError, flatten, load_config, parse_ove
 from fedguard.data.spec import DataSpec
 from fedguard.defenses.evalnet import EvalNetOptions, default_evalnet_path, save_evalnet, train_evalnet
 from fedguard.registry import field_help
-from fedguard.report.run_dir import CONFIG_FILE, prepare_run_dir, resolve_run_dir, unflatten
 from fedguard.run_plan import PLAN_KEY
 from fedguard.selection import Selection
+from fedguard.store.run_dir import CONFIG_FILE, prepare_run_dir, resolve_run_dir, unflatten
 from tests.helpers import FASHION_MNIST
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,9 +22,9 @@ from fedguard.evaluation import Evaluator, describe_row
 from fedguard.metrics import psnr, ssim
 from fedguard.models import build_model
 from fedguard.observation import ModelCard
-from fedguard.report.run_dir import OBSERVATIONS_DIR, prepare_run_dir
 from fedguard.store.folder import ATTACKS_FILE, VAULT_DIR
 from fedguard.store.observation_files import save_observation
+from fedguard.store.run_dir import OBSERVATIONS_DIR, prepare_run_dir
 from fedguard.store.vault import read_truth, write_truth
 from fedguard.training import compute_gradients, get_arrays, merge_by_mask, split_by_mask, trainable_mask
 

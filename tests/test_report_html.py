@@ -19,7 +19,7 @@ from fedguard.commands.cli import main
 from fedguard.config import load_config
 from fedguard.report.html import DASH, _uploads_table, build_report
 from fedguard.report.images import save_grid
-from fedguard.report.run_dir import prepare_run_dir
+from fedguard.store.run_dir import prepare_run_dir
 
 CHROMIUM = Path("/usr/bin/chromium")
 ROUNDS = 6

@@ -28,11 +28,11 @@ from fedguard.config import ConfigError, load_config
 from fedguard.evaluation import ROW_STATUSES, Evaluator, status_counts
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
-from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE
 from fedguard.runtime.server_app import finish_run
 from fedguard.runtime.stopping import StopRequest
 from fedguard.store.folder import ATTACKS_FILE, STATUS_FILE, read_json
 from fedguard.store.observation_files import DiskSink, load_observations
+from fedguard.store.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE
 from fedguard.tracking import Trackers
 from tests.helpers import attacker_ray_cluster
 from tests.test_evaluation import make_run

@@ -24,7 +24,6 @@ from fedguard.report.comparison import render_comparison, write_comparison
 from fedguard.report.html import build_report
 from fedguard.report.images import save_grid
 from fedguard.report.rounds import RoundRecorder
-from fedguard.report.run_dir import prepare_run_dir
 from fedguard.report.run_status import write_status
 from fedguard.store.folder import (
     ATTACKS_FILE,
@@ -47,6 +46,7 @@ from fedguard.store.folder import (
     write_jsonl,
 )
 from fedguard.store.rows import busy_span
+from fedguard.store.run_dir import prepare_run_dir
 from tests.commands import QUICK_IG, settings
 from tests.test_evaluation import make_run as make_captured_run
 from tests.test_sweep import SMALL

@@ -112,10 +112,10 @@ def aggregate_run(tmp_path: Path) -> Path:
     """A FedSGD run folder under secure aggregation: two clients' batches of 4 digits, one aggregate captured."""
 
     from fedguard.data import load_dataset
-    from fedguard.report.run_dir import prepare_run_dir
     from fedguard.store.card import initial_model, model_card
     from fedguard.store.folder import OBSERVATIONS_DIR
     from fedguard.store.observation_files import save_observation
+    from fedguard.store.run_dir import prepare_run_dir
     from fedguard.training import compute_gradients, get_arrays, merge_by_mask, split_by_mask, trainable_mask
 
     overrides = [f"out-dir={tmp_path / 'run'}", "model.mlp.hidden=64", "threat.aggregation=secure"]

@@ -15,10 +15,10 @@ import pytest
 from fedguard.commands.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summarize_runs, summary_table
 from fedguard.config import Config, ConfigError, load_config
 from fedguard.report.paper_table import render_paper_table
-from fedguard.report.run_dir import config_toml
 from fedguard.report.run_status import read_status, write_status
 from fedguard.store.checkpoint import RoundCheckpoint, write_checkpoint
 from fedguard.store.lock import hold
+from fedguard.store.run_dir import config_toml
 from tests.test_report_html import CHROMIUM, chromium, img_count
 
 SMALL = """

@@ -42,8 +42,8 @@ from fedguard.defenses.base import check_defense_files
 from fedguard.defenses.evalnet import EvalNet, TrainedEvalNet, load_evalnet, save_evalnet
 from fedguard.defenses.refiner import RefinerParams
 from fedguard.registry import MissingTrainedFile, TrainedFileError
-from fedguard.report.run_dir import OBSERVATIONS_DIR
 from fedguard.runtime.server_app import run_server
+from fedguard.store.run_dir import OBSERVATIONS_DIR
 
 SPEC = DataSpec(1, 8, 8, 10)
 TINY = UNetConfig(base_channels=4, channel_mults=(1, 2), groups=2)

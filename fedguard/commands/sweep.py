@@ -64,7 +64,6 @@ from fedguard.report.invocation import INVOCATION_FILE, invocation, invocation_l
 from fedguard.report.leakage import SUCCESS_SSIM, privacy
 from fedguard.report.leakage_table import leakage_tables
 from fedguard.report.paper_table import PaperTable, metric_value, parse_paper_table, render_paper_table
-from fedguard.report.run_dir import config_toml
 from fedguard.report.run_status import read_status
 from fedguard.report.statistics import over_seeds
 from fedguard.report.sweep_html import build_sweep_page
@@ -83,6 +82,7 @@ from fedguard.store.folder import (
 from fedguard.store.invocations import own_rows
 from fedguard.store.lock import wait_free
 from fedguard.store.rows import AttackRow, RoundRow, read_attacks, read_rounds
+from fedguard.store.run_dir import config_toml
 from fedguard.tracking.mlflow_sweep import sweep_parent
 
 SETTING_KINDS = ("diagnostic", "realistic")

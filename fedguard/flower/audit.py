@@ -34,7 +34,6 @@ from fedguard.flower.mods import is_trainable
 from fedguard.flower.settings import PREFIX, audit_config
 from fedguard.observation import ModelCard
 from fedguard.report.rounds import RoundRecorder
-from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE
 from fedguard.runtime.server_app import (
     build_attack_pool,
     capture_strategy,
@@ -47,6 +46,7 @@ from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest
 from fedguard.store.card import initial_model, model_card
 from fedguard.store.folder import APP_FILE, write_atomic
 from fedguard.store.observation_files import DiskSink
+from fedguard.store.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE
 from fedguard.tracking import open_trackers
 from fedguard.wire.records import CLIENT_KEY, DECLARED, declined, read_findings, read_upload
 from strategies.client_failures import ClientFailure

@@ -21,8 +21,8 @@ def ready(config: Config, out: Path | None = None) -> tuple[Config, str]:
     from attackers.base import check_attack_files
     from fedguard.data import load_dataset
     from fedguard.defenses.base import check_defense_files
-    from fedguard.report.run_dir import resolve_run_dir
     from fedguard.runtime.simulation import resource_problems
+    from fedguard.store.run_dir import resolve_run_dir
     from fedguard.tracking import tracker_problems
 
     if out is not None and not config.run.resume:

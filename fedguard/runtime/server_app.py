@@ -44,7 +44,6 @@ from fedguard.plugin_faults import PluginFailure, raising_plugin
 from fedguard.protocols import protocol as run_protocol
 from fedguard.report.html import build_report
 from fedguard.report.rounds import RoundRecorder
-from fedguard.report.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
 from fedguard.report.run_status import write_status
 from fedguard.runtime.message_index import index_message_delivery, remove_message_index
 from fedguard.runtime.stopping import RunInterrupted, StoppableGrid, StopRequest, stop_on_flower_exit
@@ -56,6 +55,7 @@ from fedguard.store.invocations import RUN_INVOCATION
 from fedguard.store.observation_files import DiskSink
 from fedguard.store.resume import resume_point, rewind
 from fedguard.store.rows import read_attacks, read_rounds
+from fedguard.store.run_dir import OBSERVATIONS_DIR, ROUNDS_FILE, prepare_run_dir, resolve_run_dir
 from fedguard.tracking import Trackers, open_trackers
 from fedguard.training import evaluate, get_arrays, set_arrays
 from fedguard.wire.records import Upload, array_record

@@ -27,11 +27,11 @@ import tomli_w
 
 from fedguard.config import Config, ConfigError, flatten
 from fedguard.config_checks import ray_address_problem
-from fedguard.report.run_dir import unflatten
 from fedguard.run_plan import PLAN_KEY
 from fedguard.runtime.app_bundle import stage_app
 from fedguard.runtime.launcher import CONNECTION, STOP_FILE_ENV, Interrupted, Launch, LaunchError, launch
 from fedguard.runtime.lifeline import LIFELINE_ENV
+from fedguard.store.run_dir import unflatten
 
 APP_DIR = Path(__file__).resolve().parents[2]
 PROBE_SECONDS = 5.0  # how long a Ray cluster's address may take to answer

@@ -17,7 +17,7 @@ import numpy as np
 
 from fedguard.config import Config
 from fedguard.report.images import grid_array
-from fedguard.report.run_dir import config_toml
+from fedguard.store.run_dir import config_toml
 from fedguard.tracking import attack_scalars, round_scalars
 
 
