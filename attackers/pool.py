@@ -85,7 +85,7 @@ class RayWorkers:
         start at the first submit, once the simulated clients took their share of it."""
         return not self.use_gpu and ray.is_initialized()
 
-    def start(self, factories: dict[str, AttackFactory]) -> int:
+    def start(self, factories: dict[str, AttackFactory]) -> None:
         """Join (or start) Ray and create the workers. Runs on the runner's thread, so that inside a simulation
         the engine has started Ray by then and the pool never races it."""
         if not ray.is_initialized():
@@ -103,7 +103,6 @@ class RayWorkers:
         self._ready = [False] * self.num_workers
         for index in range(self.num_workers):
             self._launch(index)
-        return self.num_workers
 
     def _launch(self, index: int) -> None:
         """(Re)start worker ``index``; it gets work only once it is up, so start-up never counts against the

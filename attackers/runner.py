@@ -93,7 +93,7 @@ class Finished:
 class Workers(Protocol):
     """A runner's backend: numbered workers that each run one batch at a time.
 
-    ``start`` creates them (on the runner's thread, at the first submit or ``warm_up``) and returns how many;
+    ``start`` creates them (on the runner's thread, at the first submit or ``warm_up``);
     ``idle`` is those up and free of the ``busy`` ones; ``send`` hands one a batch and returns a handle;
     ``finished`` is the handles whose batch ended; ``result`` what came back of one; ``replace`` kills a worker and
     starts another in its place (one past its time limit, or lost); ``stop`` ends them all. ``starts_early``:
@@ -101,7 +101,7 @@ class Workers(Protocol):
 
     def starts_early(self) -> bool: ...
 
-    def start(self, factories: dict[str, AttackFactory]) -> int: ...
+    def start(self, factories: dict[str, AttackFactory]) -> None: ...
 
     def idle(self, busy: set[int]) -> list[int]: ...
 
@@ -126,9 +126,8 @@ class LocalWorkers:
     def starts_early(self) -> bool:
         return False
 
-    def start(self, factories: dict[str, AttackFactory]) -> int:
+    def start(self, factories: dict[str, AttackFactory]) -> None:
         self.worker = AttackWorker(factories)
-        return 1
 
     def idle(self, busy: set[int]) -> list[int]:
         return [] if busy else [0]
@@ -453,23 +452,11 @@ class AttackRunner:
             return AttackOutcome(task.observation, "error", error=self._start_error, attack=task.attack)
         reason = self.stop()
         if reason is not None:
-            return AttackOutcome(
-                task.observation,
-                "interrupted",
-                attack=task.attack,
-                seconds=seconds,
-                worker=worker,
-                error=f"the run was {reason} before this attack finished",
-            )
-        waited = "" if timeout is None else f" (waited {timeout:.0f} s)"
-        return AttackOutcome(
-            task.observation,
-            "timeout",
-            attack=task.attack,
-            seconds=seconds,
-            worker=worker,
-            error=f"still pending when the run ended{waited}",
-        )
+            status, error = "interrupted", f"the run was {reason} before this attack finished"
+        else:
+            waited = "" if timeout is None else f" (waited {timeout:.0f} s)"
+            status, error = "timeout", f"still pending when the run ended{waited}"
+        return AttackOutcome(task.observation, status, attack=task.attack, seconds=seconds, worker=worker, error=error)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` seconds (None: the per-attack limits alone), or until ``stop`` says the run

@@ -263,9 +263,7 @@ def densify(reply: Message, names: Sequence[str]) -> None:
     declared = reply.content.get(DECLARED)
     if not isinstance(declared, ConfigRecord) or declared.get(ENCODING_KEY) != SPARSE:
         return
-    reply.content[ARRAYS] = array_record(
-        list(names), decode_arrays(cast(ArrayRecord, reply.content[ARRAYS]).to_numpy_ndarrays())
-    )
+    replace_arrays(reply, list(names), decode_arrays(cast(ArrayRecord, reply.content[ARRAYS]).to_numpy_ndarrays()))
     del declared[ENCODING_KEY]
 
 
