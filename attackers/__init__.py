@@ -9,6 +9,7 @@ from attackers import (  # noqa: F401  (registration)
     dlg,
     fc_span,
     feature_fishing,
+    fedavg_inversion,
     fishing,
     generative,
     gradinversion,

@@ -8,12 +8,15 @@ and the unbiased batch variance for ``running_var``. A FedSGD upload carries
 the client's buffers after its one step, and the server knows the buffers it
 sent, so it solves for every layer's batch mean and (biased) variance exactly,
 up to float32 rounding amplified by ``1 / m``. Weight uploads mix the
-statistics of every local step and are refused.
+statistics of every local step and are refused there; ``running_change``
+gives what a weights upload's T steps added instead, ``sum_t m (1 - m)^(T-t)
+s_t``, for an attack that replays the steps to match.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -120,3 +123,56 @@ def recover_batch_statistics(obs: Observation) -> BatchStatistics:
             torch.tensor(unbiased * (n - 1) / n, dtype=torch.float32),
         )
     return statistics
+
+
+@dataclass(frozen=True)
+class RunningChange:
+    """What a FedAvg client's T local steps added to one BatchNorm layer's running statistics: ``mean`` and
+    ``var`` (channels,) float32, ``sum_t m (1 - m)^(T - t)`` times each step's batch mean and unbiased variance
+    (the uploaded buffers less ``(1 - m)^T`` times the server's), with the layer's ``momentum`` m."""
+
+    momentum: float
+    mean: torch.Tensor
+    var: torch.Tensor
+
+
+def running_change(obs: Observation, steps: int) -> dict[str, RunningChange]:
+    """Per BatchNorm layer (module order), the change its running statistics show after the client's ``steps``
+    local steps. Raises ``ValueError`` for a gradient upload, a model without running statistics, a layer of
+    cumulative averaging (``momentum=None``), or an upload whose ``num_batches_tracked`` did not advance by
+    ``steps`` (the buffers kept on the client, FedBN, or another schedule than the declared one)."""
+    if obs.kind != "weights":
+        raise ValueError(f"the running statistics' change is read from FedAvg weight uploads, got a {obs.kind!r} one")
+    layers = batch_norm_layers(observed_model(obs))
+    if not layers:
+        raise ValueError(f"model {obs.model!r} has no BatchNorm layer with running statistics to match")
+    index = {name: i for i, name in enumerate(obs.names)}
+
+    def before_after(entry: str) -> tuple[np.ndarray, np.ndarray]:
+        return obs.global_arrays[index[entry]].astype(np.float64), obs.upload[index[entry]].astype(np.float64)
+
+    changes: dict[str, RunningChange] = {}
+    for name, layer in layers.items():
+        before, after = (int(v) for v in before_after(f"{name}.num_batches_tracked"))
+        if after - before != steps:
+            raise ValueError(
+                f"BatchNorm {name!r} counted {after - before} steps (num_batches_tracked {before} -> {after}), "
+                f"but the declared local training takes {steps}: its running statistics do not follow it"
+            )
+        if layer.momentum is None or not 0 < layer.momentum <= 1:
+            raise ValueError(
+                f"BatchNorm {name!r} has momentum {layer.momentum}: only an exponential average with momentum "
+                f"in (0, 1] is matched"
+            )
+        m = float(layer.momentum)
+        decay = (1 - m) ** steps
+        (old_mean, new_mean), (old_var, new_var) = (
+            before_after(f"{name}.running_mean"),
+            before_after(f"{name}.running_var"),
+        )
+        changes[name] = RunningChange(
+            m,
+            torch.tensor(new_mean - decay * old_mean, dtype=torch.float32),
+            torch.tensor(new_var - decay * old_var, dtype=torch.float32),
+        )
+    return changes

@@ -130,7 +130,9 @@ def test_bfloat16_dummy_gradients_agree_with_float32_to_about_two_digits() -> No
 def test_specs_refuse_unknown_pieces_with_the_choices() -> None:
     with pytest.raises(ValueError, match="distance 'l1': choose one of cosine, l2, relative-l2"):
         SearchSpec(10, 1, "cpu", distance="l1")
-    with pytest.raises(ValueError, match="prior 'sparsity': choose one of tv, l2, bn, group, kl"):
+    with pytest.raises(
+        ValueError, match="prior 'sparsity': choose one of tv, l2, bn, running-stats, group, epoch-order, kl"
+    ):
         Term("sparsity", 1.0)
     with pytest.raises(ValueError, match="optimizer 'sgd': choose one of signed-adam, adam, lbfgs"):
         OptimizerSpec("sgd")

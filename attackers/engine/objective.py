@@ -2,9 +2,12 @@
 
 The dummy update of every job comes from one vmapped call: the parameter
 gradient of its dummy batch (FedSGD) or the client's declared local SGD
-replayed on it (FedAvg: ``global - after``, minibatches in order as Geiping
-et al. do, the client's shuffling being unknown). BatchNorm input statistics
-are recorded in the same forward pass when a ``bn`` term asks for them. The
+replayed on it (FedAvg: ``global - after``; minibatches cut in order from one
+copy of the examples as Geiping et al. do, or, the shuffle searched, epoch e's
+from copy e, ``attackers.engine.spaces.EpochCopiesSpace``). BatchNorm input
+statistics are recorded in the same forward pass when a ``bn`` term asks for
+them; a FedAvg replay turns them into the change of the running statistics
+its steps make, for a ``running-stats`` term. The
 dummy update runs in the spec's ``precision`` (weights and images cast once per
 evaluation); it comes back in float32 for the distance and the priors.
 """
@@ -12,7 +15,6 @@ evaluation); it comes back in float32 for the distance and the priors.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -20,41 +22,23 @@ import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
 from attackers.engine.aware import aware_phases
+from attackers.engine.local_schedule import LocalSchedule
 from attackers.engine.problem import Problem
-from attackers.engine.spaces import JointSpace, RobustMixtureSpace
+from attackers.engine.spaces import EpochCopiesSpace, JointSpace, RobustMixtureSpace
 from attackers.engine.spec import PRECISIONS, SearchSpec
 from attackers.engine.terms import DISTANCES, PRIORS, Statistics, Term, TermInputs
-from fedguard.observation import Observation
-from fedguard.wire.declared import wire_key
 
 Gradients = dict[str, torch.Tensor]
 
 
-@dataclass(frozen=True)
-class LocalSchedule:
-    """The local training a FedAvg client declared: SGD step ``lr``, ``epochs`` over its examples in
-    minibatches of ``batch_size``."""
-
-    lr: float
-    epochs: int
-    batch_size: int
-
-    @classmethod
-    def of(cls, obs: Observation) -> LocalSchedule:
-        declared = obs.declared
-        if declared.lr is None or declared.local_epochs is None or declared.batch_size is None:
-            missing = next(name for name in ("lr", "local_epochs", "batch_size") if getattr(declared, name) is None)
-            raise ValueError(f"a weights upload without the declared local hyper-parameter {wire_key(missing)!r}")
-        return cls(declared.lr, declared.local_epochs, declared.batch_size)
-
-
 class BatchNormInputs:
-    """Forward hooks that record, per named BatchNorm module, the per-channel mean and biased variance of its
-    input during the latest forward pass (works inside ``torch.func`` transforms)."""
+    """Forward hooks that record, per named BatchNorm module, the per-channel mean and variance (biased, or
+    ``unbiased`` as running statistics take it) of its input during the latest forward pass (works inside
+    ``torch.func`` transforms)."""
 
-    def __init__(self, model: nn.Module, names: list[str]) -> None:
+    def __init__(self, model: nn.Module, names: list[str], unbiased: bool = False) -> None:
         modules = dict(model.named_modules())
-        self.names = names
+        self.names, self.correction = names, int(unbiased)
         self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name in names:
             modules[name].register_forward_hook(self._hook(name))
@@ -63,7 +47,7 @@ class BatchNormInputs:
         def record(module: nn.Module, inputs: tuple[torch.Tensor, ...], _: torch.Tensor) -> None:
             h = inputs[0]
             dims = [0, *range(2, h.dim())]
-            self.seen[name] = (h.mean(dims), h.var(dims, correction=0))
+            self.seen[name] = (h.mean(dims), h.var(dims, correction=self.correction))
 
         return record
 
@@ -97,7 +81,8 @@ class Objective:
         self.spec, self.problem = spec, problem
         jobs = problem.batch_of_jobs
         model, names = jobs.model, jobs.names
-        recorder = BatchNormInputs(model, problem.bn_layers) if problem.bn_layers else None
+        running = problem.running_momenta
+        recorder = BatchNormInputs(model, problem.bn_layers, unbiased=bool(running)) if problem.bn_layers else None
 
         def param_grad(
             p: Gradients, x: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
@@ -112,7 +97,11 @@ class Objective:
 
         update = param_grad
         if problem.observations[0].kind == "weights":
-            update = local_update_fn(param_grad, LocalSchedule.of(problem.observations[0]), problem.space.batch)
+            space = problem.space
+            copies = space.epochs if isinstance(space, EpochCopiesSpace) else 1
+            update = local_update_fn(
+                param_grad, LocalSchedule.of(problem.observations[0]), problem.examples, copies, running
+            )
         self.weighted = isinstance(problem.space, RobustMixtureSpace)
         self.update = vmap(update, in_dims=(None if jobs.shared else 0, 0, 0, *([0] if self.weighted else [])))
         self.dtype = PRECISIONS[spec.precision]
@@ -166,7 +155,8 @@ class Objective:
         if self.dtype != torch.float32:
             g = {name: v.float() for name, v in g.items()}
             statistics = [(mean.float(), var.float()) for mean, var in statistics]
-        inputs = TermInputs(images, z, statistics, problem.bn_target, self.spec.restarts)
+        copies = space.epochs if isinstance(space, EpochCopiesSpace) else 1
+        inputs = TermInputs(images, z, statistics, problem.bn_target, self.spec.restarts, copies)
         return self.phases[phase][1](g), {name: PRIORS[name](inputs) for name in priors}
 
     def losses_at(self, progress: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -194,19 +184,36 @@ class Objective:
 
 
 def local_update_fn(
-    param_grad: Callable[..., tuple[Gradients, Statistics]], schedule: LocalSchedule, examples: int
+    param_grad: Callable[..., tuple[Gradients, Statistics]],
+    schedule: LocalSchedule,
+    examples: int,
+    copies: int = 1,
+    momenta: list[float] | None = None,
 ) -> Callable[..., tuple[Gradients, Statistics]]:
-    """``(params, x, y) -> (params - params_after_local_SGD, [])``: the client's FedAvg steps replayed on dummy
-    data, minibatches in order."""
+    """``(params, x, y) -> (params - params_after_local_SGD, running)``: the client's FedAvg steps replayed on
+    dummy data ``x`` (copies * examples, ...), epoch e's minibatches cut in order from copy e (every epoch's
+    from the one copy when ``copies`` is 1). With ``momenta`` (one per BatchNorm layer ``param_grad`` records,
+    its unbiased variance), ``running`` is per layer what the steps add to the running mean and variance:
+    ``sum_t m (1 - m)^(T - t) s_t`` over the T steps' statistics ``s_t``; else empty."""
+    if copies not in (1, schedule.epochs):
+        raise ValueError(f"{copies} copies of the examples for {schedule.epochs} local epochs: give 1 or one each")
+    steps = [
+        (epoch * examples * (copies > 1) + start, min(start + schedule.batch_size, examples) - start)
+        for epoch in range(schedule.epochs)
+        for start in range(0, examples, schedule.batch_size)
+    ]
 
     def local_update(p: Gradients, x: torch.Tensor, labels: torch.Tensor) -> tuple[Gradients, Statistics]:
-        q = p
-        for _ in range(schedule.epochs):
-            for start in range(0, examples, schedule.batch_size):
-                g, _ = param_grad(
-                    q, x[start : start + schedule.batch_size], labels[start : start + schedule.batch_size]
-                )
-                q = {n: q[n] - schedule.lr * g[n] for n in q}
-        return {n: p[n] - q[n] for n in p}, []
+        q, running = p, cast(Statistics, [])
+        for first, size in steps:
+            g, statistics = param_grad(q, x[first : first + size], labels[first : first + size])
+            q = {n: q[n] - schedule.lr * g[n] for n in q}
+            if momenta:
+                running = running or [(torch.zeros_like(mean), torch.zeros_like(var)) for mean, var in statistics]
+                running = [
+                    ((1 - m) * mean_sum + m * mean, (1 - m) * var_sum + m * var)
+                    for m, (mean_sum, var_sum), (mean, var) in zip(momenta, running, statistics)
+                ]
+        return {n: p[n] - q[n] for n in p}, running
 
     return local_update

@@ -8,8 +8,9 @@ from typing import Any, cast
 import torch
 
 from attackers.base import Reconstruction, images_per_upload
-from attackers.bn_statistics import recover_batch_statistics
-from attackers.engine.spaces import JointSpace, LatentSpace, PixelSpace, RobustMixtureSpace, Space
+from attackers.bn_statistics import recover_batch_statistics, running_change
+from attackers.engine.local_schedule import LocalSchedule
+from attackers.engine.spaces import EpochCopiesSpace, JointSpace, LatentSpace, PixelSpace, RobustMixtureSpace, Space
 from attackers.engine.spec import SearchSpec
 from attackers.engine.terms import Statistics
 from attackers.jobs import JobBatch, job_seed
@@ -39,11 +40,25 @@ def target_update(obs: Observation, device: torch.device) -> list[torch.Tensor]:
 
 
 def space_for(
-    obs: Observation, batch: int, joint: bool, decoder: Any, device: torch.device, matching: Revealed | None = None
+    obs: Observation,
+    batch: int,
+    joint: bool,
+    decoder: Any,
+    device: torch.device,
+    matching: Revealed | None = None,
+    shuffle: str = "in-order",
 ) -> Space:
     """The search space: a generator's latents (``decoder``), images with soft labels (``joint``), images and
-    Refiner's robust images (``matching`` is ``TowardsRobustData``), or images."""
+    Refiner's robust images (``matching`` is ``TowardsRobustData``), one copy of the images per local epoch
+    (``shuffle`` 'per-epoch', FedAvg uploads), or images."""
     shape = obs.spec.shape
+    if shuffle == "per-epoch" and obs.kind == "weights":
+        if decoder is not None or joint or matching is not None:
+            raise ValueError(
+                "the replay with the shuffle searched (shuffle = 'per-epoch') assigns known or inferred labels to "
+                "pixel images: it takes no generator, no joint labels and no defense's matching"
+            )
+        return EpochCopiesSpace(LocalSchedule.of(obs).epochs, batch, shape, obs.spec.num_classes)
     if isinstance(matching, TowardsRobustData):
         if decoder is not None or joint or obs.kind != "gradient":
             raise ValueError(
@@ -66,8 +81,9 @@ def space_for(
 
 class Problem:
     """The jobs of one search: model, weights (shared or per job), targets of the compared parameters (J, ...)
-    each, labels (known per upload, or searched), the space, and the BatchNorm layers a ``bn`` term matches
-    with their target statistics (J, C)."""
+    each, labels (known per upload, or searched), the space, the images per upload (``examples``), and the
+    BatchNorm layers a ``bn`` or ``running-stats`` term matches with their target statistics (J, C) (the
+    ``running_momenta`` of those layers for ``running-stats``, else empty)."""
 
     def __init__(
         self,
@@ -80,10 +96,13 @@ class Problem:
         space: Space,
         bn_layers: list[str],
         bn_target: Statistics,
+        examples: int,
+        running_momenta: list[float],
     ) -> None:
         self.spec, self.observations, self.batch_of_jobs = spec, observations, jobs
         self.target, self.known, self.inferred, self.space = target, known, inferred, space
         self.bn_layers, self.bn_target = bn_layers, bn_target
+        self.examples, self.running_momenta = examples, running_momenta
         self.jobs = len(observations) * spec.restarts
         self.y = jobs.per_job(known) if known is not None else None
 
@@ -94,10 +113,21 @@ class Problem:
             if obs.kind not in spec.uploads:
                 wanted = " or ".join(UPLOAD_NAMES[k] for k in sorted(spec.uploads))
                 raise ValueError(f"this attack needs {wanted}, got a {obs.kind!r} upload")
+        batch = images_per_upload(first)
         bn_stats = [recover_batch_statistics(o) for o in observations] if spec.uses("bn") else []
+        momenta: list[float] = []
+        if spec.uses("running-stats"):
+            if first.kind != "weights":
+                raise ValueError(
+                    "the running-stats term matches the running statistics of FedAvg weight uploads; a FedSGD "
+                    "upload's batch statistics are matched by the bn term"
+                )
+            steps = LocalSchedule.of(first).steps(batch)
+            changes = [running_change(o, steps) for o in observations]
+            bn_stats = [{name: (c.mean, c.var) for name, c in change.items()} for change in changes]
+            momenta = [c.momentum for c in changes[0].values()]
         jobs = JobBatch.of(observations, spec.restarts, device)
         targets = [target_update(o, device) for o in observations]
-        batch = images_per_upload(first)
         declared = [declared_labels(o.declared) for o in observations]
         joint = spec.labels == "joint" and any(lab is None for lab in declared)
         sparse = isinstance(spec.matching, SentBand)
@@ -116,7 +146,7 @@ class Problem:
                 f"skip = {spec.skip!r} leaves no parameter to compare; parameters: {', '.join(jobs.names)}"
             )
         target = [jobs.per_job([t[i] for t in targets]) for i in compared]
-        space = space_for(first, batch, joint, decoder, device, spec.matching)
+        space = space_for(first, batch, joint, decoder, device, spec.matching, spec.shuffle)
         layers = list(bn_stats[0]) if bn_stats else []
         bn_target = [
             (
@@ -125,7 +155,7 @@ class Problem:
             )
             for name in layers
         ]
-        return cls(spec, observations, jobs, target, known, inferred, space, layers, bn_target)
+        return cls(spec, observations, jobs, target, known, inferred, space, layers, bn_target, batch, momenta)
 
     def generator(self, seed: int, job: int, attempt: int = 0) -> torch.Generator:
         """The seeded generator of one job's ``attempt``-th starting point."""
@@ -145,8 +175,16 @@ class Problem:
 
         return fresh
 
+    @property
+    def labels_per_job(self) -> bool:
+        """Whether ``final_labels`` gives each job's labels (searched or assigned) rather than each upload's."""
+        return self.known is None or isinstance(self.space, EpochCopiesSpace)
+
     def final_labels(self, z: torch.Tensor) -> list[torch.Tensor]:
-        """The known labels of each upload, or the searched ones of each job."""
+        """The known labels of each upload, the ones each job's copy 0 assigns to its images, or the searched
+        ones of each job."""
+        if isinstance(self.space, EpochCopiesSpace) and self.y is not None:
+            return list(self.space.final_labels(z, self.y))
         if self.known is not None:
             return self.known
         return list(cast(JointSpace, self.space).final_labels(z))  # labels are searched in the joint space only
@@ -170,7 +208,7 @@ class Problem:
         results = []
         for i in range(uploads):
             job = i * restarts + int(best[i])
-            upload_labels = labels[i] if self.known is not None else labels[job]
+            upload_labels = labels[job] if self.labels_per_job else labels[i]
             stats: dict[str, Any] = {
                 "loss": float(final[i, best[i]]),
                 "restart_losses": [float(v) for v in final[i]],

@@ -14,6 +14,9 @@ from attackers.engine.terms import DISTANCES, Term
 from fedguard.defenses.revealed import Revealed
 
 LABELS = ("infer", "joint")
+SHUFFLES = ("in-order", "per-epoch")
+"""How a FedAvg client's minibatches are replayed: cut in order from one copy of the examples every epoch
+(Geiping et al.), or from one searched copy per epoch whose order is free (Dimitrov et al., TMLR 2022)."""
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The dtype of the dummy update's arithmetic (the distance and the priors stay in float32)."""
 
@@ -32,7 +35,8 @@ class SearchSpec:
     ``distance`` (``aware_phases``), a sent band's penalty weighted by ``band_weight``, quantized levels matched
     with the rounding's likelihood late when ``rounding_likelihood``; ``precision``: the
     arithmetic of the dummy update, a key of ``PRECISIONS`` (``bfloat16``
-    halves the cost of the convolutions on hardware with bfloat16 units, at about 3 significant digits)."""
+    halves the cost of the convolutions on hardware with bfloat16 units, at about 3 significant digits);
+    ``shuffle``: how a FedAvg upload's local epochs are replayed, a key of ``SHUFFLES``."""
 
     iterations: int
     restarts: int
@@ -50,6 +54,7 @@ class SearchSpec:
     matching: Revealed | None = None
     band_weight: float = 1.0
     rounding_likelihood: bool = False
+    shuffle: str = "in-order"
 
     def __post_init__(self) -> None:
         check_search_params(self.iterations, self.restarts, self.optimizer.lr, self.device, self.compile)
@@ -60,6 +65,8 @@ class SearchSpec:
         if self.eot < 0:
             raise ValueError(f"eot must be >= 0 (0: off), got {self.eot}")
         check_precision(self.precision)
+        if self.shuffle not in SHUFFLES:
+            raise ValueError(f"shuffle {self.shuffle!r}: choose one of {', '.join(SHUFFLES)}")
 
     def skipped(self, name: str) -> bool:
         """True when parameter ``name`` is left out of the gradient distance."""

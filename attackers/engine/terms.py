@@ -69,13 +69,16 @@ Statistics = list[tuple[torch.Tensor, torch.Tensor]]
 class TermInputs:
     """What a prior may look at in one evaluation: dummy ``images`` (J, B, C, H, W) in [0, 1], the search
     variable ``z`` (J, ...), each job's BatchNorm input ``statistics`` and their ``bn_target`` ((J, C) mean and
-    variance per layer; empty unless a term asks), and ``restarts`` (jobs of one upload are consecutive)."""
+    variance per layer; empty unless a term asks), ``restarts`` (jobs of one upload are consecutive) and
+    ``copies``: how many copies of the client's examples the images hold, one after the other (one per local
+    epoch when the shuffle is searched, ``attackers.engine.spaces.EpochCopiesSpace``)."""
 
     images: torch.Tensor
     z: torch.Tensor
     statistics: Statistics
     bn_target: Statistics
     restarts: int
+    copies: int = 1
 
 
 Prior = Callable[[TermInputs], torch.Tensor]
@@ -115,12 +118,46 @@ def batch_norm_prior(inputs: TermInputs) -> torch.Tensor:
     )
 
 
+@register_prior("running-stats")
+def running_statistics_prior(inputs: TermInputs) -> torch.Tensor:
+    """Per job, the squared error of the running statistics' change a FedAvg replay makes against the uploaded
+    one, relative to the uploaded change's squared norm, summed over the mean and the variance of every
+    BatchNorm layer (``attackers.bn_statistics.running_change``)."""
+    return cast(
+        torch.Tensor,
+        sum(
+            ((mean - mean_t) ** 2).sum(1) / (mean_t**2).sum(1).clamp_min(1e-12)
+            + ((var - var_t) ** 2).sum(1) / (var_t**2).sum(1).clamp_min(1e-12)
+            for (mean, var), (mean_t, var_t) in zip(inputs.statistics, inputs.bn_target)
+        ),
+    )
+
+
 @register_prior("group")
 def group_prior(inputs: TermInputs) -> torch.Tensor:
     """Mean squared distance of each job's images to the (detached) mean of its upload's restarts."""
     x, restarts = inputs.images, inputs.restarts
     centre = x.detach().reshape(-1, restarts, *x.shape[1:]).mean(1).repeat_interleave(restarts, dim=0)
     return ((x - centre) ** 2).flatten(1).mean(1)
+
+
+@register_prior("epoch-order")
+def epoch_order_prior(inputs: TermInputs) -> torch.Tensor:
+    """The epoch-order-invariant prior (Dimitrov et al., TMLR 2022) as a symmetric Chamfer distance: per copy
+    after the first, the mean squared pixel distance of each image to its nearest image of copy 0 and of each
+    image of copy 0 to its nearest in that copy, averaged over copies (J,); 0 when every copy holds the same
+    images in any order."""
+    copies = inputs.copies
+    x = inputs.images.flatten(2)
+    if copies < 2:
+        return x.new_zeros(x.shape[0])
+    x = x.reshape(x.shape[0], copies, -1, x.shape[-1])
+    first = x[:, 0]
+    total = x.new_zeros(x.shape[0])
+    for e in range(1, copies):
+        squared = torch.cdist(first, x[:, e]).square() / x.shape[-1]
+        total = total + squared.min(-1).values.mean(-1) + squared.min(-2).values.mean(-1)
+    return total / (copies - 1)
 
 
 def latent_kl(z: torch.Tensor) -> torch.Tensor:
