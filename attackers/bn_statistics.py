@@ -71,6 +71,16 @@ def values_per_channel(model: nn.Module, layers: dict[str, _BatchNorm], shape: t
     return sizes
 
 
+def sent_and_uploaded(obs: Observation) -> Callable[[str], tuple[np.ndarray, np.ndarray]]:
+    """``entry -> (what the server sent, what the client uploaded)`` of a ``state_dict`` entry of ``obs``, float64."""
+    index = {name: i for i, name in enumerate(obs.names)}
+
+    def before_after(entry: str) -> tuple[np.ndarray, np.ndarray]:
+        return obs.global_arrays[index[entry]].astype(np.float64), obs.upload[index[entry]].astype(np.float64)
+
+    return before_after
+
+
 def recover_batch_statistics(obs: Observation) -> BatchStatistics:
     """Each BatchNorm layer's batch mean and biased batch variance, both (channels,) float32, by module name.
 
@@ -88,11 +98,8 @@ def recover_batch_statistics(obs: Observation) -> BatchStatistics:
             f"recover (choose a BatchNorm model, e.g. convnet or mlp with batch-norm)"
         )
     per_example = values_per_channel(model, layers, obs.spec.shape)
-    index = {name: i for i, name in enumerate(obs.names)}
+    before_after = sent_and_uploaded(obs)
     batch = images_per_upload(obs)
-
-    def before_after(entry: str) -> tuple[np.ndarray, np.ndarray]:
-        return obs.global_arrays[index[entry]].astype(np.float64), obs.upload[index[entry]].astype(np.float64)
 
     statistics: BatchStatistics = {}
     for name, layer in layers.items():
@@ -146,11 +153,7 @@ def running_change(obs: Observation, steps: int) -> dict[str, RunningChange]:
     layers = batch_norm_layers(observed_model(obs))
     if not layers:
         raise ValueError(f"model {obs.model!r} has no BatchNorm layer with running statistics to match")
-    index = {name: i for i, name in enumerate(obs.names)}
-
-    def before_after(entry: str) -> tuple[np.ndarray, np.ndarray]:
-        return obs.global_arrays[index[entry]].astype(np.float64), obs.upload[index[entry]].astype(np.float64)
-
+    before_after = sent_and_uploaded(obs)
     changes: dict[str, RunningChange] = {}
     for name, layer in layers.items():
         before, after = (int(v) for v in before_after(f"{name}.num_batches_tracked"))

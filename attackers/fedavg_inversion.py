@@ -25,7 +25,7 @@ from attackers.base import AttackTraits, check_search_params, register_attack
 from attackers.bn_statistics import batch_norm_layers
 from attackers.engine import OptimizationAttack, OptimizerSpec, SearchSpec, Term
 from attackers.engine.optimizers import check_schedule
-from attackers.engine.spec import SHUFFLES, check_precision
+from attackers.engine.spec import check_precision, check_shuffle
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,7 @@ class FedAvgInversionParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite weight >= 0, got {value}")
-        if self.shuffle not in SHUFFLES:
-            raise ValueError(f"shuffle {self.shuffle!r}: choose one of {', '.join(SHUFFLES)}")
+        check_shuffle(self.shuffle)
 
 
 class FedAvgInversion(OptimizationAttack):

@@ -96,11 +96,10 @@ class Objective:
             return grad(loss_of, has_aux=True)(p)
 
         update = param_grad
+        self.copies = problem.space.epochs if isinstance(problem.space, EpochCopiesSpace) else 1
         if problem.observations[0].kind == "weights":
-            space = problem.space
-            copies = space.epochs if isinstance(space, EpochCopiesSpace) else 1
             update = local_update_fn(
-                param_grad, LocalSchedule.of(problem.observations[0]), problem.examples, copies, running
+                param_grad, LocalSchedule.of(problem.observations[0]), problem.examples, self.copies, running
             )
         self.weighted = isinstance(problem.space, RobustMixtureSpace)
         self.update = vmap(update, in_dims=(None if jobs.shared else 0, 0, 0, *([0] if self.weighted else [])))
@@ -155,8 +154,7 @@ class Objective:
         if self.dtype != torch.float32:
             g = {name: v.float() for name, v in g.items()}
             statistics = [(mean.float(), var.float()) for mean, var in statistics]
-        copies = space.epochs if isinstance(space, EpochCopiesSpace) else 1
-        inputs = TermInputs(images, z, statistics, problem.bn_target, self.spec.restarts, copies)
+        inputs = TermInputs(images, z, statistics, problem.bn_target, self.spec.restarts, self.copies)
         return self.phases[phase][1](g), {name: PRIORS[name](inputs) for name in priors}
 
     def losses_at(self, progress: float) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -65,8 +65,7 @@ class SearchSpec:
         if self.eot < 0:
             raise ValueError(f"eot must be >= 0 (0: off), got {self.eot}")
         check_precision(self.precision)
-        if self.shuffle not in SHUFFLES:
-            raise ValueError(f"shuffle {self.shuffle!r}: choose one of {', '.join(SHUFFLES)}")
+        check_shuffle(self.shuffle)
 
     def skipped(self, name: str) -> bool:
         """True when parameter ``name`` is left out of the gradient distance."""
@@ -97,3 +96,9 @@ def check_precision(precision: str) -> None:
     """Raises ``ValueError`` naming ``precision`` unless it is a key of ``PRECISIONS``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+
+
+def check_shuffle(shuffle: str) -> None:
+    """Raises ``ValueError`` naming ``shuffle`` unless it is one of ``SHUFFLES``."""
+    if shuffle not in SHUFFLES:
+        raise ValueError(f"shuffle {shuffle!r}: choose one of {', '.join(SHUFFLES)}")
