@@ -8,6 +8,7 @@ from attackers import (  # noqa: F401  (registration)
     adaptive,
     dlg,
     fc_span,
+    fc_span_adaptive,
     feature_fishing,
     fedavg_inversion,
     fishing,

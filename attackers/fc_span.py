@@ -179,6 +179,12 @@ def independent_best(coefficients: np.ndarray, faces: np.ndarray, count: int) ->
     return chosen
 
 
+def first_layer_matrix(obs: Observation) -> torch.Tensor:
+    """(units, d + 1) float64: the first Linear layer's update ``[dW | db]`` of ``obs``."""
+    _, weight, bias = first_layer_update(obs)
+    return torch.cat([weight, bias[:, None]], 1)
+
+
 def first_layer_is_linear(model: nn.Module) -> None:
     """Raise ``ValueError`` unless the first module with parameters is a Linear layer with a bias."""
     first = next((m for m in model.modules() if list(m.parameters(recurse=False))), None)
@@ -206,10 +212,15 @@ class SpanAttack:
 
     def reconstruct_one(self, obs: Observation, rng: np.random.Generator) -> Reconstruction:
         """The images (and inferred or declared labels) of one upload."""
-        start = time.perf_counter()
+        return self.read_span(obs, first_layer_matrix(obs), rng, time.perf_counter())
+
+    def read_span(
+        self, obs: Observation, update: torch.Tensor, rng: np.random.Generator, start: float
+    ) -> Reconstruction:
+        """The images (and labels) of ``obs`` read off the span of ``update`` (units, d + 1) = ``[dW | db]``, its
+        first layer's update; ``start``: when the attack on it began (``time.perf_counter``)."""
         batch = images_per_upload(obs)
-        _, weight, bias = first_layer_update(obs)
-        basis, singular = input_span(torch.cat([weight, bias[:, None]], 1), batch, self.params.rank_tolerance)
+        basis, singular = input_span(update, batch, self.params.rank_tolerance)
         count = basis.shape[0]
         points, faces, chosen, sure = span_images(basis, self.params, rng)
         labels, inferred = upload_labels(obs, batch)

@@ -97,6 +97,35 @@ def test_the_defenses_sweep_runs_refiner_with_the_presets_relative_evaluation_ne
     assert "`refiner`" in summary and "failed" not in summary
 
 
+def test_the_defenses_sweeps_realistic_settings_run_in_a_quick_form(lab: Path) -> None:
+    """One round, one seed, the optimization attacks at 10 iterations: the realistic MLP under pruning (honest,
+    the span attacks that know it), the CNN and the malicious server under secure aggregation, each row naming its
+    threat model and setting kind."""
+    rows = sweep(
+        lab,
+        "experiments/defenses.toml",
+        ["realistic/prune", "realistic-conv/none", "realistic-secure/none"],
+        [
+            "train.rounds=1",
+            "capture.rounds=1",
+            *QUICK_ATTACKS,
+            "attack.ig-adaptive.iterations=10",
+            "attack.ig-adaptive.restarts=1",
+            "attack.fedavg-inversion.iterations=10",
+        ],
+        seeds="0",
+    )
+    by = {(r["setting"], r["variant"]): r for r in rows}
+    assert all(r["status"] == "ok" and r["setting_kind"] == "realistic" for r in rows), rows
+    pruned = by["realistic", "prune"]
+    assert pruned["threat"] == "honest"
+    assert set(pruned["attacks"]) == {"ig", "ig-adaptive", "fc-span", "fc-span-adaptive"}
+    assert pruned["attacks"]["fc-span-adaptive"]["ssim"] > pruned["attacks"]["fc-span"]["ssim"] + 0.2
+    assert pruned["privacy"]["attack"] == "fc-span-adaptive" and pruned["privacy"]["adaptive"]
+    assert set(by["realistic-conv", "none"]["attacks"]) == {"ig", "fedavg-inversion"}
+    assert by["realistic-secure", "none"]["threat"] == "malicious, secure aggregation"
+
+
 @pytest.mark.parametrize(
     "preset, variant",
     [

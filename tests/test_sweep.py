@@ -174,6 +174,25 @@ def test_summary_table_gives_accuracy_as_a_share_of_the_baseline() -> None:
     )
 
 
+def test_a_setting_whose_baseline_accuracy_is_unsettled_prints_no_accuracy_and_says_why() -> None:
+    """The undefended interval over seeds of setting 'wide' spans +-28 points: no accuracy column for it; 'tight'
+    (+-1.4) keeps its own."""
+    base = {"rounds": 30, "seconds_per_round": 0.5, "seeds": [0, 1, 2]}
+    rows = [
+        {**base, "setting": "wide", "variant": "none", "accuracy": 0.64, "accuracy_ci95": [0.36, 0.92]},
+        {**base, "setting": "wide", "variant": "dp", "accuracy": 0.13, "accuracy_ci95": [0.10, 0.17]},
+        {**base, "setting": "tight", "variant": "none", "accuracy": 0.883, "accuracy_ci95": [0.869, 0.897]},
+        {**base, "setting": "tight", "variant": "dp", "accuracy": 0.17, "accuracy_ci95": [0.04, 0.30]},
+    ]
+    table = summary_table(rows, "none").splitlines()
+    assert table[0] == "| variant | wide: s/round | tight: accuracy | % of baseline | s/round |"
+    assert table[3] == "| `dp` | 0.50 | 17.0% [4.0, 30.0] | 19.3% | 0.50 |"
+    assert table[-1] == (
+        "- `wide`: accuracy left out: the `none` accuracy's 95 % interval over seeds is +-28.0 points, wider than "
+        "+-3, so it cannot tell the defenses apart (sweep.jsonl keeps every cell's)"
+    )
+
+
 def test_the_strongest_attack_is_the_one_with_the_highest_mean_ssim(tmp_path: Path) -> None:
     [run] = load_sweep(write(tmp_path, SMALL + '[sweep]\n[sweep.variants.a]\n"seed" = 1\n'), tmp_path / "out").runs
     run.folder.mkdir(parents=True)

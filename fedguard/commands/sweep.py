@@ -122,6 +122,10 @@ class Sweep:
 
 
 VERDICT_IMAGES, VERDICT_SEEDS = 16, 3  # a cell scored on fewer images or seeds is not a verdict
+UTILITY_HALF_WIDTH = 0.03
+"""A setting whose baseline accuracy's 95 % interval over seeds reaches further than this either side of its mean
+(3 points) cannot tell defenses apart by accuracy: the summary leaves its accuracy columns out and says why
+(``sweep.jsonl`` keeps every cell's)."""
 
 
 def _table(sweep: dict[str, Any], key: str, path: Path) -> dict[str, dict[str, Any]]:
@@ -621,14 +625,18 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
     95 % interval; mean LPIPS; the share of images above SSIM ``SUCCESS_SSIM``), the manipulated client-rounds
     the clients' detectors flagged where a manipulation was checked, the final accuracy (with its
     interval over seeds where there are several, and as a percentage of the baseline variant's) where it trained
-    for more than one round, the epsilon spent where a variant reports one, the raw uploads (of the attacked ones
-    where the setting attacked, else the share of all) where a variant reports them, and the mean seconds per
-    round."""
+    for more than one round and the baseline's interval is no wider than ``UTILITY_HALF_WIDTH`` either side (a
+    note under the table names each setting left out), the epsilon spent where a variant reports one, the raw
+    uploads (of the attacked ones where the setting attacked, else the share of all) where a variant reports them,
+    and the mean seconds per round."""
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["setting"], r["variant"]): r for r in rows}
     attacked = {s for s in settings if any(r.get("privacy") for r in rows if r["setting"] == s)}
-    trained = {s for s in settings if any((r.get("rounds") or 0) > 1 for r in rows if r["setting"] == s)}
+    unsettled = unsettled_utility(rows, baseline)
+    trained = {
+        s for s in settings if s not in unsettled and any((r.get("rounds") or 0) > 1 for r in rows if r["setting"] == s)
+    }
     private = {s for s in settings if any(r.get("epsilon") is not None for r in rows if r["setting"] == s)}
     raw = {s for s in settings if any("raw_fraction" in r for r in rows if r["setting"] == s)}
     checked = {s for s in settings if any(r.get("detected") for r in rows if r["setting"] == s)}
@@ -674,7 +682,24 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
                 cells.append(_raw_cell(row, setting in attacked))
             cells.append(_cell(row.get("seconds_per_round"), 2))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    notes = [
+        f"- `{setting}`: accuracy left out: the `{baseline}` accuracy's 95 % interval over seeds is "
+        f"+-{100 * width:.1f} points, wider than +-{100 * UTILITY_HALF_WIDTH:g}, so it cannot tell the defenses "
+        "apart (sweep.jsonl keeps every cell's)"
+        for setting, width in unsettled.items()
+    ]
+    return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def unsettled_utility(rows: list[dict[str, Any]], baseline: str) -> dict[str, float]:
+    """The settings whose ``baseline`` row's accuracy interval over seeds is wider than ``UTILITY_HALF_WIDTH``
+    either side, with its half-width (accuracy units)."""
+    widths = {
+        row["setting"]: (row["accuracy_ci95"][1] - row["accuracy_ci95"][0]) / 2
+        for row in rows
+        if row.get("variant") == baseline and row.get("accuracy_ci95") and len(row.get("seeds") or []) > 1
+    }
+    return {setting: width for setting, width in widths.items() if width > UTILITY_HALF_WIDTH}
 
 
 def failures_note(rows: list[dict[str, Any]]) -> str:
