@@ -1,4 +1,4 @@
-"""The first Linear layer's update completed from a defended upload: a rank-N matrix consistent with what the known
+"""The first Linear layer's update rebuilt from a defended upload: a rank-N matrix consistent with what the known
 defense sent, for ``fc-span-adaptive`` to read.
 
 Before the defense, ``G = [dW | db]`` (units, d + 1) has rank N, the client's example count (``attackers.fc_span``).
@@ -11,23 +11,22 @@ tensor by tensor (the weight block and the bias column apart):
 - ``QuantizedLevels``: every entry within one level step of the sent one (the step from the sent tensor's minimum
   and maximum, which are sent exactly).
 
-``complete`` alternates the two projections (Boyd and Dattorro's alternating projections, as in low-rank matrix
-completion): onto the matrices of rank N (truncated SVD) and onto the consistent set, from the upload as sent. Any
-other record has no such set to project on (DP noise: the rank-N truncation fc-span already takes is the estimate),
-and ``consistent_set`` says so.
+``complete`` alternates the two projections, as low-rank matrix completion does: onto the matrices of rank N (the
+truncated SVD) and onto the consistent set, from the upload as sent. That leaves a pruned update about 4 % off, and
+fc-span's reading needs an exact span. ``factor_sent`` then fits ``D X^T`` to the sent entries alone, which are
+exact: every pixel's column and every unit's row that holds enough of them is determined, to about 1e-4 on the
+realistic setting's pruned uploads. Any other record has no such set to project on (DP noise: the rank-N
+truncation fc-span already takes is the estimate), and ``consistent_set`` says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from fedguard.defenses.quantization import level_grid
 from fedguard.defenses.revealed import QuantizedLevels, Revealed, SentBand
-
-Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def masked_least_squares(factor: torch.Tensor, values: torch.Tensor, known: torc
 
 
 def factor_sent(bounds: Bounds, rank: int, start: torch.Tensor, sweeps: int, spare: int) -> tuple[torch.Tensor, int]:
-    """(the first layer's update as ``D X^T`` fitted to the sent entries of ``bounds`` alone, the columns read):
+    """(the first layer's update as ``D X^T`` fitted to the sent entries of ``bounds`` alone, the pixels read):
     ``sweeps`` of alternating least squares from the rank-``rank`` ``start``, each solving every column's ``X_j``
     on its sent entries, then every row's ``D_i``. A sent entry is an exact entry of the rank-N update, so a column
     with at least ``rank + spare`` sent entries (in rows that hold as many) is determined by them; the others are
@@ -116,7 +115,7 @@ def factor_sent(bounds: Bounds, rank: int, start: torch.Tensor, sweeps: int, spa
     fitted = units @ columns.T
     fitted[:, -1] = torch.where(read_columns[-1], fitted[:, -1], start[:, -1])
     fitted[:, :-1] *= read_columns[:-1]
-    return fitted * read_rows[:, None], int(read_columns.sum())
+    return fitted * read_rows[:, None], int(read_columns[:-1].sum())
 
 
 def complete(bounds: Bounds, rank: int, iterations: int) -> torch.Tensor:
