@@ -6,8 +6,17 @@ what the defense sent (``attackers.span_completion``), then read as ``fc-span`` 
   on the pixels that hold enough sent entries to be determined, the others dark: the span is then exact there.
 - **Quantization** bounds every entry within a level step: the update is completed within those bounds.
 
-A defense whose record bounds no entry (DP noise, Soteria's altered layer, an unchanged or undeclared upload) is
-read as ``fc-span`` reads it, and the row says why it is not adaptive there.
+- **DP** adds known zero-mean noise to the clipped update: the rank-N truncation that ``fc-span`` takes is the
+  maximum-likelihood estimate of a rank-N matrix under i.i.d. Gaussian noise, so the upload is read as ``fc-span``
+  reads it, and the row records ``noise_margin``: the largest singular value the first layer's update can have
+  (``clip``: the whole update is clipped to it) over the spiked-model detection threshold ``std (m n)^(1/4)`` of an
+  (m, n) matrix of that noise (Benaych-Georges and Nadakuditi, 2012). Below 1, no spectral estimate of the span
+  correlates with the true one as m and n grow.
+- **Soteria** alters one Linear layer's weight gradient: where that layer is not the first, the first layer's update
+  is sent exactly and read as it is.
+
+Any other record (Soteria on the first layer, an unchanged or undeclared upload) is read as ``fc-span`` reads it,
+and the row says why it is not adaptive there.
 """
 
 from __future__ import annotations
@@ -21,9 +30,11 @@ import torch
 
 from attackers.base import AttackTraits, Reconstruction, images_per_upload, register_attack
 from attackers.fc_span import SpanAttack, SpanParams, first_layer_matrix
+from attackers.jobs import stateless_model
 from attackers.span_completion import Bounds, complete, consistent_set, factor_sent
 from attackers.trap_weights import first_layer_update
-from fedguard.defenses.revealed import Revealed, SentBand, revealed_by
+from fedguard.defenses.revealed import AlteredLayer, ClippedNoise, Revealed, SentBand, revealed_by
+from fedguard.defenses.soteria import resolve_layer
 from fedguard.observation import Observation
 
 
@@ -77,7 +88,13 @@ class AdaptiveSpanAttack(SpanAttack):
         record bounds no entry; the stats that say how)."""
         if self.revealed is None:
             raise ValueError("attack 'fc-span-adaptive' needs the clients' defense (set threat.defense = true)")
-        _, weight, bias = first_layer_update(obs)
+        index, weight, bias = first_layer_update(obs)
+        if isinstance(self.revealed, ClippedNoise):
+            return None, {"adaptive": True, "noise_margin": noise_margin(self.revealed, weight.shape)}
+        if isinstance(self.revealed, AlteredLayer):
+            altered = f"{resolve_layer(stateless_model(obs, torch.device('cpu')), self.revealed.layer)}.weight"
+            if altered != obs.names[index]:
+                return None, {"adaptive": True, "exact": f"the altered layer {altered} is not the first: sent as is"}
         bounds = consistent_set(self.revealed, weight, bias)
         if bounds is None:
             return None, {"adaptive": False, "not_adaptive": self.plain_reason()}
@@ -95,6 +112,18 @@ class AdaptiveSpanAttack(SpanAttack):
             f"defense {self.defense_name} ({type(self.revealed).__name__}) bounds no entry of the first layer's "
             "update: read as fc-span reads it"
         )
+
+
+def noise_margin(revealed: ClippedNoise, weight_shape: torch.Size) -> float | None:
+    """The first layer's largest possible singular value over the spiked-model detection threshold of the noise on
+    its ``[dW | db]`` (weight (units, d) plus the bias column: module docstring); None for DP-SGD, whose noise on a
+    FedAvg update depends on the local steps."""
+    if revealed.per_example:
+        return None
+    if revealed.noise_std <= 0:
+        return float("inf")
+    units, inputs = weight_shape
+    return revealed.clip / (revealed.noise_std * (units * (inputs + 1)) ** 0.25)
 
 
 def misfit(bounds: Bounds, completed: torch.Tensor) -> float:

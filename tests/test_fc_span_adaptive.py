@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from attackers.base import build_attack
+from attackers.base import Reconstruction, build_attack
 from attackers.fc_span import SpanParams
-from attackers.fc_span_adaptive import AdaptiveSpanParams
+from attackers.fc_span_adaptive import AdaptiveSpanParams, noise_margin
 from attackers.span_completion import complete, consistent_set, factor_sent, low_rank
 from fedguard.data import load_dataset
 from fedguard.defenses import LocalStep, build_defense
@@ -19,11 +19,12 @@ from fedguard.defenses.dgp import DGPParams
 from fedguard.defenses.dp_update import UpdateDPParams
 from fedguard.defenses.pruning import PruneParams
 from fedguard.defenses.quantization import QuantizeParams
-from fedguard.defenses.revealed import QuantizedLevels, SentBand
+from fedguard.defenses.revealed import ClippedNoise, QuantizedLevels, SentBand
+from fedguard.defenses.soteria import SoteriaParams
 from fedguard.metrics import score_batch
 from fedguard.models.mlp import MLPParams
 from fedguard.observation import Observation
-from fedguard.training import get_arrays, local_sgd, loss_fn
+from fedguard.training import get_arrays, local_sgd, loss_fn, merge_by_mask, split_by_mask, trainable_mask
 from tests.untrained import untrained_mlp
 
 EXAMPLES = 16
@@ -42,8 +43,10 @@ def _client(defense: str, params: object) -> tuple[list[torch.Tensor], list[torc
     x, y = test.batch([int(i) for i in np.random.default_rng(0).choice(len(test), EXAMPLES, replace=False)])
     local_sgd(model, x, y, lr=0.1, epochs=2, batch_size=8, generator=np.random.default_rng(3))
     change = [torch.tensor(a - b, dtype=torch.float64) for a, b in zip(arrays, get_arrays(model), strict=True)]
-    step = LocalStep(model, x, y, change, loss_fn, torch.Generator().manual_seed(0), 1, 0)
-    sent = build_defense(defense, params)(step, {})
+    mask = trainable_mask(model)  # the defense sees the trainable tensors, as a client's does; buffers go as they are
+    trainable, buffers = split_by_mask(change, mask)
+    step = LocalStep(model, x, y, trainable, loss_fn, torch.Generator().manual_seed(0), 1, 0)
+    sent = merge_by_mask(build_defense(defense, params)(step, {}), buffers, mask)
     upload = [(a - s.numpy()).astype(np.float32) for a, s in zip(arrays, sent, strict=True)]
     declared = {"lr": 0.1, "local-epochs": 2, "batch-size": 8}
     return change, sent, card.observe(1, 0, "weights", arrays, upload, EXAMPLES, declared), x
@@ -122,13 +125,35 @@ def test_it_reads_the_digits_of_a_pruned_or_dgp_upload_that_fc_span_does_not(
     assert adaptive.stats["adaptive"] is True and adaptive.stats["pixels_read"] > 300
 
 
-def test_a_dp_upload_is_read_as_fc_span_reads_it_and_marked_not_adaptive() -> None:
+def _readings(defense: str, params: object) -> tuple[Reconstruction, Reconstruction]:
+    """(fc-span's reading, fc-span-adaptive's knowing ``defense``) of one client's upload, from the same draws."""
+    _, _, obs, _ = _client(defense, params)
+    [plain] = build_attack("fc-span", SpanParams(tries_per_image=1)).reconstruct_many([obs], 0)
+    attack = build_attack("fc-span-adaptive", AdaptiveSpanParams(tries_per_image=1), defense=(defense, params))
+    [adaptive] = attack.reconstruct_many([obs], 0)
+    return plain, adaptive
+
+
+def test_a_dp_upload_is_read_by_the_rank_n_truncation_and_its_noise_margin_recorded() -> None:
+    """The truncation is the estimate under the known Gaussian noise: the same images as fc-span's; the margin is
+    clip over std (m n)^(1/4) of the (256, 785) first-layer update."""
     params = UpdateDPParams(clip=1.0, noise_multiplier=0.1)
-    _, _, obs, _ = _client("dp", params)
-    attack = build_attack("fc-span-adaptive", AdaptiveSpanParams(tries_per_image=1), defense=("dp", params))
-    [rec] = attack.reconstruct_many([obs], 0)
-    assert rec.stats["adaptive"] is False
-    assert "bounds no entry" in rec.stats["not_adaptive"]
+    plain, adaptive = _readings("dp", params)
+    assert adaptive.stats["adaptive"] is True
+    assert adaptive.stats["noise_margin"] == pytest.approx(1.0 / (0.1 * (256 * 785) ** 0.25))
+    assert torch.equal(adaptive.images, plain.images)
+    at_eps_8 = build_defense("dp", UpdateDPParams(clip=1.0, epsilon=8.0)).revealed()
+    assert isinstance(at_eps_8, ClippedNoise)
+    assert noise_margin(at_eps_8, torch.Size([256, 784])) < 0.1, "the defenses preset's DP: far below detection"
+    assert noise_margin(ClippedNoise(1.0, 0.1, per_example=True), torch.Size([256, 784])) is None
+
+
+def test_a_soteria_upload_is_read_as_sent_where_its_altered_layer_is_not_the_first() -> None:
+    plain, adaptive = _readings("soteria", SoteriaParams())
+    assert adaptive.stats["adaptive"] is True and "not the first" in adaptive.stats["exact"]
+    assert torch.equal(adaptive.images, plain.images)
+    _, first = _readings("soteria", SoteriaParams(layer="1"))
+    assert first.stats["adaptive"] is False and "bounds no entry" in first.stats["not_adaptive"]
 
 
 def test_it_needs_the_defense_and_refuses_bad_iterations() -> None:

@@ -99,12 +99,12 @@ def test_the_defenses_sweep_runs_refiner_with_the_presets_relative_evaluation_ne
 
 def test_the_defenses_sweeps_realistic_settings_run_in_a_quick_form(lab: Path) -> None:
     """One round, one seed, the optimization attacks at 10 iterations: the realistic MLP under pruning (honest,
-    the span attacks that know it), the CNN and the malicious server under secure aggregation, each row naming its
-    threat model and setting kind."""
+    the span attacks that know it), the CNN, the malicious server with the clients' detectors on, and the same
+    server under secure aggregation, each row naming its threat model and setting kind."""
     rows = sweep(
         lab,
         "experiments/defenses.toml",
-        ["realistic/prune", "realistic-conv/none", "realistic-secure/none"],
+        ["realistic/prune", "realistic-conv/none", "realistic-malicious/none", "realistic-secure/none"],
         [
             "train.rounds=1",
             "capture.rounds=1",
@@ -123,6 +123,10 @@ def test_the_defenses_sweeps_realistic_settings_run_in_a_quick_form(lab: Path) -
     assert pruned["attacks"]["fc-span-adaptive"]["ssim"] > pruned["attacks"]["fc-span"]["ssim"] + 0.2
     assert pruned["privacy"]["attack"] == "fc-span-adaptive" and pruned["privacy"]["adaptive"]
     assert set(by["realistic-conv", "none"]["attacks"]) == {"ig", "fedavg-inversion"}
+    malicious = by["realistic-malicious", "none"]
+    assert malicious["threat"] == "malicious" and set(malicious["attacks"]) == {"imprint"}
+    caught = malicious["detected"]
+    assert caught is not None and caught["n"] == 10 and caught["k"] == 10, "every client of the round flags imprint"
     assert by["realistic-secure", "none"]["threat"] == "malicious, secure aggregation"
 
 

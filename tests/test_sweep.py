@@ -12,7 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedguard.commands.sweep import SUMMARY_FILE, SWEEP_FILE, load_sweep, run_sweep, summarize_runs, summary_table
+from fedguard.commands.sweep import (
+    SUMMARY_FILE,
+    SWEEP_FILE,
+    load_sweep,
+    run_sweep,
+    summarize_runs,
+    summary_table,
+    summary_tables,
+)
 from fedguard.config import Config, ConfigError, load_config
 from fedguard.report.paper_table import render_paper_table
 from fedguard.report.run_status import read_status, write_status
@@ -191,6 +199,24 @@ def test_a_setting_whose_baseline_accuracy_is_unsettled_prints_no_accuracy_and_s
         "- `wide`: accuracy left out: the `none` accuracy's 95 % interval over seeds is +-28.0 points, wider than "
         "+-3, so it cannot tell the defenses apart (sweep.jsonl keeps every cell's)"
     )
+
+
+SECURE = "malicious, secure aggregation"
+
+
+def test_summary_tables_give_each_setting_its_own_table_under_its_kind_and_threat_model() -> None:
+    base = {"rounds": 1, "seconds_per_round": 0.5, "seeds": [0], "privacy": leak("imprint", 20.0, 0.6, 0.1, 0.5)}
+    rows = [
+        {**base, "setting": "plain", "variant": "none", "setting_kind": "realistic", "threat": "honest"},
+        {**base, "setting": "sum", "variant": "none", "setting_kind": "realistic", "threat": SECURE},
+        {"setting": "sum", "variant": "dp", "status": "failed"},
+    ]
+    tables = summary_tables(rows, "none").splitlines()
+    assert tables[0] == "Setting `plain` (realistic; threat: honest):"
+    assert tables[2].startswith("| variant | plain: attack, round |") and "sum:" not in tables[2]
+    title = tables.index(f"Setting `sum` (realistic; threat: {SECURE}):")
+    assert tables[title + 2].startswith("| variant | sum: attack, round |")
+    assert tables[title + 5].startswith("| `dp` | **failed** |") and len(tables) == title + 6
 
 
 def test_the_strongest_attack_is_the_one_with_the_highest_mean_ssim(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ was stopped is waited for until nothing writes its folder, then resumed from its
 run --resume``), or, where it has none, set aside as ``<folder>.stopped-<k>`` and run again. ``runs.jsonl``
 holds one row per run, ``sweep.jsonl`` one row per cell over its seeds (``summarize_runs``: means, the
 ``privacy`` object of ``fedguard.report.leakage``, accuracy with its interval over seeds; a failed run is
-left out and counted in ``failed_seeds``) and ``summary.md`` the table per variant; a reproduction
+left out and counted in ``failed_seeds``) and ``summary.md`` a table per setting, a line per variant; a reproduction
 preset's ``[sweep.paper]`` (``fedguard.report.paper_table``) adds the paper's numbers beside ours; runs whose
 clients ran detectors add the detection table (``fedguard.report.detection``). Run logs
 are read and the sweep's files written as ``fedguard.store.folder`` says: a torn last line of a run's log is
@@ -691,6 +691,24 @@ def summary_table(rows: list[dict[str, Any]], baseline: str) -> str:
     return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
+def summary_tables(rows: list[dict[str, Any]], baseline: str) -> str:
+    """Markdown: ``summary_table`` of each setting apart, under a line naming the setting, its kind and its threat
+    model (the ``setting_kind`` and ``threat`` of its rows), so that each table says who attacked what."""
+    blocks = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        own = [r for r in rows if r["setting"] == setting]
+        blocks.append(f"{setting_title(setting, own)}\n\n{summary_table(own, baseline)}")
+    return "\n".join(blocks)
+
+
+def setting_title(setting: str, rows: list[dict[str, Any]]) -> str:
+    """'Setting `realistic` (realistic; threat: honest):' from the setting's rows (a failed cell names neither)."""
+    kinds = ", ".join(dict.fromkeys(r["setting_kind"] for r in rows if r.get("setting_kind")))
+    threats = " / ".join(dict.fromkeys(r["threat"] for r in rows if r.get("threat")))
+    named = "; ".join(part for part in (kinds, f"threat: {threats}" if threats else "") if part)
+    return f"Setting `{setting}`" + (f" ({named})" if named else "") + ":"
+
+
 def unsettled_utility(rows: list[dict[str, Any]], baseline: str) -> dict[str, float]:
     """The settings whose ``baseline`` row's accuracy interval over seeds is wider than ``UTILITY_HALF_WIDTH``
     either side, with its half-width (accuracy units)."""
@@ -791,7 +809,7 @@ def run_sweep(
     cells = cell_rows(sweep.runs, rows, sweep.baseline)
     write_jsonl(sweep.folder / SWEEP_FILE, cells)
     head = invocation_line(sweep.invocation) + "\n" if sweep.invocation else ""
-    summary = head + summary_table(cells, sweep.baseline) + failures_note(rows)
+    summary = head + summary_tables(cells, sweep.baseline) + failures_note(rows)
     leakage = leakage_tables(cells)
     if leakage:
         summary += "\n" + leakage
