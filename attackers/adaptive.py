@@ -72,12 +72,15 @@ class AdaptiveInvertingGradientsParams(InvertingGradientsParams):
             raise ValueError(f"band must be a finite weight >= 0 (0: the masked cosine alone), got {self.band}")
 
 
+def altered_weight(obs: Observation, revealed: AlteredLayer) -> str:
+    """The name of the weight ``revealed`` says was altered, resolved on ``obs``'s model ('' is its last Linear)."""
+    return f"{resolve_layer(stateless_model(obs, torch.device('cpu')), revealed.layer)}.weight"
+
+
 def adapted_spec(spec: SearchSpec, revealed: Revealed, obs: Observation) -> SearchSpec:
-    """``spec`` matching what the upload ``revealed``; for an altered layer, that layer's weight is skipped
-    (resolved on ``obs``'s model: '' is its last Linear)."""
+    """``spec`` matching what the upload ``revealed``; for an altered layer, that layer's weight is skipped."""
     if isinstance(revealed, AlteredLayer):
-        layer = resolve_layer(stateless_model(obs, torch.device("cpu")), revealed.layer)
-        skip = ",".join(p for p in (spec.skip, f"{layer}.weight") if p)
+        skip = ",".join(p for p in (spec.skip, altered_weight(obs, revealed)) if p)
         return replace(spec, skip=skip, matching=revealed)
     return replace(spec, matching=revealed)
 

@@ -28,13 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from attackers.adaptive import altered_weight
 from attackers.base import AttackTraits, Reconstruction, images_per_upload, register_attack
 from attackers.fc_span import SpanAttack, SpanParams, first_layer_matrix
-from attackers.jobs import stateless_model
 from attackers.span_completion import Bounds, complete, consistent_set, factor_sent
 from attackers.trap_weights import first_layer_update
 from fedguard.defenses.revealed import AlteredLayer, ClippedNoise, Revealed, SentBand, revealed_by
-from fedguard.defenses.soteria import resolve_layer
 from fedguard.observation import Observation
 
 
@@ -92,7 +91,7 @@ class AdaptiveSpanAttack(SpanAttack):
         if isinstance(self.revealed, ClippedNoise):
             return None, {"adaptive": True, "noise_margin": noise_margin(self.revealed, weight.shape)}
         if isinstance(self.revealed, AlteredLayer):
-            altered = f"{resolve_layer(stateless_model(obs, torch.device('cpu')), self.revealed.layer)}.weight"
+            altered = altered_weight(obs, self.revealed)
             if altered != obs.names[index]:
                 return None, {"adaptive": True, "exact": f"the altered layer {altered} is not the first: sent as is"}
         bounds = consistent_set(self.revealed, weight, bias)
