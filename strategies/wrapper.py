@@ -80,4 +80,5 @@ def aggregation_line(strategy: Strategy) -> str:
     """``<innermost> aggregates (<how>), behind <wrappers>``: the strategy that really aggregates."""
     inner = strategy.innermost() if isinstance(strategy, StrategyWrapper) else strategy
     behind = f", behind {' > '.join(strategy.wrappers())}" if isinstance(strategy, StrategyWrapper) else ""
-    return f"{inner!r} aggregates ({aggregation(inner)}){behind}"
+    named = repr(inner) if type(inner).__repr__ is not object.__repr__ else type(inner).__name__  # Flower's have none
+    return f"{named} aggregates ({aggregation(inner)}){behind}"

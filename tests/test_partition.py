@@ -85,6 +85,26 @@ def test_dirichlet_draws_again_without_warning_until_every_client_holds_its_mini
         partition(LABELS, 60, "dirichlet", PartitionOptions(alpha=0.01), seed=0)
 
 
+@pytest.mark.parametrize("kind", ["dirichlet", "classes"])
+def test_the_partitioners_lists_read_as_indices_equal_the_partitions_it_selects(kind: str) -> None:
+    from flwr_datasets.partitioner import DirichletPartitioner, PathologicalPartitioner
+
+    from fedguard.data.partition import _indices, _label_table
+
+    def partitioner() -> object:
+        if kind == "dirichlet":
+            made = DirichletPartitioner(12, "label", alpha=0.5, min_partition_size=0, seed=3)
+        else:
+            made = PathologicalPartitioner(12, "label", num_classes_per_partition=2, seed=3)
+        made.dataset = _label_table(LABELS[::-1].copy())  # labels out of order: the indices are not sorted by class
+        return made
+
+    read, selecting = _indices(partitioner(), 12), partitioner()
+    selected = [np.asarray(selecting.load_partition(i)["index"]) for i in range(12)]
+    assert [p.tolist() for p in read] == [p.tolist() for p in selected]
+    assert sum(len(p) for p in read) > 0
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="classes-per-client"):
         partition(LABELS, 4, "classes", PartitionOptions(classes_per_client=11), seed=0)

@@ -246,8 +246,8 @@ def test_the_summary_names_the_strategy_that_aggregates_and_how_it_weighs(caplog
         "behind StrategyWrapper"
     )
     flower = StrategyWrapper(StrategyWrapper(FedAvg()))
-    assert "aggregates (mean weighted by 'num-examples'), behind StrategyWrapper > StrategyWrapper" in (
-        aggregation_line(flower)
+    assert aggregation_line(flower) == (
+        "FedAvg aggregates (mean weighted by 'num-examples'), behind StrategyWrapper > StrategyWrapper"
     )
     FLOWER_LOGGER.propagate = True
     try:

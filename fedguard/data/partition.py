@@ -62,7 +62,13 @@ def _label_table(labels: np.ndarray) -> Any:  # a datasets.Dataset
 
 
 def _indices(partitioner: Any, num_clients: int) -> list[np.ndarray]:
-    return [np.asarray(partitioner.load_partition(i)["index"]) for i in range(num_clients)]
+    """Every partition's indices into the labels. The first ``load_partition`` draws all of them; the rest are
+    read from the partitioner's own lists (flwr-datasets 0.6.1, the pinned version) instead of selecting each
+    partition's rows of the table, which costs about 7 ms a partition (0.7 s of 0.85 s for 100 clients): the
+    table's ``index`` column is ``arange``, so the two are equal (``tests/test_partition.py``)."""
+    first = np.asarray(partitioner.load_partition(0)["index"])
+    drawn = partitioner._partition_id_to_indices
+    return [first, *(np.asarray(drawn[i], dtype=np.int64) for i in range(1, num_clients))]
 
 
 @register_partitioner("iid")
